@@ -1,0 +1,56 @@
+//! Command-line interface: one subcommand per role.
+
+mod proxy_cmd;
+mod receiver_cmd;
+mod signals;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// kvferry: move KV-cache chunks from prefill to decode nodes with
+/// reservation-based admission.
+#[derive(Debug, Parser)]
+#[command(name = "kvferry", version, about)]
+pub struct Cli {
+    /// The role to run.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run a receiver (decode side): admission, slots, the receive buffer.
+    Receiver(receiver_cmd::ReceiverArgs),
+    /// Run a proxy listener: count ProxyNotif per request.
+    Proxy(proxy_cmd::ProxyArgs),
+}
+
+/// Runs a parsed command line; the exit code follows the outcome (2 for bad
+/// arguments, 1 for runtime failures).
+pub fn run(cli: Cli) -> ExitCode {
+    match cli.command {
+        Command::Receiver(a) => receiver_cmd::run(a),
+        Command::Proxy(a) => proxy_cmd::run(a),
+    }
+}
+
+/// Logs to stderr, filtered by `RUST_LOG` (default: warnings only).
+pub fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
+/// Prints a usage error and returns exit code 2.
+pub(crate) fn usage_error(msg: impl std::fmt::Display) -> ExitCode {
+    eprintln!("kvferry: {msg}");
+    ExitCode::from(2)
+}
+
+/// Prints a runtime error and returns exit code 1.
+pub(crate) fn runtime_error(msg: impl std::fmt::Display) -> ExitCode {
+    eprintln!("kvferry: {msg}");
+    ExitCode::from(1)
+}

@@ -1,0 +1,87 @@
+//! `kvferry receiver`.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+
+use crate::metrics::MetricsServer;
+use crate::receiver::{Receiver, ReceiverConfig};
+
+/// Arguments of `kvferry receiver`.
+#[derive(Debug, Args)]
+pub struct ReceiverArgs {
+    /// ZMQ endpoint to bind for AllocRequests.
+    #[arg(long, default_value = "tcp://127.0.0.1:7400")]
+    pub listen: String,
+    /// Slots in the receive buffer.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    pub capacity_chunks: u32,
+    /// Bytes per slot (the largest chunk accepted).
+    #[arg(long, default_value_t = 262_144, value_parser = clap::value_parser!(u64).range(1..))]
+    pub chunk_bytes: u64,
+    /// How long a request may wait for admission, in milliseconds.
+    #[arg(long, default_value_t = 60_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub admission_timeout_ms: u64,
+    /// Lease of an admitted request without progress, in milliseconds.
+    #[arg(long, default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub lease_ms: u64,
+    /// Quarantine of slots whose writes may still land, in milliseconds.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub quarantine_ms: u64,
+    /// Serve Prometheus metrics at http://ADDR/metrics.
+    #[arg(long)]
+    pub metrics: Option<SocketAddr>,
+    /// Path of the shared-memory buffer file (default: /dev/shm/kvferry-<pid>-0.buf).
+    #[arg(long)]
+    pub shm_path: Option<PathBuf>,
+    /// Identity announced to kvferry senders.
+    #[arg(long)]
+    pub receiver_id: Option<String>,
+    /// Pin the control thread to this CPU.
+    #[arg(long)]
+    pub pin_cpu: Option<usize>,
+}
+
+/// Runs a receiver until SIGINT/SIGTERM.
+pub fn run(a: ReceiverArgs) -> ExitCode {
+    if (a.capacity_chunks as u64).checked_mul(a.chunk_bytes).is_none() {
+        return super::usage_error("capacity-chunks × chunk-bytes overflows");
+    }
+    let cfg = ReceiverConfig {
+        listen: a.listen.clone(),
+        receiver_id: a.receiver_id.unwrap_or_else(|| format!("receiver-{}", std::process::id())),
+        capacity_chunks: a.capacity_chunks as usize,
+        chunk_bytes: a.chunk_bytes,
+        admission_timeout: Duration::from_millis(a.admission_timeout_ms),
+        lease: Duration::from_millis(a.lease_ms),
+        quarantine_grace: Duration::from_millis(a.quarantine_ms),
+        shm_path: a.shm_path,
+        pin_cpu: a.pin_cpu,
+        ..ReceiverConfig::default()
+    };
+    let receiver = match Receiver::start(cfg) {
+        Ok(r) => Arc::new(r),
+        Err(e) => return super::runtime_error(e),
+    };
+    let _metrics = match a.metrics {
+        Some(addr) => {
+            let r = Arc::clone(&receiver);
+            match MetricsServer::start(addr, move || r.render_metrics()) {
+                Ok(m) => Some(m),
+                Err(e) => return super::runtime_error(format!("metrics on {addr}: {e}")),
+            }
+        }
+        None => None,
+    };
+    println!("kvferry receiver listening on {}", receiver.endpoint());
+    let _ = std::io::stdout().flush();
+    match super::signals::wait_for_termination() {
+        Ok(_) => ExitCode::SUCCESS,
+        Err(e) => super::runtime_error(format!("cannot wait for signals: {e}")),
+    }
+}

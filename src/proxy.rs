@@ -1,0 +1,272 @@
+//! The proxy side: a [`ProxyListener`] that a request router embeds to learn
+//! when a request's KV cache is in place at its decoder.
+//!
+//! Senders PUSH one `ProxyNotif` per request (per sender TP rank) to the
+//! listener's bound PULL socket. Like LMCache's disaggregation proxy, the
+//! listener counts notifications per `req_id`: with TP, a request is ready
+//! once every rank's sender has reported, so callers say how many they expect.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+use tracing::{debug, warn};
+
+use crate::protocol::{decode, Message};
+use crate::zmq_io::{readable, Reactor};
+
+/// How many request ids the listener remembers after they were reported.
+const MEMORY: usize = 1 << 16;
+
+/// One received notification.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notification {
+    /// The request.
+    pub req_id: String,
+    /// Notifications received for it so far (this one included).
+    pub count: usize,
+    /// When it arrived.
+    pub at: Instant,
+}
+
+/// Errors of the proxy listener.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    /// The socket could not be created or bound.
+    #[error("cannot listen for ProxyNotif on {endpoint}: {source}")]
+    Bind {
+        /// The endpoint.
+        endpoint: String,
+        /// The ZMQ error.
+        #[source]
+        source: zmq::Error,
+    },
+    /// The listener thread could not be started.
+    #[error("cannot start the proxy listener thread: {0}")]
+    Thread(#[from] std::io::Error),
+    /// `wait_ready` hit its deadline.
+    #[error("request {req_id}: {got} of {expected} ProxyNotif before the deadline")]
+    Timeout {
+        /// The request.
+        req_id: String,
+        /// Notifications received.
+        got: usize,
+        /// Notifications expected.
+        expected: usize,
+    },
+    /// The listener was shut down while waiting.
+    #[error("proxy listener shut down")]
+    ShutDown,
+}
+
+/// Callback invoked (on the listener thread) for each notification.
+pub type NotifCallback = Box<dyn Fn(&Notification) + Send + Sync>;
+
+#[derive(Default)]
+struct Counts {
+    map: HashMap<String, usize>,
+    order: VecDeque<String>,
+    history: VecDeque<Notification>,
+    malformed: u64,
+    total: u64,
+    shut_down: bool,
+}
+
+struct Shared {
+    counts: Mutex<Counts>,
+    cv: Condvar,
+    stop: AtomicBool,
+    waker: Arc<mio::Waker>,
+    callback: Mutex<Option<NotifCallback>>,
+}
+
+/// A bound PULL socket collecting `ProxyNotif`s on its own thread.
+pub struct ProxyListener {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+    endpoint: String,
+}
+
+impl std::fmt::Debug for ProxyListener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProxyListener").field("endpoint", &self.endpoint).finish_non_exhaustive()
+    }
+}
+
+impl ProxyListener {
+    /// Binds `endpoint` (e.g. `tcp://127.0.0.1:7500`; port 0 picks one) and
+    /// starts listening.
+    pub fn bind(endpoint: &str) -> Result<Self, ProxyError> {
+        let err = |source| ProxyError::Bind { endpoint: endpoint.to_owned(), source };
+        let sock = crate::zmq_io::context().socket(zmq::PULL).map_err(err)?;
+        sock.set_linger(0).map_err(err)?;
+        sock.set_rcvhwm(0).map_err(err)?;
+        sock.bind(endpoint).map_err(err)?;
+        let bound = match sock.get_last_endpoint() {
+            Ok(Ok(e)) => e,
+            _ => endpoint.to_owned(),
+        };
+        let reactor = Reactor::new()?;
+        reactor.register(&sock, 0)?;
+        let shared = Arc::new(Shared {
+            counts: Mutex::new(Counts::default()),
+            cv: Condvar::new(),
+            stop: AtomicBool::new(false),
+            waker: reactor.waker(),
+            callback: Mutex::new(None),
+        });
+        let thread = {
+            let shared = Arc::clone(&shared);
+            std::thread::Builder::new()
+                .name("kvf-proxy".into())
+                .spawn(move || listen(shared, sock, reactor))?
+        };
+        Ok(Self { shared, thread: Some(thread), endpoint: bound })
+    }
+
+    /// The bound endpoint (actual port when `:0` was asked for).
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// Sets a callback run on the listener thread for each notification.
+    pub fn set_callback(&self, f: impl Fn(&Notification) + Send + Sync + 'static) {
+        *self.shared.callback.lock() = Some(Box::new(f));
+    }
+
+    /// Notifications received so far for `req_id`.
+    pub fn count(&self, req_id: &str) -> usize {
+        self.shared.counts.lock().map.get(req_id).copied().unwrap_or(0)
+    }
+
+    /// Total notifications received, and frames that were not a ProxyNotif.
+    pub fn totals(&self) -> (u64, u64) {
+        let c = self.shared.counts.lock();
+        (c.total, c.malformed)
+    }
+
+    /// Waits until `expected_notifs` notifications for `req_id` arrived
+    /// (one per sender TP rank) or `deadline` passes.
+    pub fn wait_ready(&self, req_id: &str, expected_notifs: usize, deadline: Instant) -> Result<(), ProxyError> {
+        let mut c = self.shared.counts.lock();
+        loop {
+            let got = c.map.get(req_id).copied().unwrap_or(0);
+            if got >= expected_notifs {
+                return Ok(());
+            }
+            if c.shut_down {
+                return Err(ProxyError::ShutDown);
+            }
+            if self.shared.cv.wait_until(&mut c, deadline).timed_out() {
+                let got = c.map.get(req_id).copied().unwrap_or(0);
+                if got >= expected_notifs {
+                    return Ok(());
+                }
+                return Err(ProxyError::Timeout { req_id: req_id.to_owned(), got, expected: expected_notifs });
+            }
+        }
+    }
+
+    /// Takes the next notification in arrival order, waiting until
+    /// `deadline`. Notifications not taken are kept (up to a bound).
+    pub fn next(&self, deadline: Instant) -> Option<Notification> {
+        let mut c = self.shared.counts.lock();
+        loop {
+            if let Some(n) = c.history.pop_front() {
+                return Some(n);
+            }
+            if c.shut_down || self.shared.cv.wait_until(&mut c, deadline).timed_out() {
+                return c.history.pop_front();
+            }
+        }
+    }
+
+    /// Stops the listener thread.
+    pub fn shutdown(mut self) {
+        self.stop_and_join();
+    }
+
+    fn stop_and_join(&mut self) {
+        // Release: pairs with the Acquire load in `listen`.
+        self.shared.stop.store(true, Ordering::Release);
+        let _ = self.shared.waker.wake();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        self.shared.counts.lock().shut_down = true;
+        self.shared.cv.notify_all();
+    }
+}
+
+impl Drop for ProxyListener {
+    fn drop(&mut self) {
+        self.stop_and_join();
+    }
+}
+
+fn listen(shared: Arc<Shared>, sock: zmq::Socket, mut reactor: Reactor) {
+    // Acquire: pairs with the Release store in `stop_and_join`.
+    while !shared.stop.load(Ordering::Acquire) {
+        while readable(&sock) {
+            let frame = match sock.recv_bytes(zmq::DONTWAIT) {
+                Ok(f) => f,
+                Err(zmq::Error::EAGAIN) => break,
+                Err(e) => {
+                    warn!(error = %e, "proxy receive failed");
+                    break;
+                }
+            };
+            let notif = match decode(&frame) {
+                Ok(Message::ProxyNotif(p)) => p,
+                Ok(other) => {
+                    debug!(?other, "non-ProxyNotif frame at the proxy ignored");
+                    shared.counts.lock().malformed += 1;
+                    continue;
+                }
+                Err(e) => {
+                    debug!(error = %e, "undecodable frame at the proxy ignored");
+                    shared.counts.lock().malformed += 1;
+                    continue;
+                }
+            };
+            let n = {
+                let mut c = shared.counts.lock();
+                c.total += 1;
+                let count = {
+                    let e = c.map.entry(notif.req_id.clone()).or_insert(0);
+                    *e += 1;
+                    *e
+                };
+                if count == 1 {
+                    c.order.push_back(notif.req_id.clone());
+                    while c.order.len() > MEMORY {
+                        if let Some(old) = c.order.pop_front() {
+                            c.map.remove(&old);
+                        }
+                    }
+                }
+                let n = Notification { req_id: notif.req_id, count, at: Instant::now() };
+                c.history.push_back(n.clone());
+                while c.history.len() > MEMORY {
+                    c.history.pop_front();
+                }
+                n
+            };
+            shared.cv.notify_all();
+            if let Some(cb) = shared.callback.lock().as_ref() {
+                cb(&n);
+            }
+        }
+        if readable(&sock) {
+            continue;
+        }
+        if let Err(e) = reactor.wait(Some(Duration::from_secs(3600))) {
+            warn!(error = %e, "proxy poll failed");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    let _ = reactor.deregister(&sock);
+}

@@ -1,0 +1,859 @@
+//! The receiver's decision core: every rule of the receiver side of the
+//! protocol as a single-threaded state machine with no I/O.
+//!
+//! The control thread feeds it decoded messages (with the sender's routing
+//! identity and the current time) and sends the [`Output`]s it produces;
+//! decoder threads call into it (under the receiver's lock) to borrow and
+//! release chunks. Because it does no I/O and takes time as an argument, tests
+//! drive it directly, message by message, and so does the model checker.
+//!
+//! Rules (PROTOCOL.md "Receiver semantics" and DESIGN.md invariants):
+//! - The first batch of a `req_id` reserves `total_chunks` in the [`Ledger`];
+//!   when it does not fit the request is *parked* (FIFO) and answered later.
+//!   Later batches draw from the reservation, so they never wait and their
+//!   slot allocation cannot fail.
+//! - `total_chunks == 0` with a `req_id`, `total_chunks > capacity`, a chunk
+//!   larger than a slot, cumulative chunks above `total_chunks` (dedup
+//!   included), a changed `total_chunks` and a batch after the last one are
+//!   errors; any error of an admitted request rolls back every chunk it holds
+//!   and releases its reservation.
+//! - Keys already held are pinned (ref count up) and reported in
+//!   `already_sent_indexes`; the first writer wins.
+//! - A request's tracking ends when its last batch is allocated (LMCache
+//!   peers) or when its `TransferDone` arrives (kvferry peers, which said
+//!   `Hello`), on failure, on cancel, or when its lease expires.
+//! - Fenced reuse (invariant 7): slots a failed request was granted, whose
+//!   writes may still be in flight, are quarantined — still counted as
+//!   allocated — until the sender's `CancelNotif` (which a kvferry sender sends
+//!   only after its in-flight writes completed) or `quarantine_grace` passes.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::time::{Duration, Instant};
+
+use tracing::{debug, warn};
+
+use crate::ledger::{AdmissionQueue, Ledger, Reservation};
+use crate::protocol::{
+    AllocRequest, AllocResponse, CancelNotif, Descriptor, ErrorCode, Hello, HelloAck, Message,
+    PROTOCOL_VERSION,
+};
+use crate::slots::SlotAllocator;
+
+use super::keys::{KeyTable, Unref};
+
+/// Routing identity of a sender (the ZMQ identity frame).
+pub type PeerId = Vec<u8>;
+
+/// Static configuration of the core.
+#[derive(Debug, Clone)]
+pub struct CoreConfig {
+    /// Identity announced in `HelloAck`.
+    pub receiver_id: String,
+    /// Slots in the receive buffer (= ledger capacity).
+    pub capacity_chunks: usize,
+    /// Bytes per slot.
+    pub chunk_bytes: u64,
+    /// How long a parked request may wait for admission.
+    pub admission_timeout: Duration,
+    /// An admitted request with no batch, heartbeat or `TransferDone` for
+    /// this long is rolled back.
+    pub lease: Duration,
+    /// How long slots of a failed request stay quarantined when no fence
+    /// (`CancelNotif` from a kvferry sender) arrives.
+    pub quarantine_grace: Duration,
+    /// Transport name announced in `HelloAck`.
+    pub transport: String,
+    /// Transport descriptor announced in `HelloAck` (e.g. the shm path).
+    pub descriptor: Descriptor,
+}
+
+/// Something the control thread must do after a step of the core.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Output {
+    /// Send `message` to `peer`.
+    Send {
+        /// Destination.
+        peer: PeerId,
+        /// The reply.
+        message: Message,
+    },
+    /// A request reached a terminal state (for `wait_ready` and stats).
+    Finished {
+        /// The request.
+        req_id: String,
+        /// How it ended.
+        outcome: Outcome,
+    },
+}
+
+/// How a request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Every chunk is in place (`TransferDone`, or the last batch of an
+    /// LMCache peer).
+    Ready,
+    /// Rolled back with this reason.
+    Failed(ErrorCode),
+}
+
+/// Counters and gauges of the core.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CoreStats {
+    /// Requests waiting for admission.
+    pub parked_requests: usize,
+    /// Requests being tracked (parked, admitted, awaiting `TransferDone`).
+    pub tracked_requests: usize,
+    /// Keys held in the buffer.
+    pub keys: usize,
+    /// Slots held in quarantine.
+    pub quarantined_slots: usize,
+    /// Slots in use (allocator view).
+    pub slots_in_use: usize,
+    /// Requests by outcome (`admitted`, `parked`, `completed`, `cancelled`,
+    /// `failed`, `lease_expired`, `admission_timeout`, `rejected`).
+    pub requests_total: BTreeMap<&'static str, u64>,
+    /// Error replies by code.
+    pub errors_total: BTreeMap<&'static str, u64>,
+}
+
+/// One key a request holds a reference on.
+#[derive(Debug, Clone)]
+struct Held {
+    key: String,
+    gen: u64,
+    /// This request allocated the slot (it is the writer), as opposed to a
+    /// dedup pin.
+    wrote: bool,
+    /// The batch was answered, so the sender may be writing the slot.
+    granted: bool,
+}
+
+#[derive(Debug)]
+enum Phase {
+    /// Waiting for admission; batches received meanwhile, in order.
+    Parked { backlog: VecDeque<AllocRequest>, since: Instant },
+    /// Admitted, more batches to come.
+    Admitted { reservation: Reservation },
+    /// Last batch allocated; waiting for the sender's `TransferDone`.
+    AwaitingDone,
+}
+
+#[derive(Debug)]
+struct Request {
+    peer: PeerId,
+    /// The peer said `Hello` (kvferry semantics: TransferDone, fenced cancel).
+    extended: bool,
+    total: usize,
+    seen: usize,
+    held: Vec<Held>,
+    lease_deadline: Instant,
+    phase: Phase,
+}
+
+/// A request that failed or was cancelled: later messages for it get its
+/// error, and its quarantined slots wait for the fence.
+#[derive(Debug)]
+struct Tombstone {
+    code: ErrorCode,
+    quarantined: Vec<u32>,
+    until: Instant,
+}
+
+/// Why a request is being rolled back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cause {
+    /// The sender cancelled; a kvferry sender's writes are already fenced.
+    SenderCancel,
+    /// The receiver refused a batch or the lease expired: writes of earlier
+    /// batches may still land.
+    Unfenced,
+}
+
+/// The receiver's state machine. See the module docs.
+#[derive(Debug)]
+pub struct ReceiverCore {
+    cfg: CoreConfig,
+    ledger: Ledger,
+    queue: AdmissionQueue<String>,
+    slots: SlotAllocator,
+    keys: KeyTable,
+    requests: HashMap<String, Request>,
+    tombstones: HashMap<String, Tombstone>,
+    /// Peers that said Hello, with their sender id.
+    peers: HashMap<PeerId, String>,
+    next_lease_scan: Instant,
+    stats: CoreStats,
+    /// Admission waits (reserve → grant) not yet collected by the shell.
+    admission_waits: Vec<Duration>,
+}
+
+impl ReceiverCore {
+    /// A core with an empty buffer of `cfg.capacity_chunks` slots.
+    pub fn new(cfg: CoreConfig, now: Instant) -> Self {
+        let ledger = Ledger::new(cfg.capacity_chunks);
+        let slots = SlotAllocator::new(cfg.capacity_chunks);
+        let next_lease_scan = now + lease_scan_period(cfg.lease);
+        Self {
+            cfg,
+            ledger,
+            queue: AdmissionQueue::new(),
+            slots,
+            keys: KeyTable::default(),
+            requests: HashMap::new(),
+            tombstones: HashMap::new(),
+            peers: HashMap::new(),
+            next_lease_scan,
+            stats: CoreStats::default(),
+            admission_waits: Vec::new(),
+        }
+    }
+
+    /// The core's configuration.
+    pub fn config(&self) -> &CoreConfig {
+        &self.cfg
+    }
+
+    /// The reservation ledger (for lock-free stats readers).
+    pub fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    /// Handles one decoded message from `peer`.
+    pub fn handle(&mut self, peer: &[u8], msg: Message, now: Instant, out: &mut Vec<Output>) {
+        match msg {
+            Message::AllocRequest(req) => self.on_alloc(peer, req, now, out),
+            Message::CancelNotif(c) => self.on_cancel(peer, c, now, out),
+            Message::TransferDone(d) => self.on_transfer_done(&d.req_id, now, out),
+            Message::Heartbeat(h) => self.on_heartbeat(&h.sender_id, now),
+            Message::Hello(h) => {
+                let ack = self.on_hello(peer, &h);
+                out.push(Output::Send { peer: peer.to_vec(), message: Message::HelloAck(ack) });
+            }
+            other => {
+                // AllocResponse / ProxyNotif / HelloAck are never sent to a
+                // receiver: answer so a confused peer is not left waiting.
+                debug!(kind = message_kind(&other), "unexpected message at receiver");
+                self.fail_reply(peer, 1, None, ErrorCode::BadMessage, "message type not accepted by a receiver".into(), out);
+            }
+        }
+        self.grant_parked(now, out);
+    }
+
+    /// Replies to a frame that could not be decoded.
+    pub fn bad_frame(&mut self, peer: &[u8], reason: String, out: &mut Vec<Output>) {
+        self.fail_reply(peer, 1, None, ErrorCode::BadMessage, reason, out);
+    }
+
+    /// Time-driven work: parked requests past their admission deadline,
+    /// expired leases, quarantines and tombstones. Call when
+    /// [`ReceiverCore::next_deadline`] has passed (calling earlier is harmless).
+    pub fn tick(&mut self, now: Instant, out: &mut Vec<Output>) {
+        for req_id in self.queue.expire(now) {
+            if let Some(r) = self.requests.remove(&req_id) {
+                warn!(req_id = %req_id, "admission timeout");
+                self.bump_request("admission_timeout");
+                self.finish_failed(&req_id, r, ErrorCode::AdmissionTimeout, Cause::Unfenced, now, out);
+            }
+        }
+        if now >= self.next_lease_scan {
+            self.next_lease_scan = now + lease_scan_period(self.cfg.lease);
+            let expired: Vec<String> = self
+                .requests
+                .iter()
+                .filter(|(_, r)| !matches!(r.phase, Phase::Parked { .. }) && r.lease_deadline <= now)
+                .map(|(k, _)| k.clone())
+                .collect();
+            for req_id in expired {
+                if let Some(r) = self.requests.remove(&req_id) {
+                    warn!(req_id = %req_id, "lease expired: no batch, heartbeat or TransferDone; rolling back");
+                    self.bump_request("lease_expired");
+                    self.finish_failed(&req_id, r, ErrorCode::LeaseExpired, Cause::Unfenced, now, out);
+                }
+            }
+        }
+        let dead: Vec<String> =
+            self.tombstones.iter().filter(|(_, t)| t.until <= now).map(|(k, _)| k.clone()).collect();
+        for req_id in dead {
+            if let Some(t) = self.tombstones.remove(&req_id) {
+                for slot in t.quarantined {
+                    self.free_slot(slot);
+                }
+            }
+        }
+        self.grant_parked(now, out);
+    }
+
+    /// The earliest instant at which [`ReceiverCore::tick`] has work.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        let mut next = self.queue.next_deadline();
+        let mut consider = |t: Instant| next = Some(next.map_or(t, |n: Instant| n.min(t)));
+        if self.requests.values().any(|r| !matches!(r.phase, Phase::Parked { .. })) {
+            consider(self.next_lease_scan);
+        }
+        for t in self.tombstones.values() {
+            consider(t.until);
+        }
+        next
+    }
+
+    /// Claims one reference of `key` as a decoder borrow: `(slot, tokens)`.
+    pub fn borrow(&mut self, key: &str) -> Option<(u32, Option<u32>)> {
+        self.keys.borrow(key)
+    }
+
+    /// Ends a borrow, consuming its reference; frees the slot if it was the
+    /// last. Returns true if capacity was freed.
+    pub fn end_borrow(&mut self, key: &str, now: Instant, out: &mut Vec<Output>) -> bool {
+        let freed = self.release(self.keys.end_borrow(key));
+        if freed {
+            self.grant_parked(now, out);
+        }
+        freed
+    }
+
+    /// Drops one unborrowed reference of `key` (decoder `remove`). Returns
+    /// false if the key is not held or all its references are borrowed.
+    pub fn remove_key(&mut self, key: &str, now: Instant, out: &mut Vec<Output>) -> bool {
+        match self.keys.unref(key) {
+            Unref::NotHeld => false,
+            u => {
+                if self.release(u) {
+                    self.grant_parked(now, out);
+                }
+                true
+            }
+        }
+    }
+
+    /// True if `key` is held and its bytes are in place.
+    pub fn is_ready(&self, key: &str) -> bool {
+        self.keys.get(key).is_some_and(|e| e.ready)
+    }
+
+    /// Takes the admission waits recorded since the last call.
+    pub fn take_admission_waits(&mut self) -> Vec<Duration> {
+        std::mem::take(&mut self.admission_waits)
+    }
+
+    /// A snapshot of counters and gauges.
+    pub fn stats(&self) -> CoreStats {
+        let mut s = self.stats.clone();
+        s.parked_requests = self.queue.len();
+        s.tracked_requests = self.requests.len();
+        s.keys = self.keys.len();
+        s.quarantined_slots = self.tombstones.values().map(|t| t.quarantined.len()).sum();
+        s.slots_in_use = self.slots.in_use();
+        s
+    }
+
+    // ----- message handlers -------------------------------------------------
+
+    fn on_hello(&mut self, peer: &[u8], h: &Hello) -> HelloAck {
+        debug!(sender_id = %h.sender_id, version = h.version, transport = %h.transport, "hello");
+        self.peers.insert(peer.to_vec(), h.sender_id.clone());
+        HelloAck {
+            receiver_id: self.cfg.receiver_id.clone(),
+            version: PROTOCOL_VERSION,
+            transport: self.cfg.transport.clone(),
+            descriptor: self.cfg.descriptor.clone(),
+            chunk_bytes: self.cfg.chunk_bytes,
+            capacity_chunks: self.cfg.capacity_chunks as u64,
+        }
+    }
+
+    fn on_alloc(&mut self, peer: &[u8], req: AllocRequest, now: Instant, out: &mut Vec<Output>) {
+        if req.req_id.is_empty() {
+            return self.on_anonymous(peer, req, out);
+        }
+        if let Some(t) = self.tombstones.get(&req.req_id) {
+            let code = t.code;
+            let msg = format!("request {} already ended with {}", req.req_id, code.as_str());
+            return self.fail_reply(peer, req.keys.len(), req.seq, code, msg, out);
+        }
+        let req_id = req.req_id.clone();
+        match self.requests.get_mut(&req_id) {
+            Some(r) => match &mut r.phase {
+                Phase::Parked { backlog, .. } => backlog.push_back(req),
+                Phase::Admitted { .. } => self.process_batch(peer, req, now, out),
+                Phase::AwaitingDone => {
+                    let msg = format!("batch for request {req_id} after its last batch");
+                    self.fail_request(&req_id, peer, &req, ErrorCode::ProtocolViolation, msg, now, out);
+                }
+            },
+            None => self.first_batch(peer, req, now, out),
+        }
+    }
+
+    fn first_batch(&mut self, peer: &[u8], req: AllocRequest, now: Instant, out: &mut Vec<Output>) {
+        let n = req.keys.len();
+        if req.total_chunks <= 0 {
+            self.bump_request("rejected");
+            let msg = format!(
+                "request {} has total_chunks = {}: every sender must declare the request's chunk count on each batch",
+                req.req_id, req.total_chunks
+            );
+            return self.fail_reply(peer, n, req.seq, ErrorCode::ZeroTotalChunks, msg, out);
+        }
+        let total = req.total_chunks as usize;
+        if total > self.cfg.capacity_chunks {
+            self.bump_request("rejected");
+            let msg = format!(
+                "buffer too small: request {} needs {total} chunks, the receive buffer holds {}",
+                req.req_id, self.cfg.capacity_chunks
+            );
+            return self.fail_reply(peer, n, req.seq, ErrorCode::BufferTooSmall, msg, out);
+        }
+        if let Err((code, msg)) = self.check_batch_shape(&req) {
+            self.bump_request("rejected");
+            return self.fail_reply(peer, n, req.seq, code, msg, out);
+        }
+        if n > total {
+            self.bump_request("rejected");
+            let msg = format!(
+                "protocol violation: request {} sends {n} chunks in its first batch but declared total_chunks = {total}",
+                req.req_id
+            );
+            return self.fail_reply(peer, n, req.seq, ErrorCode::ProtocolViolation, msg, out);
+        }
+        let deadline = now + self.cfg.admission_timeout;
+        let extended = self.peers.contains_key(peer);
+        let req_id = req.req_id.clone();
+        match self.queue.admit_or_park(&self.ledger, req_id.clone(), total, deadline) {
+            Ok(Some(reservation)) => {
+                self.bump_request("admitted");
+                self.admission_waits.push(Duration::ZERO);
+                self.requests.insert(
+                    req_id,
+                    Request {
+                        peer: peer.to_vec(),
+                        extended,
+                        total,
+                        seen: 0,
+                        held: Vec::new(),
+                        lease_deadline: now + self.cfg.lease,
+                        phase: Phase::Admitted { reservation },
+                    },
+                );
+                self.process_batch(peer, req, now, out);
+            }
+            Ok(None) => {
+                debug!(req_id = %req_id, total, "parked: does not fit yet");
+                self.bump_request("parked");
+                let mut backlog = VecDeque::new();
+                backlog.push_back(req);
+                self.requests.insert(
+                    req_id,
+                    Request {
+                        peer: peer.to_vec(),
+                        extended,
+                        total,
+                        seen: 0,
+                        held: Vec::new(),
+                        lease_deadline: now + self.cfg.lease,
+                        phase: Phase::Parked { backlog, since: now },
+                    },
+                );
+            }
+            Err(e) => {
+                self.bump_request("rejected");
+                let msg = format!("request {req_id} refused: {e}");
+                self.fail_reply(peer, n, req.seq, ErrorCode::BufferTooSmall, msg, out);
+            }
+        }
+    }
+
+    /// Allocates one batch of an admitted request and answers it.
+    fn process_batch(&mut self, peer: &[u8], req: AllocRequest, now: Instant, out: &mut Vec<Output>) {
+        let req_id = req.req_id.clone();
+        let Some(mut r) = self.requests.remove(&req_id) else { return };
+        let n = req.keys.len();
+        let check = if req.total_chunks < 0 || req.total_chunks as usize != r.total {
+            Err((
+                ErrorCode::InconsistentRequest,
+                format!(
+                    "request {req_id} changed total_chunks from {} to {}",
+                    r.total, req.total_chunks
+                ),
+            ))
+        } else if r.seen + n > r.total {
+            Err((
+                ErrorCode::ProtocolViolation,
+                format!(
+                    "protocol violation: request {req_id} sent {} chunks, more than its declared total_chunks = {}",
+                    r.seen + n,
+                    r.total
+                ),
+            ))
+        } else {
+            self.check_batch_shape(&req)
+        };
+        if let Err((code, msg)) = check {
+            self.requests.insert(req_id.clone(), r);
+            return self.fail_request(&req_id, peer, &req, code, msg, now, out);
+        }
+        let Phase::Admitted { reservation } = &mut r.phase else {
+            // Only admitted requests reach here (callers check the phase).
+            self.requests.insert(req_id.clone(), r);
+            return;
+        };
+        let mut remote = Vec::with_capacity(n);
+        let mut already = Vec::new();
+        let first_new = r.held.len();
+        let mut failure = None;
+        for (i, key) in req.keys.iter().enumerate() {
+            let tokens = (i + 1 == n).then(|| req.last_chunk_toks.clamp(0, i64::from(u32::MAX)) as u32);
+            if let Some((slot, gen)) = self.keys.pin(key) {
+                // Dedup: the chunk needs no slot, so its share of the
+                // reservation goes back at once (allocate it, then free it).
+                if reservation.allocate(1).is_ok() {
+                    self.ledger.free(1);
+                }
+                r.held.push(Held { key: key.clone(), gen, wrote: false, granted: false });
+                already.push(i as i64);
+                remote.push(i64::from(slot));
+                continue;
+            }
+            if reservation.allocate(1).is_err() {
+                failure = Some(format!("request {req_id}: reservation exhausted (internal accounting error)"));
+                break;
+            }
+            let Some(set) = self.slots.try_alloc(1) else {
+                self.ledger.free(1);
+                failure = Some(format!("request {req_id}: no free slot although admitted (internal accounting error)"));
+                break;
+            };
+            let slot = set.as_slice()[0];
+            let gen = self.keys.insert_new(key, slot, !r.extended, tokens);
+            r.held.push(Held { key: key.clone(), gen, wrote: true, granted: false });
+            remote.push(i64::from(slot));
+        }
+        if let Some(msg) = failure {
+            self.requests.insert(req_id.clone(), r);
+            return self.fail_request(&req_id, peer, &req, ErrorCode::AllocationFailed, msg, now, out);
+        }
+        for h in &mut r.held[first_new..] {
+            h.granted = true;
+        }
+        r.seen += n;
+        r.lease_deadline = now + self.cfg.lease;
+        debug!(req_id = %req_id, chunks = n, dedup = already.len(), seen = r.seen, total = r.total, last = req.is_last_batch, "batch allocated");
+        out.push(Output::Send {
+            peer: peer.to_vec(),
+            message: Message::AllocResponse(AllocResponse::ok(remote, already, req.seq)),
+        });
+        if req.is_last_batch {
+            // Whatever was reserved but not sent goes back now.
+            if let Phase::Admitted { reservation } = std::mem::replace(&mut r.phase, Phase::AwaitingDone) {
+                drop(reservation);
+            }
+            if r.extended {
+                self.requests.insert(req_id, r);
+            } else {
+                // LMCache semantics: tracking ends with the last batch; the
+                // keys stay for the decoder, which learns of them from the
+                // proxy.
+                self.bump_request("completed");
+                out.push(Output::Finished { req_id, outcome: Outcome::Ready });
+            }
+        } else {
+            self.requests.insert(req_id, r);
+        }
+    }
+
+    /// Allocation for `req_id == ""`: no admission wait, no tracking, but the
+    /// chunks are still counted in the ledger so admitted requests keep their
+    /// guarantee.
+    fn on_anonymous(&mut self, peer: &[u8], req: AllocRequest, out: &mut Vec<Output>) {
+        let n = req.keys.len();
+        if let Err((code, msg)) = self.check_batch_shape(&req) {
+            return self.fail_reply(peer, n, req.seq, code, msg, out);
+        }
+        let fresh: HashSet<&str> =
+            req.keys.iter().map(String::as_str).filter(|k| self.keys.get(k).is_none()).collect();
+        let busy = !self.queue.is_empty();
+        let reservation = if busy { None } else { self.ledger.try_admit(fresh.len()).ok() };
+        let Some(mut reservation) = reservation else {
+            let msg = format!(
+                "no room for {} anonymous chunks ({} of {} committed, {} requests parked)",
+                fresh.len(),
+                self.ledger.stats().committed,
+                self.cfg.capacity_chunks,
+                self.queue.len()
+            );
+            return self.fail_reply(peer, n, req.seq, ErrorCode::AllocationFailed, msg, out);
+        };
+        let mut remote = Vec::with_capacity(n);
+        let mut already = Vec::new();
+        for (i, key) in req.keys.iter().enumerate() {
+            if let Some((slot, _)) = self.keys.pin(key) {
+                already.push(i as i64);
+                remote.push(i64::from(slot));
+                continue;
+            }
+            let slot = match (reservation.allocate(1), self.slots.try_alloc(1)) {
+                (Ok(()), Some(set)) => set.as_slice()[0],
+                (ok, _) => {
+                    if ok.is_ok() {
+                        self.ledger.free(1);
+                    }
+                    warn!("anonymous allocation found no slot although reserved");
+                    remote.push(-1);
+                    continue;
+                }
+            };
+            let tokens = (i + 1 == n).then(|| req.last_chunk_toks.clamp(0, i64::from(u32::MAX)) as u32);
+            self.keys.insert_new(key, slot, true, tokens);
+            remote.push(i64::from(slot));
+        }
+        drop(reservation);
+        out.push(Output::Send {
+            peer: peer.to_vec(),
+            message: Message::AllocResponse(AllocResponse::ok(remote, already, req.seq)),
+        });
+    }
+
+    fn on_cancel(&mut self, peer: &[u8], c: CancelNotif, now: Instant, out: &mut Vec<Output>) {
+        if let Some(r) = self.requests.remove(&c.req_id) {
+            debug!(req_id = %c.req_id, "cancelled by sender");
+            self.bump_request("cancelled");
+            self.finish_failed(&c.req_id, r, ErrorCode::Cancelled, Cause::SenderCancel, now, out);
+            // The sender ended it: nothing later needs the tombstone's error.
+            if let Some(t) = self.tombstones.remove(&c.req_id) {
+                for slot in t.quarantined {
+                    self.free_slot(slot);
+                }
+            }
+        } else if let Some(t) = self.tombstones.remove(&c.req_id) {
+            // The fence for a request the receiver already failed: the
+            // sender's in-flight writes are done, quarantined slots are safe.
+            for slot in t.quarantined {
+                self.free_slot(slot);
+            }
+        } else if !self.peers.contains_key(peer) {
+            // An LMCache sender cancelling a request whose tracking already
+            // ended: release the listed keys (one reference each).
+            for key in &c.keys {
+                let u = self.keys.unref(key);
+                self.release(u);
+            }
+        }
+        out.push(Output::Send {
+            peer: peer.to_vec(),
+            message: Message::AllocResponse(AllocResponse::ok(Vec::new(), Vec::new(), c.seq)),
+        });
+    }
+
+    fn on_transfer_done(&mut self, req_id: &str, _now: Instant, out: &mut Vec<Output>) {
+        match self.requests.get(req_id).map(|r| &r.phase) {
+            Some(Phase::AwaitingDone) => {
+                if let Some(r) = self.requests.remove(req_id) {
+                    for h in r.held.iter().filter(|h| h.wrote) {
+                        if self.keys.get(&h.key).is_some_and(|e| e.gen == h.gen) {
+                            self.keys.mark_ready(&h.key);
+                        }
+                    }
+                    self.bump_request("completed");
+                    out.push(Output::Finished { req_id: req_id.to_owned(), outcome: Outcome::Ready });
+                }
+            }
+            Some(_) => {
+                warn!(req_id, "TransferDone before the request's last batch; ignored");
+                self.bump_error(ErrorCode::ProtocolViolation);
+            }
+            None => debug!(req_id, "TransferDone for an unknown request; ignored"),
+        }
+    }
+
+    fn on_heartbeat(&mut self, sender_id: &str, now: Instant) {
+        let lease = now + self.cfg.lease;
+        for r in self.requests.values_mut() {
+            if self.peers.get(&r.peer).is_some_and(|s| s == sender_id) {
+                r.lease_deadline = lease;
+            }
+        }
+    }
+
+    // ----- shared steps -----------------------------------------------------
+
+    /// Validates the chunk geometry against the slot size.
+    fn check_batch_shape(&self, req: &AllocRequest) -> Result<(), (ErrorCode, String)> {
+        if req.keys.is_empty() {
+            return Ok(());
+        }
+        match req.chunk_bytes() {
+            Ok(b) if b <= self.cfg.chunk_bytes => Ok(()),
+            Ok(b) => Err((
+                ErrorCode::ChunkTooLarge,
+                format!(
+                    "chunk of shape {:?} {} is {b} bytes, larger than this receiver's {}-byte slots",
+                    req.shape, req.dtype, self.cfg.chunk_bytes
+                ),
+            )),
+            Err(e) => Err((ErrorCode::BadMessage, format!("bad chunk geometry: {e}"))),
+        }
+    }
+
+    /// Rolls back a tracked request because of `req`'s batch and answers it.
+    #[allow(clippy::too_many_arguments)]
+    fn fail_request(
+        &mut self,
+        req_id: &str,
+        peer: &[u8],
+        req: &AllocRequest,
+        code: ErrorCode,
+        msg: String,
+        now: Instant,
+        out: &mut Vec<Output>,
+    ) {
+        warn!(req_id, code = code.as_str(), "{msg}");
+        if let Some(r) = self.requests.remove(req_id) {
+            self.bump_request("failed");
+            self.finish_failed(req_id, r, code, Cause::Unfenced, now, out);
+        }
+        self.fail_reply(peer, req.keys.len(), req.seq, code, msg, out);
+    }
+
+    /// Ends a request in failure: answers its parked batches, drops its
+    /// reservation and references, quarantines slots that may still be
+    /// written, and leaves a tombstone.
+    fn finish_failed(
+        &mut self,
+        req_id: &str,
+        r: Request,
+        code: ErrorCode,
+        cause: Cause,
+        now: Instant,
+        out: &mut Vec<Output>,
+    ) {
+        match r.phase {
+            Phase::Parked { backlog, .. } => {
+                self.queue.remove(&req_id.to_owned());
+                for b in backlog {
+                    let msg = format!("request {req_id} ended while waiting for admission: {}", code.as_str());
+                    self.fail_reply(&r.peer, b.keys.len(), b.seq, code, msg, out);
+                }
+            }
+            Phase::Admitted { reservation } => drop(reservation),
+            Phase::AwaitingDone => {}
+        }
+        let fence = !(cause == Cause::SenderCancel && r.extended);
+        let mut quarantined = Vec::new();
+        for h in &r.held {
+            if h.wrote && !self.keys.get(&h.key).is_some_and(|e| e.gen == h.gen && e.ready) {
+                // The bytes will never be complete: the key goes, whoever
+                // else pinned it, and the slot is fenced if it was granted.
+                if let Some(slot) = self.keys.evict(&h.key, h.gen) {
+                    if h.granted && fence {
+                        quarantined.push(slot);
+                    } else {
+                        self.free_slot(slot);
+                    }
+                }
+            } else {
+                let u = self.keys.unref_gen(&h.key, h.gen);
+                self.release(u);
+            }
+        }
+        if !quarantined.is_empty() {
+            debug!(req_id, slots = quarantined.len(), "slots quarantined until the fence");
+        }
+        let until = now + self.cfg.quarantine_grace;
+        self.tombstones.insert(req_id.to_owned(), Tombstone { code, quarantined, until });
+        out.push(Output::Finished { req_id: req_id.to_owned(), outcome: Outcome::Failed(code) });
+    }
+
+    /// Grants parked requests that now fit, in FIFO order, and processes
+    /// their backlog.
+    fn grant_parked(&mut self, now: Instant, out: &mut Vec<Output>) {
+        loop {
+            let granted = self.queue.grant_ready(&self.ledger);
+            if granted.is_empty() {
+                return;
+            }
+            for (req_id, reservation) in granted {
+                let Some(r) = self.requests.get_mut(&req_id) else { continue };
+                let phase = std::mem::replace(&mut r.phase, Phase::Admitted { reservation });
+                let Phase::Parked { backlog, since } = phase else { continue };
+                r.lease_deadline = now + self.cfg.lease;
+                let peer = r.peer.clone();
+                self.admission_waits.push(now.saturating_duration_since(since));
+                self.bump_request("admitted");
+                debug!(req_id = %req_id, waited_us = now.saturating_duration_since(since).as_micros() as u64, "admitted after parking");
+                for b in backlog {
+                    match self.requests.get(&req_id).map(|r| &r.phase) {
+                        Some(Phase::Admitted { .. }) => self.process_batch(&peer, b, now, out),
+                        Some(Phase::AwaitingDone) => {
+                            let msg = format!("batch for request {req_id} after its last batch");
+                            self.fail_request(&req_id, &peer, &b, ErrorCode::ProtocolViolation, msg, now, out);
+                        }
+                        _ => {
+                            // Rolled back by an earlier batch of the backlog.
+                            let code = self.tombstones.get(&req_id).map_or(ErrorCode::Cancelled, |t| t.code);
+                            let msg = format!("request {req_id} already ended with {}", code.as_str());
+                            self.fail_reply(&peer, b.keys.len(), b.seq, code, msg, out);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Frees the slot of a dropped last reference. Returns true if a slot
+    /// was freed.
+    fn release(&mut self, u: Unref) -> bool {
+        match u {
+            Unref::Freed(slot) => {
+                self.free_slot(slot);
+                true
+            }
+            Unref::Held | Unref::NotHeld => false,
+        }
+    }
+
+    fn free_slot(&mut self, slot: u32) {
+        self.slots.free_one(slot);
+        self.ledger.free(1);
+    }
+
+    fn fail_reply(
+        &mut self,
+        peer: &[u8],
+        n_keys: usize,
+        seq: Option<u64>,
+        code: ErrorCode,
+        msg: String,
+        out: &mut Vec<Output>,
+    ) {
+        self.bump_error(code);
+        out.push(Output::Send {
+            peer: peer.to_vec(),
+            message: Message::AllocResponse(AllocResponse::failure(n_keys, seq, code, msg)),
+        });
+    }
+
+    fn bump_request(&mut self, outcome: &'static str) {
+        *self.stats.requests_total.entry(outcome).or_default() += 1;
+    }
+
+    fn bump_error(&mut self, code: ErrorCode) {
+        *self.stats.errors_total.entry(code.as_str()).or_default() += 1;
+    }
+}
+
+fn lease_scan_period(lease: Duration) -> Duration {
+    (lease / 4).max(Duration::from_millis(1))
+}
+
+/// A short name of a message's type, for logs.
+pub fn message_kind(m: &Message) -> &'static str {
+    match m {
+        Message::AllocRequest(_) => "AllocRequest",
+        Message::AllocResponse(_) => "AllocResponse",
+        Message::ProxyNotif(_) => "ProxyNotif",
+        Message::CancelNotif(_) => "CancelNotif",
+        Message::Hello(_) => "Hello",
+        Message::HelloAck(_) => "HelloAck",
+        Message::TransferDone(_) => "TransferDone",
+        Message::Heartbeat(_) => "Heartbeat",
+    }
+}

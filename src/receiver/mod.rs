@@ -1,0 +1,450 @@
+//! The receiver (decode side): admission, slot allocation, key registration
+//! and the decoder-facing API.
+//!
+//! [`Receiver::start`] creates the receive buffer (a shared-memory file a
+//! same-host sender maps), binds a ZMQ ROUTER and starts the `ctrl` thread,
+//! which owns the socket and feeds every message to the [`core`] state
+//! machine. Decoder threads embedding the crate call [`Receiver::wait_ready`],
+//! [`Receiver::get`] and [`Receiver::remove`]; those take the same lock as
+//! the ctrl thread for a few hundred nanoseconds and hand any reply they cause
+//! (a parked request granted because a slot was freed) to the ctrl thread
+//! through an outbox and its waker.
+
+pub mod core;
+mod ctrl;
+pub mod keys;
+mod metrics;
+
+use std::collections::{HashMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::protocol::{Descriptor, ErrorCode, Limits};
+use crate::region::{default_region_path, Region, RegionError};
+
+use self::core::{CoreConfig, CoreStats, Outcome, Output, ReceiverCore};
+
+/// Receiver configuration.
+#[derive(Debug, Clone)]
+pub struct ReceiverConfig {
+    /// ZMQ endpoint to bind, e.g. `tcp://127.0.0.1:7400` (port 0 picks one;
+    /// see [`Receiver::endpoint`]).
+    pub listen: String,
+    /// Identity announced to kvferry senders.
+    pub receiver_id: String,
+    /// Slots in the receive buffer.
+    pub capacity_chunks: usize,
+    /// Bytes per slot (the largest chunk accepted).
+    pub chunk_bytes: u64,
+    /// How long a request may wait for admission (default 60 s).
+    pub admission_timeout: Duration,
+    /// Lease of an admitted request without progress (default 30 s).
+    pub lease: Duration,
+    /// Quarantine of slots whose writes may still land (default 10 s).
+    pub quarantine_grace: Duration,
+    /// Where to create the buffer file (default under `/dev/shm`).
+    pub shm_path: Option<PathBuf>,
+    /// Decoder limits for incoming frames.
+    pub limits: Limits,
+    /// Pin the ctrl thread to this CPU.
+    pub pin_cpu: Option<usize>,
+}
+
+impl Default for ReceiverConfig {
+    fn default() -> Self {
+        Self {
+            listen: "tcp://127.0.0.1:0".into(),
+            receiver_id: format!("receiver-{}", std::process::id()),
+            capacity_chunks: 256,
+            chunk_bytes: 256 * 1024,
+            admission_timeout: Duration::from_secs(60),
+            lease: Duration::from_secs(30),
+            quarantine_grace: Duration::from_secs(10),
+            shm_path: None,
+            limits: Limits::default(),
+            pin_cpu: None,
+        }
+    }
+}
+
+/// Errors starting a receiver.
+#[derive(Debug, thiserror::Error)]
+pub enum ReceiverError {
+    /// Invalid configuration.
+    #[error("invalid receiver configuration: {0}")]
+    Config(String),
+    /// The receive buffer could not be created.
+    #[error(transparent)]
+    Region(#[from] RegionError),
+    /// The ZMQ socket could not be created or bound.
+    #[error("cannot listen on {endpoint}: {source}")]
+    Bind {
+        /// The endpoint.
+        endpoint: String,
+        /// The ZMQ error.
+        #[source]
+        source: zmq::Error,
+    },
+    /// The ctrl thread or its poller could not be started.
+    #[error("cannot start the receiver's control thread: {0}")]
+    Thread(#[from] std::io::Error),
+}
+
+/// Why [`Receiver::wait_ready`] returned without the request being ready.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum WaitError {
+    /// The deadline passed first.
+    #[error("request not ready before the deadline")]
+    Timeout,
+    /// The request failed or was cancelled.
+    #[error("request ended without its data: {}", .0.as_str())]
+    Failed(ErrorCode),
+    /// The receiver is shutting down.
+    #[error("receiver shut down")]
+    ShutDown,
+}
+
+/// A snapshot of the receiver's accounting.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReceiverStats {
+    /// Slots in the buffer.
+    pub capacity_chunks: usize,
+    /// Chunks reserved by admitted requests but not yet allocated.
+    pub reserved_chunks: usize,
+    /// Slots allocated (written, being written, quarantined or awaiting the
+    /// decoder).
+    pub allocated_chunks: usize,
+    /// Core counters and gauges.
+    pub core: CoreStats,
+    /// Messages that could not be decoded.
+    pub bad_frames: u64,
+}
+
+/// How many finished request ids `wait_ready` remembers.
+const FINISHED_MEMORY: usize = 1 << 16;
+
+#[derive(Debug, Default)]
+struct Finished {
+    map: HashMap<String, Outcome>,
+    order: VecDeque<String>,
+}
+
+impl Finished {
+    fn record(&mut self, req_id: String, outcome: Outcome) {
+        if self.map.insert(req_id.clone(), outcome).is_none() {
+            self.order.push_back(req_id);
+            while self.order.len() > FINISHED_MEMORY {
+                if let Some(old) = self.order.pop_front() {
+                    self.map.remove(&old);
+                }
+            }
+        }
+    }
+}
+
+/// State behind the receiver's one lock.
+#[derive(Debug)]
+pub(crate) struct State {
+    core: ReceiverCore,
+    finished: Finished,
+    /// Replies produced outside the ctrl thread, for it to send.
+    outbox: Vec<Output>,
+    admission_wait_us: hdrhistogram::Histogram<u64>,
+    bad_frames: u64,
+    shut_down: bool,
+}
+
+impl State {
+    /// Moves `Finished` outputs into the finished log; returns whether any
+    /// arrived. `Send` outputs stay in `out`.
+    fn absorb(&mut self, out: &mut Vec<Output>) -> bool {
+        let mut any = false;
+        out.retain(|o| match o {
+            Output::Finished { req_id, outcome } => {
+                self.finished.record(req_id.clone(), *outcome);
+                any = true;
+                false
+            }
+            Output::Send { .. } => true,
+        });
+        for w in self.core.take_admission_waits() {
+            let _ = self.admission_wait_us.record(w.as_micros().min(u128::from(u64::MAX)) as u64);
+        }
+        any
+    }
+}
+
+pub(crate) struct Shared {
+    state: Mutex<State>,
+    finished_cv: Condvar,
+    region: Region,
+    waker: Arc<mio::Waker>,
+    stop: AtomicBool,
+}
+
+/// A running receiver. Dropping it stops the ctrl thread and removes the
+/// buffer file (once every [`ChunkRef`] is gone).
+pub struct Receiver {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+    endpoint: String,
+}
+
+impl std::fmt::Debug for Receiver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Receiver").field("endpoint", &self.endpoint).finish_non_exhaustive()
+    }
+}
+
+impl Receiver {
+    /// Creates the buffer, binds the socket and starts the ctrl thread. When
+    /// this returns, the receiver accepts messages.
+    pub fn start(cfg: ReceiverConfig) -> Result<Self, ReceiverError> {
+        if cfg.capacity_chunks == 0 || cfg.capacity_chunks > u32::MAX as usize {
+            return Err(ReceiverError::Config(format!(
+                "capacity_chunks must be in 1..={}, got {}",
+                u32::MAX,
+                cfg.capacity_chunks
+            )));
+        }
+        if cfg.chunk_bytes == 0 {
+            return Err(ReceiverError::Config("chunk_bytes must be positive".into()));
+        }
+        let path = cfg.shm_path.clone().unwrap_or_else(default_region_path);
+        let region = Region::create(&path, cfg.chunk_bytes, cfg.capacity_chunks as u64)?;
+        let sock = crate::zmq_io::context()
+            .socket(zmq::ROUTER)
+            .map_err(|source| ReceiverError::Bind { endpoint: cfg.listen.clone(), source })?;
+        let bind = |source| ReceiverError::Bind { endpoint: cfg.listen.clone(), source };
+        sock.set_linger(0).map_err(bind)?;
+        sock.set_rcvhwm(0).map_err(bind)?;
+        sock.set_sndhwm(0).map_err(bind)?;
+        sock.bind(&cfg.listen).map_err(bind)?;
+        let endpoint = match sock.get_last_endpoint() {
+            Ok(Ok(e)) => e,
+            _ => cfg.listen.clone(),
+        };
+        let reactor = crate::zmq_io::Reactor::new()?;
+        reactor.register(&sock, ctrl::SOCKET_TOKEN)?;
+        let now = Instant::now();
+        let core = ReceiverCore::new(
+            CoreConfig {
+                receiver_id: cfg.receiver_id.clone(),
+                capacity_chunks: cfg.capacity_chunks,
+                chunk_bytes: cfg.chunk_bytes,
+                admission_timeout: cfg.admission_timeout,
+                lease: cfg.lease,
+                quarantine_grace: cfg.quarantine_grace,
+                transport: "shm".into(),
+                descriptor: Descriptor::Shm {
+                    path: path.to_string_lossy().into_owned(),
+                    len: region.data_len(),
+                },
+            },
+            now,
+        );
+        let admission_wait_us = hdrhistogram::Histogram::new_with_bounds(1, 3_600_000_000, 3)
+            .map_err(|e| ReceiverError::Config(format!("histogram: {e}")))?;
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                core,
+                finished: Finished::default(),
+                outbox: Vec::new(),
+                admission_wait_us,
+                bad_frames: 0,
+                shut_down: false,
+            }),
+            finished_cv: Condvar::new(),
+            region,
+            waker: reactor.waker(),
+            stop: AtomicBool::new(false),
+        });
+        let thread = {
+            let shared = Arc::clone(&shared);
+            let limits = cfg.limits.clone();
+            let name = format!("kvf-recv-ctrl-{}", cfg.receiver_id);
+            let pin = cfg.pin_cpu;
+            std::thread::Builder::new().name(name).spawn(move || {
+                if let Some(cpu) = pin {
+                    crate::receiver::ctrl::pin_to(cpu);
+                }
+                ctrl::run(shared, sock, reactor, limits)
+            })?
+        };
+        Ok(Self { shared, thread: Some(thread), endpoint })
+    }
+
+    /// The bound endpoint (with the actual port when `:0` was asked for).
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// The shared-memory file holding the receive buffer.
+    pub fn shm_path(&self) -> &Path {
+        self.shared.region.path()
+    }
+
+    /// The receive buffer.
+    pub fn region(&self) -> &Region {
+        &self.shared.region
+    }
+
+    /// Waits until `req_id` is complete (its sender's `TransferDone`, or the
+    /// last batch of an LMCache sender, whose completion only the proxy
+    /// learns) or failed, or `deadline` passes.
+    pub fn wait_ready(&self, req_id: &str, deadline: Instant) -> Result<(), WaitError> {
+        let mut st = self.shared.state.lock();
+        loop {
+            match st.finished.map.get(req_id) {
+                Some(Outcome::Ready) => return Ok(()),
+                Some(Outcome::Failed(code)) => return Err(WaitError::Failed(*code)),
+                None => {}
+            }
+            if st.shut_down {
+                return Err(WaitError::ShutDown);
+            }
+            if self.shared.finished_cv.wait_until(&mut st, deadline).timed_out() {
+                return match st.finished.map.get(req_id) {
+                    Some(Outcome::Ready) => Ok(()),
+                    Some(Outcome::Failed(code)) => Err(WaitError::Failed(*code)),
+                    None => Err(WaitError::Timeout),
+                };
+            }
+        }
+    }
+
+    /// Borrows the bytes of a ready key. Each borrow claims one of the key's
+    /// references; dropping the [`ChunkRef`] releases it (like `remove`), and
+    /// the slot is freed with the last reference. `None` if the key is not
+    /// held, not yet written, or every reference is already borrowed.
+    pub fn get(&self, key: &str) -> Option<ChunkRef> {
+        let (slot, tokens) = self.shared.state.lock().core.borrow(key)?;
+        Some(ChunkRef { shared: Arc::clone(&self.shared), key: key.to_owned(), slot, tokens })
+    }
+
+    /// Drops one (unborrowed) reference of `key`. Returns false if the key
+    /// is not held or all its references are borrowed.
+    pub fn remove(&self, key: &str) -> bool {
+        let mut st = self.shared.state.lock();
+        let mut out = Vec::new();
+        let removed = st.core.remove_key(key, Instant::now(), &mut out);
+        self.shared.post(&mut st, out);
+        removed
+    }
+
+    /// A snapshot of the accounting.
+    pub fn stats(&self) -> ReceiverStats {
+        let st = self.shared.state.lock();
+        let l = st.core.ledger().stats();
+        ReceiverStats {
+            capacity_chunks: l.capacity,
+            reserved_chunks: l.reserved,
+            allocated_chunks: l.allocated,
+            core: st.core.stats(),
+            bad_frames: st.bad_frames,
+        }
+    }
+
+    /// A copy of the admission-wait histogram (microseconds).
+    pub fn admission_wait_histogram(&self) -> hdrhistogram::Histogram<u64> {
+        self.shared.state.lock().admission_wait_us.clone()
+    }
+
+    /// Stops the ctrl thread and waits for it.
+    pub fn shutdown(mut self) {
+        self.stop_and_join();
+    }
+
+    fn stop_and_join(&mut self) {
+        // Release: pairs with the Acquire load in the ctrl loop, so the
+        // thread that sees `stop` also sees everything done before it.
+        self.shared.stop.store(true, Ordering::Release);
+        let _ = self.shared.waker.wake();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let mut st = self.shared.state.lock();
+        st.shut_down = true;
+        drop(st);
+        self.shared.finished_cv.notify_all();
+    }
+}
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        self.stop_and_join();
+    }
+}
+
+impl Shared {
+    /// Takes outputs produced outside the ctrl thread: records finished
+    /// requests and queues replies for the ctrl thread, waking it.
+    fn post(&self, st: &mut State, mut out: Vec<Output>) {
+        if st.absorb(&mut out) {
+            self.finished_cv.notify_all();
+        }
+        if !out.is_empty() {
+            st.outbox.append(&mut out);
+            let _ = self.waker.wake();
+        }
+    }
+}
+
+/// A borrowed chunk in the receive buffer. Dropping it releases the
+/// reference it claimed.
+pub struct ChunkRef {
+    shared: Arc<Shared>,
+    key: String,
+    slot: u32,
+    tokens: Option<u32>,
+}
+
+impl std::fmt::Debug for ChunkRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChunkRef").field("key", &self.key).field("slot", &self.slot).finish()
+    }
+}
+
+impl ChunkRef {
+    /// The key.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The slot index in the receive buffer.
+    pub fn slot(&self) -> u32 {
+        self.slot
+    }
+
+    /// Token count if this was a batch's (possibly short) last chunk.
+    pub fn tokens(&self) -> Option<u32> {
+        self.tokens
+    }
+
+    /// The slot's bytes (a whole slot; a short chunk uses a prefix).
+    pub fn bytes(&self) -> &[u8] {
+        let len = self.shared.region.chunk_bytes() as usize;
+        match self.shared.region.slot_ptr(self.slot) {
+            // SAFETY: the slot exists (ptr is Some), its key is ready — its
+            // writer completed and no grant lets anyone write it again while
+            // a reference is held — and this borrow holds one reference, so
+            // the slot is neither freed nor reused before `self` drops.
+            Some(ptr) => unsafe { std::slice::from_raw_parts(ptr, len) },
+            None => &[],
+        }
+    }
+}
+
+impl Drop for ChunkRef {
+    fn drop(&mut self) {
+        let mut st = self.shared.state.lock();
+        let mut out = Vec::new();
+        st.core.end_borrow(&self.key, Instant::now(), &mut out);
+        self.shared.post(&mut st, out);
+    }
+}

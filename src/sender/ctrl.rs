@@ -1,0 +1,924 @@
+//! The sender's `ctrl` thread: the only thread touching ZMQ sockets. It
+//! drains the submission ring, runs the handshake and the AllocRequest /
+//! AllocResponse exchange with each receiver, posts writes to the transport,
+//! sends CancelNotif after fenced aborts, and ProxyNotif + TransferDone once
+//! a request is complete.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use smallvec::SmallVec;
+use tracing::{debug, debug_span, warn};
+
+use crate::protocol::{
+    decode, encode_into, AllocRequest, AllocResponse, CancelNotif, ErrorCode, Heartbeat, Hello, Message, ProxyNotif,
+    TransferDone, PROTOCOL_VERSION,
+};
+use crate::stats::{Counter, Stage};
+use crate::transport::{Poster, RemoteBuffer, WriteOp};
+use crate::zmq_io::{readable, Reactor};
+
+use super::peer::{Mode, Outstanding, Peer};
+use super::table::{BatchData, InFlight, ReqState, Table};
+use super::{RequestStatus, Shared};
+
+/// Longest sleep with no timer due (a safety net; real work wakes the thread).
+const MAX_SLEEP: Duration = Duration::from_secs(3600);
+
+pub(super) struct Ctrl {
+    shared: Arc<Shared>,
+    poster: Box<dyn Poster>,
+    reactor: Reactor,
+    submissions: kvferry_ring::mpsc::Consumer<u64>,
+    peers: Vec<Peer>,
+    peer_by_endpoint: HashMap<String, usize>,
+    static_peers: HashMap<String, RemoteBuffer>,
+    proxy: Option<zmq::Socket>,
+    /// Writes built but not yet accepted by the transport (credit).
+    backlog: VecDeque<WriteOp>,
+    next_seq: u64,
+    next_work: u64,
+    buf: Vec<u8>,
+    dirty: HashSet<String>,
+    /// Terminal statuses to announce (callbacks) once the lock is released.
+    finished: Vec<(String, RequestStatus)>,
+}
+
+impl Ctrl {
+    pub fn new(
+        shared: Arc<Shared>,
+        poster: Box<dyn Poster>,
+        reactor: Reactor,
+        submissions: kvferry_ring::mpsc::Consumer<u64>,
+    ) -> Result<Self, super::SenderError> {
+        let proxy = match &shared.cfg.proxy {
+            Some(ep) => {
+                let s = crate::zmq_io::context().socket(zmq::PUSH)?;
+                s.set_linger(1000)?;
+                s.set_sndhwm(0)?;
+                s.connect(ep)?;
+                Some(s)
+            }
+            None => None,
+        };
+        let static_peers = shared.cfg.static_peers.iter().cloned().collect();
+        Ok(Self {
+            shared,
+            poster,
+            reactor,
+            submissions,
+            peers: Vec::new(),
+            peer_by_endpoint: HashMap::new(),
+            static_peers,
+            proxy,
+            backlog: VecDeque::new(),
+            next_seq: 1,
+            next_work: 1,
+            buf: Vec::with_capacity(512),
+            dirty: HashSet::new(),
+            finished: Vec::new(),
+        })
+    }
+
+    pub fn run(mut self) {
+        let span = debug_span!("sender_ctrl", sender = %self.shared.cfg.sender_id);
+        let _g = span.enter();
+        // Acquire: pairs with the Release store in `Sender::close`.
+        while !self.shared.stop.load(Ordering::Acquire) {
+            self.step();
+            self.sleep();
+        }
+        for p in &self.peers {
+            let _ = self.reactor.deregister(&p.sock);
+        }
+        // Dropping the poster closes the data plane; the poll thread then
+        // sees the completion stream end.
+    }
+
+    /// One pass over every input.
+    fn step(&mut self) {
+        while let Some(id) = self.submissions.pop() {
+            self.enqueue(id);
+        }
+        {
+            let mut t = self.shared.table.lock();
+            self.dirty.extend(t.attention.drain(..));
+            if std::mem::take(&mut t.staging_freed) {
+                let waiting = t.reqs.values().filter(|r| !r.unstaged.is_empty()).map(|r| r.req_id.clone());
+                self.dirty.extend(waiting.collect::<Vec<_>>());
+            }
+        }
+        for i in 0..self.peers.len() {
+            let mut n = 0;
+            while n < 256 && readable(&self.peers[i].sock) {
+                match self.peers[i].sock.recv_multipart(zmq::DONTWAIT) {
+                    Ok(frames) => {
+                        n += 1;
+                        if let Some(payload) = frames.last() {
+                            self.on_reply(i, payload);
+                        }
+                    }
+                    Err(zmq::Error::EAGAIN) => break,
+                    Err(e) => {
+                        warn!(error = %e, endpoint = %self.peers[i].endpoint, "receive failed");
+                        break;
+                    }
+                }
+            }
+        }
+        self.timers(Instant::now());
+        while !self.dirty.is_empty() {
+            let dirty: Vec<String> = self.dirty.drain().collect();
+            for req in dirty {
+                self.progress(&req);
+            }
+        }
+        self.flush_backlog();
+        self.announce();
+    }
+
+    /// Sleeps until a socket, the waker or the next timer.
+    fn sleep(&mut self) {
+        // SeqCst: the ctrl side of the Dekker handshake in `Shared::wake_ctrl`:
+        // publish "parked", then re-check every input; a producer that
+        // published before our check is seen, one after it sees the flag.
+        self.shared.ctrl_parked.store(true, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let busy = !self.submissions.is_empty()
+            || {
+                let t = self.shared.table.lock();
+                !t.attention.is_empty() || (t.staging_freed && t.reqs.values().any(|r| !r.unstaged.is_empty()))
+            }
+            || !self.dirty.is_empty()
+            || self.peers.iter().any(|p| readable(&p.sock))
+            // Acquire: pairs with the Release store in `Sender::close`.
+            || self.shared.stop.load(Ordering::Acquire);
+        if !busy {
+            let timeout = self.next_timer().map_or(MAX_SLEEP, |d| d.saturating_duration_since(Instant::now()));
+            if let Err(e) = self.reactor.wait(Some(timeout)) {
+                warn!(error = %e, "poll failed");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        self.shared.ctrl_parked.store(false, Ordering::SeqCst);
+    }
+
+    /// Moves a submitted batch into its request's send queue.
+    fn enqueue(&mut self, id: u64) {
+        let mut t = self.shared.table.lock();
+        let Some(req_id) = t.batches.get(&id).map(|b| b.req_id.clone()) else { return };
+        let live = t.reqs.get(&req_id).is_some_and(|r| matches!(r.state, ReqState::Pending | ReqState::Admitted));
+        if live {
+            if let Some(r) = t.reqs.get_mut(&req_id) {
+                r.queued.push_back(id);
+            }
+        } else if let Some(b) = t.batches.remove(&id) {
+            self.release_data(b.data, b.bytes);
+        }
+        drop(t);
+        self.dirty.insert(req_id);
+    }
+
+    fn release_data(&self, data: BatchData, bytes: usize) {
+        match data {
+            BatchData::Staged(set) => self.shared.slots.free(set),
+            BatchData::Pending(_) => {
+                // AcqRel: pending-area accounting only (see `Sender::store`).
+                self.shared.pending_bytes.fetch_sub(bytes, Ordering::AcqRel);
+            }
+            BatchData::Empty => {}
+        }
+    }
+
+    /// The peer for `endpoint`, connecting (and saying Hello) on first use.
+    fn peer_for(&mut self, endpoint: &str) -> Result<usize, String> {
+        if let Some(&i) = self.peer_by_endpoint.get(endpoint) {
+            return Ok(i);
+        }
+        let token = self.peers.len();
+        let mut peer = Peer::connect(&self.shared.cfg.sender_id, endpoint, token, 0)
+            .map_err(|e| format!("cannot connect to receiver {endpoint}: {e}"))?;
+        if let Err(e) = self.reactor.register(&peer.sock, token) {
+            return Err(format!("cannot watch the socket of receiver {endpoint}: {e}"));
+        }
+        if self.shared.cfg.use_extensions {
+            let hello = Message::Hello(Hello {
+                sender_id: self.shared.cfg.sender_id.clone(),
+                version: PROTOCOL_VERSION,
+                transport: self.shared.cfg.transport.clone(),
+                descriptor: crate::protocol::Descriptor::None,
+            });
+            self.buf.clear();
+            encode_into(&hello, &mut self.buf);
+            if let Err(e) = peer.send_raw(&self.buf) {
+                peer.mode = Mode::Failed(format!("cannot send Hello to {endpoint}: {e}"));
+            }
+        } else {
+            self.become_legacy(&mut peer);
+        }
+        self.peers.push(peer);
+        self.peer_by_endpoint.insert(endpoint.to_owned(), token);
+        Ok(token)
+    }
+
+    /// Switches a peer to LMCache mode with its statically configured buffer.
+    fn become_legacy(&mut self, peer: &mut Peer) {
+        let Some(remote) = self.static_peers.get(&peer.endpoint).cloned() else {
+            peer.mode = Mode::Failed(format!(
+                "receiver at {} did not answer Hello and no static buffer descriptor is configured for it",
+                peer.endpoint
+            ));
+            return;
+        };
+        match self.poster.connect(&remote) {
+            Ok(index) => {
+                peer.index = Some(index);
+                peer.remote = Some(remote);
+                peer.mode = Mode::Legacy;
+                debug!(endpoint = %peer.endpoint, "receiver in LMCache mode (no Hello)");
+            }
+            Err(e) => peer.mode = Mode::Failed(format!("data plane to {}: {e}", peer.endpoint)),
+        }
+    }
+
+    /// Replaces a peer's socket so late replies to the old one are shed.
+    fn renew_socket(&mut self, i: usize) {
+        let gen = self.peers[i].generation + 1;
+        match Peer::socket(&self.shared.cfg.sender_id, &self.peers[i].endpoint.clone(), gen) {
+            Ok(sock) => {
+                let _ = self.reactor.deregister(&self.peers[i].sock);
+                let _ = self.reactor.register(&sock, i);
+                self.peers[i].sock = sock;
+                self.peers[i].generation = gen;
+            }
+            Err(e) => warn!(error = %e, "cannot renew the receiver socket"),
+        }
+    }
+
+    fn on_reply(&mut self, i: usize, payload: &[u8]) {
+        let msg = match decode(payload) {
+            Ok(m) => m,
+            Err(e) => {
+                warn!(endpoint = %self.peers[i].endpoint, error = %e, "undecodable reply");
+                // In LMCache mode the reply slot is still consumed in order.
+                if self.peers[i].mode == Mode::Legacy {
+                    if let Some((o, _)) = self.peers[i].fifo.pop_front() {
+                        self.answer(i, o, AllocResponse::failure(1, None, ErrorCode::BadMessage, "undecodable reply"));
+                        self.send_waiting(i);
+                    }
+                }
+                return;
+            }
+        };
+        match (&self.peers[i].mode, msg) {
+            (Mode::Handshaking(_), Message::HelloAck(ack)) => {
+                let remote = RemoteBuffer {
+                    descriptor: ack.descriptor.clone(),
+                    chunk_bytes: ack.chunk_bytes,
+                    capacity_chunks: ack.capacity_chunks,
+                };
+                match self.poster.connect(&remote) {
+                    Ok(index) => {
+                        let p = &mut self.peers[i];
+                        p.index = Some(index);
+                        p.remote = Some(remote);
+                        p.mode = Mode::Extended;
+                        debug!(endpoint = %p.endpoint, receiver = %ack.receiver_id, "receiver speaks kvferry");
+                    }
+                    Err(e) => {
+                        self.peers[i].mode = Mode::Failed(format!("data plane to {}: {e}", self.peers[i].endpoint))
+                    }
+                }
+                self.dirty_peer(i);
+            }
+            (Mode::Handshaking(_), other) => {
+                debug!(?other, "non-HelloAck answer to Hello: LMCache receiver");
+                let mut p = self.peers.swap_remove(i);
+                self.become_legacy(&mut p);
+                self.peers.push(p);
+                let last = self.peers.len() - 1;
+                self.peers.swap(i, last);
+                self.renew_socket(i);
+                self.dirty_peer(i);
+            }
+            (Mode::Extended, Message::AllocResponse(resp)) => {
+                let Some(seq) = resp.seq else {
+                    debug!("reply without seq from a kvferry receiver ignored");
+                    return;
+                };
+                if let Some((o, _)) = self.peers[i].by_seq.remove(&seq) {
+                    self.answer(i, o, resp);
+                }
+            }
+            (Mode::Legacy, Message::AllocResponse(resp)) => {
+                if let Some((o, _)) = self.peers[i].fifo.pop_front() {
+                    self.answer(i, o, resp);
+                }
+                self.send_waiting(i);
+            }
+            (_, other) => debug!(?other, "unexpected message from a receiver ignored"),
+        }
+    }
+
+    fn send_waiting(&mut self, i: usize) {
+        let p = &mut self.peers[i];
+        if p.fifo.is_empty() {
+            if let Some((o, bytes)) = p.waiting.pop_front() {
+                if let Err(e) = p.send_raw(&bytes) {
+                    warn!(error = %e, "send failed");
+                }
+                p.fifo.push_back((o, Instant::now()));
+            }
+        }
+    }
+
+    /// Handles the reply to what `o` sent.
+    fn answer(&mut self, i: usize, o: Outstanding, resp: AllocResponse) {
+        match o {
+            Outstanding::Batch(id) => self.on_batch_reply(i, id, resp),
+            Outstanding::Cancel(req_id) => {
+                debug!(req_id = %req_id, "cancel acknowledged");
+            }
+        }
+    }
+
+    fn on_batch_reply(&mut self, i: usize, id: u64, resp: AllocResponse) {
+        let now = Instant::now();
+        let mut t = self.shared.table.lock();
+        let Some(mut b) = t.batches.remove(&id) else { return };
+        let req_id = b.req_id.clone();
+        self.dirty.insert(req_id.clone());
+        let Some(r) = t.reqs.get_mut(&req_id) else {
+            drop(t);
+            return self.release_data(b.data, b.bytes);
+        };
+        r.awaiting_reply = r.awaiting_reply.saturating_sub(1);
+        let n = b.keys.len();
+        let capacity = self.peers[i].remote.as_ref().map_or(0, |rb| rb.capacity_chunks) as i64;
+        let bad_shape = resp.remote_indexes.len() != n.max(1) && !(n == 0 && resp.remote_indexes.is_empty());
+        let failure = if resp.is_failure() || bad_shape {
+            let code = resp.code.as_deref().and_then(ErrorCode::parse).unwrap_or(ErrorCode::AllocationFailed);
+            let reason = resp.error.clone().unwrap_or_else(|| "the receiver could not allocate the batch".into());
+            Some((code, reason))
+        } else if resp.remote_indexes.iter().any(|&x| x < 0 || x >= capacity)
+            || resp.already_sent_indexes.iter().any(|&x| x < 0 || x as usize >= n)
+        {
+            Some((ErrorCode::BadMessage, format!("reply names slots outside the receiver's {capacity}")))
+        } else {
+            None
+        };
+        if let Some((code, reason)) = failure {
+            if matches!(r.state, ReqState::Pending | ReqState::Admitted) {
+                debug!(req_id = %req_id, code = code.as_str(), %reason, "batch refused; aborting the request");
+                r.state = ReqState::Aborting(RequestStatus::Failed { code, reason });
+                r.cancel.cancel();
+            }
+            drop(t);
+            return self.release_data(b.data, b.bytes);
+        }
+        if !matches!(r.state, ReqState::Pending | ReqState::Admitted) {
+            // Aborting: the receiver's slots go back with the CancelNotif.
+            drop(t);
+            return self.release_data(b.data, b.bytes);
+        }
+        if r.state == ReqState::Pending {
+            r.state = ReqState::Admitted;
+            if let Some(sent) = r.first_sent_at {
+                self.shared.stats.record(Stage::AdmissionWait, now.saturating_duration_since(sent));
+            }
+            self.shared.stats.inc(Counter::Admitted);
+        }
+        let dedup: SmallVec<[usize; 16]> = resp.already_sent_indexes.iter().map(|&x| x as usize).collect();
+        r.completed_chunks += dedup.len();
+        if b.is_last {
+            r.last_replied = true;
+        }
+        let writes: SmallVec<[u32; 16]> = (0..n as u32).filter(|j| !dedup.contains(&(*j as usize))).collect();
+        if writes.is_empty() {
+            drop(t);
+            return self.release_data(b.data, b.bytes);
+        }
+        // Dedup'd chunks release their staging at once.
+        if let BatchData::Staged(set) = &mut b.data {
+            if !dedup.is_empty() {
+                let slots = set.as_slice();
+                let freed = crate::slots::SlotSet::from_slots(dedup.iter().map(|&j| slots[j]));
+                let kept = crate::slots::SlotSet::from_slots(writes.iter().map(|&j| slots[j as usize]));
+                self.shared.slots.free(freed);
+                *set = kept;
+                let lens: SmallVec<[u32; 16]> = writes.iter().map(|&j| b.lens[j as usize]).collect();
+                let remote: Vec<i64> = writes.iter().map(|&j| resp.remote_indexes[j as usize]).collect();
+                b.lens = lens;
+                b.remote = remote;
+                b.writes = (0..writes.len() as u32).collect();
+            } else {
+                b.remote = resp.remote_indexes.clone();
+                b.writes = writes;
+            }
+        } else {
+            b.remote = resp.remote_indexes.clone();
+            b.writes = writes;
+        }
+        r.unstaged.push_back(id);
+        t.batches.insert(id, b);
+    }
+
+    /// Advances one request as far as it can go now.
+    fn progress(&mut self, req_id: &str) {
+        let Some((state, receiver)) = ({
+            let t = self.shared.table.lock();
+            t.reqs.get(req_id).map(|r| (r.state.clone(), r.receiver.clone()))
+        }) else {
+            return;
+        };
+        match state {
+            ReqState::Done(_) => {}
+            ReqState::Aborting(status) => self.progress_abort(req_id, status),
+            ReqState::Pending | ReqState::Admitted => {
+                let i = match self.peer_for(&receiver) {
+                    Ok(i) => i,
+                    Err(reason) => return self.abort(req_id, ErrorCode::PeerUnavailable, reason),
+                };
+                match self.peers[i].mode.clone() {
+                    Mode::Handshaking(_) => {}
+                    Mode::Failed(reason) => self.abort(req_id, ErrorCode::PeerUnavailable, reason),
+                    Mode::Extended | Mode::Legacy => self.progress_live(req_id, i),
+                }
+            }
+        }
+    }
+
+    fn abort(&mut self, req_id: &str, code: ErrorCode, reason: String) {
+        {
+            let mut t = self.shared.table.lock();
+            let Some(r) = t.reqs.get_mut(req_id) else { return };
+            if !matches!(r.state, ReqState::Pending | ReqState::Admitted) {
+                return;
+            }
+            r.state = ReqState::Aborting(RequestStatus::Failed { code, reason });
+            r.cancel.cancel();
+        }
+        self.dirty.insert(req_id.to_owned());
+    }
+
+    fn progress_live(&mut self, req_id: &str, i: usize) {
+        let legacy = self.peers[i].mode == Mode::Legacy;
+        let mut t = self.shared.table.lock();
+        let Some(r) = t.reqs.get(req_id) else { return };
+        let admitted = r.state == ReqState::Admitted;
+        // 1. Send what may be sent.
+        let sendable = if admitted {
+            r.queued.len()
+        } else if !r.first_sent && !r.queued.is_empty() {
+            if legacy && self.peers[i].legacy_active.as_deref().is_some_and(|a| a != req_id) {
+                0
+            } else {
+                1
+            }
+        } else {
+            0
+        };
+        for _ in 0..sendable {
+            let Some(id) = t.reqs.get_mut(req_id).and_then(|r| r.queued.pop_front()) else { break };
+            self.send_batch(&mut t, i, id);
+        }
+        if legacy && sendable > 0 {
+            self.peers[i].legacy_active = Some(req_id.to_owned());
+        }
+        // 2. Stage and post answered batches.
+        loop {
+            let Some(id) = t.reqs.get(req_id).and_then(|r| r.unstaged.front().copied()) else { break };
+            if !self.stage_and_post(&mut t, i, req_id, id) {
+                break;
+            }
+            if let Some(r) = t.reqs.get_mut(req_id) {
+                r.unstaged.pop_front();
+            }
+        }
+        // 3. Complete.
+        if t.reqs.get(req_id).is_some_and(|r| r.is_complete()) {
+            let now = Instant::now();
+            let (last, bytes) = t.reqs.get(req_id).map_or((None, 0), |r| (r.last_completion_at, r.bytes));
+            self.notify_complete(i, req_id);
+            if let Some(last) = last {
+                self.shared.stats.record(Stage::Notify, now.saturating_duration_since(last));
+            }
+            debug!(req_id, bytes, "complete");
+            self.shared.stats.inc(Counter::Completed);
+            self.finish(&mut t, req_id, RequestStatus::Completed);
+        }
+    }
+
+    /// Sends one batch's AllocRequest.
+    fn send_batch(&mut self, t: &mut Table, i: usize, id: u64) {
+        let now = Instant::now();
+        let Some(b) = t.batches.get(&id) else { return };
+        let Some(r) = t.reqs.get_mut(&b.req_id) else { return };
+        let extended = self.peers[i].mode == Mode::Extended;
+        let seq = extended.then(|| {
+            self.next_seq += 1;
+            self.next_seq
+        });
+        let msg = Message::AllocRequest(AllocRequest {
+            keys: b.keys.clone(),
+            fmt: b.fmt,
+            shape: b.shape.clone(),
+            dtype: b.dtype.clone(),
+            last_chunk_toks: b.last_chunk_toks,
+            req_id: b.req_id.clone(),
+            is_last_batch: b.is_last,
+            total_chunks: r.total as i64,
+            seq,
+        });
+        r.keys_sent.extend(b.keys.iter().cloned());
+        r.awaiting_reply += 1;
+        if !r.first_sent {
+            r.first_sent = true;
+            r.first_sent_at = Some(now);
+        }
+        self.shared.stats.record(Stage::Pending, now.saturating_duration_since(b.stored_at));
+        let span = tracing::trace_span!("batch", req_id = %b.req_id, batch = id, chunks = b.keys.len());
+        let _g = span.enter();
+        self.buf.clear();
+        encode_into(&msg, &mut self.buf);
+        let p = &mut self.peers[i];
+        match seq {
+            Some(seq) => {
+                if let Err(e) = p.send_raw(&self.buf) {
+                    warn!(error = %e, "AllocRequest send failed");
+                }
+                p.by_seq.insert(seq, (Outstanding::Batch(id), now));
+            }
+            None => {
+                if p.fifo.is_empty() {
+                    if let Err(e) = p.send_raw(&self.buf) {
+                        warn!(error = %e, "AllocRequest send failed");
+                    }
+                    p.fifo.push_back((Outstanding::Batch(id), now));
+                } else {
+                    p.waiting.push_back((Outstanding::Batch(id), self.buf.clone()));
+                }
+            }
+        }
+    }
+
+    /// Moves an answered batch into staging if needed and queues its writes.
+    /// Returns false if staging is full (retried when slots free up).
+    fn stage_and_post(&mut self, t: &mut Table, i: usize, req_id: &str, id: u64) -> bool {
+        let Some(b) = t.batches.get_mut(&id) else { return true };
+        if let BatchData::Pending(bytes) = &b.data {
+            let t0 = Instant::now();
+            let Some(set) = self.shared.slots.try_alloc(b.writes.len()) else { return false };
+            let mut offsets: SmallVec<[usize; 16]> = SmallVec::with_capacity(b.lens.len());
+            let mut off = 0usize;
+            for &l in &b.lens {
+                offsets.push(off);
+                off += l as usize;
+            }
+            for (slot, &j) in set.iter().zip(&b.writes) {
+                let (o, l) = (offsets[j as usize], b.lens[j as usize] as usize);
+                if let Err(e) = self.shared.staging.write_slot(slot, &bytes[o..o + l]) {
+                    warn!(error = %e, "staging copy failed");
+                }
+            }
+            let lens: SmallVec<[u32; 16]> = b.writes.iter().map(|&j| b.lens[j as usize]).collect();
+            let remote: Vec<i64> = b.writes.iter().map(|&j| b.remote[j as usize]).collect();
+            let pending = b.bytes;
+            b.lens = lens;
+            b.remote = remote;
+            b.writes = (0..set.len() as u32).collect();
+            b.data = BatchData::Staged(set);
+            // AcqRel: pending-area accounting only (see `Sender::store`).
+            self.shared.pending_bytes.fetch_sub(pending, Ordering::AcqRel);
+            self.shared.stats.record_since(Stage::StagingWait, t0);
+        }
+        let Some(b) = t.batches.remove(&id) else { return true };
+        let BatchData::Staged(set) = b.data else { return true };
+        let (Some(peer), Some(remote)) = (self.peers[i].index, self.peers[i].remote.as_ref()) else {
+            self.shared.slots.free(set);
+            return true;
+        };
+        let rbytes = remote.chunk_bytes;
+        let now = Instant::now();
+        let slots = set.as_slice();
+        let mut ops: SmallVec<[(WriteOp, SmallVec<[u32; 16]>); 4]> = SmallVec::new();
+        for (k, &j) in b.writes.iter().enumerate() {
+            let slot = slots[k];
+            let local = self.shared.staging.slot_offset(slot);
+            let remote_off = b.remote[j as usize] as u64 * rbytes;
+            let len = u64::from(b.lens[j as usize]);
+            match ops.last_mut() {
+                // Coalesce: both ranges continue the previous write exactly.
+                Some((op, s)) if op.local_offset + op.len == local && op.remote_offset + op.len == remote_off => {
+                    op.len += len;
+                    s.push(slot);
+                }
+                _ => {
+                    let mut s = SmallVec::new();
+                    s.push(slot);
+                    ops.push((WriteOp { work_id: 0, local_offset: local, remote_offset: remote_off, len, peer, _pad: 0 }, s));
+                }
+            }
+        }
+        for (mut op, s) in ops {
+            op.work_id = self.next_work;
+            self.next_work += 1;
+            t.inflight.insert(
+                op.work_id,
+                InFlight {
+                    req_id: req_id.to_owned(),
+                    chunks: s.len() as u32,
+                    bytes: op.len,
+                    slots: crate::slots::SlotSet::from_slots(s),
+                    posted_at: now,
+                },
+            );
+            if let Some(r) = t.reqs.get_mut(req_id) {
+                r.in_flight_ops += 1;
+            }
+            self.backlog.push_back(op);
+        }
+        true
+    }
+
+    /// Posts queued writes as far as transport credit allows.
+    fn flush_backlog(&mut self) {
+        while !self.backlog.is_empty() {
+            let ops = self.backlog.make_contiguous();
+            match self.poster.post(ops) {
+                Ok(0) => return,
+                Ok(n) => {
+                    self.backlog.drain(..n);
+                }
+                Err(e) => {
+                    warn!(error = %e, "transport refused writes; failing their requests");
+                    let failed: Vec<WriteOp> = self.backlog.drain(..).collect();
+                    let mut t = self.shared.table.lock();
+                    for op in failed {
+                        if let Some(w) = t.inflight.remove(&op.work_id) {
+                            self.shared.slots.free(w.slots);
+                            if let Some(r) = t.reqs.get_mut(&w.req_id) {
+                                r.in_flight_ops = r.in_flight_ops.saturating_sub(1);
+                                if matches!(r.state, ReqState::Pending | ReqState::Admitted) {
+                                    r.state = ReqState::Aborting(RequestStatus::Failed {
+                                        code: ErrorCode::WriteFailed,
+                                        reason: format!("transport error: {e}"),
+                                    });
+                                    r.cancel.cancel();
+                                }
+                            }
+                            self.dirty.insert(w.req_id);
+                        }
+                    }
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Abort path: drop unsent work, wait for in-flight writes, then fence
+    /// with CancelNotif (invariant 7).
+    fn progress_abort(&mut self, req_id: &str, status: RequestStatus) {
+        // Writes not yet handed to the transport are simply not posted.
+        let mut t = self.shared.table.lock();
+        let mine: Vec<u64> = self
+            .backlog
+            .iter()
+            .filter(|op| t.inflight.get(&op.work_id).is_some_and(|w| w.req_id == req_id))
+            .map(|op| op.work_id)
+            .collect();
+        if !mine.is_empty() {
+            self.backlog.retain(|op| !mine.contains(&op.work_id));
+            for w in mine {
+                if let Some(f) = t.inflight.remove(&w) {
+                    self.shared.slots.free(f.slots);
+                    if let Some(r) = t.reqs.get_mut(req_id) {
+                        r.in_flight_ops = r.in_flight_ops.saturating_sub(1);
+                    }
+                }
+            }
+        }
+        let Some(r) = t.reqs.get_mut(req_id) else { return };
+        let drop_ids: Vec<u64> = r.queued.drain(..).chain(r.unstaged.drain(..)).collect();
+        let (in_flight, first_sent, cancel_sent) = (r.in_flight_ops, r.first_sent, r.cancel_sent);
+        for id in drop_ids {
+            if let Some(b) = t.batches.remove(&id) {
+                self.release_data(b.data, b.bytes);
+            }
+        }
+        if in_flight > 0 || cancel_sent {
+            return; // the poll thread calls us again when the writes are done
+        }
+        let receiver = t.reqs.get(req_id).map(|r| r.receiver.clone()).unwrap_or_default();
+        if first_sent {
+            let keys = t.reqs.get_mut(req_id).map(|r| std::mem::take(&mut r.keys_sent)).unwrap_or_default();
+            if let Some(r) = t.reqs.get_mut(req_id) {
+                r.cancel_sent = true;
+            }
+            if let Some(&i) = self.peer_by_endpoint.get(&receiver) {
+                self.send_cancel(i, req_id, keys);
+            }
+        }
+        match &status {
+            RequestStatus::Cancelled => self.shared.stats.inc(Counter::Cancelled),
+            _ => self.shared.stats.inc(Counter::Failed),
+        }
+        self.finish(&mut t, req_id, status);
+    }
+
+    fn send_cancel(&mut self, i: usize, req_id: &str, keys: Vec<String>) {
+        let p = &self.peers[i];
+        if matches!(p.mode, Mode::Failed(_) | Mode::Handshaking(_)) {
+            return;
+        }
+        let extended = p.mode == Mode::Extended;
+        let seq = extended.then(|| {
+            self.next_seq += 1;
+            self.next_seq
+        });
+        let msg = Message::CancelNotif(CancelNotif { req_id: req_id.to_owned(), keys, seq });
+        self.buf.clear();
+        encode_into(&msg, &mut self.buf);
+        let now = Instant::now();
+        let p = &mut self.peers[i];
+        let o = Outstanding::Cancel(req_id.to_owned());
+        match seq {
+            Some(seq) => {
+                if let Err(e) = p.send_raw(&self.buf) {
+                    warn!(error = %e, "CancelNotif send failed");
+                }
+                p.by_seq.insert(seq, (o, now));
+            }
+            None if p.fifo.is_empty() => {
+                if let Err(e) = p.send_raw(&self.buf) {
+                    warn!(error = %e, "CancelNotif send failed");
+                }
+                p.fifo.push_back((o, now));
+            }
+            None => p.waiting.push_back((o, self.buf.clone())),
+        }
+    }
+
+    /// ProxyNotif to the proxy and TransferDone to a kvferry receiver.
+    fn notify_complete(&mut self, i: usize, req_id: &str) {
+        if let Some(proxy) = &self.proxy {
+            self.buf.clear();
+            encode_into(&Message::ProxyNotif(ProxyNotif { req_id: req_id.to_owned() }), &mut self.buf);
+            if let Err(e) = proxy.send(&self.buf, 0) {
+                warn!(error = %e, "ProxyNotif send failed");
+            }
+        }
+        if self.peers[i].mode == Mode::Extended {
+            self.buf.clear();
+            encode_into(&Message::TransferDone(TransferDone { req_id: req_id.to_owned(), seq: None }), &mut self.buf);
+            if let Err(e) = self.peers[i].send_raw(&self.buf) {
+                warn!(error = %e, "TransferDone send failed");
+            }
+        }
+    }
+
+    /// Records a terminal status; callbacks run after the lock is released.
+    fn finish(&mut self, t: &mut Table, req_id: &str, status: RequestStatus) {
+        let receiver = t.reqs.get(req_id).map(|r| r.receiver.clone());
+        t.finish(req_id, status.clone());
+        self.finished.push((req_id.to_owned(), status));
+        // LMCache mode: the receiver is free for the next request.
+        if let Some(&i) = receiver.as_ref().and_then(|e| self.peer_by_endpoint.get(e)) {
+            if self.peers[i].legacy_active.as_deref() == Some(req_id) {
+                self.peers[i].legacy_active = None;
+                let next: Vec<String> = t
+                    .reqs
+                    .values()
+                    .filter(|r| r.receiver == self.peers[i].endpoint && r.state == ReqState::Pending)
+                    .map(|r| r.req_id.clone())
+                    .collect();
+                self.dirty.extend(next);
+            }
+        }
+    }
+
+    fn announce(&mut self) {
+        if self.finished.is_empty() {
+            return;
+        }
+        self.shared.status_cv.notify_all();
+        let cb = self.shared.callback.lock().clone();
+        if let Some(cb) = cb {
+            for (req, status) in self.finished.drain(..) {
+                cb(&req, &status);
+            }
+        } else {
+            self.finished.clear();
+        }
+    }
+
+    /// Marks every live request of peer `i` for progress.
+    fn dirty_peer(&mut self, i: usize) {
+        let t = self.shared.table.lock();
+        let endpoint = &self.peers[i].endpoint;
+        let ids: Vec<String> = t
+            .reqs
+            .values()
+            .filter(|r| &r.receiver == endpoint && !matches!(r.state, ReqState::Done(_)))
+            .map(|r| r.req_id.clone())
+            .collect();
+        drop(t);
+        self.dirty.extend(ids);
+    }
+
+    /// Handshake timeouts, reply timeouts and heartbeats.
+    fn timers(&mut self, now: Instant) {
+        let cfg = &self.shared.cfg;
+        let (hello_timeout, reply_timeout, hb) = (cfg.hello_timeout, cfg.reply_timeout, cfg.heartbeat_interval);
+        for i in 0..self.peers.len() {
+            if let Mode::Handshaking(since) = self.peers[i].mode {
+                if now.saturating_duration_since(since) >= hello_timeout {
+                    let mut p = self.peers.swap_remove(i);
+                    self.become_legacy(&mut p);
+                    self.peers.push(p);
+                    let last = self.peers.len() - 1;
+                    self.peers.swap(i, last);
+                    self.renew_socket(i);
+                    self.dirty_peer(i);
+                }
+            }
+            if self.peers[i].oldest().is_some_and(|t| now.saturating_duration_since(t) >= reply_timeout) {
+                self.reply_timeout(i, now, reply_timeout);
+            }
+            if self.peers[i].mode == Mode::Extended
+                && now.saturating_duration_since(self.peers[i].last_heartbeat) >= hb
+            {
+                self.peers[i].last_heartbeat = now;
+                let active = {
+                    let t = self.shared.table.lock();
+                    let ep = &self.peers[i].endpoint;
+                    t.reqs.values().any(|r| &r.receiver == ep && !matches!(r.state, ReqState::Done(_)))
+                };
+                if active {
+                    self.buf.clear();
+                    let hbm = Message::Heartbeat(Heartbeat { sender_id: self.shared.cfg.sender_id.clone() });
+                    encode_into(&hbm, &mut self.buf);
+                    let _ = self.peers[i].send_raw(&self.buf);
+                }
+            }
+        }
+    }
+
+    /// Fails the requests whose messages went unanswered too long.
+    fn reply_timeout(&mut self, i: usize, now: Instant, limit: Duration) {
+        let late: Vec<Outstanding> = if self.peers[i].mode == Mode::Legacy {
+            // Order is lost: start a fresh connection and fail all in it.
+            let p = &mut self.peers[i];
+            let mut v: Vec<Outstanding> = p.fifo.drain(..).map(|(o, _)| o).collect();
+            v.extend(p.waiting.drain(..).map(|(o, _)| o));
+            self.renew_socket(i);
+            v
+        } else {
+            let p = &mut self.peers[i];
+            let seqs: Vec<u64> =
+                p.by_seq.iter().filter(|(_, (_, t))| now.saturating_duration_since(*t) >= limit).map(|(s, _)| *s).collect();
+            seqs.into_iter().filter_map(|s| p.by_seq.remove(&s).map(|(o, _)| o)).collect()
+        };
+        for o in late {
+            if let Outstanding::Batch(id) = o {
+                let resp = AllocResponse::failure(
+                    1,
+                    None,
+                    ErrorCode::ReplyTimeout,
+                    format!("no reply from {} within {:?}", self.peers[i].endpoint, limit),
+                );
+                // Reuse the refusal path (aborts the request, frees its data).
+                let req = self.shared.table.lock().batches.get(&id).map(|b| b.req_id.clone());
+                self.on_batch_reply(i, id, resp);
+                if let Some(req) = req {
+                    self.dirty.insert(req);
+                }
+            }
+        }
+    }
+
+    fn next_timer(&self) -> Option<Instant> {
+        let cfg = &self.shared.cfg;
+        let mut next: Option<Instant> = None;
+        let mut consider = |t: Instant| next = Some(next.map_or(t, |n: Instant| n.min(t)));
+        for p in &self.peers {
+            if let Mode::Handshaking(since) = p.mode {
+                consider(since + cfg.hello_timeout);
+            }
+            if let Some(t) = p.oldest() {
+                consider(t + cfg.reply_timeout);
+            }
+            if p.mode == Mode::Extended {
+                consider(p.last_heartbeat + cfg.heartbeat_interval);
+            }
+        }
+        if !self.backlog.is_empty() {
+            // Credit returns with completions, which wake us; this is a
+            // safety net only.
+            consider(Instant::now() + Duration::from_millis(10));
+        }
+        next
+    }
+}

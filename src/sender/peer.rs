@@ -1,0 +1,110 @@
+//! One receiver as seen by the sender's ctrl thread: its DEALER socket, the
+//! handshake, and how replies are matched to what was sent.
+//!
+//! A kvferry receiver answers `Hello`; then requests are pipelined and
+//! replies matched by `seq` (many AllocRequests in flight, no per-receiver
+//! lock across a round trip). A receiver that does not answer in time is
+//! treated as an LMCache receiver: no extensions, one outstanding message,
+//! replies matched in order, and one request at a time (LMCache's own rule,
+//! which keeps a parked request from blocking the batches of an admitted one
+//! behind the single outstanding slot).
+
+use std::collections::{HashMap, VecDeque};
+use std::time::Instant;
+
+use crate::transport::{PeerIndex, RemoteBuffer};
+
+/// What a reply answers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Outstanding {
+    /// The AllocRequest of this batch.
+    Batch(u64),
+    /// The CancelNotif of this request.
+    Cancel(String),
+}
+
+/// The peer's protocol mode.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Mode {
+    /// `Hello` sent at this instant, no answer yet.
+    Handshaking(Instant),
+    /// kvferry receiver: extensions, pipelining.
+    Extended,
+    /// LMCache-style receiver: one message at a time.
+    Legacy,
+    /// Unusable (no descriptor, transport refused it).
+    Failed(String),
+}
+
+/// A receiver connection.
+pub(super) struct Peer {
+    pub endpoint: String,
+    pub sock: zmq::Socket,
+    pub token: usize,
+    pub mode: Mode,
+    pub index: Option<PeerIndex>,
+    pub remote: Option<RemoteBuffer>,
+    /// Extended mode: sent and unanswered, by seq.
+    pub by_seq: HashMap<u64, (Outstanding, Instant)>,
+    /// Legacy mode: sent and unanswered (at most one), in order.
+    pub fifo: VecDeque<(Outstanding, Instant)>,
+    /// Legacy mode: encoded messages waiting for the outstanding one.
+    pub waiting: VecDeque<(Outstanding, Vec<u8>)>,
+    /// Legacy mode: the one request being transferred.
+    pub legacy_active: Option<String>,
+    pub last_heartbeat: Instant,
+    /// Incarnation of the socket (the identity changes when it is replaced).
+    pub generation: u32,
+}
+
+impl Peer {
+    /// Opens a DEALER to `endpoint` with identity `"{sender_id}-to-{endpoint}"`.
+    pub fn connect(sender_id: &str, endpoint: &str, token: usize, generation: u32) -> Result<Self, zmq::Error> {
+        let sock = Self::socket(sender_id, endpoint, generation)?;
+        Ok(Self {
+            endpoint: endpoint.to_owned(),
+            sock,
+            token,
+            mode: Mode::Handshaking(Instant::now()),
+            index: None,
+            remote: None,
+            by_seq: HashMap::new(),
+            fifo: VecDeque::new(),
+            waiting: VecDeque::new(),
+            legacy_active: None,
+            last_heartbeat: Instant::now(),
+            generation,
+        })
+    }
+
+    /// A fresh DEALER socket (used again when a late reply must be shed).
+    pub fn socket(sender_id: &str, endpoint: &str, generation: u32) -> Result<zmq::Socket, zmq::Error> {
+        let sock = crate::zmq_io::context().socket(zmq::DEALER)?;
+        let identity = if generation == 0 {
+            format!("{sender_id}-to-{endpoint}")
+        } else {
+            format!("{sender_id}-to-{endpoint}#{generation}")
+        };
+        sock.set_identity(identity.as_bytes())?;
+        sock.set_linger(0)?;
+        sock.set_sndhwm(0)?;
+        sock.set_rcvhwm(0)?;
+        sock.connect(endpoint)?;
+        Ok(sock)
+    }
+
+    /// Sends one payload with the `[b"", payload]` envelope.
+    pub fn send_raw(&self, payload: &[u8]) -> Result<(), zmq::Error> {
+        self.sock.send_multipart([&[][..], payload], 0)
+    }
+
+    /// Messages sent and not answered.
+    pub fn unanswered(&self) -> usize {
+        self.by_seq.len() + self.fifo.len()
+    }
+
+    /// The oldest unanswered message's send time.
+    pub fn oldest(&self) -> Option<Instant> {
+        self.by_seq.values().map(|(_, t)| *t).chain(self.fifo.iter().map(|(_, t)| *t)).min()
+    }
+}

@@ -1,0 +1,70 @@
+//! The sender's `poll` thread: transport completions → staging frees →
+//! chunk counts → a nudge to ctrl, which sends ProxyNotif once a request is
+//! complete (ZMQ sockets stay owned by the ctrl thread alone).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use tracing::{debug, debug_span, warn};
+
+use crate::protocol::ErrorCode;
+use crate::stats::{Counter, Stage};
+use crate::transport::{Completion, Completions, PollStatus};
+
+use super::table::ReqState;
+use super::{RequestStatus, Shared};
+
+/// Completions handled per lock acquisition.
+const BATCH: usize = 256;
+
+pub(super) fn run(shared: Arc<Shared>, mut completions: Box<dyn Completions>) {
+    let span = debug_span!("sender_poll", sender = %shared.cfg.sender_id);
+    let _g = span.enter();
+    let mut buf: Vec<Completion> = Vec::with_capacity(BATCH);
+    loop {
+        buf.clear();
+        match completions.poll(&mut buf, BATCH, None) {
+            PollStatus::Ready(_) => {}
+            PollStatus::TimedOut => continue,
+            PollStatus::Closed => break,
+        }
+        let now = Instant::now();
+        let mut nudge = false;
+        {
+            let mut t = shared.table.lock();
+            for c in &buf {
+                let Some(w) = t.inflight.remove(&c.work_id) else {
+                    warn!(work_id = c.work_id, "completion for an unknown write");
+                    continue;
+                };
+                shared.slots.free(w.slots);
+                shared.stats.record(Stage::Transfer, now.saturating_duration_since(w.posted_at));
+                t.staging_freed = true;
+                let Some(r) = t.reqs.get_mut(&w.req_id) else { continue };
+                r.in_flight_ops = r.in_flight_ops.saturating_sub(1);
+                if c.ok() {
+                    r.completed_chunks += w.chunks as usize;
+                    r.bytes += w.bytes;
+                    r.last_completion_at = Some(now);
+                    shared.stats.add(Counter::Chunks, u64::from(w.chunks));
+                    shared.stats.add(Counter::Bytes, w.bytes);
+                } else if matches!(r.state, ReqState::Pending | ReqState::Admitted) {
+                    debug!(req_id = %w.req_id, status = %c.status(), "write failed; aborting the request");
+                    r.state = ReqState::Aborting(RequestStatus::Failed {
+                        code: ErrorCode::WriteFailed,
+                        reason: format!("write failed: {}", c.status()),
+                    });
+                    r.cancel.cancel();
+                }
+                if r.in_flight_ops == 0 || !c.ok() {
+                    let id = w.req_id;
+                    t.attention.push(id);
+                }
+                nudge = true;
+            }
+        }
+        if nudge {
+            shared.wake_ctrl();
+        }
+    }
+}

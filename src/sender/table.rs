@@ -1,0 +1,202 @@
+//! The sender's shared request table: per-request progress, batches waiting
+//! to be sent or written, and writes in flight. One lock guards it; caller,
+//! ctrl and poll threads hold it for short, allocation-free steps.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::Instant;
+
+use smallvec::SmallVec;
+
+use crate::cancel::CancelToken;
+use crate::slots::SlotSet;
+
+use super::{RequestStatus, TransferSpec};
+
+/// Where a batch's bytes are.
+#[derive(Debug)]
+pub(crate) enum BatchData {
+    /// In the pending area (request not admitted when stored).
+    Pending(Vec<u8>),
+    /// In staging slots, one per chunk, in order.
+    Staged(SlotSet),
+    /// An empty last batch.
+    Empty,
+}
+
+/// One `store` call's batch.
+#[derive(Debug)]
+pub(crate) struct Batch {
+    pub req_id: String,
+    pub keys: Vec<String>,
+    pub lens: SmallVec<[u32; 16]>,
+    pub data: BatchData,
+    pub is_last: bool,
+    pub stored_at: Instant,
+    pub fmt: i64,
+    pub shape: Vec<i64>,
+    pub dtype: String,
+    pub last_chunk_toks: i64,
+    /// Total payload bytes (pending-area accounting).
+    pub bytes: usize,
+    /// After the reply: receiver slot per chunk position.
+    pub remote: Vec<i64>,
+    /// After the reply: chunk positions to write (dedup'd ones removed).
+    pub writes: SmallVec<[u32; 16]>,
+}
+
+/// A request's lifecycle on the sender.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum ReqState {
+    /// First AllocRequest not yet answered.
+    Pending,
+    /// The receiver admitted it.
+    Admitted,
+    /// Cancelled or failed; waiting for in-flight writes before CancelNotif.
+    /// Holds the terminal status to report.
+    Aborting(RequestStatus),
+    /// Terminal.
+    Done(RequestStatus),
+}
+
+/// A request's progress.
+#[derive(Debug)]
+pub(crate) struct Req {
+    pub req_id: String,
+    pub receiver: String,
+    pub total: usize,
+    pub state: ReqState,
+    pub cancel: CancelToken,
+    /// Batches received from callers, not yet sent, in order.
+    pub queued: VecDeque<u64>,
+    /// AllocRequests sent and not answered.
+    pub awaiting_reply: usize,
+    /// Answered batches whose bytes still wait for staging slots.
+    pub unstaged: VecDeque<u64>,
+    /// Writes posted (or waiting for transport credit) and not completed.
+    pub in_flight_ops: usize,
+    pub stored_chunks: usize,
+    pub completed_chunks: usize,
+    pub last_stored: bool,
+    pub last_replied: bool,
+    pub first_sent: bool,
+    pub cancel_sent: bool,
+    /// Every key named in an AllocRequest (for CancelNotif).
+    pub keys_sent: Vec<String>,
+    pub created: Instant,
+    pub first_sent_at: Option<Instant>,
+    pub last_completion_at: Option<Instant>,
+    pub bytes: u64,
+}
+
+impl Req {
+    pub fn new(spec: &TransferSpec, now: Instant) -> Self {
+        Self {
+            req_id: spec.req_id.clone(),
+            receiver: spec.receiver.clone(),
+            total: spec.total_chunks,
+            state: ReqState::Pending,
+            cancel: CancelToken::new(),
+            queued: VecDeque::new(),
+            awaiting_reply: 0,
+            unstaged: VecDeque::new(),
+            in_flight_ops: 0,
+            stored_chunks: 0,
+            completed_chunks: 0,
+            last_stored: false,
+            last_replied: false,
+            first_sent: false,
+            cancel_sent: false,
+            keys_sent: Vec::new(),
+            created: now,
+            first_sent_at: None,
+            last_completion_at: None,
+            bytes: 0,
+        }
+    }
+
+    /// The status callers see.
+    pub fn status(&self) -> RequestStatus {
+        match &self.state {
+            ReqState::Done(s) => s.clone(),
+            _ => RequestStatus::InProgress,
+        }
+    }
+
+    /// Every write completed, the last batch answered, nothing left to send:
+    /// the request is complete (invariant 3's condition).
+    pub fn is_complete(&self) -> bool {
+        self.state == ReqState::Admitted
+            && self.last_stored
+            && self.last_replied
+            && self.queued.is_empty()
+            && self.unstaged.is_empty()
+            && self.awaiting_reply == 0
+            && self.in_flight_ops == 0
+            && self.completed_chunks == self.stored_chunks
+    }
+
+    /// One line for state dumps.
+    pub fn describe(&self) -> String {
+        format!(
+            "req {} -> {}: {:?}, stored {}/{} completed {}, queued {}, awaiting reply {}, unstaged {}, in flight {}, last stored {} replied {}",
+            self.req_id,
+            self.receiver,
+            self.state,
+            self.stored_chunks,
+            self.total,
+            self.completed_chunks,
+            self.queued.len(),
+            self.awaiting_reply,
+            self.unstaged.len(),
+            self.in_flight_ops,
+            self.last_stored,
+            self.last_replied
+        )
+    }
+}
+
+/// A posted write: which request, how many chunks, which staging slots.
+#[derive(Debug)]
+pub(crate) struct InFlight {
+    pub req_id: String,
+    pub chunks: u32,
+    pub bytes: u64,
+    pub slots: SlotSet,
+    pub posted_at: Instant,
+}
+
+/// How many terminal requests the table remembers for `status` queries.
+pub(crate) const TERMINAL_MEMORY: usize = 1 << 16;
+
+/// The shared table.
+#[derive(Debug, Default)]
+pub(crate) struct Table {
+    pub reqs: HashMap<String, Req>,
+    pub batches: HashMap<u64, Batch>,
+    pub inflight: HashMap<u64, InFlight>,
+    pub next_batch: u64,
+    /// Requests the ctrl thread must look at (set by poll and caller threads).
+    pub attention: Vec<String>,
+    /// Staging slots were freed since ctrl last looked.
+    pub staging_freed: bool,
+    /// Terminal requests in the order they ended (for forgetting old ones).
+    pub terminal_order: VecDeque<String>,
+    pub closing: bool,
+}
+
+impl Table {
+    /// Marks a request terminal and forgets the oldest terminal ones.
+    pub fn finish(&mut self, req_id: &str, status: RequestStatus) {
+        if let Some(r) = self.reqs.get_mut(req_id) {
+            r.state = ReqState::Done(status);
+            self.terminal_order.push_back(req_id.to_owned());
+        }
+        while self.terminal_order.len() > TERMINAL_MEMORY {
+            if let Some(old) = self.terminal_order.pop_front() {
+                if matches!(self.reqs.get(&old).map(|r| &r.state), Some(ReqState::Done(_))) {
+                    self.reqs.remove(&old);
+                }
+            }
+        }
+    }
+}
