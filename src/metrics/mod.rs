@@ -1,0 +1,1 @@
+//! Prometheus text exposition: a small writer and an HTTP endpoint.
