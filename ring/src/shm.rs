@@ -1,0 +1,189 @@
+//! Creating and opening ring files (memmap2), shared by `spsc::shared` and
+//! `mpsc::shared`. The creator fills a temporary sibling file and renames it
+//! into place, so `open` never sees a half-written header; `open` validates
+//! every header field before the ring is used.
+
+use std::fs::{self, File, OpenOptions};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU64 as StdAtomicU64;
+
+use memmap2::MmapMut;
+
+use crate::layout::{
+    fingerprint, round_capacity, Control, Geometry, Header, Kind, LAYOUT_VERSION, MAGIC,
+    MAX_CAPACITY, PAGE,
+};
+use crate::ring::Ring;
+use crate::sync::Ordering;
+use crate::{CapacityError, Plain, ShmError};
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ShmError + '_ {
+    move |source| ShmError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn check_align<T>() -> Result<(), ShmError> {
+    let align = std::mem::align_of::<T>();
+    if align > PAGE {
+        return Err(ShmError::AlignTooLarge { align });
+    }
+    Ok(())
+}
+
+/// Create (or atomically replace) the ring file at `path`.
+pub(crate) fn create<T: Plain>(
+    path: &Path,
+    capacity: usize,
+    kind: Kind,
+) -> Result<Ring<T>, ShmError> {
+    check_align::<T>()?;
+    let too_large = CapacityError {
+        requested: capacity,
+    };
+    let cap = round_capacity(capacity).ok_or(too_large)?;
+    let geom = Geometry::of::<T>(cap, kind).ok_or(too_large)?;
+    static COUNTER: StdAtomicU64 = StdAtomicU64::new(0);
+    // Relaxed: a unique number, nothing else.
+    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".tmp.{}.{n}", std::process::id()));
+    let tmp = PathBuf::from(tmp);
+    let result = fill_and_rename::<T>(&tmp, path, &geom, kind);
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
+fn fill_and_rename<T: Plain>(
+    tmp: &Path,
+    path: &Path,
+    geom: &Geometry,
+    kind: Kind,
+) -> Result<Ring<T>, ShmError> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(tmp)
+        .map_err(io(tmp))?;
+    file.set_len(geom.total_len).map_err(io(tmp))?;
+    let mut map = map(&file, tmp)?;
+    let ctrl = map.as_mut_ptr() as *mut Control;
+    // SAFETY: the mapping is page aligned and at least total_len >=
+    // size_of::<Control>() bytes, and nobody else knows the temporary file
+    // yet, so we may initialise the control block in place. The zero-filled
+    // stamps and slots are already valid (stamps 0, T: Plain).
+    unsafe { ctrl.write(Control::new(geom, kind, fingerprint::<T>(), 0)) };
+    // SAFETY: just initialised above.
+    let header = unsafe { &(*ctrl).header.0 };
+    // Release: pairs with the Acquire load of the magic in `open`; the magic
+    // is written last so a reader that sees it sees the whole header.
+    header.magic.store(MAGIC, Ordering::Release);
+    fs::rename(tmp, path).map_err(io(path))?;
+    // SAFETY: the mapping is total_len bytes and initialised for `geom`.
+    Ok(unsafe { Ring::from_mapping(map, geom, kind) })
+}
+
+fn map(file: &File, path: &Path) -> Result<MmapMut, ShmError> {
+    // SAFETY: memmap2's contract is that the file is not truncated or
+    // resized under the mapping. Ring files are only written through the
+    // mapping and never shrunk by this crate (documented in docs/ring.md);
+    // all concurrent access to the mapped bytes goes through atomics or the
+    // slot protocol.
+    unsafe { MmapMut::map_mut(file) }.map_err(io(path))
+}
+
+/// Open an existing ring file and validate its header for `T` and `kind`.
+pub(crate) fn open<T: Plain>(path: &Path, kind: Kind) -> Result<Ring<T>, ShmError> {
+    check_align::<T>()?;
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(io(path))?;
+    let len = file.metadata().map_err(io(path))?.len();
+    let ctrl_len = std::mem::size_of::<Control>() as u64;
+    if len < ctrl_len {
+        return Err(ShmError::Truncated {
+            len,
+            expected: ctrl_len,
+        });
+    }
+    let map = map(&file, path)?;
+    // SAFETY: the mapping is page aligned and at least size_of::<Control>()
+    // bytes; every field of Header is an integer (any bit pattern valid).
+    let header = unsafe { &*(map.as_ptr() as *const Header) };
+    let geom = validate::<T>(header, kind, len)?;
+    // SAFETY: `validate` checked the header against `geom` and that the file
+    // holds total_len bytes.
+    Ok(unsafe { Ring::from_mapping(map, &geom, kind) })
+}
+
+fn validate<T>(h: &Header, kind: Kind, len: u64) -> Result<Geometry, ShmError> {
+    // Acquire: pairs with the creator's Release store of the magic.
+    let magic = h.magic.load(Ordering::Acquire);
+    if magic != MAGIC {
+        return Err(ShmError::BadMagic { found: magic });
+    }
+    if h.version != LAYOUT_VERSION {
+        return Err(ShmError::VersionMismatch {
+            found: h.version,
+            expected: LAYOUT_VERSION,
+        });
+    }
+    if h.kind != kind as u32 {
+        return Err(ShmError::KindMismatch {
+            found: h.kind,
+            expected: kind as u32,
+        });
+    }
+    let cap = h.capacity;
+    if cap == 0 || !cap.is_power_of_two() || cap > MAX_CAPACITY as u64 {
+        return Err(ShmError::BadCapacity { found: cap });
+    }
+    let size = std::mem::size_of::<T>() as u64;
+    if h.entry_size != size {
+        return Err(ShmError::EntrySizeMismatch {
+            found: h.entry_size,
+            expected: size,
+        });
+    }
+    let align = std::mem::align_of::<T>() as u64;
+    if h.entry_align != align {
+        return Err(ShmError::EntryAlignMismatch {
+            found: h.entry_align,
+            expected: align,
+        });
+    }
+    let fp = fingerprint::<T>();
+    if h.fingerprint != fp {
+        return Err(ShmError::FingerprintMismatch {
+            found: h.fingerprint,
+            expected: fp,
+        });
+    }
+    let geom = Geometry::of::<T>(cap, kind).ok_or(ShmError::BadCapacity { found: cap })?;
+    for (field, found, expected) in [
+        ("stamps_offset", h.stamps_offset, geom.stamps_offset),
+        ("slots_offset", h.slots_offset, geom.slots_offset),
+        ("total_len", h.total_len, geom.total_len),
+    ] {
+        if found != expected {
+            return Err(ShmError::LayoutMismatch {
+                field,
+                found,
+                expected,
+            });
+        }
+    }
+    if len < geom.total_len {
+        return Err(ShmError::Truncated {
+            len,
+            expected: geom.total_len,
+        });
+    }
+    Ok(geom)
+}

@@ -1,0 +1,295 @@
+//! Spawning named engine threads, optionally pinned to a CPU.
+//!
+//! Pinning pitfall (see `research/rust-deps-and-rings.md`, item 10): a
+//! spawned thread inherits its parent's affinity mask, and
+//! `core_affinity::get_core_ids()` reports the *calling thread's* mask. If
+//! the core list were queried after some thread had been pinned, it could
+//! shrink to a single core and every "pinned" thread would land there. This
+//! module therefore snapshots the allowed core list once, on first use
+//! ([`allowed_cpus`]), and checks pin requests against that snapshot.
+//! [`PinPlan::new`] and [`spawn_named`] both take the snapshot before they
+//! pin anything, and kvferry never pins the thread that calls it, only the
+//! threads it spawns. A program that pins its own threads by other means
+//! should call [`allowed_cpus`] first.
+//!
+//! A pin request for a CPU outside the snapshot (or one the kernel refuses)
+//! is not an error for the thread: it logs a `tracing` warning and runs
+//! unpinned.
+
+use std::io;
+use std::sync::OnceLock;
+use std::thread::JoinHandle;
+
+/// Why a thread could not be pinned.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum PinError {
+    /// The CPU id is not in the process's allowed core list.
+    #[error("cpu {cpu} is not in the allowed core list {allowed:?}")]
+    NotAllowed {
+        /// The requested CPU id.
+        cpu: usize,
+        /// The allowed core list snapshot.
+        allowed: Vec<usize>,
+    },
+    /// The kernel refused to set the affinity (sched_setaffinity failed).
+    #[error("the kernel refused to pin the thread to cpu {cpu}")]
+    Refused {
+        /// The requested CPU id.
+        cpu: usize,
+    },
+}
+
+/// Largest CPU id + 1 that a `cpu_set_t` can hold; `core_affinity` would
+/// index out of bounds for larger ids, so they are rejected up front.
+const CPU_SET_CAPACITY: usize = 1024;
+
+static ALLOWED: OnceLock<Vec<usize>> = OnceLock::new();
+
+/// The CPU ids this process may run on, as seen the first time this function
+/// was called (see the module docs for why it is a snapshot). Empty if the
+/// platform cannot report it, in which case every pin request runs unpinned.
+pub fn allowed_cpus() -> &'static [usize] {
+    ALLOWED.get_or_init(|| {
+        let mut ids: Vec<usize> = core_affinity::get_core_ids()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|c| c.id)
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    })
+}
+
+/// Pin the calling thread to `cpu` after checking it against
+/// [`allowed_cpus`].
+pub fn pin_current(cpu: usize) -> Result<(), PinError> {
+    pin_current_checked(cpu, allowed_cpus())
+}
+
+fn pin_current_checked(cpu: usize, allowed: &[usize]) -> Result<(), PinError> {
+    if cpu >= CPU_SET_CAPACITY || !allowed.contains(&cpu) {
+        return Err(PinError::NotAllowed {
+            cpu,
+            allowed: allowed.to_vec(),
+        });
+    }
+    if core_affinity::set_for_current(core_affinity::CoreId { id: cpu }) {
+        Ok(())
+    } else {
+        Err(PinError::Refused { cpu })
+    }
+}
+
+/// Spawn a thread called `name`; if `pin` is `Some(cpu)` the thread pins
+/// itself to `cpu` before running `f`.
+///
+/// A CPU that is not allowed (or that the kernel refuses) is logged as a
+/// `tracing` warning and the thread runs unpinned; it never panics.
+/// Errors: `InvalidInput` if `name` contains a NUL byte (std would panic),
+/// or the OS error if the thread cannot be created.
+pub fn spawn_named<F, T>(name: &str, pin: Option<usize>, f: F) -> io::Result<JoinHandle<T>>
+where
+    F: FnOnce() -> T + Send + 'static,
+    T: Send + 'static,
+{
+    if name.contains('\0') {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("thread name {name:?} contains a NUL byte"),
+        ));
+    }
+    // Snapshot the allowed list in the parent, before the child pins itself.
+    let allowed = allowed_cpus();
+    let owned_name = name.to_owned();
+    std::thread::Builder::new()
+        .name(name.to_owned())
+        .spawn(move || {
+            if let Some(cpu) = pin {
+                match pin_current_checked(cpu, allowed) {
+                    Ok(()) => tracing::debug!(thread = %owned_name, cpu, "pinned thread"),
+                    Err(e) => tracing::warn!(
+                        thread = %owned_name,
+                        error = %e,
+                        "cannot pin thread; running unpinned"
+                    ),
+                }
+            }
+            f()
+        })
+}
+
+/// Hands out CPU ids from a configured list round-robin, one per thread
+/// role, so that a config like `cpus = [0, 1]` spreads the engine's threads.
+/// [`PinPlan::none`] (or an empty list) leaves every thread unpinned.
+#[derive(Debug, Clone, Default)]
+pub struct PinPlan {
+    cpus: Vec<usize>,
+    next: usize,
+}
+
+impl PinPlan {
+    /// A plan over `cpus` (in the given order). Takes the allowed-core
+    /// snapshot now, before anything is pinned; ids outside it are kept
+    /// (they are reported when a thread tries to use them).
+    pub fn new(cpus: Vec<usize>) -> Self {
+        let allowed = allowed_cpus();
+        for cpu in cpus.iter().filter(|c| !allowed.contains(c)) {
+            tracing::debug!(cpu, ?allowed, "pin plan names a cpu outside the allowed set");
+        }
+        Self { cpus, next: 0 }
+    }
+
+    /// A plan that never pins.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// True if the plan never pins.
+    pub fn is_empty(&self) -> bool {
+        self.cpus.is_empty()
+    }
+
+    /// The configured CPU ids.
+    pub fn cpus(&self) -> &[usize] {
+        &self.cpus
+    }
+
+    /// The next CPU id, round-robin; `None` for an empty plan.
+    #[allow(clippy::should_implement_trait)] // endless round-robin, not an Iterator
+    pub fn next(&mut self) -> Option<usize> {
+        if self.cpus.is_empty() {
+            return None;
+        }
+        let cpu = self.cpus[self.next % self.cpus.len()];
+        self.next = (self.next + 1) % self.cpus.len();
+        Some(cpu)
+    }
+
+    /// [`PinPlan::next`] for the thread role `role`, logged at debug level.
+    pub fn next_for(&mut self, role: &str) -> Option<usize> {
+        let cpu = self.next();
+        tracing::debug!(role, ?cpu, "pin plan assignment");
+        cpu
+    }
+
+    /// Spawn `f` on a thread called `name`, pinned to the plan's next CPU.
+    pub fn spawn<F, T>(&mut self, name: &str, f: F) -> io::Result<JoinHandle<T>>
+    where
+        F: FnOnce() -> T + Send + 'static,
+        T: Send + 'static,
+    {
+        let cpu = self.next_for(name);
+        spawn_named(name, cpu, f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn current_mask() -> Vec<usize> {
+        let mut v: Vec<usize> = core_affinity::get_core_ids()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|c| c.id)
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    #[test]
+    fn allowed_cpus_is_nonempty_and_sorted() {
+        let a = allowed_cpus();
+        assert!(!a.is_empty(), "core list unavailable on this platform");
+        assert!(a.windows(2).all(|w| w[0] < w[1]));
+    }
+
+    #[test]
+    fn spawn_named_names_the_thread_and_returns_value() {
+        let h = spawn_named("kvf-test-name", None, || {
+            std::thread::current().name().map(str::to_owned)
+        })
+        .unwrap();
+        assert_eq!(h.join().unwrap().as_deref(), Some("kvf-test-name"));
+    }
+
+    #[test]
+    fn spawn_named_pins_to_an_allowed_cpu() {
+        let cpu = *allowed_cpus().last().unwrap();
+        let mask = spawn_named("kvf-test-pin", Some(cpu), current_mask)
+            .unwrap()
+            .join()
+            .unwrap();
+        assert_eq!(mask, vec![cpu]);
+    }
+
+    #[test]
+    fn unavailable_cpu_runs_unpinned_without_panicking() {
+        let parent = current_mask();
+        for cpu in [999, usize::MAX] {
+            let mask = spawn_named("kvf-test-bad", Some(cpu), current_mask)
+                .unwrap()
+                .join()
+                .expect("thread with an unavailable cpu must not panic");
+            assert_eq!(mask, parent, "cpu {cpu}");
+        }
+    }
+
+    #[test]
+    fn nul_in_name_is_invalid_input() {
+        let e = spawn_named("bad\0name", None, || ()).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+    }
+
+    #[test]
+    fn pin_error_variants() {
+        // NotAllowed: outside the allowed list (and beyond cpu_set_t).
+        let e = pin_current_checked(5000, &[0]).unwrap_err();
+        assert_eq!(e, PinError::NotAllowed { cpu: 5000, allowed: vec![0] });
+        assert!(e.to_string().contains("5000"));
+        // Refused: the list claims cpu 1000 exists but the kernel has no such
+        // cpu. Run it on a scratch thread so a surprise success cannot pin
+        // the test harness thread.
+        let r = std::thread::spawn(|| pin_current_checked(1000, &[1000]))
+            .join()
+            .unwrap();
+        assert_eq!(r, Err(PinError::Refused { cpu: 1000 }));
+        // pin_current checks against the real snapshot.
+        let r = std::thread::spawn(|| pin_current(usize::MAX)).join().unwrap();
+        assert!(matches!(r, Err(PinError::NotAllowed { .. })));
+    }
+
+    #[test]
+    fn pin_plan_round_robin_and_none() {
+        let mut p = PinPlan::new(vec![0, 1]);
+        assert_eq!(
+            (0..5).map(|_| p.next()).collect::<Vec<_>>(),
+            [Some(0), Some(1), Some(0), Some(1), Some(0)]
+        );
+        assert_eq!(p.cpus(), &[0, 1]);
+        let mut n = PinPlan::none();
+        assert!(n.is_empty());
+        assert_eq!(n.next(), None);
+        assert_eq!(n.next_for("ctrl"), None);
+        assert!(PinPlan::new(vec![]).next().is_none());
+    }
+
+    #[test]
+    fn pin_plan_spawn_uses_next_cpu() {
+        let cpu = allowed_cpus()[0];
+        let mut p = PinPlan::new(vec![cpu]);
+        let (name, mask) = p
+            .spawn("kvf-test-plan", || {
+                (std::thread::current().name().map(str::to_owned), current_mask())
+            })
+            .unwrap()
+            .join()
+            .unwrap();
+        assert_eq!(name.as_deref(), Some("kvf-test-plan"));
+        assert_eq!(mask, vec![cpu]);
+        let mut none = PinPlan::none();
+        let mask = none.spawn("kvf-test-plan2", current_mask).unwrap().join().unwrap();
+        assert_eq!(mask, current_mask());
+    }
+}
