@@ -38,7 +38,7 @@ impl Receiver {
                 "kvferry_receiver_requests_total",
                 "Requests by outcome.",
                 &[("outcome", outcome)],
-                *n as f64,
+                *n,
             );
         }
         for (code, n) in &s.core.errors_total {
@@ -46,10 +46,10 @@ impl Receiver {
                 "kvferry_receiver_errors_total",
                 "Error replies by code.",
                 &[("code", code)],
-                *n as f64,
+                *n,
             );
         }
-        w.counter("kvferry_receiver_bad_frames_total", "Frames that could not be decoded.", s.bad_frames as f64);
+        w.counter("kvferry_receiver_bad_frames_total", "Frames that could not be decoded.", s.bad_frames);
         w.histogram(
             "kvferry_receiver_admission_wait_us",
             "Time from a request's first batch to its admission, microseconds.",

@@ -448,3 +448,6 @@ impl Drop for ChunkRef {
         self.shared.post(&mut st, out);
     }
 }
+
+#[cfg(test)]
+mod core_tests;
