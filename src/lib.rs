@@ -3,12 +3,16 @@
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 
 pub mod backoff;
+pub mod cancel;
 pub mod cli;
+pub mod ledger;
 pub mod metrics;
 pub mod proxy;
 pub mod receiver;
 pub mod region;
 pub mod sender;
+pub mod slots;
 pub mod stats;
+mod sync;
 pub mod threads;
 pub mod zmq_io;
