@@ -7,6 +7,7 @@ pub mod cancel;
 pub mod cli;
 pub mod ledger;
 pub mod metrics;
+pub mod protocol;
 pub mod proxy;
 pub mod receiver;
 pub mod region;

@@ -1,0 +1,626 @@
+//! Golden-bytes tests for the control-plane wire format.
+//!
+//! Every frame here is written by hand from the msgpack spec (fixmap 0x8N,
+//! fixarray 0x9N, fixstr 0xa0|len followed by the text, uint8 0xcc, ...), in
+//! the field order PROTOCOL.md declares. Each must decode to the expected
+//! value, and encoding that value must give back exactly these bytes (what
+//! msgspec produces), so kvferry and LMCache peers understand each other.
+
+use kvferry::protocol::*;
+
+/// Splits a top-level msgpack map into raw (key, value) byte slices, by hand
+/// (independent of the crate's own scanner).
+fn entries(frame: &[u8]) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let (n, mut pos) = match frame[0] {
+        m @ 0x80..=0x8f => (usize::from(m & 0x0f), 1),
+        0xde => (usize::from(u16::from_be_bytes([frame[1], frame[2]])), 3),
+        m => panic!("not a map: {m:#x}"),
+    };
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let k = skip(frame, pos);
+        let v = skip(frame, k);
+        out.push((frame[pos..k].to_vec(), frame[k..v].to_vec()));
+        pos = v;
+    }
+    assert_eq!(pos, frame.len(), "trailing bytes in test frame");
+    out
+}
+
+/// Returns the offset just past the msgpack value starting at `pos`.
+fn skip(b: &[u8], pos: usize) -> usize {
+    let be = |at: usize, n: usize| {
+        b[at..at + n]
+            .iter()
+            .fold(0usize, |a, &x| (a << 8) | usize::from(x))
+    };
+    let m = b[pos];
+    match m {
+        0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => pos + 1,
+        0x80..=0x8f => (0..usize::from(m & 0x0f) * 2).fold(pos + 1, |p, _| skip(b, p)),
+        0x90..=0x9f => (0..usize::from(m & 0x0f)).fold(pos + 1, |p, _| skip(b, p)),
+        0xa0..=0xbf => pos + 1 + usize::from(m & 0x1f),
+        0xc4 | 0xd9 => pos + 2 + be(pos + 1, 1),
+        0xc5 | 0xda => pos + 3 + be(pos + 1, 2),
+        0xc6 | 0xdb => pos + 5 + be(pos + 1, 4),
+        0xca => pos + 5,
+        0xcb => pos + 9,
+        0xcc | 0xd0 => pos + 2,
+        0xcd | 0xd1 => pos + 3,
+        0xce | 0xd2 => pos + 5,
+        0xcf | 0xd3 => pos + 9,
+        0xdc => (0..be(pos + 1, 2)).fold(pos + 3, |p, _| skip(b, p)),
+        0xde => (0..be(pos + 1, 2) * 2).fold(pos + 3, |p, _| skip(b, p)),
+        m => panic!("test helper does not handle marker {m:#x}"),
+    }
+}
+
+/// Reassembles a map from entries (fixmap / map16 header).
+fn map(entries: &[(Vec<u8>, Vec<u8>)]) -> Vec<u8> {
+    let mut out = if entries.len() < 16 {
+        vec![0x80 | entries.len() as u8]
+    } else {
+        let n = entries.len() as u16;
+        vec![0xde, (n >> 8) as u8, n as u8]
+    };
+    for (k, v) in entries {
+        out.extend_from_slice(k);
+        out.extend_from_slice(v);
+    }
+    out
+}
+
+/// fixstr-encoded key, for building entries.
+fn key(k: &str) -> Vec<u8> {
+    assert!(k.len() < 32);
+    let mut v = vec![0xa0 | k.len() as u8];
+    v.extend_from_slice(k.as_bytes());
+    v
+}
+
+fn without(frame: &[u8], field: &str) -> Vec<u8> {
+    let e: Vec<_> = entries(frame)
+        .into_iter()
+        .filter(|(k, _)| *k != key(field))
+        .collect();
+    assert_eq!(e.len() + 1, entries(frame).len(), "{field} not in frame");
+    map(&e)
+}
+
+fn with(frame: &[u8], extra: &[(Vec<u8>, Vec<u8>)]) -> Vec<u8> {
+    let mut e = entries(frame);
+    e.extend_from_slice(extra);
+    map(&e)
+}
+
+// ---------------------------------------------------------------------------
+// The golden frames.
+
+/// PROTOCOL.md's reference vector, byte for byte.
+const ALLOC_REQUEST_REF: &[u8] = b"\x89\xa4type\xacAllocRequest\xa4keys\x91\xa1a\xa3fmt\x01\
+\xa5shape\x91\x02\xa5dtype\xa4bf16\xaflast_chunk_toks\x03\xa6req_id\xa0\
+\xadis_last_batch\xc2\xactotal_chunks\x00";
+
+fn alloc_request_ref() -> Message {
+    Message::AllocRequest(AllocRequest {
+        keys: vec!["a".into()],
+        fmt: 1,
+        shape: vec![2],
+        dtype: "bf16".into(),
+        last_chunk_toks: 3,
+        req_id: String::new(),
+        is_last_batch: false,
+        total_chunks: 0,
+        seq: None,
+    })
+}
+
+/// Every field set, including the `seq` extension; multi-byte int widths.
+const ALLOC_REQUEST_FULL: &[u8] = b"\x8a\xa4type\xacAllocRequest\xa4keys\x92\xa2k1\xa2k2\
+\xa3fmt\x02\xa5shape\x93\x02\x10\xcd\x01\x00\xa5dtype\xa8bfloat16\
+\xaflast_chunk_toks\xcc\xc8\xa6req_id\xa2r1\xadis_last_batch\xc3\
+\xactotal_chunks\xcd\x01\x2c\xa3seq\xce\x00\x01\x11\x70";
+
+fn alloc_request_full() -> Message {
+    Message::AllocRequest(AllocRequest {
+        keys: vec!["k1".into(), "k2".into()],
+        fmt: 2,
+        shape: vec![2, 16, 256],
+        dtype: "bfloat16".into(),
+        last_chunk_toks: 200,
+        req_id: "r1".into(),
+        is_last_batch: true,
+        total_chunks: 300,
+        seq: Some(70_000),
+    })
+}
+
+/// LMCache-shaped success reply (no extensions).
+const ALLOC_RESPONSE_OK: &[u8] = b"\x83\xa4type\xadAllocResponse\xaeremote_indexes\x92\x00\x05\
+\xb4already_sent_indexes\x91\x01";
+
+fn alloc_response_ok() -> Message {
+    Message::AllocResponse(AllocResponse::ok(vec![0, 5], vec![1], None))
+}
+
+/// kvferry failure reply: -1 indexes plus seq, error and code.
+const ALLOC_RESPONSE_FAIL: &[u8] = b"\x86\xa4type\xadAllocResponse\xaeremote_indexes\x92\xff\xff\
+\xb4already_sent_indexes\x90\xa3seq\x07\xa5error\xa7too big\
+\xa4code\xb0buffer_too_small";
+
+fn alloc_response_fail() -> Message {
+    Message::AllocResponse(AllocResponse::failure(
+        2,
+        Some(7),
+        ErrorCode::BufferTooSmall,
+        "too big",
+    ))
+}
+
+const PROXY_NOTIF: &[u8] = b"\x82\xa4type\xaaProxyNotif\xa6req_id\xa3r-1";
+
+fn proxy_notif() -> Message {
+    Message::ProxyNotif(ProxyNotif {
+        req_id: "r-1".into(),
+    })
+}
+
+const CANCEL_NOTIF: &[u8] = b"\x83\xa4type\xabCancelNotif\xa6req_id\xa2r2\xa4keys\x92\xa1a\xa1b";
+
+fn cancel_notif() -> Message {
+    Message::CancelNotif(CancelNotif {
+        req_id: "r2".into(),
+        keys: vec!["a".into(), "b".into()],
+        seq: None,
+    })
+}
+
+const CANCEL_NOTIF_SEQ: &[u8] =
+    b"\x84\xa4type\xabCancelNotif\xa6req_id\xa2r2\xa4keys\x90\xa3seq\xcc\xff";
+
+fn cancel_notif_seq() -> Message {
+    Message::CancelNotif(CancelNotif {
+        req_id: "r2".into(),
+        keys: vec![],
+        seq: Some(255),
+    })
+}
+
+const HELLO_SHM: &[u8] = b"\x85\xa4type\xa5Hello\xa9sender_id\xa2p0\xa7version\x01\
+\xa9transport\xa3shm\xaadescriptor\x83\xa4kind\xa3shm\xa4path\xa8/dev/shm\
+\xa3len\xce\x00\x10\x00\x00";
+
+fn hello_shm() -> Message {
+    Message::Hello(Hello {
+        sender_id: "p0".into(),
+        version: 1,
+        transport: "shm".into(),
+        descriptor: Descriptor::Shm {
+            path: "/dev/shm".into(),
+            len: 1 << 20,
+        },
+    })
+}
+
+const HELLO_NONE: &[u8] = b"\x85\xa4type\xa5Hello\xa9sender_id\xa0\xa7version\xce\xff\xff\xff\xff\
+\xa9transport\xa4none\xaadescriptor\x81\xa4kind\xa4none";
+
+fn hello_none() -> Message {
+    Message::Hello(Hello {
+        sender_id: String::new(),
+        version: u32::MAX,
+        transport: "none".into(),
+        descriptor: Descriptor::None,
+    })
+}
+
+const HELLO_ACK_RDMA: &[u8] = b"\x87\xa4type\xa8HelloAck\xabreceiver_id\xa2d0\xa7version\x01\
+\xa9transport\xa4rdma\xaadescriptor\x87\xa4kind\xa4rdma\xa6qp_num\xcd\x01\x23\xa3lid\x00\
+\xa3gid\xc4\x10\xfe\x80\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x01\
+\xa4rkey\xce\xde\xad\xbe\xef\xa4addr\xcf\x00\x00\x7f\x00\x00\x00\x10\x00\
+\xa3len\xce\x40\x00\x00\x00\
+\xabchunk_bytes\xce\x00\x08\x00\x00\xafcapacity_chunks\xcd\x02\x00";
+
+fn hello_ack_rdma() -> Message {
+    let mut gid = vec![0u8; 16];
+    gid[0] = 0xfe;
+    gid[1] = 0x80;
+    gid[15] = 1;
+    Message::HelloAck(HelloAck {
+        receiver_id: "d0".into(),
+        version: 1,
+        transport: "rdma".into(),
+        descriptor: Descriptor::Rdma {
+            qp_num: 0x123,
+            lid: 0,
+            gid,
+            rkey: 0xdead_beef,
+            addr: 0x7f00_0000_1000,
+            len: 1 << 30,
+        },
+        chunk_bytes: 512 * 1024,
+        capacity_chunks: 512,
+    })
+}
+
+const HELLO_ACK_TCP: &[u8] = b"\x87\xa4type\xa8HelloAck\xabreceiver_id\xa2d1\xa7version\x01\
+\xa9transport\xa3tcp\xaadescriptor\x82\xa4kind\xa3tcp\xa4addr\xad10.0.0.2:7401\
+\xabchunk_bytes\xcd\x10\x00\xafcapacity_chunks\x00";
+
+fn hello_ack_tcp() -> Message {
+    Message::HelloAck(HelloAck {
+        receiver_id: "d1".into(),
+        version: 1,
+        transport: "tcp".into(),
+        descriptor: Descriptor::Tcp {
+            addr: "10.0.0.2:7401".into(),
+        },
+        chunk_bytes: 4096,
+        capacity_chunks: 0,
+    })
+}
+
+const TRANSFER_DONE: &[u8] =
+    b"\x83\xa4type\xacTransferDone\xa6req_id\xa2r9\xa3seq\xcf\xff\xff\xff\xff\xff\xff\xff\xff";
+
+fn transfer_done() -> Message {
+    Message::TransferDone(TransferDone {
+        req_id: "r9".into(),
+        seq: Some(u64::MAX),
+    })
+}
+
+const TRANSFER_DONE_NO_SEQ: &[u8] = b"\x82\xa4type\xacTransferDone\xa6req_id\xa2r9";
+
+fn transfer_done_no_seq() -> Message {
+    Message::TransferDone(TransferDone {
+        req_id: "r9".into(),
+        seq: None,
+    })
+}
+
+const HEARTBEAT: &[u8] = b"\x82\xa4type\xa9Heartbeat\xa9sender_id\xa2p7";
+
+fn heartbeat() -> Message {
+    Message::Heartbeat(Heartbeat {
+        sender_id: "p7".into(),
+    })
+}
+
+fn golden() -> Vec<(&'static str, &'static [u8], Message)> {
+    vec![
+        (
+            "AllocRequest (reference vector)",
+            ALLOC_REQUEST_REF,
+            alloc_request_ref(),
+        ),
+        (
+            "AllocRequest (all fields)",
+            ALLOC_REQUEST_FULL,
+            alloc_request_full(),
+        ),
+        ("AllocResponse (ok)", ALLOC_RESPONSE_OK, alloc_response_ok()),
+        (
+            "AllocResponse (failure)",
+            ALLOC_RESPONSE_FAIL,
+            alloc_response_fail(),
+        ),
+        ("ProxyNotif", PROXY_NOTIF, proxy_notif()),
+        ("CancelNotif", CANCEL_NOTIF, cancel_notif()),
+        ("CancelNotif (seq)", CANCEL_NOTIF_SEQ, cancel_notif_seq()),
+        ("Hello (shm)", HELLO_SHM, hello_shm()),
+        ("Hello (none)", HELLO_NONE, hello_none()),
+        ("HelloAck (rdma)", HELLO_ACK_RDMA, hello_ack_rdma()),
+        ("HelloAck (tcp)", HELLO_ACK_TCP, hello_ack_tcp()),
+        ("TransferDone", TRANSFER_DONE, transfer_done()),
+        (
+            "TransferDone (no seq)",
+            TRANSFER_DONE_NO_SEQ,
+            transfer_done_no_seq(),
+        ),
+        ("Heartbeat", HEARTBEAT, heartbeat()),
+    ]
+}
+
+#[test]
+fn reference_vector_from_protocol_md() {
+    assert_eq!(decode(ALLOC_REQUEST_REF).unwrap(), alloc_request_ref());
+    assert_eq!(encode(&alloc_request_ref()), ALLOC_REQUEST_REF);
+}
+
+#[test]
+fn golden_frames_decode_and_encode_byte_exact() {
+    for (name, bytes, msg) in golden() {
+        assert_eq!(
+            decode(bytes).unwrap_or_else(|e| panic!("{name}: {e}")),
+            msg,
+            "{name}: decode"
+        );
+        assert_eq!(encode(&msg), bytes, "{name}: encode is not byte-identical");
+        assert_eq!(decode(&encode(&msg)).unwrap(), msg, "{name}: round trip");
+    }
+}
+
+#[test]
+fn every_message_type_has_a_golden_frame() {
+    let mut seen: Vec<&str> = golden().iter().map(|(_, _, m)| m.type_name()).collect();
+    seen.sort_unstable();
+    seen.dedup();
+    assert_eq!(seen.len(), 8, "{seen:?}");
+}
+
+// ---------------------------------------------------------------------------
+// Field order, unknown fields, defaults, required fields.
+
+#[test]
+fn any_field_order_is_accepted_including_type_last() {
+    for (name, bytes, msg) in golden() {
+        let e = entries(bytes);
+        let mut reversed = e.clone();
+        reversed.reverse();
+        assert_eq!(decode(&map(&reversed)).unwrap(), msg, "{name}: reversed");
+        for r in 1..e.len() {
+            let mut rotated = e.clone();
+            rotated.rotate_left(r);
+            assert_eq!(
+                decode(&map(&rotated)).unwrap(),
+                msg,
+                "{name}: rotated by {r}"
+            );
+        }
+    }
+}
+
+/// Values of every msgpack kind, nested, as a newer peer might send.
+fn unknown_entries() -> Vec<(Vec<u8>, Vec<u8>)> {
+    vec![
+        // {"a": [1, {"b": nil}, -5], "c": bin(2)}
+        (
+            key("zz_future"),
+            b"\x82\xa1a\x93\x01\x81\xa1b\xc0\xfb\xa1c\xc4\x02\x00\x01".to_vec(),
+        ),
+        // [true, 1.5 (float64), "s", ext fixext1, [], {}]
+        (
+            key("another"),
+            b"\x96\xc3\xcb\x3f\xf8\x00\x00\x00\x00\x00\x00\xa1s\xd4\x01\x07\x90\x80".to_vec(),
+        ),
+        (key("f32"), b"\xca\x3f\xc0\x00\x00".to_vec()),
+        (key("n"), b"\xd3\x80\x00\x00\x00\x00\x00\x00\x00".to_vec()),
+        // A map with a non-string key inside an unknown field is fine.
+        (key("intkeys"), b"\x81\x01\x02".to_vec()),
+    ]
+}
+
+#[test]
+fn unknown_fields_are_ignored() {
+    for (name, bytes, msg) in golden() {
+        let frame = with(bytes, &unknown_entries());
+        assert_eq!(decode(&frame).unwrap(), msg, "{name}");
+        // And before "type", too.
+        let mut e = unknown_entries();
+        e.extend(entries(bytes));
+        assert_eq!(
+            decode(&map(&e)).unwrap(),
+            msg,
+            "{name}: unknown fields first"
+        );
+    }
+}
+
+#[test]
+fn unknown_descriptor_fields_are_ignored() {
+    let e: Vec<_> = entries(HELLO_SHM)
+        .into_iter()
+        .map(|(k, v)| {
+            if k == key("descriptor") {
+                // {"kind":"shm","path":"/dev/shm","len":1<<20,"numa":[0,1]}
+                (k, b"\x84\xa4kind\xa3shm\xa4path\xa8/dev/shm\xa3len\xce\x00\x10\x00\x00\xa4numa\x92\x00\x01".to_vec())
+            } else {
+                (k, v)
+            }
+        })
+        .collect();
+    assert_eq!(decode(&map(&e)).unwrap(), hello_shm());
+}
+
+#[test]
+fn missing_optional_fields_take_defaults() {
+    // LMCache's defaults: req_id "", is_last_batch false, total_chunks 0; no seq.
+    let minimal = b"\x86\xa4type\xacAllocRequest\xa4keys\x91\xa1a\xa3fmt\x01\xa5shape\x91\x02\
+\xa5dtype\xa4bf16\xaflast_chunk_toks\x03";
+    assert_eq!(decode(minimal).unwrap(), alloc_request_ref());
+    for field in ["req_id", "is_last_batch", "total_chunks"] {
+        assert_eq!(
+            decode(&without(ALLOC_REQUEST_REF, field)).unwrap(),
+            alloc_request_ref(),
+            "{field}"
+        );
+    }
+    // already_sent_indexes defaults to [].
+    let resp = b"\x82\xa4type\xadAllocResponse\xaeremote_indexes\x91\x03";
+    assert_eq!(
+        decode(resp).unwrap(),
+        Message::AllocResponse(AllocResponse::ok(vec![3], vec![], None))
+    );
+    // Extension fields may be absent or nil.
+    for field in ["seq", "error", "code"] {
+        let frame = with(resp, &[(key(field), vec![0xc0])]);
+        assert_eq!(
+            decode(&frame).unwrap(),
+            Message::AllocResponse(AllocResponse::ok(vec![3], vec![], None)),
+            "{field}: nil"
+        );
+    }
+    let frame = with(TRANSFER_DONE_NO_SEQ, &[(key("seq"), vec![0xc0])]);
+    assert_eq!(decode(&frame).unwrap(), transfer_done_no_seq());
+}
+
+fn required(type_name: &str) -> &'static [&'static str] {
+    match type_name {
+        "AllocRequest" => &["keys", "fmt", "shape", "dtype", "last_chunk_toks"],
+        "AllocResponse" => &["remote_indexes"],
+        "ProxyNotif" => &["req_id"],
+        "CancelNotif" => &["req_id", "keys"],
+        "Hello" => &["sender_id", "version", "transport", "descriptor"],
+        "HelloAck" => &[
+            "receiver_id",
+            "version",
+            "transport",
+            "descriptor",
+            "chunk_bytes",
+            "capacity_chunks",
+        ],
+        "TransferDone" => &["req_id"],
+        "Heartbeat" => &["sender_id"],
+        other => panic!("{other}"),
+    }
+}
+
+#[test]
+fn missing_required_field_is_a_typed_error() {
+    for (name, bytes, msg) in golden() {
+        let type_name = msg.type_name();
+        for (k, _) in entries(bytes) {
+            let field = std::str::from_utf8(&k[1..]).unwrap();
+            if field == "type" {
+                continue;
+            }
+            let result = decode(&without(bytes, field));
+            if required(type_name).contains(&field) {
+                assert_eq!(
+                    result,
+                    Err(ProtocolError::MissingField {
+                        message_type: type_name,
+                        field: required(type_name).iter().find(|f| **f == field).unwrap()
+                    }),
+                    "{name}: without {field}"
+                );
+            } else {
+                assert!(
+                    result.is_ok(),
+                    "{name}: optional {field} removed: {result:?}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn descriptor_missing_fields_or_kind_is_malformed() {
+    for desc in [
+        &b"\x82\xa4path\xa8/dev/shm\xa3len\x01"[..], // no kind
+        &b"\x82\xa4kind\xa3shm\xa3len\x01"[..],      // no path
+        &b"\x81\xa4kind\xa6nvlink"[..],              // unknown kind
+        &b"\x81\xa4kind\x01"[..],                    // kind not a string
+    ] {
+        let e: Vec<_> = entries(HELLO_SHM)
+            .into_iter()
+            .map(|(k, v)| {
+                if k == key("descriptor") {
+                    (k, desc.to_vec())
+                } else {
+                    (k, v)
+                }
+            })
+            .collect();
+        assert!(
+            matches!(decode(&map(&e)), Err(ProtocolError::Malformed(_))),
+            "{desc:x?}"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Integer widths: msgspec may use any width that holds the value.
+
+fn replace(frame: &[u8], field: &str, value: &[u8]) -> Vec<u8> {
+    let e: Vec<_> = entries(frame)
+        .into_iter()
+        .map(|(k, v)| {
+            if k == key(field) {
+                (k, value.to_vec())
+            } else {
+                (k, v)
+            }
+        })
+        .collect();
+    map(&e)
+}
+
+#[test]
+fn every_integer_width_is_accepted() {
+    let expect = |f: &[u8]| decode(f).unwrap_or_else(|e| panic!("{f:x?}: {e}"));
+    // fmt = 1 in every width.
+    for one in [
+        &b"\x01"[..],
+        b"\xcc\x01",
+        b"\xcd\x00\x01",
+        b"\xce\x00\x00\x00\x01",
+        b"\xcf\x00\x00\x00\x00\x00\x00\x00\x01",
+        b"\xd0\x01",
+        b"\xd1\x00\x01",
+        b"\xd2\x00\x00\x00\x01",
+        b"\xd3\x00\x00\x00\x00\x00\x00\x00\x01",
+    ] {
+        assert_eq!(
+            expect(&replace(ALLOC_REQUEST_REF, "fmt", one)),
+            alloc_request_ref()
+        );
+        // shape [2] with the element as wide ints too.
+        let mut shape = vec![0x91];
+        shape.extend_from_slice(one);
+        let Message::AllocRequest(mut r) = expect(&replace(ALLOC_REQUEST_REF, "shape", &shape))
+        else {
+            panic!()
+        };
+        assert_eq!(r.shape, vec![1]);
+        r.shape = vec![2];
+        assert_eq!(Message::AllocRequest(r), alloc_request_ref());
+        // Unsigned fields: seq (u64), version (u32), chunk_bytes (u64).
+        let f = with(ALLOC_REQUEST_REF, &[(key("seq"), one.to_vec())]);
+        assert_eq!(expect(&f).seq(), Some(1));
+        let Message::Hello(h) = expect(&replace(HELLO_SHM, "version", one)) else {
+            panic!()
+        };
+        assert_eq!(h.version, 1);
+        let Message::HelloAck(a) = expect(&replace(HELLO_ACK_TCP, "chunk_bytes", one)) else {
+            panic!()
+        };
+        assert_eq!(a.chunk_bytes, 1);
+    }
+    // Negative values in signed fields: fmt = -1 as negative fixint, int8, int16, int64.
+    for minus_one in [
+        &b"\xff"[..],
+        b"\xd0\xff",
+        b"\xd1\xff\xff",
+        b"\xd3\xff\xff\xff\xff\xff\xff\xff\xff",
+    ] {
+        let Message::AllocRequest(r) = expect(&replace(ALLOC_REQUEST_REF, "fmt", minus_one)) else {
+            panic!()
+        };
+        assert_eq!(r.fmt, -1);
+    }
+    // Largest values.
+    let Message::AllocRequest(r) = expect(&replace(
+        ALLOC_REQUEST_REF,
+        "fmt",
+        b"\xcf\x7f\xff\xff\xff\xff\xff\xff\xff",
+    )) else {
+        panic!()
+    };
+    assert_eq!(r.fmt, i64::MAX);
+    let Message::AllocRequest(r) = expect(&replace(
+        ALLOC_REQUEST_REF,
+        "fmt",
+        b"\xd3\x80\x00\x00\x00\x00\x00\x00\x00",
+    )) else {
+        panic!()
+    };
+    assert_eq!(r.fmt, i64::MIN);
+    // total_chunks and last_chunk_toks through wide encodings.
+    let f = replace(ALLOC_REQUEST_REF, "total_chunks", b"\xd2\x00\x01\x00\x00");
+    let Message::AllocRequest(r) = expect(&f) else {
+        panic!()
+    };
+    assert_eq!(r.total_chunks, 1 << 16);
+}
