@@ -8,7 +8,7 @@
 //! - every declared length fits in the bytes that remain (so a tiny frame that
 //!   declares an array of 2^32-1 elements is refused here, before anything is
 //!   reserved for it);
-//! - nesting depth <= `Limits::max_depth`, element count <= `Limits::max_elements`;
+//! - nesting depth <= `Limits::effective_max_depth()`, element count <= `Limits::max_elements`;
 //! - the message map's keys (and the descriptor map's keys) are UTF-8 strings,
 //!   none repeated;
 //! - `"type"` is present, a string, and a known message type;
@@ -144,10 +144,9 @@ impl<'a> Cursor<'a, '_> {
     }
 
     fn check_depth(&self, depth: usize) -> Result<(), ProtocolError> {
-        if depth > self.limits.max_depth {
-            Err(ProtocolError::TooDeep {
-                max: self.limits.max_depth,
-            })
+        let max = self.limits.effective_max_depth();
+        if depth > max {
+            Err(ProtocolError::TooDeep { max })
         } else {
             Ok(())
         }
