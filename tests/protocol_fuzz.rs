@@ -249,11 +249,24 @@ fn apply(frame: &mut Vec<u8>, m: &Mutation) {
     }
 }
 
-/// Decodes `frame`; a panic fails with the frame in hex. An accepted frame
+/// Decodes `frame` (and peeks its reply hints); a panic fails with the frame in hex. An accepted frame
 /// must re-encode to something that decodes to the same message.
 fn check(frame: &[u8]) -> Result<Message, ProtocolError> {
-    let result = catch_unwind(AssertUnwindSafe(|| decode(frame)))
-        .unwrap_or_else(|_| panic!("decode panicked on frame {frame:02x?}"));
+    let (result, hints) = catch_unwind(AssertUnwindSafe(|| {
+        (decode(frame), peek_reply_hints(frame, &Limits::default()))
+    }))
+    .unwrap_or_else(|_| panic!("decode or peek_reply_hints panicked on frame {frame:02x?}"));
+    // The hints agree with a successful decode.
+    if let Ok(Message::AllocRequest(r)) = &result {
+        assert_eq!(
+            hints,
+            ReplyHints {
+                seq: r.seq,
+                n_keys: Some(r.keys.len())
+            },
+            "{frame:02x?}"
+        );
+    }
     if let Ok(msg) = &result {
         let again = encode(msg);
         assert_eq!(

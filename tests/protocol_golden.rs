@@ -1243,3 +1243,89 @@ fn every_decode_error_maps_to_bad_message() {
         assert_eq!(e.code(), ErrorCode::BadMessage, "{e}");
     }
 }
+
+// ---------------------------------------------------------------------------
+// Reply hints from frames that fail to decode.
+
+#[test]
+fn reply_hints_survive_bad_frames() {
+    let l = Limits::default();
+    // A full request: seq and key count.
+    assert_eq!(
+        peek_reply_hints(ALLOC_REQUEST_FULL, &l),
+        ReplyHints {
+            seq: Some(70_000),
+            n_keys: Some(2)
+        }
+    );
+    // Missing required field (decode fails), hints still there, any field order.
+    let mut e = entries(&without(ALLOC_REQUEST_FULL, "dtype"));
+    e.reverse();
+    let bad = map(&e);
+    assert!(decode(&bad).is_err());
+    assert_eq!(
+        peek_reply_hints(&bad, &l),
+        ReplyHints {
+            seq: Some(70_000),
+            n_keys: Some(2)
+        }
+    );
+    // Truncated after seq was seen: seq kept.
+    let f = map(&[
+        (key("seq"), b"\xd2\x00\x00\x00\x05".to_vec()),
+        (key("keys"), b"\x93\xa1a".to_vec()),
+    ]);
+    assert_eq!(
+        peek_reply_hints(&f, &l),
+        ReplyHints {
+            seq: Some(5),
+            n_keys: None
+        }
+    );
+    // Negative or non-int seq: none. Too many keys: none.
+    for v in [&b"\xff"[..], b"\xd0\xfe", b"\xa1x", b"\xc0"] {
+        let f = with(ALLOC_REQUEST_REF, &[(key("seq"), v.to_vec())]);
+        assert_eq!(peek_reply_hints(&f, &l).seq, None, "{v:x?}");
+    }
+    let three = replace(ALLOC_REQUEST_REF, "keys", b"\x93\xa1a\xa1b\xa1c");
+    assert_eq!(peek_reply_hints(&three, &small_limits()).n_keys, None);
+    assert_eq!(peek_reply_hints(&three, &l).n_keys, Some(3));
+    // Garbage and oversize frames: nothing.
+    assert_eq!(peek_reply_hints(b"", &l), ReplyHints::default());
+    assert_eq!(peek_reply_hints(b"\x91\x01", &l), ReplyHints::default());
+    assert_eq!(
+        peek_reply_hints(
+            ALLOC_REQUEST_FULL,
+            &Limits {
+                max_frame_bytes: 8,
+                ..Limits::default()
+            }
+        ),
+        ReplyHints::default()
+    );
+}
+
+#[test]
+fn validate_checks_messages_built_in_code() {
+    let Message::AllocRequest(mut r) = alloc_request_full() else {
+        panic!()
+    };
+    assert_eq!(
+        validate(&Message::AllocRequest(r.clone()), &Limits::default()),
+        Ok(())
+    );
+    r.total_chunks = -5;
+    let m = Message::AllocRequest(r);
+    assert_eq!(
+        validate(&m, &Limits::default()),
+        Err(ProtocolError::TotalChunksOutOfRange {
+            value: -5,
+            max: 1 << 24
+        })
+    );
+    // Encoding never refuses; the peer's decode does.
+    assert_eq!(
+        decode(&encode(&m)),
+        validate(&m, &Limits::default()).map(|()| m.clone())
+    );
+}

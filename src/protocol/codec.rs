@@ -1,8 +1,8 @@
 //! Encoding and decoding of [`Message`]s: msgpack maps through rmp-serde.
 //!
-//! Decoding is three steps, each refusing with a typed [`ProtocolError`]:
+//! Decoding is four steps, each refusing with a typed [`ProtocolError`]:
 //! 1. the frame size against `Limits::max_frame_bytes`, before reading a byte;
-//! 2. a structural pass over the bytes ([`scan`](super::scan)): well-formed
+//! 2. a structural pass over the bytes (`scan.rs`): well-formed
 //!    msgpack, one top-level map, no trailing bytes, declared lengths that fit
 //!    the frame, depth and element-count limits, string field names without
 //!    repeats, a known `"type"`, every required field present;
