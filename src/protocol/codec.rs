@@ -1,8 +1,8 @@
 //! Encoding and decoding of [`Message`]s: msgpack maps through rmp-serde.
 //!
-//! Decoding is three steps, each refusing with a typed [`ProtocolError`]:
+//! Decoding is four steps, each refusing with a typed [`ProtocolError`]:
 //! 1. the frame size against `Limits::max_frame_bytes`, before reading a byte;
-//! 2. a structural pass over the bytes ([`scan`](super::scan)): well-formed
+//! 2. a structural pass over the bytes (`scan.rs`): well-formed
 //!    msgpack, one top-level map, no trailing bytes, declared lengths that fit
 //!    the frame, depth and element-count limits, string field names without
 //!    repeats, a known `"type"`, every required field present;
@@ -56,9 +56,9 @@ pub fn decode_with_limits(frame: &[u8], limits: &Limits) -> Result<Message, Prot
     }
     scan::scan(frame, limits)?;
     let mut de = rmp_serde::Deserializer::from_read_ref(frame);
-    // The scan already bounded the depth; this is a second fence (+1 for the
-    // internally-tagged buffering, which does not add msgpack nesting).
-    de.set_max_depth(limits.max_depth.saturating_add(1));
+    // The scan already bounded the depth; rmp-serde's own depth counter is a
+    // second fence, with headroom because it counts levels differently.
+    de.set_max_depth(limits.effective_max_depth() + 8);
     let msg: Message = serde::Deserialize::deserialize(&mut de)
         .map_err(|e| ProtocolError::Malformed(e.to_string()))?;
     validate(&msg, limits)?;

@@ -24,8 +24,9 @@ pub struct Limits {
     /// Most dimensions in `AllocRequest.shape`.
     pub max_shape_dims: usize,
     /// Deepest nesting of msgpack arrays/maps; the top-level map is depth 1.
-    /// kvferry's own messages need 3 (message → descriptor → gid); the rest is
-    /// room for unknown fields from newer peers.
+    /// kvferry's own messages need 2 (message → descriptor); the rest is
+    /// room for unknown fields from newer peers. Values above
+    /// [`Limits::MAX_DEPTH_CAP`] act as the cap.
     pub max_depth: usize,
     /// Most msgpack values (every scalar, string, array, map and map key counts
     /// one) in a frame. Must be a little more than `2 * max_keys` for a full
@@ -44,10 +45,23 @@ impl Limits {
     pub const DEFAULT_MAX_TOTAL_CHUNKS: i64 = 1 << 24;
     /// Default most shape dimensions: 8.
     pub const DEFAULT_MAX_SHAPE_DIMS: usize = 8;
+    /// Hard cap on `max_depth`, whatever the configured value. serde
+    /// buffers an internally-tagged message recursively, about 2 KiB of stack
+    /// per nesting level in a debug build; 64 levels stay far below the
+    /// smallest thread stack kvferry uses (measured: 64 levels fit in 256 KiB,
+    /// 128 do not).
+    pub const MAX_DEPTH_CAP: usize = 64;
     /// Default deepest nesting: 32.
     pub const DEFAULT_MAX_DEPTH: usize = 32;
     /// Default most msgpack values per frame: 4 x 65,536.
     pub const DEFAULT_MAX_ELEMENTS: usize = 4 << 16;
+}
+
+impl Limits {
+    /// The depth limit actually enforced: `max_depth`, at most [`Limits::MAX_DEPTH_CAP`].
+    pub fn effective_max_depth(&self) -> usize {
+        self.max_depth.min(Self::MAX_DEPTH_CAP)
+    }
 }
 
 impl Default for Limits {
@@ -79,5 +93,11 @@ mod tests {
         // A full AllocResponse (two arrays of max_keys ints) must fit the element budget.
         assert!(l.max_elements > 2 * l.max_keys + 64);
         assert!(l.max_depth >= 3);
+        assert_eq!(l.effective_max_depth(), 32);
+        let huge = Limits {
+            max_depth: usize::MAX,
+            ..Limits::default()
+        };
+        assert_eq!(huge.effective_max_depth(), Limits::MAX_DEPTH_CAP);
     }
 }

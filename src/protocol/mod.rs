@@ -36,6 +36,9 @@
 //! | shape rank, index ranges, RDMA gid length | [`validate`] | `TooManyShapeDims`, `IndexOutOfRange`, `BadDescriptor` |
 //! | dtype known, shape dims > 0, size fits u64 | [`AllocRequest::chunk_bytes`] (not at decode) | `UnknownDtype`, `EmptyShape`, `NonPositiveDim`, `ChunkBytesOverflow` |
 //! | capacity, consistency across batches, known `req_id` | the receiver | an [`ErrorCode`] in the reply |
+//!
+//! A frame that fails to decode still gets a reply: [`peek_reply_hints`]
+//! recovers its `seq` and key count, best effort, to shape the failure reply.
 
 mod codec;
 mod dtype;
@@ -54,6 +57,7 @@ pub use messages::{
     AllocRequest, AllocResponse, CancelNotif, Descriptor, Heartbeat, Hello, HelloAck, Message,
     ProxyNotif, TransferDone, GID_LEN,
 };
+pub use scan::{peek_reply_hints, ReplyHints};
 
 /// Version of kvferry's protocol extensions, exchanged in `Hello`/`HelloAck`.
 pub const PROTOCOL_VERSION: u32 = 1;

@@ -8,7 +8,7 @@
 //! - every declared length fits in the bytes that remain (so a tiny frame that
 //!   declares an array of 2^32-1 elements is refused here, before anything is
 //!   reserved for it);
-//! - nesting depth <= `Limits::max_depth`, element count <= `Limits::max_elements`;
+//! - nesting depth <= `Limits::effective_max_depth()`, element count <= `Limits::max_elements`;
 //! - the message map's keys (and the descriptor map's keys) are UTF-8 strings,
 //!   none repeated;
 //! - `"type"` is present, a string, and a known message type;
@@ -144,10 +144,9 @@ impl<'a> Cursor<'a, '_> {
     }
 
     fn check_depth(&self, depth: usize) -> Result<(), ProtocolError> {
-        if depth > self.limits.max_depth {
-            Err(ProtocolError::TooDeep {
-                max: self.limits.max_depth,
-            })
+        let max = self.limits.effective_max_depth();
+        if depth > max {
+            Err(ProtocolError::TooDeep { max })
         } else {
             Ok(())
         }
@@ -289,4 +288,73 @@ pub(crate) fn scan(frame: &[u8], limits: &Limits) -> Result<(), ProtocolError> {
         }
     }
     Ok(())
+}
+
+/// What a receiver can still learn from a frame it could not decode, to shape
+/// its failure reply: the `seq` to echo (so a kvferry sender with many
+/// requests in flight can match the reply) and the number of keys (LMCache's
+/// failure shape is `[-1] * max(len(keys), 1)`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReplyHints {
+    /// Top-level `seq`, if present and a non-negative integer.
+    pub seq: Option<u64>,
+    /// Declared length of the top-level `keys` array, if present and at most `Limits::max_keys`.
+    pub n_keys: Option<usize>,
+}
+
+/// Best-effort peek at a (possibly invalid) frame for [`ReplyHints`].
+///
+/// Walks the top-level map as far as it is well-formed and within `limits`,
+/// and stops at the first problem; never panics, never allocates in proportion
+/// to declared lengths. The hints are only hints: use them for the failure
+/// reply, never to act on the request.
+pub fn peek_reply_hints(frame: &[u8], limits: &Limits) -> ReplyHints {
+    let mut hints = ReplyHints::default();
+    if frame.len() > limits.max_frame_bytes {
+        return hints;
+    }
+    let mut cur = Cursor {
+        buf: frame,
+        pos: 0,
+        elements: 0,
+        limits,
+    };
+    let Ok(Header::Map(pairs)) = cur.header() else {
+        return hints;
+    };
+    for _ in 0..pairs {
+        let Ok(Header::Str(key)) = cur.header() else {
+            break;
+        };
+        let start = cur.pos;
+        let Ok(value) = cur.header() else {
+            break;
+        };
+        match (key, &value) {
+            (b"seq", Header::Scalar("int")) => {
+                hints.seq = read_non_negative(&frame[start..cur.pos])
+            }
+            (b"keys", Header::Array(n)) => {
+                hints.n_keys = usize::try_from(*n).ok().filter(|&n| n <= limits.max_keys);
+            }
+            _ => {}
+        }
+        if cur.skip_children(value, 2).is_err() {
+            break;
+        }
+    }
+    hints
+}
+
+/// The value of one complete msgpack integer, if it is non-negative.
+fn read_non_negative(bytes: &[u8]) -> Option<u64> {
+    let (&marker, rest) = bytes.split_first()?;
+    let be = || rest.iter().fold(0u64, |acc, &b| (acc << 8) | u64::from(b));
+    match marker {
+        0x00..=0x7f => Some(u64::from(marker)),
+        0xcc..=0xcf => Some(be()),
+        // Signed markers: non-negative when the sign bit of the first byte is clear.
+        0xd0..=0xd3 if rest.first().is_some_and(|&b| b < 0x80) => Some(be()),
+        _ => None,
+    }
 }
