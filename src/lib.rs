@@ -11,7 +11,7 @@ pub mod protocol;
 pub mod proxy;
 pub mod receiver;
 pub mod region;
-pub mod sender;
+// pub mod sender; (waits for transport)
 pub mod slots;
 pub mod stats;
 mod sync;

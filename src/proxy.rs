@@ -92,7 +92,9 @@ pub struct ProxyListener {
 
 impl std::fmt::Debug for ProxyListener {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ProxyListener").field("endpoint", &self.endpoint).finish_non_exhaustive()
+        f.debug_struct("ProxyListener")
+            .field("endpoint", &self.endpoint)
+            .finish_non_exhaustive()
     }
 }
 
@@ -100,7 +102,10 @@ impl ProxyListener {
     /// Binds `endpoint` (e.g. `tcp://127.0.0.1:7500`; port 0 picks one) and
     /// starts listening.
     pub fn bind(endpoint: &str) -> Result<Self, ProxyError> {
-        let err = |source| ProxyError::Bind { endpoint: endpoint.to_owned(), source };
+        let err = |source| ProxyError::Bind {
+            endpoint: endpoint.to_owned(),
+            source,
+        };
         let sock = crate::zmq_io::context().socket(zmq::PULL).map_err(err)?;
         sock.set_linger(0).map_err(err)?;
         sock.set_rcvhwm(0).map_err(err)?;
@@ -124,7 +129,11 @@ impl ProxyListener {
                 .name("kvf-proxy".into())
                 .spawn(move || listen(shared, sock, reactor))?
         };
-        Ok(Self { shared, thread: Some(thread), endpoint: bound })
+        Ok(Self {
+            shared,
+            thread: Some(thread),
+            endpoint: bound,
+        })
     }
 
     /// The bound endpoint (actual port when `:0` was asked for).
@@ -139,7 +148,13 @@ impl ProxyListener {
 
     /// Notifications received so far for `req_id`.
     pub fn count(&self, req_id: &str) -> usize {
-        self.shared.counts.lock().map.get(req_id).copied().unwrap_or(0)
+        self.shared
+            .counts
+            .lock()
+            .map
+            .get(req_id)
+            .copied()
+            .unwrap_or(0)
     }
 
     /// Total notifications received, and frames that were not a ProxyNotif.
@@ -150,7 +165,12 @@ impl ProxyListener {
 
     /// Waits until `expected_notifs` notifications for `req_id` arrived
     /// (one per sender TP rank) or `deadline` passes.
-    pub fn wait_ready(&self, req_id: &str, expected_notifs: usize, deadline: Instant) -> Result<(), ProxyError> {
+    pub fn wait_ready(
+        &self,
+        req_id: &str,
+        expected_notifs: usize,
+        deadline: Instant,
+    ) -> Result<(), ProxyError> {
         let mut c = self.shared.counts.lock();
         loop {
             let got = c.map.get(req_id).copied().unwrap_or(0);
@@ -165,7 +185,11 @@ impl ProxyListener {
                 if got >= expected_notifs {
                     return Ok(());
                 }
-                return Err(ProxyError::Timeout { req_id: req_id.to_owned(), got, expected: expected_notifs });
+                return Err(ProxyError::Timeout {
+                    req_id: req_id.to_owned(),
+                    got,
+                    expected: expected_notifs,
+                });
             }
         }
     }
@@ -248,7 +272,11 @@ fn listen(shared: Arc<Shared>, sock: zmq::Socket, mut reactor: Reactor) {
                         }
                     }
                 }
-                let n = Notification { req_id: notif.req_id, count, at: Instant::now() };
+                let n = Notification {
+                    req_id: notif.req_id,
+                    count,
+                    at: Instant::now(),
+                };
                 c.history.push_back(n.clone());
                 while c.history.len() > MEMORY {
                     c.history.pop_front();

@@ -103,16 +103,25 @@ fn total_len(chunk_bytes: u64, capacity_chunks: u64) -> Option<u64> {
 impl Region {
     /// Creates (or truncates) the buffer file at `path` and maps it. The file
     /// is removed again when the returned region is dropped.
-    pub fn create(path: &Path, chunk_bytes: u64, capacity_chunks: u64) -> Result<Self, RegionError> {
+    pub fn create(
+        path: &Path,
+        chunk_bytes: u64,
+        capacity_chunks: u64,
+    ) -> Result<Self, RegionError> {
         if chunk_bytes == 0 || capacity_chunks == 0 {
             return Err(RegionError::Geometry(format!(
                 "chunk_bytes ({chunk_bytes}) and capacity_chunks ({capacity_chunks}) must be positive"
             )));
         }
         let len = total_len(chunk_bytes, capacity_chunks).ok_or_else(|| {
-            RegionError::Geometry(format!("{capacity_chunks} chunks of {chunk_bytes} bytes overflow"))
+            RegionError::Geometry(format!(
+                "{capacity_chunks} chunks of {chunk_bytes} bytes overflow"
+            ))
         })?;
-        let io = |source| RegionError::Io { path: path.to_owned(), source };
+        let io = |source| RegionError::Io {
+            path: path.to_owned(),
+            source,
+        };
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -132,25 +141,45 @@ impl Region {
         map[16..24].copy_from_slice(&chunk_bytes.to_le_bytes());
         map[24..32].copy_from_slice(&capacity_chunks.to_le_bytes());
         map[32..40].copy_from_slice(&DATA_OFFSET.to_le_bytes());
-        Ok(Self { map, path: path.to_owned(), chunk_bytes, capacity_chunks, owner: true })
+        Ok(Self {
+            map,
+            path: path.to_owned(),
+            chunk_bytes,
+            capacity_chunks,
+            owner: true,
+        })
     }
 
     /// Maps an existing buffer file created by [`Region::create`] (possibly in
     /// another process), checking its header and size. If `expect` is given
     /// as `(chunk_bytes, capacity_chunks)`, the header must match it.
     pub fn open(path: &Path, expect: Option<(u64, u64)>) -> Result<Self, RegionError> {
-        let io = |source| RegionError::Io { path: path.to_owned(), source };
-        let file: File = OpenOptions::new().read(true).write(true).open(path).map_err(io)?;
+        let io = |source| RegionError::Io {
+            path: path.to_owned(),
+            source,
+        };
+        let file: File = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(io)?;
         let len = file.metadata().map_err(io)?.len();
         if len < DATA_OFFSET {
-            return Err(RegionError::Truncated { path: path.to_owned(), len, expected: DATA_OFFSET });
+            return Err(RegionError::Truncated {
+                path: path.to_owned(),
+                len,
+                expected: DATA_OFFSET,
+            });
         }
         // SAFETY: as in `create`: the header is read-only after creation and
         // slot bytes are only touched through raw pointers under control-plane
         // grants. A concurrent truncation by a hostile process could SIGBUS us;
         // the file lives in a directory the operator controls (docs/operations.md).
         let map = unsafe { MmapOptions::new().len(len as usize).map_mut(&file) }.map_err(io)?;
-        let bad = |reason: String| RegionError::BadHeader { path: path.to_owned(), reason };
+        let bad = |reason: String| RegionError::BadHeader {
+            path: path.to_owned(),
+            reason,
+        };
         if map[0..8] != REGION_MAGIC {
             return Err(bad("wrong magic (not a kvferry buffer file)".into()));
         }
@@ -161,11 +190,15 @@ impl Region {
         };
         let version = word(8) as u32;
         if version != REGION_VERSION {
-            return Err(bad(format!("layout version {version}, this build reads {REGION_VERSION}")));
+            return Err(bad(format!(
+                "layout version {version}, this build reads {REGION_VERSION}"
+            )));
         }
         let (chunk_bytes, capacity_chunks, data_offset) = (word(16), word(24), word(32));
         if data_offset != DATA_OFFSET {
-            return Err(bad(format!("data offset {data_offset}, expected {DATA_OFFSET}")));
+            return Err(bad(format!(
+                "data offset {data_offset}, expected {DATA_OFFSET}"
+            )));
         }
         if chunk_bytes == 0 || capacity_chunks == 0 {
             return Err(bad("zero chunk size or capacity".into()));
@@ -173,7 +206,11 @@ impl Region {
         let expected = total_len(chunk_bytes, capacity_chunks)
             .ok_or_else(|| bad("geometry overflows".into()))?;
         if len < expected {
-            return Err(RegionError::Truncated { path: path.to_owned(), len, expected });
+            return Err(RegionError::Truncated {
+                path: path.to_owned(),
+                len,
+                expected,
+            });
         }
         if let Some((cb, cap)) = expect {
             if (cb, cap) != (chunk_bytes, capacity_chunks) {
@@ -185,7 +222,13 @@ impl Region {
                 });
             }
         }
-        Ok(Self { map, path: path.to_owned(), chunk_bytes, capacity_chunks, owner: false })
+        Ok(Self {
+            map,
+            path: path.to_owned(),
+            chunk_bytes,
+            capacity_chunks,
+            owner: false,
+        })
     }
 
     /// Bytes per slot.
@@ -225,7 +268,10 @@ impl Region {
         }
         // SAFETY: slot < capacity, so slot * chunk_bytes + chunk_bytes <=
         // data_len and the pointer stays inside the mapping.
-        Some(unsafe { self.data_ptr().add((u64::from(slot) * self.chunk_bytes) as usize) })
+        Some(unsafe {
+            self.data_ptr()
+                .add((u64::from(slot) * self.chunk_bytes) as usize)
+        })
     }
 
     /// Copies the bytes of `slot` (up to `len`, at most `chunk_bytes`) out.
@@ -263,7 +309,11 @@ pub fn default_region_path() -> PathBuf {
     // Relaxed: the counter only has to hand out distinct numbers.
     let n = NEXT_REGION.fetch_add(1, Ordering::Relaxed);
     let dir = Path::new("/dev/shm");
-    let dir = if dir.is_dir() { dir.to_owned() } else { std::env::temp_dir() };
+    let dir = if dir.is_dir() {
+        dir.to_owned()
+    } else {
+        std::env::temp_dir()
+    };
     dir.join(format!("kvferry-{}-{n}.buf", std::process::id()))
 }
 
@@ -281,20 +331,32 @@ mod tests {
         let o = Region::open(&path, Some((4096, 8))).unwrap();
         assert_eq!(o.read_slot(3, 4096).unwrap(), vec![0xAB; 4096]);
         assert!(o.slot_ptr(8).is_none());
-        assert!(matches!(Region::open(&path, Some((4096, 9))), Err(RegionError::Mismatch { .. })));
+        assert!(matches!(
+            Region::open(&path, Some((4096, 9))),
+            Err(RegionError::Mismatch { .. })
+        ));
         drop(o);
         drop(r);
         assert!(!path.exists(), "creator removes the file");
-        assert!(matches!(Region::open(&path, None), Err(RegionError::Io { .. })));
+        assert!(matches!(
+            Region::open(&path, None),
+            Err(RegionError::Io { .. })
+        ));
     }
 
     #[test]
     fn bad_files_are_typed_errors() {
         let path = default_region_path();
         std::fs::write(&path, b"short").unwrap();
-        assert!(matches!(Region::open(&path, None), Err(RegionError::Truncated { .. })));
+        assert!(matches!(
+            Region::open(&path, None),
+            Err(RegionError::Truncated { .. })
+        ));
         std::fs::write(&path, vec![0u8; 8192]).unwrap();
-        assert!(matches!(Region::open(&path, None), Err(RegionError::BadHeader { .. })));
+        assert!(matches!(
+            Region::open(&path, None),
+            Err(RegionError::BadHeader { .. })
+        ));
         // A valid header that claims more slots than the file holds.
         let mut bytes = vec![0u8; 8192];
         bytes[0..8].copy_from_slice(&REGION_MAGIC);
@@ -303,12 +365,24 @@ mod tests {
         bytes[24..32].copy_from_slice(&100u64.to_le_bytes());
         bytes[32..40].copy_from_slice(&DATA_OFFSET.to_le_bytes());
         std::fs::write(&path, &bytes).unwrap();
-        assert!(matches!(Region::open(&path, None), Err(RegionError::Truncated { .. })));
+        assert!(matches!(
+            Region::open(&path, None),
+            Err(RegionError::Truncated { .. })
+        ));
         bytes[8..12].copy_from_slice(&7u32.to_le_bytes());
         std::fs::write(&path, &bytes).unwrap();
-        assert!(matches!(Region::open(&path, None), Err(RegionError::BadHeader { .. })));
+        assert!(matches!(
+            Region::open(&path, None),
+            Err(RegionError::BadHeader { .. })
+        ));
         std::fs::remove_file(&path).unwrap();
-        assert!(matches!(Region::create(&path, 0, 4), Err(RegionError::Geometry(_))));
-        assert!(matches!(Region::create(&path, u64::MAX, 4), Err(RegionError::Geometry(_))));
+        assert!(matches!(
+            Region::create(&path, 0, 4),
+            Err(RegionError::Geometry(_))
+        ));
+        assert!(matches!(
+            Region::create(&path, u64::MAX, 4),
+            Err(RegionError::Geometry(_))
+        ));
     }
 }

@@ -39,7 +39,11 @@ impl Reactor {
     pub fn new() -> io::Result<Self> {
         let poll = Poll::new()?;
         let waker = Arc::new(Waker::new(poll.registry(), WAKE_TOKEN)?);
-        Ok(Self { poll, events: Events::with_capacity(16), waker })
+        Ok(Self {
+            poll,
+            events: Events::with_capacity(16),
+            waker,
+        })
     }
 
     /// A handle other threads use to interrupt [`Reactor::wait`].
@@ -50,7 +54,9 @@ impl Reactor {
     /// Watches a ZMQ socket's notification FD under `token`.
     pub fn register(&self, sock: &zmq::Socket, token: usize) -> io::Result<()> {
         let fd: RawFd = sock.get_fd().map_err(io::Error::from)?;
-        self.poll.registry().register(&mut SourceFd(&fd), Token(token), Interest::READABLE)
+        self.poll
+            .registry()
+            .register(&mut SourceFd(&fd), Token(token), Interest::READABLE)
     }
 
     /// Stops watching a socket (before it is closed).
@@ -72,5 +78,7 @@ impl Reactor {
 
 /// True if `sock` has a message ready to receive.
 pub fn readable(sock: &zmq::Socket) -> bool {
-    sock.get_events().map(|e| e.contains(zmq::POLLIN)).unwrap_or(false)
+    sock.get_events()
+        .map(|e| e.contains(zmq::POLLIN))
+        .unwrap_or(false)
 }

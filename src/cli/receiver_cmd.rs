@@ -49,12 +49,17 @@ pub struct ReceiverArgs {
 
 /// Runs a receiver until SIGINT/SIGTERM.
 pub fn run(a: ReceiverArgs) -> ExitCode {
-    if (a.capacity_chunks as u64).checked_mul(a.chunk_bytes).is_none() {
+    if (a.capacity_chunks as u64)
+        .checked_mul(a.chunk_bytes)
+        .is_none()
+    {
         return super::usage_error("capacity-chunks × chunk-bytes overflows");
     }
     let cfg = ReceiverConfig {
         listen: a.listen.clone(),
-        receiver_id: a.receiver_id.unwrap_or_else(|| format!("receiver-{}", std::process::id())),
+        receiver_id: a
+            .receiver_id
+            .unwrap_or_else(|| format!("receiver-{}", std::process::id())),
         capacity_chunks: a.capacity_chunks as usize,
         chunk_bytes: a.chunk_bytes,
         admission_timeout: Duration::from_millis(a.admission_timeout_ms),

@@ -35,11 +35,17 @@ pub enum ErrorCode {
     UnknownRequest,
     /// The receiver is shutting down and takes no new work.
     ShuttingDown,
+    /// Sender side: a data-plane write of the request failed.
+    WriteFailed,
+    /// Sender side: the receiver could not be reached or set up.
+    PeerUnavailable,
+    /// Sender side: the receiver did not answer in time.
+    ReplyTimeout,
 }
 
 impl ErrorCode {
     /// Every code, in declaration order.
-    pub const ALL: [ErrorCode; 12] = [
+    pub const ALL: [ErrorCode; 15] = [
         ErrorCode::BufferTooSmall,
         ErrorCode::ProtocolViolation,
         ErrorCode::AdmissionTimeout,
@@ -52,6 +58,9 @@ impl ErrorCode {
         ErrorCode::AllocationFailed,
         ErrorCode::UnknownRequest,
         ErrorCode::ShuttingDown,
+        ErrorCode::WriteFailed,
+        ErrorCode::PeerUnavailable,
+        ErrorCode::ReplyTimeout,
     ];
 
     /// The wire string (snake_case) of this code.
@@ -69,6 +78,9 @@ impl ErrorCode {
             ErrorCode::AllocationFailed => "allocation_failed",
             ErrorCode::UnknownRequest => "unknown_request",
             ErrorCode::ShuttingDown => "shutting_down",
+            ErrorCode::WriteFailed => "write_failed",
+            ErrorCode::PeerUnavailable => "peer_unavailable",
+            ErrorCode::ReplyTimeout => "reply_timeout",
         }
     }
 

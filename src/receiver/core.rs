@@ -35,7 +35,7 @@ use tracing::{debug, warn};
 use crate::ledger::{AdmissionQueue, Ledger, Reservation};
 use crate::protocol::{
     AllocRequest, AllocResponse, CancelNotif, Descriptor, ErrorCode, Hello, HelloAck, Message,
-    PROTOCOL_VERSION,
+    ReplyHints, PROTOCOL_VERSION,
 };
 use crate::slots::SlotAllocator;
 
@@ -131,7 +131,10 @@ struct Held {
 #[derive(Debug)]
 enum Phase {
     /// Waiting for admission; batches received meanwhile, in order.
-    Parked { backlog: VecDeque<AllocRequest>, since: Instant },
+    Parked {
+        backlog: VecDeque<AllocRequest>,
+        since: Instant,
+    },
     /// Admitted, more batches to come.
     Admitted { reservation: Reservation },
     /// Last batch allocated; waiting for the sender's `TransferDone`.
@@ -227,21 +230,49 @@ impl ReceiverCore {
             Message::Heartbeat(h) => self.on_heartbeat(&h.sender_id, now),
             Message::Hello(h) => {
                 let ack = self.on_hello(peer, &h);
-                out.push(Output::Send { peer: peer.to_vec(), message: Message::HelloAck(ack) });
+                out.push(Output::Send {
+                    peer: peer.to_vec(),
+                    message: Message::HelloAck(ack),
+                });
             }
             other => {
                 // AllocResponse / ProxyNotif / HelloAck are never sent to a
                 // receiver: answer so a confused peer is not left waiting.
-                debug!(kind = message_kind(&other), "unexpected message at receiver");
-                self.fail_reply(peer, 1, None, ErrorCode::BadMessage, "message type not accepted by a receiver".into(), out);
+                debug!(
+                    kind = message_kind(&other),
+                    "unexpected message at receiver"
+                );
+                self.fail_reply(
+                    peer,
+                    1,
+                    None,
+                    ErrorCode::BadMessage,
+                    "message type not accepted by a receiver".into(),
+                    out,
+                );
             }
         }
         self.grant_parked(now, out);
     }
 
-    /// Replies to a frame that could not be decoded.
-    pub fn bad_frame(&mut self, peer: &[u8], reason: String, out: &mut Vec<Output>) {
-        self.fail_reply(peer, 1, None, ErrorCode::BadMessage, reason, out);
+    /// Replies to a frame that could not be decoded, echoing the `seq` and
+    /// key count recovered from it where possible (`hints`), so a pipelining
+    /// sender can match the failure to its request.
+    pub fn bad_frame(
+        &mut self,
+        peer: &[u8],
+        reason: String,
+        hints: ReplyHints,
+        out: &mut Vec<Output>,
+    ) {
+        self.fail_reply(
+            peer,
+            hints.n_keys.unwrap_or(1),
+            hints.seq,
+            ErrorCode::BadMessage,
+            reason,
+            out,
+        );
     }
 
     /// Time-driven work: parked requests past their admission deadline,
@@ -252,7 +283,14 @@ impl ReceiverCore {
             if let Some(r) = self.requests.remove(&req_id) {
                 warn!(req_id = %req_id, "admission timeout");
                 self.bump_request("admission_timeout");
-                self.finish_failed(&req_id, r, ErrorCode::AdmissionTimeout, Cause::Unfenced, now, out);
+                self.finish_failed(
+                    &req_id,
+                    r,
+                    ErrorCode::AdmissionTimeout,
+                    Cause::Unfenced,
+                    now,
+                    out,
+                );
             }
         }
         if now >= self.next_lease_scan {
@@ -260,19 +298,32 @@ impl ReceiverCore {
             let expired: Vec<String> = self
                 .requests
                 .iter()
-                .filter(|(_, r)| !matches!(r.phase, Phase::Parked { .. }) && r.lease_deadline <= now)
+                .filter(|(_, r)| {
+                    !matches!(r.phase, Phase::Parked { .. }) && r.lease_deadline <= now
+                })
                 .map(|(k, _)| k.clone())
                 .collect();
             for req_id in expired {
                 if let Some(r) = self.requests.remove(&req_id) {
                     warn!(req_id = %req_id, "lease expired: no batch, heartbeat or TransferDone; rolling back");
                     self.bump_request("lease_expired");
-                    self.finish_failed(&req_id, r, ErrorCode::LeaseExpired, Cause::Unfenced, now, out);
+                    self.finish_failed(
+                        &req_id,
+                        r,
+                        ErrorCode::LeaseExpired,
+                        Cause::Unfenced,
+                        now,
+                        out,
+                    );
                 }
             }
         }
-        let dead: Vec<String> =
-            self.tombstones.iter().filter(|(_, t)| t.until <= now).map(|(k, _)| k.clone()).collect();
+        let dead: Vec<String> = self
+            .tombstones
+            .iter()
+            .filter(|(_, t)| t.until <= now)
+            .map(|(k, _)| k.clone())
+            .collect();
         for req_id in dead {
             if let Some(t) = self.tombstones.remove(&req_id) {
                 for slot in t.quarantined {
@@ -287,7 +338,11 @@ impl ReceiverCore {
     pub fn next_deadline(&self) -> Option<Instant> {
         let mut next = self.queue.next_deadline();
         let mut consider = |t: Instant| next = Some(next.map_or(t, |n: Instant| n.min(t)));
-        if self.requests.values().any(|r| !matches!(r.phase, Phase::Parked { .. })) {
+        if self
+            .requests
+            .values()
+            .any(|r| !matches!(r.phase, Phase::Parked { .. }))
+        {
             consider(self.next_lease_scan);
         }
         for t in self.tombstones.values() {
@@ -304,7 +359,8 @@ impl ReceiverCore {
     /// Ends a borrow, consuming its reference; frees the slot if it was the
     /// last. Returns true if capacity was freed.
     pub fn end_borrow(&mut self, key: &str, now: Instant, out: &mut Vec<Output>) -> bool {
-        let freed = self.release(self.keys.end_borrow(key));
+        let u = self.keys.end_borrow(key);
+        let freed = self.release(u);
         if freed {
             self.grant_parked(now, out);
         }
@@ -367,7 +423,11 @@ impl ReceiverCore {
         }
         if let Some(t) = self.tombstones.get(&req.req_id) {
             let code = t.code;
-            let msg = format!("request {} already ended with {}", req.req_id, code.as_str());
+            let msg = format!(
+                "request {} already ended with {}",
+                req.req_id,
+                code.as_str()
+            );
             return self.fail_reply(peer, req.keys.len(), req.seq, code, msg, out);
         }
         let req_id = req.req_id.clone();
@@ -377,7 +437,15 @@ impl ReceiverCore {
                 Phase::Admitted { .. } => self.process_batch(peer, req, now, out),
                 Phase::AwaitingDone => {
                     let msg = format!("batch for request {req_id} after its last batch");
-                    self.fail_request(&req_id, peer, &req, ErrorCode::ProtocolViolation, msg, now, out);
+                    self.fail_request(
+                        &req_id,
+                        peer,
+                        &req,
+                        ErrorCode::ProtocolViolation,
+                        msg,
+                        now,
+                        out,
+                    );
                 }
             },
             None => self.first_batch(peer, req, now, out),
@@ -418,7 +486,10 @@ impl ReceiverCore {
         let deadline = now + self.cfg.admission_timeout;
         let extended = self.peers.contains_key(peer);
         let req_id = req.req_id.clone();
-        match self.queue.admit_or_park(&self.ledger, req_id.clone(), total, deadline) {
+        match self
+            .queue
+            .admit_or_park(&self.ledger, req_id.clone(), total, deadline)
+        {
             Ok(Some(reservation)) => {
                 self.bump_request("admitted");
                 self.admission_waits.push(Duration::ZERO);
@@ -450,7 +521,10 @@ impl ReceiverCore {
                         seen: 0,
                         held: Vec::new(),
                         lease_deadline: now + self.cfg.lease,
-                        phase: Phase::Parked { backlog, since: now },
+                        phase: Phase::Parked {
+                            backlog,
+                            since: now,
+                        },
                     },
                 );
             }
@@ -463,9 +537,17 @@ impl ReceiverCore {
     }
 
     /// Allocates one batch of an admitted request and answers it.
-    fn process_batch(&mut self, peer: &[u8], req: AllocRequest, now: Instant, out: &mut Vec<Output>) {
+    fn process_batch(
+        &mut self,
+        peer: &[u8],
+        req: AllocRequest,
+        now: Instant,
+        out: &mut Vec<Output>,
+    ) {
         let req_id = req.req_id.clone();
-        let Some(mut r) = self.requests.remove(&req_id) else { return };
+        let Some(mut r) = self.requests.remove(&req_id) else {
+            return;
+        };
         let n = req.keys.len();
         let check = if req.total_chunks < 0 || req.total_chunks as usize != r.total {
             Err((
@@ -501,35 +583,58 @@ impl ReceiverCore {
         let first_new = r.held.len();
         let mut failure = None;
         for (i, key) in req.keys.iter().enumerate() {
-            let tokens = (i + 1 == n).then(|| req.last_chunk_toks.clamp(0, i64::from(u32::MAX)) as u32);
+            let tokens =
+                (i + 1 == n).then(|| req.last_chunk_toks.clamp(0, i64::from(u32::MAX)) as u32);
             if let Some((slot, gen)) = self.keys.pin(key) {
                 // Dedup: the chunk needs no slot, so its share of the
                 // reservation goes back at once (allocate it, then free it).
                 if reservation.allocate(1).is_ok() {
                     self.ledger.free(1);
                 }
-                r.held.push(Held { key: key.clone(), gen, wrote: false, granted: false });
+                r.held.push(Held {
+                    key: key.clone(),
+                    gen,
+                    wrote: false,
+                    granted: false,
+                });
                 already.push(i as i64);
                 remote.push(i64::from(slot));
                 continue;
             }
             if reservation.allocate(1).is_err() {
-                failure = Some(format!("request {req_id}: reservation exhausted (internal accounting error)"));
+                failure = Some(format!(
+                    "request {req_id}: reservation exhausted (internal accounting error)"
+                ));
                 break;
             }
             let Some(set) = self.slots.try_alloc(1) else {
                 self.ledger.free(1);
-                failure = Some(format!("request {req_id}: no free slot although admitted (internal accounting error)"));
+                failure = Some(format!(
+                    "request {req_id}: no free slot although admitted (internal accounting error)"
+                ));
                 break;
             };
             let slot = set.as_slice()[0];
             let gen = self.keys.insert_new(key, slot, !r.extended, tokens);
-            r.held.push(Held { key: key.clone(), gen, wrote: true, granted: false });
+            r.held.push(Held {
+                key: key.clone(),
+                gen,
+                wrote: true,
+                granted: false,
+            });
             remote.push(i64::from(slot));
         }
         if let Some(msg) = failure {
             self.requests.insert(req_id.clone(), r);
-            return self.fail_request(&req_id, peer, &req, ErrorCode::AllocationFailed, msg, now, out);
+            return self.fail_request(
+                &req_id,
+                peer,
+                &req,
+                ErrorCode::AllocationFailed,
+                msg,
+                now,
+                out,
+            );
         }
         for h in &mut r.held[first_new..] {
             h.granted = true;
@@ -543,7 +648,9 @@ impl ReceiverCore {
         });
         if req.is_last_batch {
             // Whatever was reserved but not sent goes back now.
-            if let Phase::Admitted { reservation } = std::mem::replace(&mut r.phase, Phase::AwaitingDone) {
+            if let Phase::Admitted { reservation } =
+                std::mem::replace(&mut r.phase, Phase::AwaitingDone)
+            {
                 drop(reservation);
             }
             if r.extended {
@@ -553,7 +660,10 @@ impl ReceiverCore {
                 // keys stay for the decoder, which learns of them from the
                 // proxy.
                 self.bump_request("completed");
-                out.push(Output::Finished { req_id, outcome: Outcome::Ready });
+                out.push(Output::Finished {
+                    req_id,
+                    outcome: Outcome::Ready,
+                });
             }
         } else {
             self.requests.insert(req_id, r);
@@ -568,10 +678,18 @@ impl ReceiverCore {
         if let Err((code, msg)) = self.check_batch_shape(&req) {
             return self.fail_reply(peer, n, req.seq, code, msg, out);
         }
-        let fresh: HashSet<&str> =
-            req.keys.iter().map(String::as_str).filter(|k| self.keys.get(k).is_none()).collect();
+        let fresh: HashSet<&str> = req
+            .keys
+            .iter()
+            .map(String::as_str)
+            .filter(|k| self.keys.get(k).is_none())
+            .collect();
         let busy = !self.queue.is_empty();
-        let reservation = if busy { None } else { self.ledger.try_admit(fresh.len()).ok() };
+        let reservation = if busy {
+            None
+        } else {
+            self.ledger.try_admit(fresh.len()).ok()
+        };
         let Some(mut reservation) = reservation else {
             let msg = format!(
                 "no room for {} anonymous chunks ({} of {} committed, {} requests parked)",
@@ -601,7 +719,8 @@ impl ReceiverCore {
                     continue;
                 }
             };
-            let tokens = (i + 1 == n).then(|| req.last_chunk_toks.clamp(0, i64::from(u32::MAX)) as u32);
+            let tokens =
+                (i + 1 == n).then(|| req.last_chunk_toks.clamp(0, i64::from(u32::MAX)) as u32);
             self.keys.insert_new(key, slot, true, tokens);
             remote.push(i64::from(slot));
         }
@@ -616,7 +735,14 @@ impl ReceiverCore {
         if let Some(r) = self.requests.remove(&c.req_id) {
             debug!(req_id = %c.req_id, "cancelled by sender");
             self.bump_request("cancelled");
-            self.finish_failed(&c.req_id, r, ErrorCode::Cancelled, Cause::SenderCancel, now, out);
+            self.finish_failed(
+                &c.req_id,
+                r,
+                ErrorCode::Cancelled,
+                Cause::SenderCancel,
+                now,
+                out,
+            );
             // The sender ended it: nothing later needs the tombstone's error.
             if let Some(t) = self.tombstones.remove(&c.req_id) {
                 for slot in t.quarantined {
@@ -653,11 +779,17 @@ impl ReceiverCore {
                         }
                     }
                     self.bump_request("completed");
-                    out.push(Output::Finished { req_id: req_id.to_owned(), outcome: Outcome::Ready });
+                    out.push(Output::Finished {
+                        req_id: req_id.to_owned(),
+                        outcome: Outcome::Ready,
+                    });
                 }
             }
             Some(_) => {
-                warn!(req_id, "TransferDone before the request's last batch; ignored");
+                warn!(
+                    req_id,
+                    "TransferDone before the request's last batch; ignored"
+                );
                 self.bump_error(ErrorCode::ProtocolViolation);
             }
             None => debug!(req_id, "TransferDone for an unknown request; ignored"),
@@ -729,7 +861,10 @@ impl ReceiverCore {
             Phase::Parked { backlog, .. } => {
                 self.queue.remove(&req_id.to_owned());
                 for b in backlog {
-                    let msg = format!("request {req_id} ended while waiting for admission: {}", code.as_str());
+                    let msg = format!(
+                        "request {req_id} ended while waiting for admission: {}",
+                        code.as_str()
+                    );
                     self.fail_reply(&r.peer, b.keys.len(), b.seq, code, msg, out);
                 }
             }
@@ -739,9 +874,12 @@ impl ReceiverCore {
         let fence = !(cause == Cause::SenderCancel && r.extended);
         let mut quarantined = Vec::new();
         for h in &r.held {
-            if h.wrote && !self.keys.get(&h.key).is_some_and(|e| e.gen == h.gen && e.ready) {
-                // The bytes will never be complete: the key goes, whoever
-                // else pinned it, and the slot is fenced if it was granted.
+            if h.wrote {
+                // A tracked request never completed, so the bytes it was
+                // writing are not whole (an LMCache peer's keys are visible
+                // from allocation on, but that does not make them written):
+                // the key goes, whoever else pinned it, and the slot is
+                // fenced if it was granted.
                 if let Some(slot) = self.keys.evict(&h.key, h.gen) {
                     if h.granted && fence {
                         quarantined.push(slot);
@@ -755,11 +893,25 @@ impl ReceiverCore {
             }
         }
         if !quarantined.is_empty() {
-            debug!(req_id, slots = quarantined.len(), "slots quarantined until the fence");
+            debug!(
+                req_id,
+                slots = quarantined.len(),
+                "slots quarantined until the fence"
+            );
         }
         let until = now + self.cfg.quarantine_grace;
-        self.tombstones.insert(req_id.to_owned(), Tombstone { code, quarantined, until });
-        out.push(Output::Finished { req_id: req_id.to_owned(), outcome: Outcome::Failed(code) });
+        self.tombstones.insert(
+            req_id.to_owned(),
+            Tombstone {
+                code,
+                quarantined,
+                until,
+            },
+        );
+        out.push(Output::Finished {
+            req_id: req_id.to_owned(),
+            outcome: Outcome::Failed(code),
+        });
     }
 
     /// Grants parked requests that now fit, in FIFO order, and processes
@@ -771,12 +923,17 @@ impl ReceiverCore {
                 return;
             }
             for (req_id, reservation) in granted {
-                let Some(r) = self.requests.get_mut(&req_id) else { continue };
+                let Some(r) = self.requests.get_mut(&req_id) else {
+                    continue;
+                };
                 let phase = std::mem::replace(&mut r.phase, Phase::Admitted { reservation });
-                let Phase::Parked { backlog, since } = phase else { continue };
+                let Phase::Parked { backlog, since } = phase else {
+                    continue;
+                };
                 r.lease_deadline = now + self.cfg.lease;
                 let peer = r.peer.clone();
-                self.admission_waits.push(now.saturating_duration_since(since));
+                self.admission_waits
+                    .push(now.saturating_duration_since(since));
                 self.bump_request("admitted");
                 debug!(req_id = %req_id, waited_us = now.saturating_duration_since(since).as_micros() as u64, "admitted after parking");
                 for b in backlog {
@@ -784,12 +941,24 @@ impl ReceiverCore {
                         Some(Phase::Admitted { .. }) => self.process_batch(&peer, b, now, out),
                         Some(Phase::AwaitingDone) => {
                             let msg = format!("batch for request {req_id} after its last batch");
-                            self.fail_request(&req_id, &peer, &b, ErrorCode::ProtocolViolation, msg, now, out);
+                            self.fail_request(
+                                &req_id,
+                                &peer,
+                                &b,
+                                ErrorCode::ProtocolViolation,
+                                msg,
+                                now,
+                                out,
+                            );
                         }
                         _ => {
                             // Rolled back by an earlier batch of the backlog.
-                            let code = self.tombstones.get(&req_id).map_or(ErrorCode::Cancelled, |t| t.code);
-                            let msg = format!("request {req_id} already ended with {}", code.as_str());
+                            let code = self
+                                .tombstones
+                                .get(&req_id)
+                                .map_or(ErrorCode::Cancelled, |t| t.code);
+                            let msg =
+                                format!("request {req_id} already ended with {}", code.as_str());
                             self.fail_reply(&peer, b.keys.len(), b.seq, code, msg, out);
                         }
                     }

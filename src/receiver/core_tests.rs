@@ -4,7 +4,8 @@ use std::time::{Duration, Instant};
 
 use super::core::{CoreConfig, Outcome, Output, ReceiverCore};
 use crate::protocol::{
-    AllocRequest, AllocResponse, CancelNotif, Descriptor, ErrorCode, Heartbeat, Hello, Message, TransferDone,
+    AllocRequest, AllocResponse, CancelNotif, Descriptor, ErrorCode, Heartbeat, Hello, Message,
+    TransferDone,
 };
 
 const P: &[u8] = b"peer-a";
@@ -40,7 +41,10 @@ fn batch(req: &str, keys: &[&str], total: i64, last: bool, seq: Option<u64>) -> 
 fn replies(out: &mut Vec<Output>) -> Vec<(Vec<u8>, AllocResponse)> {
     let mut v = Vec::new();
     out.retain(|o| match o {
-        Output::Send { peer, message: Message::AllocResponse(r) } => {
+        Output::Send {
+            peer,
+            message: Message::AllocResponse(r),
+        } => {
             v.push((peer.clone(), r.clone()));
             false
         }
@@ -52,7 +56,10 @@ fn replies(out: &mut Vec<Output>) -> Vec<(Vec<u8>, AllocResponse)> {
 fn one_reply(out: &mut Vec<Output>) -> AllocResponse {
     let r = replies(out);
     assert_eq!(r.len(), 1, "expected exactly one reply, got {r:?}");
-    r.into_iter().next().map(|(_, r)| r).unwrap_or_else(|| unreachable!())
+    r.into_iter()
+        .next()
+        .map(|(_, r)| r)
+        .unwrap_or_else(|| unreachable!())
 }
 
 fn keys(prefix: &str, n: usize) -> Vec<String> {
@@ -79,16 +86,27 @@ fn seed_example_b_waits_for_a() {
     c.handle(P, batch("A", &refs(&a[..4]), 8, false, None), t0, &mut out);
     assert!(!one_reply(&mut out).is_failure());
     c.handle(Q, batch("B", &refs(&b[..4]), 8, false, None), t0, &mut out);
-    assert!(replies(&mut out).is_empty(), "B does not fit and must be parked, unanswered");
+    assert!(
+        replies(&mut out).is_empty(),
+        "B does not fit and must be parked, unanswered"
+    );
     assert_eq!(c.stats().parked_requests, 1);
     c.handle(P, batch("A", &refs(&a[4..]), 8, true, None), t0, &mut out);
-    assert!(!one_reply(&mut out).is_failure(), "A's later batch is never blocked by B");
-    assert!(out.iter().any(|o| matches!(o, Output::Finished { req_id, outcome: Outcome::Ready } if req_id == "A")));
+    assert!(
+        !one_reply(&mut out).is_failure(),
+        "A's later batch is never blocked by B"
+    );
+    assert!(out.iter().any(
+        |o| matches!(o, Output::Finished { req_id, outcome: Outcome::Ready } if req_id == "A")
+    ));
     out.clear();
     // A's chunks are still held until the decoder consumes them.
     assert!(replies(&mut out).is_empty());
     consume(&mut c, &a[..5], t0, &mut out);
-    assert!(replies(&mut out).is_empty(), "2 free + 5 freed = 7 slots: B (8) still waits");
+    assert!(
+        replies(&mut out).is_empty(),
+        "2 free + 5 freed = 7 slots: B (8) still waits"
+    );
     consume(&mut c, &a[5..6], t0, &mut out);
     let r = one_reply(&mut out);
     assert!(!r.is_failure(), "B admitted once A's slots are free");
@@ -116,7 +134,10 @@ fn zero_and_oversized_requests_are_refused_at_once() {
     let r = one_reply(&mut out);
     assert_eq!(r.code.as_deref(), Some(ErrorCode::BufferTooSmall.as_str()));
     assert_eq!(r.remote_indexes, vec![-1, -1]);
-    assert!(r.error.as_deref().is_some_and(|e| e.contains("buffer too small")));
+    assert!(r
+        .error
+        .as_deref()
+        .is_some_and(|e| e.contains("buffer too small")));
     assert_eq!(c.ledger().stats().committed, 0);
     assert_eq!(c.stats().tracked_requests, 0);
 }
@@ -130,9 +151,18 @@ fn protocol_violation_rolls_back_everything() {
     assert!(!one_reply(&mut out).is_failure());
     c.handle(P, batch("A", &["a2", "a3"], 3, true, None), t0, &mut out);
     let r = one_reply(&mut out);
-    assert_eq!(r.code.as_deref(), Some(ErrorCode::ProtocolViolation.as_str()));
+    assert_eq!(
+        r.code.as_deref(),
+        Some(ErrorCode::ProtocolViolation.as_str())
+    );
     assert_eq!(r.remote_indexes, vec![-1, -1]);
-    assert!(out.iter().any(|o| matches!(o, Output::Finished { outcome: Outcome::Failed(ErrorCode::ProtocolViolation), .. })));
+    assert!(out.iter().any(|o| matches!(
+        o,
+        Output::Finished {
+            outcome: Outcome::Failed(ErrorCode::ProtocolViolation),
+            ..
+        }
+    )));
     // LMCache peer (no Hello): granted slots are quarantined until the grace
     // passes, since writes into them may still land.
     let l = c.ledger().stats();
@@ -141,7 +171,10 @@ fn protocol_violation_rolls_back_everything() {
     assert_eq!(c.stats().keys, 0);
     // Later batches of the failed request keep getting its error.
     c.handle(P, batch("A", &["a9"], 3, true, None), t0, &mut out);
-    assert_eq!(one_reply(&mut out).code.as_deref(), Some(ErrorCode::ProtocolViolation.as_str()));
+    assert_eq!(
+        one_reply(&mut out).code.as_deref(),
+        Some(ErrorCode::ProtocolViolation.as_str())
+    );
     c.tick(t0 + Duration::from_secs(11), &mut out);
     assert_eq!(c.ledger().stats().committed, 0);
     assert_eq!(c.stats().slots_in_use, 0);
@@ -157,15 +190,34 @@ fn changed_total_and_batch_after_last_are_errors() {
     c.handle(P, batch("A", &["a0"], 3, false, Some(1)), t0, &mut out);
     assert!(!one_reply(&mut out).is_failure());
     c.handle(P, batch("A", &["a1"], 4, false, Some(2)), t0, &mut out);
-    assert_eq!(one_reply(&mut out).code.as_deref(), Some(ErrorCode::InconsistentRequest.as_str()));
-    c.handle(P, Message::CancelNotif(CancelNotif { req_id: "A".into(), keys: vec![], seq: Some(3) }), t0, &mut out);
+    assert_eq!(
+        one_reply(&mut out).code.as_deref(),
+        Some(ErrorCode::InconsistentRequest.as_str())
+    );
+    c.handle(
+        P,
+        Message::CancelNotif(CancelNotif {
+            req_id: "A".into(),
+            keys: vec![],
+            seq: Some(3),
+        }),
+        t0,
+        &mut out,
+    );
     assert_eq!(one_reply(&mut out).remote_indexes, Vec::<i64>::new());
-    assert_eq!(c.ledger().stats().committed, 0, "CancelNotif is the fence that frees quarantined slots");
+    assert_eq!(
+        c.ledger().stats().committed,
+        0,
+        "CancelNotif is the fence that frees quarantined slots"
+    );
 
     c.handle(P, batch("B", &["b0"], 1, true, Some(4)), t0, &mut out);
     assert!(!one_reply(&mut out).is_failure());
     c.handle(P, batch("B", &["b1"], 1, true, Some(5)), t0, &mut out);
-    assert_eq!(one_reply(&mut out).code.as_deref(), Some(ErrorCode::ProtocolViolation.as_str()));
+    assert_eq!(
+        one_reply(&mut out).code.as_deref(),
+        Some(ErrorCode::ProtocolViolation.as_str())
+    );
 }
 
 fn hello() -> Message {
@@ -187,7 +239,10 @@ fn dedup_pins_and_reports_already_sent() {
     c.handle(Q, batch("B", &["y", "z"], 2, true, None), t0, &mut out);
     let rb = one_reply(&mut out);
     assert_eq!(rb.already_sent_indexes, vec![0]);
-    assert_eq!(rb.remote_indexes[0], ra.remote_indexes[1], "dedup names the existing slot");
+    assert_eq!(
+        rb.remote_indexes[0], ra.remote_indexes[1],
+        "dedup names the existing slot"
+    );
     // y has two references: one remove keeps it, the second frees it.
     assert!(c.remove_key("y", t0, &mut out));
     assert!(c.is_ready("y"));
@@ -209,7 +264,10 @@ fn dedup_counts_toward_total_chunks() {
     c.handle(Q, batch("B", &["x"], 1, false, None), t0, &mut out);
     assert_eq!(one_reply(&mut out).already_sent_indexes, vec![0]);
     c.handle(Q, batch("B", &["w"], 1, true, None), t0, &mut out);
-    assert_eq!(one_reply(&mut out).code.as_deref(), Some(ErrorCode::ProtocolViolation.as_str()));
+    assert_eq!(
+        one_reply(&mut out).code.as_deref(),
+        Some(ErrorCode::ProtocolViolation.as_str())
+    );
     // B's pin on x is dropped by the rollback; A's reference remains.
     assert!(c.remove_key("x", t0, &mut out));
     assert!(!c.remove_key("x", t0, &mut out));
@@ -220,14 +278,40 @@ fn cancel_of_a_parked_request_answers_its_batches() {
     let t0 = Instant::now();
     let mut c = ReceiverCore::new(cfg(4), t0);
     let mut out = Vec::new();
-    c.handle(P, batch("A", &["a0", "a1", "a2"], 3, true, Some(1)), t0, &mut out);
+    c.handle(
+        P,
+        batch("A", &["a0", "a1", "a2"], 3, true, Some(1)),
+        t0,
+        &mut out,
+    );
     one_reply(&mut out);
-    c.handle(Q, batch("B", &["b0", "b1"], 2, false, Some(2)), t0, &mut out);
+    c.handle(
+        Q,
+        batch("B", &["b0", "b1"], 2, false, Some(2)),
+        t0,
+        &mut out,
+    );
     c.handle(Q, batch("B", &["b2"], 2, true, Some(3)), t0, &mut out);
-    assert!(replies(&mut out).is_empty(), "both batches of B wait behind its admission");
-    c.handle(Q, Message::CancelNotif(CancelNotif { req_id: "B".into(), keys: vec![], seq: Some(4) }), t0, &mut out);
+    assert!(
+        replies(&mut out).is_empty(),
+        "both batches of B wait behind its admission"
+    );
+    c.handle(
+        Q,
+        Message::CancelNotif(CancelNotif {
+            req_id: "B".into(),
+            keys: vec![],
+            seq: Some(4),
+        }),
+        t0,
+        &mut out,
+    );
     let r = replies(&mut out);
-    assert_eq!(r.len(), 3, "two parked batches answered with an error, plus the cancel");
+    assert_eq!(
+        r.len(),
+        3,
+        "two parked batches answered with an error, plus the cancel"
+    );
     assert_eq!(r[0].1.code.as_deref(), Some(ErrorCode::Cancelled.as_str()));
     assert_eq!(r[0].1.seq, Some(2));
     assert_eq!(r[1].1.seq, Some(3));
@@ -245,7 +329,10 @@ fn fifo_admission_does_not_starve_a_large_request() {
     c.handle(P, batch("BIG", &["g0"], 4, false, None), t0, &mut out);
     assert!(replies(&mut out).is_empty());
     c.handle(P, batch("S2", &["s2"], 1, true, None), t0, &mut out);
-    assert!(replies(&mut out).is_empty(), "a small request does not jump the parked large one");
+    assert!(
+        replies(&mut out).is_empty(),
+        "a small request does not jump the parked large one"
+    );
     c.remove_key("s1", t0, &mut out);
     let r = replies(&mut out);
     assert_eq!(r.len(), 1, "BIG is admitted first");
@@ -263,7 +350,10 @@ fn admission_timeout_answers_the_parked_batch() {
     assert!(c.next_deadline().is_some());
     c.tick(t0 + Duration::from_secs(61), &mut out);
     let r = one_reply(&mut out);
-    assert_eq!(r.code.as_deref(), Some(ErrorCode::AdmissionTimeout.as_str()));
+    assert_eq!(
+        r.code.as_deref(),
+        Some(ErrorCode::AdmissionTimeout.as_str())
+    );
     assert_eq!(r.seq, Some(9));
 }
 
@@ -274,18 +364,44 @@ fn lease_expiry_rolls_back_and_heartbeats_renew() {
     let mut out = Vec::new();
     c.handle(P, hello(), t0, &mut out);
     out.clear();
-    c.handle(P, batch("A", &["a0", "a1"], 4, false, Some(1)), t0, &mut out);
+    c.handle(
+        P,
+        batch("A", &["a0", "a1"], 4, false, Some(1)),
+        t0,
+        &mut out,
+    );
     one_reply(&mut out);
     assert_eq!(c.ledger().stats().committed, 4);
     // A heartbeat at 20 s renews the lease past 30 s.
-    c.handle(P, Message::Heartbeat(Heartbeat { sender_id: "s1".into() }), t0 + Duration::from_secs(20), &mut out);
+    c.handle(
+        P,
+        Message::Heartbeat(Heartbeat {
+            sender_id: "s1".into(),
+        }),
+        t0 + Duration::from_secs(20),
+        &mut out,
+    );
     c.tick(t0 + Duration::from_secs(35), &mut out);
-    assert_eq!(c.stats().tracked_requests, 1, "renewed lease has not expired");
+    assert_eq!(
+        c.stats().tracked_requests,
+        1,
+        "renewed lease has not expired"
+    );
     c.tick(t0 + Duration::from_secs(60), &mut out);
     assert_eq!(c.stats().tracked_requests, 0, "lease expired");
-    assert!(out.iter().any(|o| matches!(o, Output::Finished { outcome: Outcome::Failed(ErrorCode::LeaseExpired), .. })));
+    assert!(out.iter().any(|o| matches!(
+        o,
+        Output::Finished {
+            outcome: Outcome::Failed(ErrorCode::LeaseExpired),
+            ..
+        }
+    )));
     assert_eq!(c.ledger().stats().reserved, 0);
-    assert_eq!(c.stats().quarantined_slots, 2, "granted slots wait for the fence");
+    assert_eq!(
+        c.stats().quarantined_slots,
+        2,
+        "granted slots wait for the fence"
+    );
     c.tick(t0 + Duration::from_secs(120), &mut out);
     assert_eq!(c.ledger().stats().committed, 0);
 }
@@ -304,10 +420,24 @@ fn kvferry_peer_completes_on_transfer_done() {
     assert_eq!(r.len(), 2, "an empty last batch is legal and answered");
     assert!(r[1].1.remote_indexes.is_empty() && !r[1].1.is_failure());
     assert!(!c.is_ready("a0"), "not ready before TransferDone");
-    assert_eq!(c.ledger().stats().reserved, 0, "the unused reservation went back with the last batch");
-    c.handle(P, Message::TransferDone(TransferDone { req_id: "A".into(), seq: None }), t0, &mut out);
+    assert_eq!(
+        c.ledger().stats().reserved,
+        0,
+        "the unused reservation went back with the last batch"
+    );
+    c.handle(
+        P,
+        Message::TransferDone(TransferDone {
+            req_id: "A".into(),
+            seq: None,
+        }),
+        t0,
+        &mut out,
+    );
     assert!(c.is_ready("a0"));
-    assert!(out.iter().any(|o| matches!(o, Output::Finished { req_id, outcome: Outcome::Ready } if req_id == "A")));
+    assert!(out.iter().any(
+        |o| matches!(o, Output::Finished { req_id, outcome: Outcome::Ready } if req_id == "A")
+    ));
 }
 
 #[test]
@@ -321,7 +451,10 @@ fn anonymous_batches_allocate_without_tracking() {
     assert!(!r.is_failure());
     assert_eq!(c.stats().tracked_requests, 0);
     c.handle(P, batch("", &["n2"], 0, false, None), t0, &mut out);
-    assert_eq!(one_reply(&mut out).code.as_deref(), Some(ErrorCode::AllocationFailed.as_str()));
+    assert_eq!(
+        one_reply(&mut out).code.as_deref(),
+        Some(ErrorCode::AllocationFailed.as_str())
+    );
     assert!(c.remove_key("n0", t0, &mut out));
     assert!(c.remove_key("n1", t0, &mut out));
     assert_eq!(c.ledger().stats().committed, 0);
@@ -337,13 +470,19 @@ fn oversized_chunk_and_unknown_dtype_are_refused() {
         r.shape = vec![4096];
     }
     c.handle(P, m, t0, &mut out);
-    assert_eq!(one_reply(&mut out).code.as_deref(), Some(ErrorCode::ChunkTooLarge.as_str()));
+    assert_eq!(
+        one_reply(&mut out).code.as_deref(),
+        Some(ErrorCode::ChunkTooLarge.as_str())
+    );
     let mut m = batch("B", &["b"], 1, true, None);
     if let Message::AllocRequest(r) = &mut m {
         r.dtype = "no-such-type".into();
     }
     c.handle(P, m, t0, &mut out);
-    assert_eq!(one_reply(&mut out).code.as_deref(), Some(ErrorCode::BadMessage.as_str()));
+    assert_eq!(
+        one_reply(&mut out).code.as_deref(),
+        Some(ErrorCode::BadMessage.as_str())
+    );
     assert_eq!(c.ledger().stats().committed, 0);
 }
 
@@ -353,11 +492,29 @@ fn fenced_cancel_from_a_kvferry_sender_frees_at_once() {
     let mut c = ReceiverCore::new(cfg(4), t0);
     let mut out = Vec::new();
     c.handle(P, hello(), t0, &mut out);
-    c.handle(P, batch("A", &["a0", "a1"], 4, false, Some(1)), t0, &mut out);
+    c.handle(
+        P,
+        batch("A", &["a0", "a1"], 4, false, Some(1)),
+        t0,
+        &mut out,
+    );
     out.clear();
-    c.handle(P, Message::CancelNotif(CancelNotif { req_id: "A".into(), keys: vec!["a0".into(), "a1".into()], seq: Some(2) }), t0, &mut out);
+    c.handle(
+        P,
+        Message::CancelNotif(CancelNotif {
+            req_id: "A".into(),
+            keys: vec!["a0".into(), "a1".into()],
+            seq: Some(2),
+        }),
+        t0,
+        &mut out,
+    );
     assert_eq!(one_reply(&mut out).seq, Some(2));
-    assert_eq!(c.ledger().stats().committed, 0, "a kvferry sender fences before it cancels");
+    assert_eq!(
+        c.ledger().stats().committed,
+        0,
+        "a kvferry sender fences before it cancels"
+    );
     assert_eq!(c.stats().quarantined_slots, 0);
 }
 
@@ -366,8 +523,21 @@ fn unexpected_message_types_get_an_error_reply() {
     let t0 = Instant::now();
     let mut c = ReceiverCore::new(cfg(4), t0);
     let mut out = Vec::new();
-    c.handle(P, Message::AllocResponse(AllocResponse::ok(vec![], vec![], None)), t0, &mut out);
-    assert_eq!(one_reply(&mut out).code.as_deref(), Some(ErrorCode::BadMessage.as_str()));
-    c.bad_frame(P, "garbage".into(), &mut out);
+    c.handle(
+        P,
+        Message::AllocResponse(AllocResponse::ok(vec![], vec![], None)),
+        t0,
+        &mut out,
+    );
+    assert_eq!(
+        one_reply(&mut out).code.as_deref(),
+        Some(ErrorCode::BadMessage.as_str())
+    );
+    c.bad_frame(
+        P,
+        "garbage".into(),
+        crate::protocol::ReplyHints::default(),
+        &mut out,
+    );
     assert_eq!(one_reply(&mut out).remote_indexes, vec![-1]);
 }

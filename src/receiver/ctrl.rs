@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, debug_span, warn};
 
-use crate::protocol::{decode_with_limits, encode_into, Limits};
+use crate::protocol::{decode_with_limits, encode_into, peek_reply_hints, Limits};
 use crate::zmq_io::{readable, Reactor};
 
 use super::core::Output;
@@ -25,8 +25,10 @@ const IDLE_WAIT: Duration = Duration::from_secs(3600);
 
 /// Pins the current thread, logging (not failing) when the CPU is not ours.
 pub(super) fn pin_to(cpu: usize) {
-    let ok = core_affinity::get_core_ids()
-        .is_some_and(|ids| ids.iter().any(|c| c.id == cpu) && core_affinity::set_for_current(core_affinity::CoreId { id: cpu }));
+    let ok = core_affinity::get_core_ids().is_some_and(|ids| {
+        ids.iter().any(|c| c.id == cpu)
+            && core_affinity::set_for_current(core_affinity::CoreId { id: cpu })
+    });
     if !ok {
         warn!(cpu, "cannot pin the receiver ctrl thread; running unpinned");
     }
@@ -72,7 +74,9 @@ pub(super) fn run(shared: Arc<Shared>, sock: zmq::Socket, mut reactor: Reactor, 
                 Err(e) => {
                     st.bad_frames += 1;
                     debug!(error = %e, "undecodable frame");
-                    st.core.bad_frame(&env.identity, e.to_string(), &mut out);
+                    let hints = peek_reply_hints(payload, &limits);
+                    st.core
+                        .bad_frame(&env.identity, e.to_string(), hints, &mut out);
                 }
             }
             if st.absorb(&mut out) {
@@ -124,9 +128,18 @@ pub(super) fn run(shared: Arc<Shared>, sock: zmq::Socket, mut reactor: Reactor, 
 /// Splits `[identity, (b"",)? payload]`.
 fn envelope(frames: &[Vec<u8>]) -> Option<Envelope> {
     match frames {
-        [id, empty, _payload] if empty.is_empty() => Some(Envelope { identity: id.clone(), delimited: true }),
-        [id, _payload] => Some(Envelope { identity: id.clone(), delimited: false }),
-        [id, .., _payload] if frames.len() > 3 => Some(Envelope { identity: id.clone(), delimited: frames[1].is_empty() }),
+        [id, empty, _payload] if empty.is_empty() => Some(Envelope {
+            identity: id.clone(),
+            delimited: true,
+        }),
+        [id, _payload] => Some(Envelope {
+            identity: id.clone(),
+            delimited: false,
+        }),
+        [id, .., _payload] if frames.len() > 3 => Some(Envelope {
+            identity: id.clone(),
+            delimited: frames[1].is_empty(),
+        }),
         _ => None,
     }
 }

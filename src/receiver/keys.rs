@@ -67,7 +67,14 @@ impl KeyTable {
         let gen = self.next_gen;
         self.map.insert(
             key.to_owned(),
-            KeyEntry { slot, refs: 1, borrowed: 0, ready, tokens, gen },
+            KeyEntry {
+                slot,
+                refs: 1,
+                borrowed: 0,
+                ready,
+                tokens,
+                gen,
+            },
         );
         gen
     }
@@ -108,7 +115,9 @@ impl KeyTable {
 
     /// Drops one unborrowed reference.
     pub fn unref(&mut self, key: &str) -> Unref {
-        let Some(e) = self.map.get_mut(key) else { return Unref::NotHeld };
+        let Some(e) = self.map.get_mut(key) else {
+            return Unref::NotHeld;
+        };
         if e.refs <= e.borrowed {
             return Unref::NotHeld;
         }
@@ -135,7 +144,9 @@ impl KeyTable {
 
     /// Ends a borrow, consuming the reference it claimed.
     pub fn end_borrow(&mut self, key: &str) -> Unref {
-        let Some(e) = self.map.get_mut(key) else { return Unref::NotHeld };
+        let Some(e) = self.map.get_mut(key) else {
+            return Unref::NotHeld;
+        };
         if e.borrowed == 0 {
             return Unref::NotHeld;
         }
@@ -165,7 +176,11 @@ mod tests {
         assert_eq!(t.borrow("a"), Some((7, None)));
         assert_eq!(t.borrow("a"), Some((7, None)));
         assert_eq!(t.borrow("a"), None, "both references claimed");
-        assert_eq!(t.unref("a"), Unref::NotHeld, "borrowed references cannot be removed");
+        assert_eq!(
+            t.unref("a"),
+            Unref::NotHeld,
+            "borrowed references cannot be removed"
+        );
         assert_eq!(t.end_borrow("a"), Unref::Held);
         assert_eq!(t.end_borrow("a"), Unref::Freed(7));
         assert!(t.is_empty());

@@ -5,8 +5,9 @@ use crate::metrics::MetricsWriter;
 use super::Receiver;
 
 /// Bucket bounds (µs) of the admission-wait histogram.
-const ADMISSION_BUCKETS_US: &[u64] =
-    &[10, 100, 1_000, 10_000, 100_000, 1_000_000, 10_000_000, 60_000_000];
+const ADMISSION_BUCKETS_US: &[u64] = &[
+    10, 100, 1_000, 10_000, 100_000, 1_000_000, 10_000_000, 60_000_000,
+];
 
 impl Receiver {
     /// The receiver's metrics in Prometheus text format 0.0.4.
@@ -14,7 +15,11 @@ impl Receiver {
         let s = self.stats();
         let hist = self.admission_wait_histogram();
         let mut w = MetricsWriter::new();
-        w.gauge("kvferry_receiver_capacity_chunks", "Slots in the receive buffer.", s.capacity_chunks as f64);
+        w.gauge(
+            "kvferry_receiver_capacity_chunks",
+            "Slots in the receive buffer.",
+            s.capacity_chunks as f64,
+        );
         w.gauge(
             "kvferry_receiver_reserved_chunks",
             "Chunks reserved by admitted requests and not yet allocated.",
@@ -25,9 +30,21 @@ impl Receiver {
             "Slots allocated (being written, awaiting the decoder, or quarantined).",
             s.allocated_chunks as f64,
         );
-        w.gauge("kvferry_receiver_parked_requests", "Requests waiting for admission.", s.core.parked_requests as f64);
-        w.gauge("kvferry_receiver_tracked_requests", "Requests being tracked.", s.core.tracked_requests as f64);
-        w.gauge("kvferry_receiver_keys", "Keys held in the receive buffer.", s.core.keys as f64);
+        w.gauge(
+            "kvferry_receiver_parked_requests",
+            "Requests waiting for admission.",
+            s.core.parked_requests as f64,
+        );
+        w.gauge(
+            "kvferry_receiver_tracked_requests",
+            "Requests being tracked.",
+            s.core.tracked_requests as f64,
+        );
+        w.gauge(
+            "kvferry_receiver_keys",
+            "Keys held in the receive buffer.",
+            s.core.keys as f64,
+        );
         w.gauge(
             "kvferry_receiver_quarantined_slots",
             "Slots fenced until in-flight writes of a failed request cannot land.",
@@ -49,7 +66,11 @@ impl Receiver {
                 *n,
             );
         }
-        w.counter("kvferry_receiver_bad_frames_total", "Frames that could not be decoded.", s.bad_frames);
+        w.counter(
+            "kvferry_receiver_bad_frames_total",
+            "Frames that could not be decoded.",
+            s.bad_frames,
+        );
         w.histogram(
             "kvferry_receiver_admission_wait_us",
             "Time from a request's first batch to its admission, microseconds.",

@@ -173,7 +173,9 @@ impl State {
             Output::Send { .. } => true,
         });
         for w in self.core.take_admission_waits() {
-            let _ = self.admission_wait_us.record(w.as_micros().min(u128::from(u64::MAX)) as u64);
+            let _ = self
+                .admission_wait_us
+                .record(w.as_micros().min(u128::from(u64::MAX)) as u64);
         }
         any
     }
@@ -197,7 +199,9 @@ pub struct Receiver {
 
 impl std::fmt::Debug for Receiver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Receiver").field("endpoint", &self.endpoint).finish_non_exhaustive()
+        f.debug_struct("Receiver")
+            .field("endpoint", &self.endpoint)
+            .finish_non_exhaustive()
     }
 }
 
@@ -219,8 +223,14 @@ impl Receiver {
         let region = Region::create(&path, cfg.chunk_bytes, cfg.capacity_chunks as u64)?;
         let sock = crate::zmq_io::context()
             .socket(zmq::ROUTER)
-            .map_err(|source| ReceiverError::Bind { endpoint: cfg.listen.clone(), source })?;
-        let bind = |source| ReceiverError::Bind { endpoint: cfg.listen.clone(), source };
+            .map_err(|source| ReceiverError::Bind {
+                endpoint: cfg.listen.clone(),
+                source,
+            })?;
+        let bind = |source| ReceiverError::Bind {
+            endpoint: cfg.listen.clone(),
+            source,
+        };
         sock.set_linger(0).map_err(bind)?;
         sock.set_rcvhwm(0).map_err(bind)?;
         sock.set_sndhwm(0).map_err(bind)?;
@@ -276,7 +286,11 @@ impl Receiver {
                 ctrl::run(shared, sock, reactor, limits)
             })?
         };
-        Ok(Self { shared, thread: Some(thread), endpoint })
+        Ok(Self {
+            shared,
+            thread: Some(thread),
+            endpoint,
+        })
     }
 
     /// The bound endpoint (with the actual port when `:0` was asked for).
@@ -308,7 +322,12 @@ impl Receiver {
             if st.shut_down {
                 return Err(WaitError::ShutDown);
             }
-            if self.shared.finished_cv.wait_until(&mut st, deadline).timed_out() {
+            if self
+                .shared
+                .finished_cv
+                .wait_until(&mut st, deadline)
+                .timed_out()
+            {
                 return match st.finished.map.get(req_id) {
                     Some(Outcome::Ready) => Ok(()),
                     Some(Outcome::Failed(code)) => Err(WaitError::Failed(*code)),
@@ -324,7 +343,12 @@ impl Receiver {
     /// held, not yet written, or every reference is already borrowed.
     pub fn get(&self, key: &str) -> Option<ChunkRef> {
         let (slot, tokens) = self.shared.state.lock().core.borrow(key)?;
-        Some(ChunkRef { shared: Arc::clone(&self.shared), key: key.to_owned(), slot, tokens })
+        Some(ChunkRef {
+            shared: Arc::clone(&self.shared),
+            key: key.to_owned(),
+            slot,
+            tokens,
+        })
     }
 
     /// Drops one (unborrowed) reference of `key`. Returns false if the key
@@ -406,7 +430,10 @@ pub struct ChunkRef {
 
 impl std::fmt::Debug for ChunkRef {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ChunkRef").field("key", &self.key).field("slot", &self.slot).finish()
+        f.debug_struct("ChunkRef")
+            .field("key", &self.key)
+            .field("slot", &self.slot)
+            .finish()
     }
 }
 
