@@ -11,9 +11,12 @@ pub mod protocol;
 pub mod proxy;
 pub mod receiver;
 pub mod region;
-// pub mod sender; (waits for transport)
+pub mod runner;
+pub mod sender;
 pub mod slots;
+pub mod staging;
 pub mod stats;
 mod sync;
 pub mod threads;
+pub mod transport;
 pub mod zmq_io;

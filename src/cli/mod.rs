@@ -2,6 +2,7 @@
 
 mod proxy_cmd;
 mod receiver_cmd;
+mod run_cmd;
 mod signals;
 
 use std::process::ExitCode;
@@ -21,6 +22,8 @@ pub struct Cli {
 /// The subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Run the main job: xPyD on one machine, with a report.
+    Run(run_cmd::RunArgs),
     /// Run a receiver (decode side): admission, slots, the receive buffer.
     Receiver(receiver_cmd::ReceiverArgs),
     /// Run a proxy listener: count ProxyNotif per request.
@@ -31,6 +34,7 @@ pub enum Command {
 /// arguments, 1 for runtime failures).
 pub fn run(cli: Cli) -> ExitCode {
     match cli.command {
+        Command::Run(a) => run_cmd::run(a),
         Command::Receiver(a) => receiver_cmd::run(a),
         Command::Proxy(a) => proxy_cmd::run(a),
     }

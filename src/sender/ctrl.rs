@@ -198,7 +198,7 @@ impl Ctrl {
             return Ok(i);
         }
         let token = self.peers.len();
-        let mut peer = Peer::connect(&self.shared.cfg.sender_id, endpoint, token, 0)
+        let mut peer = Peer::connect(&self.shared.cfg.sender_id, endpoint, 0)
             .map_err(|e| format!("cannot connect to receiver {endpoint}: {e}"))?;
         if let Err(e) = self.reactor.register(&peer.sock, token) {
             return Err(format!("cannot watch the socket of receiver {endpoint}: {e}"));
@@ -465,7 +465,8 @@ impl Ctrl {
 
     fn progress_live(&mut self, req_id: &str, i: usize) {
         let legacy = self.peers[i].mode == Mode::Legacy;
-        let mut t = self.shared.table.lock();
+        let shared = Arc::clone(&self.shared);
+        let mut t = shared.table.lock();
         let Some(r) = t.reqs.get(req_id) else { return };
         let admitted = r.state == ReqState::Admitted;
         // 1. Send what may be sent.
@@ -682,7 +683,8 @@ impl Ctrl {
     /// with CancelNotif (invariant 7).
     fn progress_abort(&mut self, req_id: &str, status: RequestStatus) {
         // Writes not yet handed to the transport are simply not posted.
-        let mut t = self.shared.table.lock();
+        let shared = Arc::clone(&self.shared);
+        let mut t = shared.table.lock();
         let mine: Vec<u64> = self
             .backlog
             .iter()

@@ -343,7 +343,7 @@ impl Sender {
             if t.closing {
                 return Err(StoreError::Closed);
             }
-            let req = t.reqs.entry(spec.req_id.clone()).or_insert_with(|| Req::new(spec, now));
+            let req = t.reqs.entry(spec.req_id.clone()).or_insert_with(|| Req::new(spec));
             if req.receiver != spec.receiver {
                 return Err(StoreError::Invalid(format!(
                     "request {} goes to {}, not {}",
@@ -409,12 +409,11 @@ impl Sender {
                 }
             };
             self.shared.stats.record_since(Stage::StagingWait, t0);
-            for (slot, chunk) in set.iter().zip(chunks) {
-                if let Err(e) = self.shared.staging.write_slot(slot, chunk) {
-                    self.shared.slots.free(set);
-                    undo(self);
-                    return Err(StoreError::Invalid(e.to_string()));
-                }
+            let copied = set.iter().zip(chunks).try_for_each(|(slot, chunk)| self.shared.staging.write_slot(slot, chunk));
+            if let Err(e) = copied {
+                self.shared.slots.free(set);
+                undo(self);
+                return Err(StoreError::Invalid(e.to_string()));
             }
             BatchData::Staged(set)
         } else {

@@ -40,7 +40,6 @@ pub(super) enum Mode {
 pub(super) struct Peer {
     pub endpoint: String,
     pub sock: zmq::Socket,
-    pub token: usize,
     pub mode: Mode,
     pub index: Option<PeerIndex>,
     pub remote: Option<RemoteBuffer>,
@@ -59,12 +58,11 @@ pub(super) struct Peer {
 
 impl Peer {
     /// Opens a DEALER to `endpoint` with identity `"{sender_id}-to-{endpoint}"`.
-    pub fn connect(sender_id: &str, endpoint: &str, token: usize, generation: u32) -> Result<Self, zmq::Error> {
+    pub fn connect(sender_id: &str, endpoint: &str, generation: u32) -> Result<Self, zmq::Error> {
         let sock = Self::socket(sender_id, endpoint, generation)?;
         Ok(Self {
             endpoint: endpoint.to_owned(),
             sock,
-            token,
             mode: Mode::Handshaking(Instant::now()),
             index: None,
             remote: None,
@@ -96,11 +94,6 @@ impl Peer {
     /// Sends one payload with the `[b"", payload]` envelope.
     pub fn send_raw(&self, payload: &[u8]) -> Result<(), zmq::Error> {
         self.sock.send_multipart([&[][..], payload], 0)
-    }
-
-    /// Messages sent and not answered.
-    pub fn unanswered(&self) -> usize {
-        self.by_seq.len() + self.fifo.len()
     }
 
     /// The oldest unanswered message's send time.

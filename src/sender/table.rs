@@ -82,14 +82,13 @@ pub(crate) struct Req {
     pub cancel_sent: bool,
     /// Every key named in an AllocRequest (for CancelNotif).
     pub keys_sent: Vec<String>,
-    pub created: Instant,
     pub first_sent_at: Option<Instant>,
     pub last_completion_at: Option<Instant>,
     pub bytes: u64,
 }
 
 impl Req {
-    pub fn new(spec: &TransferSpec, now: Instant) -> Self {
+    pub fn new(spec: &TransferSpec) -> Self {
         Self {
             req_id: spec.req_id.clone(),
             receiver: spec.receiver.clone(),
@@ -107,7 +106,6 @@ impl Req {
             first_sent: false,
             cancel_sent: false,
             keys_sent: Vec::new(),
-            created: now,
             first_sent_at: None,
             last_completion_at: None,
             bytes: 0,
