@@ -1,0 +1,206 @@
+//! The sender's staging buffer: `slots` fixed-size slots in one anonymous,
+//! page-aligned memory mapping that a transport reads writes from (the shm
+//! copy engine copies out of it; the RDMA transport registers it as a memory
+//! region).
+//!
+//! Which slot belongs to whom is decided by the sender's slot allocator, not
+//! by this module: a caller writes only slots it allocated, and the transport
+//! reads a slot only while a write posted from it is in flight (the slot is
+//! freed after its completion was polled).
+
+use memmap2::MmapMut;
+
+/// Errors creating or using a [`StagingBuffer`].
+#[derive(Debug, thiserror::Error)]
+pub enum StagingError {
+    /// Zero slots or zero-byte slots.
+    #[error("staging buffer needs at least one slot of at least one byte (got {slots} slots of {slot_bytes} bytes)")]
+    Empty {
+        /// Requested slot count.
+        slots: usize,
+        /// Requested slot size.
+        slot_bytes: u64,
+    },
+    /// `slots * slot_bytes` does not fit the address space.
+    #[error("staging buffer of {slots} slots of {slot_bytes} bytes overflows the address space")]
+    Overflow {
+        /// Requested slot count.
+        slots: usize,
+        /// Requested slot size.
+        slot_bytes: u64,
+    },
+    /// The anonymous mapping could not be created (out of memory, limits).
+    #[error("mapping a staging buffer of {len} bytes failed: {source}")]
+    Map {
+        /// Requested length in bytes.
+        len: u64,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A slot index at or past the slot count.
+    #[error("staging slot {slot} out of range (buffer has {slots} slots)")]
+    SlotOutOfRange {
+        /// The slot asked for.
+        slot: u32,
+        /// Number of slots.
+        slots: usize,
+    },
+    /// Data longer than a slot.
+    #[error("{len} bytes do not fit a staging slot of {slot_bytes} bytes")]
+    TooLong {
+        /// Length of the data.
+        len: usize,
+        /// Slot size.
+        slot_bytes: u64,
+    },
+}
+
+/// The sender's registered staging memory: `slots` slots of `slot_bytes`
+/// bytes each, slot `i` at byte offset `i * slot_bytes`, in one anonymous
+/// page-aligned mapping (zero-filled). `Send + Sync`: share it as
+/// `Arc<StagingBuffer>` between the caller threads that fill slots and the
+/// transport that reads them.
+pub struct StagingBuffer {
+    /// Owns the mapping; never dereferenced after construction (all access
+    /// goes through `ptr`, so no Rust reference to the bytes ever exists).
+    _map: MmapMut,
+    ptr: *mut u8,
+    slots: usize,
+    slot_bytes: u64,
+    len: u64,
+}
+
+// SAFETY: the buffer is plain memory owned by the mapping; `ptr` is only
+// dereferenced inside `write_slot` / `read_slot` / transports on byte ranges
+// whose exclusive use is arbitrated by the slot allocator (see `write_slot`).
+// Moving the handle to another thread moves nothing but the pointer.
+unsafe impl Send for StagingBuffer {}
+// SAFETY: as above; `&StagingBuffer` only hands out the raw pointer and
+// copies bytes in and out of slots the caller owns.
+unsafe impl Sync for StagingBuffer {}
+
+impl std::fmt::Debug for StagingBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StagingBuffer")
+            .field("slots", &self.slots)
+            .field("slot_bytes", &self.slot_bytes)
+            .finish()
+    }
+}
+
+impl StagingBuffer {
+    /// Maps a zero-filled buffer of `slots * slot_bytes` bytes.
+    pub fn new(slots: usize, slot_bytes: u64) -> Result<Self, StagingError> {
+        if slots == 0 || slot_bytes == 0 {
+            return Err(StagingError::Empty { slots, slot_bytes });
+        }
+        let overflow = || StagingError::Overflow { slots, slot_bytes };
+        let len = (slots as u64)
+            .checked_mul(slot_bytes)
+            .ok_or_else(overflow)?;
+        // Slot indices are u32 in the API, and a mapping cannot exceed isize::MAX.
+        if u32::try_from(slots).is_err() || len > isize::MAX as u64 {
+            return Err(overflow());
+        }
+        let mut map =
+            MmapMut::map_anon(len as usize).map_err(|source| StagingError::Map { len, source })?;
+        let ptr = map.as_mut_ptr();
+        Ok(Self {
+            _map: map,
+            ptr,
+            slots,
+            slot_bytes,
+            len,
+        })
+    }
+
+    /// Number of slots.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// Bytes per slot.
+    pub fn slot_bytes(&self) -> u64 {
+        self.slot_bytes
+    }
+
+    /// Total bytes (`slots * slot_bytes`).
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Always false: a buffer has at least one byte.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Base address of the buffer (page-aligned). Transports read from
+    /// `as_ptr() + offset` for offsets of writes in flight; writing through
+    /// it is only sound for bytes the writer owns exclusively.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Byte offset of `slot` (`slot * slot_bytes`; saturates, so an
+    /// out-of-range slot yields an offset past the end that a transport's
+    /// bounds check rejects).
+    pub fn slot_offset(&self, slot: u32) -> u64 {
+        u64::from(slot).saturating_mul(self.slot_bytes)
+    }
+
+    fn check_slot(&self, slot: u32) -> Result<usize, StagingError> {
+        if (slot as usize) < self.slots {
+            Ok(self.slot_offset(slot) as usize)
+        } else {
+            Err(StagingError::SlotOutOfRange {
+                slot,
+                slots: self.slots,
+            })
+        }
+    }
+
+    /// Copies `data` to the start of `slot`.
+    ///
+    /// Contract: the caller owns `slot` — it allocated it from the sender's
+    /// slot allocator and has not freed it, and no write posted from this slot
+    /// is in flight. The allocator hands a slot to one owner at a time, so no
+    /// other thread reads or writes these bytes meanwhile.
+    ///
+    /// Errors: [`StagingError::SlotOutOfRange`], [`StagingError::TooLong`].
+    pub fn write_slot(&self, slot: u32, data: &[u8]) -> Result<(), StagingError> {
+        let offset = self.check_slot(slot)?;
+        if data.len() as u64 > self.slot_bytes {
+            return Err(StagingError::TooLong {
+                len: data.len(),
+                slot_bytes: self.slot_bytes,
+            });
+        }
+        // SAFETY: offset + data.len() <= (slot + 1) * slot_bytes <= len, so
+        // the destination lies inside the mapping, which lives as long as
+        // `self`; `data` is a Rust slice and cannot overlap the mapping
+        // because no reference into the mapping is ever created. The bytes
+        // are plain u8 (any value valid). Exclusive access to the slot is the
+        // documented caller contract enforced by the slot allocator (a logic
+        // invariant, like the ownership of registered RDMA memory): this fn
+        // is safe because breaking it can only tear the slot's own bytes and
+        // no Rust reference to them exists that could observe a change.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(offset), data.len());
+        }
+        Ok(())
+    }
+
+    /// Copies the first `len` bytes of `slot` (at most `slot_bytes`) out;
+    /// `None` if the slot does not exist. For tests and checks.
+    pub fn read_slot(&self, slot: u32, len: usize) -> Option<Vec<u8>> {
+        let offset = self.check_slot(slot).ok()?;
+        let len = len.min(self.slot_bytes as usize);
+        let mut out = vec![0u8; len];
+        // SAFETY: offset + len <= (slot + 1) * slot_bytes <= self.len, inside
+        // the mapping; `out` is a fresh allocation, so the ranges are
+        // disjoint. Same ownership contract as `write_slot`.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(offset), out.as_mut_ptr(), len) };
+        Some(out)
+    }
+}

@@ -1,0 +1,157 @@
+//! The data plane: one [`Transport`] trait over shared memory (`shm`), TCP
+//! and RDMA, in the shape of an RDMA NIC's queues.
+//!
+//! A transport is started once over the sender's [`StagingBuffer`] and splits
+//! into two halves that live on different threads:
+//!
+//! - the [`Poster`] (the sender's `ctrl` thread) connects to receivers'
+//!   buffers and posts [`WriteOp`]s without blocking;
+//! - the [`Completions`] half (the sender's `poll` thread) waits for and
+//!   collects one [`Completion`] per posted op.
+//!
+//! Credits: a poster accepts at most [`Poster::credits`] ops that have not
+//! been returned by [`Completions::poll`] yet, which is the capacity of the
+//! completion ring, so that ring can never overflow and the engine never
+//! blocks on it. See `docs/transport.md`.
+
+mod coalesce;
+mod config;
+mod error;
+pub mod fault;
+mod op;
+pub mod shm;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+pub use coalesce::coalesce;
+pub use config::{TransportConfig, DEFAULT_RING_CAPACITY, MAX_RING_CAPACITY};
+pub use error::TransportError;
+pub use fault::{FaultConfig, FaultTransport};
+pub use op::{Completion, CompletionStatus, PeerIndex, WriteOp};
+
+use crate::protocol::Descriptor;
+use crate::staging::StagingBuffer;
+
+/// What a sender knows about a receiver's buffer (from `HelloAck`, or
+/// configured statically for peers that do not answer `Hello`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RemoteBuffer {
+    /// How to reach the buffer.
+    pub descriptor: Descriptor,
+    /// Bytes per slot.
+    pub chunk_bytes: u64,
+    /// Number of slots.
+    pub capacity_chunks: u64,
+}
+
+/// The two halves of a started transport: the posting half (for the
+/// sender's ctrl thread) and the completion half (for its poll thread).
+pub type Started = (Box<dyn Poster>, Box<dyn Completions>);
+
+/// A data-plane transport before it is started.
+pub trait Transport: Send {
+    /// `"shm"`, `"tcp"` or `"rdma"`.
+    fn kind(&self) -> &'static str;
+
+    /// What the sender puts in its `Hello` (shm: [`Descriptor::None`]).
+    fn local_descriptor(&self) -> Descriptor;
+
+    /// Starts the data plane over `local`, the staging buffer writes are read
+    /// from. Returns the posting half (owned by the sender's ctrl thread) and
+    /// the completion half (owned by the sender's poll thread).
+    fn start(self: Box<Self>, local: Arc<StagingBuffer>) -> Result<Started, TransportError>;
+}
+
+/// The posting half of a started transport. Dropping it closes the data
+/// plane: ops already posted still complete, then [`Completions::poll`]
+/// returns [`PollStatus::Closed`].
+pub trait Poster: Send {
+    /// Attaches to a receiver's buffer and returns the index to put in
+    /// [`WriteOp::peer`]. Typed error if the descriptor is not this
+    /// transport's kind or the buffer does not match the announced geometry.
+    fn connect(&mut self, remote: &RemoteBuffer) -> Result<PeerIndex, TransportError>;
+
+    /// Forgets a peer. Ops posted to it afterwards complete with
+    /// [`CompletionStatus::UnknownPeer`]; ops already in flight complete
+    /// either normally or with `UnknownPeer`. Unknown indices are ignored.
+    fn disconnect(&mut self, peer: PeerIndex);
+
+    /// Posts writes without blocking; returns how many (a prefix of `ops`)
+    /// were accepted. Fewer than all means the in-flight credit is used up:
+    /// retry after completions were polled. [`TransportError::Closed`] if the
+    /// data plane stopped.
+    fn post(&mut self, ops: &[WriteOp]) -> Result<usize, TransportError>;
+
+    /// Ops posted and not yet returned by [`Completions::poll`].
+    fn in_flight(&self) -> usize;
+
+    /// The most ops that can be in flight at once (the completion ring's
+    /// capacity).
+    fn credits(&self) -> usize;
+}
+
+/// What [`Completions::poll`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PollStatus {
+    /// This many completions were appended (at least one unless `max` was 0).
+    Ready(usize),
+    /// The deadline passed with nothing to return.
+    TimedOut,
+    /// The poster is gone and every posted op was completed and returned.
+    Closed,
+}
+
+/// The completion half of a started transport.
+pub trait Completions: Send {
+    /// Waits until at least one completion is available or `deadline` passes
+    /// (`None` = no deadline), then appends up to `max` completions to `out`.
+    /// Returns [`PollStatus::Closed`] once the [`Poster`] was dropped and every
+    /// posted op has been completed and returned.
+    fn poll(
+        &mut self,
+        out: &mut Vec<Completion>,
+        max: usize,
+        deadline: Option<Instant>,
+    ) -> PollStatus;
+}
+
+/// Builds a transport by name: `"shm"` → [`shm::ShmTransport`]; `"tcp"` and
+/// `"rdma"` → [`TransportError::NotBuilt`] (not in this build yet); anything
+/// else → [`TransportError::UnknownTransport`]. Wrapped in a
+/// [`FaultTransport`] when `cfg.fault` is set.
+pub fn by_name(name: &str, cfg: &TransportConfig) -> Result<Box<dyn Transport>, TransportError> {
+    let inner: Box<dyn Transport> = match name {
+        "shm" => Box::new(shm::ShmTransport::new(cfg)?),
+        "tcp" => {
+            return Err(TransportError::NotBuilt {
+                transport: "tcp",
+                feature: "the tcp transport module",
+            })
+        }
+        "rdma" => {
+            return Err(TransportError::NotBuilt {
+                transport: "rdma",
+                feature: "the `rdma` cargo feature",
+            })
+        }
+        other => return Err(TransportError::UnknownTransport(other.to_owned())),
+    };
+    match &cfg.fault {
+        Some(fault) => {
+            fault.validate()?;
+            Ok(Box::new(FaultTransport::new(inner, fault.clone())))
+        }
+        None => Ok(inner),
+    }
+}
+
+/// The `kind` tag of a descriptor, for error messages.
+pub(crate) fn descriptor_kind(d: &Descriptor) -> &'static str {
+    match d {
+        Descriptor::None => "none",
+        Descriptor::Shm { .. } => "shm",
+        Descriptor::Tcp { .. } => "tcp",
+        Descriptor::Rdma { .. } => "rdma",
+    }
+}

@@ -1,0 +1,103 @@
+//! The copy engine: the thread that plays the NIC for the shm transport. It
+//! takes [`WriteOp`]s from the submission ring, bounds-checks them, copies
+//! the bytes from the staging buffer into the mapped receiver buffer and
+//! posts one [`Completion`] per op to the completion ring. It parks on the
+//! submission ring's doorbell when idle.
+
+use std::sync::Arc;
+
+use kvferry_ring::spsc::{Consumer, Producer};
+use kvferry_ring::WaitStatus;
+
+use crate::region::Region;
+use crate::staging::StagingBuffer;
+use crate::transport::{Completion, CompletionStatus, WriteOp};
+
+use super::peers::PeerTable;
+
+/// Ops taken from the submission ring per batch (the peer table is refreshed
+/// once per batch).
+const BATCH: usize = 64;
+
+/// Everything the engine thread owns.
+pub(super) struct Engine {
+    pub(super) sq: Consumer<WriteOp>,
+    pub(super) cq: Producer<Completion>,
+    pub(super) local: Arc<StagingBuffer>,
+    pub(super) peers: Arc<PeerTable>,
+}
+
+impl Engine {
+    /// Runs until the poster is gone and every op was completed (or until
+    /// the completion half is gone: then nobody can observe completions).
+    /// Dropping `self` at the end closes the completion ring.
+    pub(super) fn run(mut self) {
+        let mut ops = vec![WriteOp::default(); BATCH];
+        let mut done = Vec::with_capacity(BATCH);
+        let mut regions: Vec<Option<Arc<Region>>> = Vec::new();
+        let mut seen_version = 0u64;
+        tracing::debug!("shm copy engine started");
+        loop {
+            match self.sq.wait(None) {
+                WaitStatus::Ready => {}
+                WaitStatus::Closed => break,
+                WaitStatus::TimedOut => continue,
+            }
+            let n = self.sq.pop_into(&mut ops);
+            if n == 0 {
+                continue;
+            }
+            // After taking the ops, so a peer connected before they were
+            // posted is visible (see PeerTable::bump).
+            self.peers.refresh(&mut seen_version, &mut regions);
+            done.clear();
+            for op in &ops[..n] {
+                let status = execute(op, &self.local, &regions);
+                tracing::trace!(work_id = op.work_id, %status, "shm write");
+                done.push(Completion::new(op.work_id, status));
+            }
+            // Credits guarantee room for every completion; fewer pushed means
+            // the completion half was dropped and nobody is listening.
+            if self.cq.push_slice(&done) < done.len() {
+                tracing::debug!("shm copy engine: completion half gone, stopping");
+                break;
+            }
+        }
+        tracing::debug!("shm copy engine stopped");
+    }
+}
+
+/// Executes one op: a checked copy from staging into the peer's slot area.
+fn execute(
+    op: &WriteOp,
+    local: &StagingBuffer,
+    regions: &[Option<Arc<Region>>],
+) -> CompletionStatus {
+    let Some(Some(region)) = regions.get(op.peer as usize) else {
+        return CompletionStatus::UnknownPeer;
+    };
+    let within =
+        |offset: u64, limit: u64| offset.checked_add(op.len).is_some_and(|end| end <= limit);
+    if !within(op.local_offset, local.len()) || !within(op.remote_offset, region.data_len()) {
+        return CompletionStatus::OutOfBounds;
+    }
+    if op.len == 0 {
+        return CompletionStatus::Ok;
+    }
+    // SAFETY: local_offset + len <= local.len() and remote_offset + len <=
+    // region.data_len() (checked above, without overflow), so both ranges lie
+    // inside their mappings, which stay mapped while we hold the Arcs. They do
+    // not overlap: the staging buffer is an anonymous mapping and the region a
+    // separate file mapping. The bytes are plain u8. Exclusive use of both
+    // ranges while the op is in flight is the control-plane contract (the
+    // sender does not reuse the staging slot before the completion; the
+    // receiver granted the remote slot to this write alone).
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            local.as_ptr().add(op.local_offset as usize),
+            region.data_ptr().add(op.remote_offset as usize),
+            op.len as usize,
+        );
+    }
+    CompletionStatus::Ok
+}
