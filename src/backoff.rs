@@ -138,7 +138,10 @@ mod tests {
             s[spins..spins + yields].iter().all(|&x| x == Step::Yielded),
             "{s:?}"
         );
-        assert!(s[spins + yields..].iter().all(|&x| x == Step::ShouldPark), "{s:?}");
+        assert!(
+            s[spins + yields..].iter().all(|&x| x == Step::ShouldPark),
+            "{s:?}"
+        );
         assert!(b.is_exhausted());
     }
 
@@ -161,11 +164,16 @@ mod tests {
     #[test]
     fn custom_limits_and_spin_cap() {
         let mut b = Backoff::with_limits(1, 2);
-        assert_eq!(steps(&mut b, 4), [Step::Spun, Step::Yielded, Step::Yielded, Step::ShouldPark]);
+        assert_eq!(
+            steps(&mut b, 4),
+            [Step::Spun, Step::Yielded, Step::Yielded, Step::ShouldPark]
+        );
         // A huge spin request is capped so that one round stays short.
         let mut big = Backoff::with_limits(u32::MAX, u32::MAX);
         let s = steps(&mut big, MAX_SPIN_ROUNDS as usize + 1);
-        assert!(s[..MAX_SPIN_ROUNDS as usize].iter().all(|&x| x == Step::Spun));
+        assert!(s[..MAX_SPIN_ROUNDS as usize]
+            .iter()
+            .all(|&x| x == Step::Spun));
         assert_eq!(s[MAX_SPIN_ROUNDS as usize], Step::Yielded);
     }
 
@@ -193,7 +201,10 @@ mod tests {
         let deadline = Instant::now() + Duration::from_secs(10);
         // Acquire pairs with the waiter's Release store.
         while !parked.load(Ordering::Acquire) {
-            assert!(Instant::now() < deadline, "waiter never reached the park step");
+            assert!(
+                Instant::now() < deadline,
+                "waiter never reached the park step"
+            );
             std::thread::sleep(Duration::from_millis(1));
         }
         // Release: publishes the flag to the waiter's Acquire load.

@@ -135,7 +135,11 @@ impl PinPlan {
     pub fn new(cpus: Vec<usize>) -> Self {
         let allowed = allowed_cpus();
         for cpu in cpus.iter().filter(|c| !allowed.contains(c)) {
-            tracing::debug!(cpu, ?allowed, "pin plan names a cpu outside the allowed set");
+            tracing::debug!(
+                cpu,
+                ?allowed,
+                "pin plan names a cpu outside the allowed set"
+            );
         }
         Self { cpus, next: 0 }
     }
@@ -246,7 +250,13 @@ mod tests {
     fn pin_error_variants() {
         // NotAllowed: outside the allowed list (and beyond cpu_set_t).
         let e = pin_current_checked(5000, &[0]).unwrap_err();
-        assert_eq!(e, PinError::NotAllowed { cpu: 5000, allowed: vec![0] });
+        assert_eq!(
+            e,
+            PinError::NotAllowed {
+                cpu: 5000,
+                allowed: vec![0]
+            }
+        );
         assert!(e.to_string().contains("5000"));
         // Refused: the list claims cpu 1000 exists but the kernel has no such
         // cpu. Run it on a scratch thread so a surprise success cannot pin
@@ -256,7 +266,9 @@ mod tests {
             .unwrap();
         assert_eq!(r, Err(PinError::Refused { cpu: 1000 }));
         // pin_current checks against the real snapshot.
-        let r = std::thread::spawn(|| pin_current(usize::MAX)).join().unwrap();
+        let r = std::thread::spawn(|| pin_current(usize::MAX))
+            .join()
+            .unwrap();
         assert!(matches!(r, Err(PinError::NotAllowed { .. })));
     }
 
@@ -281,7 +293,10 @@ mod tests {
         let mut p = PinPlan::new(vec![cpu]);
         let (name, mask) = p
             .spawn("kvf-test-plan", || {
-                (std::thread::current().name().map(str::to_owned), current_mask())
+                (
+                    std::thread::current().name().map(str::to_owned),
+                    current_mask(),
+                )
             })
             .unwrap()
             .join()
@@ -289,7 +304,11 @@ mod tests {
         assert_eq!(name.as_deref(), Some("kvf-test-plan"));
         assert_eq!(mask, vec![cpu]);
         let mut none = PinPlan::none();
-        let mask = none.spawn("kvf-test-plan2", current_mask).unwrap().join().unwrap();
+        let mask = none
+            .spawn("kvf-test-plan2", current_mask)
+            .unwrap()
+            .join()
+            .unwrap();
         assert_eq!(mask, current_mask());
     }
 }

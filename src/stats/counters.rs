@@ -240,7 +240,10 @@ mod tests {
             assert_eq!(v.get(c), 100 + c.index() as u64);
             // The JSON key is the counter's name and holds its value.
             assert_eq!(json[c.name()], 100 + c.index() as u64, "{}", c.name());
-            assert_eq!(serde_json::to_string(&c).unwrap(), format!("\"{}\"", c.name()));
+            assert_eq!(
+                serde_json::to_string(&c).unwrap(),
+                format!("\"{}\"", c.name())
+            );
         }
     }
 

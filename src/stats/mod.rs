@@ -17,6 +17,8 @@ mod shared;
 mod stage;
 
 pub use counters::{Counter, CounterValues, Gauge, GaugeValues};
-pub use histograms::{LatencySummary, StageHistograms, StageSummary, HIGHEST_US, SIGNIFICANT_DIGITS};
+pub use histograms::{
+    LatencySummary, StageHistograms, StageSummary, HIGHEST_US, SIGNIFICANT_DIGITS,
+};
 pub use shared::{SharedStats, StatsSnapshot};
 pub use stage::Stage;

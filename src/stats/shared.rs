@@ -105,7 +105,9 @@ impl SharedStats {
     /// Record one duration of `stage` (clamped to 1 µs .. 1 h).
     pub fn record(&self, stage: Stage, d: Duration) {
         let us = duration_to_us(d);
-        self.inner.stages[stage.index()].lock().saturating_record(us);
+        self.inner.stages[stage.index()]
+            .lock()
+            .saturating_record(us);
     }
 
     /// Record the time elapsed since `start` for `stage`.

@@ -64,11 +64,20 @@ mod tests {
         let names: Vec<_> = Stage::ALL.iter().map(|s| s.name()).collect();
         assert_eq!(
             names,
-            ["pending", "admission_wait", "staging_wait", "transfer", "notify"]
+            [
+                "pending",
+                "admission_wait",
+                "staging_wait",
+                "transfer",
+                "notify"
+            ]
         );
         for (i, s) in Stage::ALL.iter().enumerate() {
             assert_eq!(s.index(), i);
-            assert_eq!(serde_json::to_string(s).unwrap(), format!("\"{}\"", s.name()));
+            assert_eq!(
+                serde_json::to_string(s).unwrap(),
+                format!("\"{}\"", s.name())
+            );
             assert_eq!(s.to_string(), s.name());
         }
     }
