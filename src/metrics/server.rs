@@ -246,8 +246,17 @@ fn dispatch(mut stream: TcpStream, peer: SocketAddr, shared: &Arc<Shared>) {
     // Relaxed: see ActiveGuard; only this thread increments.
     if shared.active.load(Ordering::Relaxed) >= shared.config.max_connections {
         tracing::debug!(%peer, "metrics server busy; answering 503");
-        // Never block the accept thread: one non-blocking write attempt.
+        // Never block the accept thread: non-blocking I/O only. Discard what
+        // the client already sent (bounded) so that closing sends FIN, not
+        // RST, and the client gets to read the 503.
         if stream.set_nonblocking(true).is_ok() {
+            let mut scratch = [0u8; 1024];
+            for _ in 0..8 {
+                match std::io::Read::read(&mut stream, &mut scratch) {
+                    Ok(n) if n > 0 => {}
+                    _ => break,
+                }
+            }
             let _ = write_response(
                 &mut stream,
                 Version::Http11,
@@ -257,6 +266,7 @@ fn dispatch(mut stream: TcpStream, peer: SocketAddr, shared: &Arc<Shared>) {
                 b"busy\n",
                 true,
             );
+            let _ = stream.shutdown(std::net::Shutdown::Write);
         }
         return;
     }
