@@ -65,6 +65,9 @@ pub struct CoreConfig {
     pub transport: String,
     /// Transport descriptor announced in `HelloAck` (e.g. the shm path).
     pub descriptor: Descriptor,
+    /// Answer `Hello` (default). `false` makes the receiver behave like an
+    /// LMCache receiver, which knows no extensions: `Hello` goes unanswered.
+    pub answer_hello: bool,
 }
 
 /// Something the control thread must do after a step of the core.
@@ -109,6 +112,8 @@ pub struct CoreStats {
     pub quarantined_slots: usize,
     /// Slots in use (allocator view).
     pub slots_in_use: usize,
+    /// Most requests admitted (not parked, not finished) at once so far.
+    pub peak_admitted: usize,
     /// Requests by outcome (`admitted`, `parked`, `completed`, `cancelled`,
     /// `failed`, `lease_expired`, `admission_timeout`, `rejected`).
     pub requests_total: BTreeMap<&'static str, u64>,
@@ -228,6 +233,9 @@ impl ReceiverCore {
             Message::CancelNotif(c) => self.on_cancel(peer, c, now, out),
             Message::TransferDone(d) => self.on_transfer_done(&d.req_id, now, out),
             Message::Heartbeat(h) => self.on_heartbeat(&h.sender_id, now),
+            Message::Hello(_) if !self.cfg.answer_hello => {
+                debug!("Hello ignored (LMCache emulation)");
+            }
             Message::Hello(h) => {
                 let ack = self.on_hello(peer, &h);
                 out.push(Output::Send {
@@ -505,6 +513,7 @@ impl ReceiverCore {
                         phase: Phase::Admitted { reservation },
                     },
                 );
+                self.note_admitted();
                 self.process_batch(peer, req, now, out);
             }
             Ok(None) => {
@@ -998,6 +1007,12 @@ impl ReceiverCore {
             peer: peer.to_vec(),
             message: Message::AllocResponse(AllocResponse::failure(n_keys, seq, code, msg)),
         });
+    }
+
+    /// Records the number of admitted requests if it is a new peak.
+    fn note_admitted(&mut self) {
+        let admitted = self.requests.len() - self.queue.len();
+        self.stats.peak_admitted = self.stats.peak_admitted.max(admitted);
     }
 
     fn bump_request(&mut self, outcome: &'static str) {

@@ -21,6 +21,7 @@ fn cfg(capacity: usize) -> CoreConfig {
         quarantine_grace: Duration::from_secs(10),
         transport: "shm".into(),
         descriptor: Descriptor::None,
+        answer_hello: true,
     }
 }
 

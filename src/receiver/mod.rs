@@ -53,6 +53,9 @@ pub struct ReceiverConfig {
     pub limits: Limits,
     /// Pin the ctrl thread to this CPU.
     pub pin_cpu: Option<usize>,
+    /// Answer `Hello` (default `true`); `false` emulates an LMCache
+    /// receiver, for tests and mixed deployments.
+    pub answer_hello: bool,
 }
 
 impl Default for ReceiverConfig {
@@ -68,6 +71,7 @@ impl Default for ReceiverConfig {
             shm_path: None,
             limits: Limits::default(),
             pin_cpu: None,
+            answer_hello: true,
         }
     }
 }
@@ -255,6 +259,7 @@ impl Receiver {
                     path: path.to_string_lossy().into_owned(),
                     len: region.data_len(),
                 },
+                answer_hello: cfg.answer_hello,
             },
             now,
         );

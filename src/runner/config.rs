@@ -19,7 +19,11 @@ pub struct ChunkRange {
 impl std::str::FromStr for ChunkRange {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        let parse = |x: &str| x.trim().parse::<u32>().map_err(|e| format!("bad chunk count {x:?}: {e}"));
+        let parse = |x: &str| {
+            x.trim()
+                .parse::<u32>()
+                .map_err(|e| format!("bad chunk count {x:?}: {e}"))
+        };
         let (min, max) = match s.split_once("..") {
             Some((a, b)) => (parse(a)?, parse(b.trim_start_matches('='))?),
             None => {
@@ -28,7 +32,9 @@ impl std::str::FromStr for ChunkRange {
             }
         };
         if min == 0 || min > max {
-            return Err(format!("chunk range {s:?} must be MIN..MAX with 1 <= MIN <= MAX"));
+            return Err(format!(
+                "chunk range {s:?} must be MIN..MAX with 1 <= MIN <= MAX"
+            ));
         }
         Ok(Self { min, max })
     }
@@ -118,7 +124,8 @@ impl Default for RunConfig {
 impl RunConfig {
     /// Reads a TOML file with the same keys (unknown keys are an error).
     pub fn from_file(path: &Path) -> Result<Self, String> {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
         toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
     }
 
@@ -129,7 +136,13 @@ impl RunConfig {
 
     /// Checks every value; the message names the option.
     pub fn validate(&self) -> Result<(), String> {
-        let pos = |v: usize, name: &str| if v == 0 { Err(format!("--{name} must be at least 1")) } else { Ok(()) };
+        let pos = |v: usize, name: &str| {
+            if v == 0 {
+                Err(format!("--{name} must be at least 1"))
+            } else {
+                Ok(())
+            }
+        };
         pos(self.prefillers, "prefillers")?;
         pos(self.decoders, "decoders")?;
         pos(self.batch, "batch")?;
@@ -137,9 +150,16 @@ impl RunConfig {
         pos(self.capacity_chunks, "capacity-chunks")?;
         pos(self.concurrency, "concurrency")?;
         if self.chunk_bytes < super::payload::HEADER as u64 {
-            return Err(format!("--chunk-bytes must be at least {}", super::payload::HEADER));
+            return Err(format!(
+                "--chunk-bytes must be at least {}",
+                super::payload::HEADER
+            ));
         }
-        if self.chunk_bytes.checked_mul(self.capacity_chunks.max(self.staging_slots) as u64).is_none_or(|b| b > 1 << 40) {
+        if self
+            .chunk_bytes
+            .checked_mul(self.capacity_chunks.max(self.staging_slots) as u64)
+            .is_none_or(|b| b > 1 << 40)
+        {
             return Err("--chunk-bytes × slots is larger than 1 TiB".into());
         }
         if self.batch > self.staging_slots {
@@ -154,7 +174,10 @@ impl RunConfig {
                 self.chunks.max, self.capacity_chunks
             ));
         }
-        for (v, name) in [(self.abort_rate, "abort-rate"), (self.fail_rate, "fail-rate")] {
+        for (v, name) in [
+            (self.abort_rate, "abort-rate"),
+            (self.fail_rate, "fail-rate"),
+        ] {
             if !(0.0..=1.0).contains(&v) {
                 return Err(format!("--{name} must be between 0 and 1, got {v}"));
             }
@@ -164,7 +187,9 @@ impl RunConfig {
         }
         match self.transport.as_str() {
             "shm" | "tcp" | "rdma" => Ok(()),
-            other => Err(format!("--transport must be shm, tcp or rdma, got {other:?}")),
+            other => Err(format!(
+                "--transport must be shm, tcp or rdma, got {other:?}"
+            )),
         }
     }
 }
@@ -175,8 +200,14 @@ mod tests {
 
     #[test]
     fn ranges_parse_and_refuse() {
-        assert_eq!("1..32".parse::<ChunkRange>(), Ok(ChunkRange { min: 1, max: 32 }));
-        assert_eq!("4..=4".parse::<ChunkRange>(), Ok(ChunkRange { min: 4, max: 4 }));
+        assert_eq!(
+            "1..32".parse::<ChunkRange>(),
+            Ok(ChunkRange { min: 1, max: 32 })
+        );
+        assert_eq!(
+            "4..=4".parse::<ChunkRange>(),
+            Ok(ChunkRange { min: 4, max: 4 })
+        );
         assert_eq!("7".parse::<ChunkRange>(), Ok(ChunkRange { min: 7, max: 7 }));
         assert!("0..3".parse::<ChunkRange>().is_err());
         assert!("5..3".parse::<ChunkRange>().is_err());
@@ -185,7 +216,8 @@ mod tests {
 
     #[test]
     fn toml_uses_the_same_keys_and_refuses_unknown_ones() {
-        let c: RunConfig = toml::from_str("requests = 10\nchunks = \"2..4\"\nfail_rate = 0.5\n").unwrap();
+        let c: RunConfig =
+            toml::from_str("requests = 10\nchunks = \"2..4\"\nfail_rate = 0.5\n").unwrap();
         assert_eq!(c.requests, 10);
         assert_eq!(c.chunks, ChunkRange { min: 2, max: 4 });
         assert_eq!(c.prefillers, 2, "missing keys keep their defaults");
@@ -198,11 +230,20 @@ mod tests {
         assert_eq!(c.validate(), Ok(()));
         c.batch = 100;
         assert!(c.validate().unwrap_err().contains("--batch"));
-        let mut c = RunConfig { chunks: ChunkRange { min: 1, max: 100 }, ..RunConfig::default() };
+        let mut c = RunConfig {
+            chunks: ChunkRange { min: 1, max: 100 },
+            ..RunConfig::default()
+        };
         assert!(c.validate().unwrap_err().contains("--chunks"));
-        c = RunConfig { abort_rate: 2.0, ..RunConfig::default() };
+        c = RunConfig {
+            abort_rate: 2.0,
+            ..RunConfig::default()
+        };
         assert!(c.validate().unwrap_err().contains("--abort-rate"));
-        c = RunConfig { transport: "udp".into(), ..RunConfig::default() };
+        c = RunConfig {
+            transport: "udp".into(),
+            ..RunConfig::default()
+        };
         assert!(c.validate().unwrap_err().contains("--transport"));
     }
 }

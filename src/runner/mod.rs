@@ -132,7 +132,8 @@ pub fn run(cfg: RunConfig, progress: Progress) -> Result<RunReport, RunError> {
         .map_err(|e| RunError::Start(e.to_string()))?;
         receivers.push(Arc::new(r));
     }
-    let proxy = ProxyListener::bind("tcp://127.0.0.1:0").map_err(|e| RunError::Start(e.to_string()))?;
+    let proxy =
+        ProxyListener::bind("tcp://127.0.0.1:0").map_err(|e| RunError::Start(e.to_string()))?;
     let mut senders = Vec::new();
     for p in 0..cfg.prefillers {
         let fault = (cfg.fail_rate > 0.0).then(|| FaultConfig {
@@ -147,13 +148,18 @@ pub fn run(cfg: RunConfig, progress: Progress) -> Result<RunReport, RunError> {
             chunk_bytes: cfg.chunk_bytes,
             max_pending_bytes: cfg.max_pending_bytes,
             transport: cfg.transport.clone(),
-            transport_config: TransportConfig { fault, ..TransportConfig::default() },
+            transport_config: TransportConfig {
+                fault,
+                ..TransportConfig::default()
+            },
             staging_timeout: cfg.stall_timeout() * 3,
             ..SenderConfig::default()
         });
         match s {
             Ok(s) => senders.push(Arc::new(s)),
-            Err(crate::sender::SenderError::Transport(e)) => return Err(RunError::Unavailable(e.to_string())),
+            Err(crate::sender::SenderError::Transport(e)) => {
+                return Err(RunError::Unavailable(e.to_string()))
+            }
             Err(e) => return Err(RunError::Start(e.to_string())),
         }
     }
@@ -171,7 +177,12 @@ pub fn run(cfg: RunConfig, progress: Progress) -> Result<RunReport, RunError> {
     });
     let handles = workers::start(&run, &proxy).map_err(|e| RunError::Start(e.to_string()))?;
     let watch = monitor::watch(&run, progress, started);
-    let mut report = RunReport { config: run.cfg.clone(), deadlock: watch.deadlock, stall_dump: watch.dump, ..RunReport::default() };
+    let mut report = RunReport {
+        config: run.cfg.clone(),
+        deadlock: watch.deadlock,
+        stall_dump: watch.dump,
+        ..RunReport::default()
+    };
     // Every request is terminal (or the watchdog fired): stop the workers.
     // Release: pairs with the Acquire loads in the worker loops.
     run.stop.store(true, Ordering::Release);
@@ -225,7 +236,8 @@ pub fn run(cfg: RunConfig, progress: Progress) -> Result<RunReport, RunError> {
     report.peak_receiver_slots = watch.peak_receiver;
     report.peak_rss_bytes = report::peak_rss_bytes();
     report.registered_bytes = run.cfg.chunk_bytes
-        * (run.cfg.staging_slots * run.cfg.prefillers + run.cfg.capacity_chunks * run.cfg.decoders) as u64;
+        * (run.cfg.staging_slots * run.cfg.prefillers + run.cfg.capacity_chunks * run.cfg.decoders)
+            as u64;
     if !watch.deadlock {
         // Orderly teardown; after a deadlock threads may be stuck, so the
         // caller exits instead.

@@ -34,8 +34,10 @@ pub(super) fn watch(run: &Arc<Run>, progress: Progress, started: Instant) -> Wat
     let bar = (progress == Progress::Bar && std::io::stderr().is_terminal()).then(|| {
         let b = indicatif::ProgressBar::new(total);
         b.set_style(
-            indicatif::ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests {msg}")
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            indicatif::ProgressStyle::with_template(
+                "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests {msg}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
         );
         b
     });
@@ -50,11 +52,18 @@ pub(super) fn watch(run: &Arc<Run>, progress: Progress, started: Instant) -> Wat
         for (i, r) in run.receivers.iter().enumerate() {
             let s = r.stats();
             recv += s.allocated_chunks as u64;
-            let admitted = s.core.tracked_requests.saturating_sub(s.core.parked_requests) as u64;
+            let admitted = s
+                .core
+                .tracked_requests
+                .saturating_sub(s.core.parked_requests) as u64;
             w.max_admitted[i] = w.max_admitted[i].max(admitted);
         }
         w.peak_receiver = w.peak_receiver.max(recv);
-        let bytes: u64 = run.senders.iter().map(|s| s.stats().counter(crate::stats::Counter::Bytes)).sum();
+        let bytes: u64 = run
+            .senders
+            .iter()
+            .map(|s| s.stats().counter(crate::stats::Counter::Bytes))
+            .sum();
         let gbps = bytes as f64 / started.elapsed().as_secs_f64().max(1e-9) / 1e9;
         if let Some(b) = &bar {
             b.set_position(finished);

@@ -104,19 +104,34 @@ mod tests {
     #[test]
     fn fill_then_verify_and_detect_corruption() {
         let p = Payloads::new(4096, 7);
-        let id = ChunkId { request: 3, index: 1, total: 4 };
+        let id = ChunkId {
+            request: 3,
+            index: 1,
+            total: 4,
+        };
         let mut buf = Vec::new();
         p.fill(id, &mut buf);
         assert_eq!(buf.len(), 4096);
         assert!(p.verify(id, &buf));
-        let other = ChunkId { request: 4, index: 1, total: 4 };
+        let other = ChunkId {
+            request: 4,
+            index: 1,
+            total: 4,
+        };
         assert!(!p.verify(other, &buf), "another request's chunk is caught");
         buf[100] ^= 1;
         assert!(!p.verify(id, &buf), "a flipped byte is caught");
-        let last = ChunkId { request: 3, index: 3, total: 4 };
+        let last = ChunkId {
+            request: 3,
+            index: 3,
+            total: 4,
+        };
         p.fill(last, &mut buf);
         assert!(buf.len() >= 2048 && buf.len() <= 4096);
-        assert!(!p.verify(last, &buf[..buf.len() - 1]), "a short slot is caught");
+        assert!(
+            !p.verify(last, &buf[..buf.len() - 1]),
+            "a short slot is caught"
+        );
         assert_eq!(last.key("p0-r3"), "p0-r3/3/4");
     }
 }

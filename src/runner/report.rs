@@ -25,7 +25,12 @@ pub struct Percentiles {
 
 impl From<&LatencySummary> for Percentiles {
     fn from(s: &LatencySummary) -> Self {
-        Self { p50: s.p50_us, p99: s.p99_us, max: s.max_us, count: s.count }
+        Self {
+            p50: s.p50_us,
+            p99: s.p99_us,
+            max: s.max_us,
+            count: s.count,
+        }
     }
 }
 
@@ -82,7 +87,8 @@ impl RunReport {
     /// Fills `latency_us` from a stage summary plus the end-to-end numbers.
     pub fn set_latencies(&mut self, stages: &StageSummary, end_to_end: Percentiles) {
         for stage in Stage::ALL {
-            self.latency_us.insert(stage.name(), Percentiles::from(stages.get(stage)));
+            self.latency_us
+                .insert(stage.name(), Percentiles::from(stages.get(stage)));
         }
         self.latency_us.insert("end_to_end", end_to_end);
     }
@@ -121,7 +127,11 @@ impl RunReport {
             c.capacity_chunks, c.staging_slots, c.abort_rate, c.fail_rate, c.seed
         );
         let _ = writeln!(s);
-        let _ = writeln!(s, "  requests     completed {:>8}   aborted {:>6}   failed {:>6}", self.completed, self.aborted, self.failed);
+        let _ = writeln!(
+            s,
+            "  requests     completed {:>8}   aborted {:>6}   failed {:>6}",
+            self.completed, self.aborted, self.failed
+        );
         let _ = writeln!(
             s,
             "  moved        {:>10.2} GB in {:.2} s   {:>7.2} GB/s   {:>9.0} chunks/s",
@@ -131,13 +141,28 @@ impl RunReport {
             self.chunks_per_s
         );
         let _ = writeln!(s);
-        let _ = writeln!(s, "  latency (µs)          p50        p99        max    samples");
+        let _ = writeln!(
+            s,
+            "  latency (µs)          p50        p99        max    samples"
+        );
         for (name, p) in &self.latency_us {
-            let _ = writeln!(s, "    {name:<16} {:>10} {:>10} {:>10} {:>10}", p.p50, p.p99, p.max, p.count);
+            let _ = writeln!(
+                s,
+                "    {name:<16} {:>10} {:>10} {:>10} {:>10}",
+                p.p50, p.p99, p.max, p.count
+            );
         }
         let _ = writeln!(s);
-        let admitted: Vec<String> = self.max_concurrent_admitted.iter().map(u64::to_string).collect();
-        let _ = writeln!(s, "  max concurrent admitted per decoder   {}", admitted.join(", "));
+        let admitted: Vec<String> = self
+            .max_concurrent_admitted
+            .iter()
+            .map(u64::to_string)
+            .collect();
+        let _ = writeln!(
+            s,
+            "  max concurrent admitted per decoder   {}",
+            admitted.join(", ")
+        );
         let _ = writeln!(
             s,
             "  peak staging slots in use             {} of {}",
@@ -157,16 +182,41 @@ impl RunReport {
             self.registered_bytes as f64 / (1 << 20) as f64
         );
         let _ = writeln!(s);
-        let ok = |v: u64| if v == 0 { "0 ✓".to_string() } else { format!("{v} ✗") };
-        let _ = writeln!(s, "  leak check   staging slots {}   receive slots {}   reservations {}", ok(self.leaked_staging_slots), ok(self.leaked_receiver_slots), ok(self.leaked_reservations));
-        let _ = writeln!(s, "  integrity    checksum mismatches {}   unexpected failures {}", ok(self.checksum_mismatches), ok(self.unexpected_failures));
+        let ok = |v: u64| {
+            if v == 0 {
+                "0 ✓".to_string()
+            } else {
+                format!("{v} ✗")
+            }
+        };
+        let _ = writeln!(
+            s,
+            "  leak check   staging slots {}   receive slots {}   reservations {}",
+            ok(self.leaked_staging_slots),
+            ok(self.leaked_receiver_slots),
+            ok(self.leaked_reservations)
+        );
+        let _ = writeln!(
+            s,
+            "  integrity    checksum mismatches {}   unexpected failures {}",
+            ok(self.checksum_mismatches),
+            ok(self.unexpected_failures)
+        );
         if self.deadlock {
-            let _ = writeln!(s, "  DEADLOCK: no request finished for {} s; state dump:", c.stall_timeout_s);
+            let _ = writeln!(
+                s,
+                "  DEADLOCK: no request finished for {} s; state dump:",
+                c.stall_timeout_s
+            );
             for line in &self.stall_dump {
                 let _ = writeln!(s, "    {line}");
             }
         }
-        let _ = writeln!(s, "  result       {}", if self.success() { "OK" } else { "FAILED" });
+        let _ = writeln!(
+            s,
+            "  result       {}",
+            if self.success() { "OK" } else { "FAILED" }
+        );
         s
     }
 }
@@ -177,7 +227,9 @@ pub fn peak_rss_bytes() -> u64 {
         .ok()
         .and_then(|s| {
             s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| {
-                l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok())
+                l.split_whitespace()
+                    .nth(1)
+                    .and_then(|kb| kb.parse::<u64>().ok())
             })
         })
         .map_or(0, |kb| kb * 1024)

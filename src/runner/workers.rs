@@ -47,7 +47,11 @@ pub(super) fn start(run: &Arc<Run>, proxy: &ProxyListener) -> std::io::Result<Ha
         let (tx, rx) = unbounded::<String>();
         decoder_tx.push(tx);
         let run = Arc::clone(run);
-        decoders.push(crate::threads::spawn_named(&format!("kvf-decoder-{d}"), None, move || decode_loop(&run, d, &rx))?);
+        decoders.push(crate::threads::spawn_named(
+            &format!("kvf-decoder-{d}"),
+            None,
+            move || decode_loop(&run, d, &rx),
+        )?);
     }
     // The proxy routes each complete request to its decoder, like a request
     // router would.
@@ -87,11 +91,17 @@ pub(super) fn start(run: &Arc<Run>, proxy: &ProxyListener) -> std::io::Result<Ha
         let run = Arc::clone(run);
         let start = first;
         first += quota as u64;
-        prefillers.push(crate::threads::spawn_named(&format!("kvf-prefill-{p}"), None, move || {
-            prefill_loop(&run, p, start, quota, &rx)
-        })?);
+        prefillers.push(crate::threads::spawn_named(
+            &format!("kvf-prefill-{p}"),
+            None,
+            move || prefill_loop(&run, p, start, quota, &rx),
+        )?);
     }
-    Ok(Handles { prefillers, decoders, decoder_tx })
+    Ok(Handles {
+        prefillers,
+        decoders,
+        decoder_tx,
+    })
 }
 
 /// One request being stored.
@@ -105,14 +115,22 @@ struct Active {
     abort_after: Option<u32>,
 }
 
-fn prefill_loop(run: &Arc<Run>, p: usize, first: u64, quota: usize, done: &Rx<(String, RequestStatus)>) {
+fn prefill_loop(
+    run: &Arc<Run>,
+    p: usize,
+    first: u64,
+    quota: usize,
+    done: &Rx<(String, RequestStatus)>,
+) {
     let cfg = &run.cfg;
     let sender = &run.senders[p];
     let mut rng = rand::rngs::SmallRng::seed_from_u64(cfg.seed ^ (0xA5A5_0000 + p as u64));
     let mut active: Vec<Active> = Vec::new();
     let mut in_flight = 0usize; // started and not terminal
     let mut started = 0usize;
-    let mut bufs: Vec<Vec<u8>> = (0..cfg.batch).map(|_| Vec::with_capacity(cfg.chunk_bytes as usize)).collect();
+    let mut bufs: Vec<Vec<u8>> = (0..cfg.batch)
+        .map(|_| Vec::with_capacity(cfg.chunk_bytes as usize))
+        .collect();
     // Acquire: pairs with the Release store that ends the run.
     while !run.stop.load(Ordering::Acquire) {
         while let Ok((_, _)) = done.try_recv() {
@@ -126,13 +144,27 @@ fn prefill_loop(run: &Arc<Run>, p: usize, first: u64, quota: usize, done: &Rx<(S
             let id = first + started as u64;
             let total = rng.random_range(cfg.chunks.min..=cfg.chunks.max);
             let decoder = (id as usize) % cfg.decoders;
-            let abort_after = rng.random_bool(cfg.abort_rate).then(|| rng.random_range(0..total));
+            let abort_after = rng
+                .random_bool(cfg.abort_rate)
+                .then(|| rng.random_range(0..total));
             let req_id = format!("p{p}-r{id}");
             run.planned.lock().insert(
                 req_id.clone(),
-                Planned { request: id, total, decoder, started: Instant::now() },
+                Planned {
+                    request: id,
+                    total,
+                    decoder,
+                    started: Instant::now(),
+                },
             );
-            active.push(Active { req_id, id, total, next: 0, decoder, abort_after });
+            active.push(Active {
+                req_id,
+                id,
+                total,
+                next: 0,
+                decoder,
+                abort_after,
+            });
             started += 1;
             in_flight += 1;
         }
@@ -157,13 +189,32 @@ fn prefill_loop(run: &Arc<Run>, p: usize, first: u64, quota: usize, done: &Rx<(S
             let n = (cfg.batch as u32).min(a.total - a.next);
             let last = a.next + n == a.total;
             let keys: Vec<String> = (a.next..a.next + n)
-                .map(|index| ChunkId { request: a.id, index, total: a.total }.key(&a.req_id))
+                .map(|index| {
+                    ChunkId {
+                        request: a.id,
+                        index,
+                        total: a.total,
+                    }
+                    .key(&a.req_id)
+                })
                 .collect();
             for (k, index) in (a.next..a.next + n).enumerate() {
-                run.payloads.fill(ChunkId { request: a.id, index, total: a.total }, &mut bufs[k]);
+                run.payloads.fill(
+                    ChunkId {
+                        request: a.id,
+                        index,
+                        total: a.total,
+                    },
+                    &mut bufs[k],
+                );
             }
             let chunks: Vec<&[u8]> = bufs[..n as usize].iter().map(Vec::as_slice).collect();
-            let spec = TransferSpec::new(&a.req_id, run.receivers[a.decoder].endpoint(), a.total as usize, last);
+            let spec = TransferSpec::new(
+                &a.req_id,
+                run.receivers[a.decoder].endpoint(),
+                a.total as usize,
+                last,
+            );
             match sender.store(&spec, &keys, &chunks) {
                 Ok(()) => {
                     a.next += n;
@@ -216,19 +267,27 @@ fn decode_loop(run: &Arc<Run>, d: usize, rx: &Rx<String>) {
             }
             Err(RecvTimeoutError::Disconnected) => return,
         };
-        let Some(plan) = run.planned.lock().remove(&req_id) else { continue };
+        let Some(plan) = run.planned.lock().remove(&req_id) else {
+            continue;
+        };
         // ProxyNotif and TransferDone travel on different sockets: wait for
         // the receiver to know the request is complete.
         let deadline = Instant::now() + run.cfg.stall_timeout();
         if let Err(e) = receiver.wait_ready(&req_id, deadline) {
             warn!(req = %req_id, error = %e, "proxy said ready but the receiver did not");
-            run.tally.mismatches.fetch_add(u64::from(plan.total), Ordering::Relaxed);
+            run.tally
+                .mismatches
+                .fetch_add(u64::from(plan.total), Ordering::Relaxed);
             run.finish(&RequestStatus::Completed, false);
             continue;
         }
         let mut bad = 0u64;
         for index in 0..plan.total {
-            let id = ChunkId { request: plan.request, index, total: plan.total };
+            let id = ChunkId {
+                request: plan.request,
+                index,
+                total: plan.total,
+            };
             match receiver.get(&id.key(&req_id)) {
                 Some(chunk) => {
                     if !run.payloads.verify(id, chunk.bytes()) {

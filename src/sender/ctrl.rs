@@ -13,8 +13,8 @@ use smallvec::SmallVec;
 use tracing::{debug, debug_span, warn};
 
 use crate::protocol::{
-    decode, encode_into, AllocRequest, AllocResponse, CancelNotif, ErrorCode, Heartbeat, Hello, Message, ProxyNotif,
-    TransferDone, PROTOCOL_VERSION,
+    decode, encode_into, AllocRequest, AllocResponse, CancelNotif, ErrorCode, Heartbeat, Hello,
+    Message, ProxyNotif, TransferDone, PROTOCOL_VERSION,
 };
 use crate::stats::{Counter, Stage};
 use crate::transport::{Poster, RemoteBuffer, WriteOp};
@@ -106,7 +106,11 @@ impl Ctrl {
             let mut t = self.shared.table.lock();
             self.dirty.extend(t.attention.drain(..));
             if std::mem::take(&mut t.staging_freed) {
-                let waiting = t.reqs.values().filter(|r| !r.unstaged.is_empty()).map(|r| r.req_id.clone());
+                let waiting = t
+                    .reqs
+                    .values()
+                    .filter(|r| !r.unstaged.is_empty())
+                    .map(|r| r.req_id.clone());
                 self.dirty.extend(waiting.collect::<Vec<_>>());
             }
         }
@@ -156,7 +160,9 @@ impl Ctrl {
             // Acquire: pairs with the Release store in `Sender::close`.
             || self.shared.stop.load(Ordering::Acquire);
         if !busy {
-            let timeout = self.next_timer().map_or(MAX_SLEEP, |d| d.saturating_duration_since(Instant::now()));
+            let timeout = self
+                .next_timer()
+                .map_or(MAX_SLEEP, |d| d.saturating_duration_since(Instant::now()));
             if let Err(e) = self.reactor.wait(Some(timeout)) {
                 warn!(error = %e, "poll failed");
                 std::thread::sleep(Duration::from_millis(1));
@@ -168,8 +174,13 @@ impl Ctrl {
     /// Moves a submitted batch into its request's send queue.
     fn enqueue(&mut self, id: u64) {
         let mut t = self.shared.table.lock();
-        let Some(req_id) = t.batches.get(&id).map(|b| b.req_id.clone()) else { return };
-        let live = t.reqs.get(&req_id).is_some_and(|r| matches!(r.state, ReqState::Pending | ReqState::Admitted));
+        let Some(req_id) = t.batches.get(&id).map(|b| b.req_id.clone()) else {
+            return;
+        };
+        let live = t
+            .reqs
+            .get(&req_id)
+            .is_some_and(|r| matches!(r.state, ReqState::Pending | ReqState::Admitted));
         if live {
             if let Some(r) = t.reqs.get_mut(&req_id) {
                 r.queued.push_back(id);
@@ -201,7 +212,9 @@ impl Ctrl {
         let mut peer = Peer::connect(&self.shared.cfg.sender_id, endpoint, 0)
             .map_err(|e| format!("cannot connect to receiver {endpoint}: {e}"))?;
         if let Err(e) = self.reactor.register(&peer.sock, token) {
-            return Err(format!("cannot watch the socket of receiver {endpoint}: {e}"));
+            return Err(format!(
+                "cannot watch the socket of receiver {endpoint}: {e}"
+            ));
         }
         if self.shared.cfg.use_extensions {
             let hello = Message::Hello(Hello {
@@ -246,7 +259,11 @@ impl Ctrl {
     /// Replaces a peer's socket so late replies to the old one are shed.
     fn renew_socket(&mut self, i: usize) {
         let gen = self.peers[i].generation + 1;
-        match Peer::socket(&self.shared.cfg.sender_id, &self.peers[i].endpoint.clone(), gen) {
+        match Peer::socket(
+            &self.shared.cfg.sender_id,
+            &self.peers[i].endpoint.clone(),
+            gen,
+        ) {
             Ok(sock) => {
                 let _ = self.reactor.deregister(&self.peers[i].sock);
                 let _ = self.reactor.register(&sock, i);
@@ -265,7 +282,16 @@ impl Ctrl {
                 // In LMCache mode the reply slot is still consumed in order.
                 if self.peers[i].mode == Mode::Legacy {
                     if let Some((o, _)) = self.peers[i].fifo.pop_front() {
-                        self.answer(i, o, AllocResponse::failure(1, None, ErrorCode::BadMessage, "undecodable reply"));
+                        self.answer(
+                            i,
+                            o,
+                            AllocResponse::failure(
+                                1,
+                                None,
+                                ErrorCode::BadMessage,
+                                "undecodable reply",
+                            ),
+                        );
                         self.send_waiting(i);
                     }
                 }
@@ -288,7 +314,8 @@ impl Ctrl {
                         debug!(endpoint = %p.endpoint, receiver = %ack.receiver_id, "receiver speaks kvferry");
                     }
                     Err(e) => {
-                        self.peers[i].mode = Mode::Failed(format!("data plane to {}: {e}", self.peers[i].endpoint))
+                        self.peers[i].mode =
+                            Mode::Failed(format!("data plane to {}: {e}", self.peers[i].endpoint))
                     }
                 }
                 self.dirty_peer(i);
@@ -347,7 +374,9 @@ impl Ctrl {
     fn on_batch_reply(&mut self, i: usize, id: u64, resp: AllocResponse) {
         let now = Instant::now();
         let mut t = self.shared.table.lock();
-        let Some(mut b) = t.batches.remove(&id) else { return };
+        let Some(mut b) = t.batches.remove(&id) else {
+            return;
+        };
         let req_id = b.req_id.clone();
         self.dirty.insert(req_id.clone());
         let Some(r) = t.reqs.get_mut(&req_id) else {
@@ -356,16 +385,33 @@ impl Ctrl {
         };
         r.awaiting_reply = r.awaiting_reply.saturating_sub(1);
         let n = b.keys.len();
-        let capacity = self.peers[i].remote.as_ref().map_or(0, |rb| rb.capacity_chunks) as i64;
-        let bad_shape = resp.remote_indexes.len() != n.max(1) && !(n == 0 && resp.remote_indexes.is_empty());
+        let capacity = self.peers[i]
+            .remote
+            .as_ref()
+            .map_or(0, |rb| rb.capacity_chunks) as i64;
+        let bad_shape =
+            resp.remote_indexes.len() != n.max(1) && !(n == 0 && resp.remote_indexes.is_empty());
         let failure = if resp.is_failure() || bad_shape {
-            let code = resp.code.as_deref().and_then(ErrorCode::parse).unwrap_or(ErrorCode::AllocationFailed);
-            let reason = resp.error.clone().unwrap_or_else(|| "the receiver could not allocate the batch".into());
+            let code = resp
+                .code
+                .as_deref()
+                .and_then(ErrorCode::parse)
+                .unwrap_or(ErrorCode::AllocationFailed);
+            let reason = resp
+                .error
+                .clone()
+                .unwrap_or_else(|| "the receiver could not allocate the batch".into());
             Some((code, reason))
         } else if resp.remote_indexes.iter().any(|&x| x < 0 || x >= capacity)
-            || resp.already_sent_indexes.iter().any(|&x| x < 0 || x as usize >= n)
+            || resp
+                .already_sent_indexes
+                .iter()
+                .any(|&x| x < 0 || x as usize >= n)
         {
-            Some((ErrorCode::BadMessage, format!("reply names slots outside the receiver's {capacity}")))
+            Some((
+                ErrorCode::BadMessage,
+                format!("reply names slots outside the receiver's {capacity}"),
+            ))
         } else {
             None
         };
@@ -386,16 +432,24 @@ impl Ctrl {
         if r.state == ReqState::Pending {
             r.state = ReqState::Admitted;
             if let Some(sent) = r.first_sent_at {
-                self.shared.stats.record(Stage::AdmissionWait, now.saturating_duration_since(sent));
+                self.shared
+                    .stats
+                    .record(Stage::AdmissionWait, now.saturating_duration_since(sent));
             }
             self.shared.stats.inc(Counter::Admitted);
         }
-        let dedup: SmallVec<[usize; 16]> = resp.already_sent_indexes.iter().map(|&x| x as usize).collect();
+        let dedup: SmallVec<[usize; 16]> = resp
+            .already_sent_indexes
+            .iter()
+            .map(|&x| x as usize)
+            .collect();
         r.completed_chunks += dedup.len();
         if b.is_last {
             r.last_replied = true;
         }
-        let writes: SmallVec<[u32; 16]> = (0..n as u32).filter(|j| !dedup.contains(&(*j as usize))).collect();
+        let writes: SmallVec<[u32; 16]> = (0..n as u32)
+            .filter(|j| !dedup.contains(&(*j as usize)))
+            .collect();
         if writes.is_empty() {
             drop(t);
             return self.release_data(b.data, b.bytes);
@@ -405,11 +459,16 @@ impl Ctrl {
             if !dedup.is_empty() {
                 let slots = set.as_slice();
                 let freed = crate::slots::SlotSet::from_slots(dedup.iter().map(|&j| slots[j]));
-                let kept = crate::slots::SlotSet::from_slots(writes.iter().map(|&j| slots[j as usize]));
+                let kept =
+                    crate::slots::SlotSet::from_slots(writes.iter().map(|&j| slots[j as usize]));
                 self.shared.slots.free(freed);
                 *set = kept;
-                let lens: SmallVec<[u32; 16]> = writes.iter().map(|&j| b.lens[j as usize]).collect();
-                let remote: Vec<i64> = writes.iter().map(|&j| resp.remote_indexes[j as usize]).collect();
+                let lens: SmallVec<[u32; 16]> =
+                    writes.iter().map(|&j| b.lens[j as usize]).collect();
+                let remote: Vec<i64> = writes
+                    .iter()
+                    .map(|&j| resp.remote_indexes[j as usize])
+                    .collect();
                 b.lens = lens;
                 b.remote = remote;
                 b.writes = (0..writes.len() as u32).collect();
@@ -429,7 +488,9 @@ impl Ctrl {
     fn progress(&mut self, req_id: &str) {
         let Some((state, receiver)) = ({
             let t = self.shared.table.lock();
-            t.reqs.get(req_id).map(|r| (r.state.clone(), r.receiver.clone()))
+            t.reqs
+                .get(req_id)
+                .map(|r| (r.state.clone(), r.receiver.clone()))
         }) else {
             return;
         };
@@ -453,7 +514,9 @@ impl Ctrl {
     fn abort(&mut self, req_id: &str, code: ErrorCode, reason: String) {
         {
             let mut t = self.shared.table.lock();
-            let Some(r) = t.reqs.get_mut(req_id) else { return };
+            let Some(r) = t.reqs.get_mut(req_id) else {
+                return;
+            };
             if !matches!(r.state, ReqState::Pending | ReqState::Admitted) {
                 return;
             }
@@ -473,7 +536,12 @@ impl Ctrl {
         let sendable = if admitted {
             r.queued.len()
         } else if !r.first_sent && !r.queued.is_empty() {
-            if legacy && self.peers[i].legacy_active.as_deref().is_some_and(|a| a != req_id) {
+            if legacy
+                && self.peers[i]
+                    .legacy_active
+                    .as_deref()
+                    .is_some_and(|a| a != req_id)
+            {
                 0
             } else {
                 1
@@ -482,7 +550,9 @@ impl Ctrl {
             0
         };
         for _ in 0..sendable {
-            let Some(id) = t.reqs.get_mut(req_id).and_then(|r| r.queued.pop_front()) else { break };
+            let Some(id) = t.reqs.get_mut(req_id).and_then(|r| r.queued.pop_front()) else {
+                break;
+            };
             self.send_batch(&mut t, i, id);
         }
         if legacy && sendable > 0 {
@@ -490,7 +560,9 @@ impl Ctrl {
         }
         // 2. Stage and post answered batches.
         loop {
-            let Some(id) = t.reqs.get(req_id).and_then(|r| r.unstaged.front().copied()) else { break };
+            let Some(id) = t.reqs.get(req_id).and_then(|r| r.unstaged.front().copied()) else {
+                break;
+            };
             if !self.stage_and_post(&mut t, i, req_id, id) {
                 break;
             }
@@ -501,10 +573,15 @@ impl Ctrl {
         // 3. Complete.
         if t.reqs.get(req_id).is_some_and(|r| r.is_complete()) {
             let now = Instant::now();
-            let (last, bytes) = t.reqs.get(req_id).map_or((None, 0), |r| (r.last_completion_at, r.bytes));
+            let (last, bytes) = t
+                .reqs
+                .get(req_id)
+                .map_or((None, 0), |r| (r.last_completion_at, r.bytes));
             self.notify_complete(i, req_id);
             if let Some(last) = last {
-                self.shared.stats.record(Stage::Notify, now.saturating_duration_since(last));
+                self.shared
+                    .stats
+                    .record(Stage::Notify, now.saturating_duration_since(last));
             }
             debug!(req_id, bytes, "complete");
             self.shared.stats.inc(Counter::Completed);
@@ -516,7 +593,9 @@ impl Ctrl {
     fn send_batch(&mut self, t: &mut Table, i: usize, id: u64) {
         let now = Instant::now();
         let Some(b) = t.batches.get(&id) else { return };
-        let Some(r) = t.reqs.get_mut(&b.req_id) else { return };
+        let Some(r) = t.reqs.get_mut(&b.req_id) else {
+            return;
+        };
         let extended = self.peers[i].mode == Mode::Extended;
         let seq = extended.then(|| {
             self.next_seq += 1;
@@ -539,8 +618,11 @@ impl Ctrl {
             r.first_sent = true;
             r.first_sent_at = Some(now);
         }
-        self.shared.stats.record(Stage::Pending, now.saturating_duration_since(b.stored_at));
-        let span = tracing::trace_span!("batch", req_id = %b.req_id, batch = id, chunks = b.keys.len());
+        self.shared
+            .stats
+            .record(Stage::Pending, now.saturating_duration_since(b.stored_at));
+        let span =
+            tracing::trace_span!("batch", req_id = %b.req_id, batch = id, chunks = b.keys.len());
         let _g = span.enter();
         self.buf.clear();
         encode_into(&msg, &mut self.buf);
@@ -559,7 +641,8 @@ impl Ctrl {
                     }
                     p.fifo.push_back((Outstanding::Batch(id), now));
                 } else {
-                    p.waiting.push_back((Outstanding::Batch(id), self.buf.clone()));
+                    p.waiting
+                        .push_back((Outstanding::Batch(id), self.buf.clone()));
                 }
             }
         }
@@ -568,10 +651,14 @@ impl Ctrl {
     /// Moves an answered batch into staging if needed and queues its writes.
     /// Returns false if staging is full (retried when slots free up).
     fn stage_and_post(&mut self, t: &mut Table, i: usize, req_id: &str, id: u64) -> bool {
-        let Some(b) = t.batches.get_mut(&id) else { return true };
+        let Some(b) = t.batches.get_mut(&id) else {
+            return true;
+        };
         if let BatchData::Pending(bytes) = &b.data {
             let t0 = Instant::now();
-            let Some(set) = self.shared.slots.try_alloc(b.writes.len()) else { return false };
+            let Some(set) = self.shared.slots.try_alloc(b.writes.len()) else {
+                return false;
+            };
             let mut offsets: SmallVec<[usize; 16]> = SmallVec::with_capacity(b.lens.len());
             let mut off = 0usize;
             for &l in &b.lens {
@@ -592,12 +679,19 @@ impl Ctrl {
             b.writes = (0..set.len() as u32).collect();
             b.data = BatchData::Staged(set);
             // AcqRel: pending-area accounting only (see `Sender::store`).
-            self.shared.pending_bytes.fetch_sub(pending, Ordering::AcqRel);
+            self.shared
+                .pending_bytes
+                .fetch_sub(pending, Ordering::AcqRel);
             self.shared.stats.record_since(Stage::StagingWait, t0);
         }
-        let Some(b) = t.batches.remove(&id) else { return true };
-        let BatchData::Staged(set) = b.data else { return true };
-        let (Some(peer), Some(remote)) = (self.peers[i].index, self.peers[i].remote.as_ref()) else {
+        let Some(b) = t.batches.remove(&id) else {
+            return true;
+        };
+        let BatchData::Staged(set) = b.data else {
+            return true;
+        };
+        let (Some(peer), Some(remote)) = (self.peers[i].index, self.peers[i].remote.as_ref())
+        else {
             self.shared.slots.free(set);
             return true;
         };
@@ -612,14 +706,27 @@ impl Ctrl {
             let len = u64::from(b.lens[j as usize]);
             match ops.last_mut() {
                 // Coalesce: both ranges continue the previous write exactly.
-                Some((op, s)) if op.local_offset + op.len == local && op.remote_offset + op.len == remote_off => {
+                Some((op, s))
+                    if op.local_offset + op.len == local
+                        && op.remote_offset + op.len == remote_off =>
+                {
                     op.len += len;
                     s.push(slot);
                 }
                 _ => {
                     let mut s = SmallVec::new();
                     s.push(slot);
-                    ops.push((WriteOp { work_id: 0, local_offset: local, remote_offset: remote_off, len, peer, _pad: 0 }, s));
+                    ops.push((
+                        WriteOp {
+                            work_id: 0,
+                            local_offset: local,
+                            remote_offset: remote_off,
+                            len,
+                            peer,
+                            _pad: 0,
+                        },
+                        s,
+                    ));
                 }
             }
         }
@@ -688,7 +795,11 @@ impl Ctrl {
         let mine: Vec<u64> = self
             .backlog
             .iter()
-            .filter(|op| t.inflight.get(&op.work_id).is_some_and(|w| w.req_id == req_id))
+            .filter(|op| {
+                t.inflight
+                    .get(&op.work_id)
+                    .is_some_and(|w| w.req_id == req_id)
+            })
             .map(|op| op.work_id)
             .collect();
         if !mine.is_empty() {
@@ -702,7 +813,9 @@ impl Ctrl {
                 }
             }
         }
-        let Some(r) = t.reqs.get_mut(req_id) else { return };
+        let Some(r) = t.reqs.get_mut(req_id) else {
+            return;
+        };
         let drop_ids: Vec<u64> = r.queued.drain(..).chain(r.unstaged.drain(..)).collect();
         let (in_flight, first_sent, cancel_sent) = (r.in_flight_ops, r.first_sent, r.cancel_sent);
         for id in drop_ids {
@@ -713,9 +826,17 @@ impl Ctrl {
         if in_flight > 0 || cancel_sent {
             return; // the poll thread calls us again when the writes are done
         }
-        let receiver = t.reqs.get(req_id).map(|r| r.receiver.clone()).unwrap_or_default();
+        let receiver = t
+            .reqs
+            .get(req_id)
+            .map(|r| r.receiver.clone())
+            .unwrap_or_default();
         if first_sent {
-            let keys = t.reqs.get_mut(req_id).map(|r| std::mem::take(&mut r.keys_sent)).unwrap_or_default();
+            let keys = t
+                .reqs
+                .get_mut(req_id)
+                .map(|r| std::mem::take(&mut r.keys_sent))
+                .unwrap_or_default();
             if let Some(r) = t.reqs.get_mut(req_id) {
                 r.cancel_sent = true;
             }
@@ -740,7 +861,11 @@ impl Ctrl {
             self.next_seq += 1;
             self.next_seq
         });
-        let msg = Message::CancelNotif(CancelNotif { req_id: req_id.to_owned(), keys, seq });
+        let msg = Message::CancelNotif(CancelNotif {
+            req_id: req_id.to_owned(),
+            keys,
+            seq,
+        });
         self.buf.clear();
         encode_into(&msg, &mut self.buf);
         let now = Instant::now();
@@ -767,14 +892,25 @@ impl Ctrl {
     fn notify_complete(&mut self, i: usize, req_id: &str) {
         if let Some(proxy) = &self.proxy {
             self.buf.clear();
-            encode_into(&Message::ProxyNotif(ProxyNotif { req_id: req_id.to_owned() }), &mut self.buf);
+            encode_into(
+                &Message::ProxyNotif(ProxyNotif {
+                    req_id: req_id.to_owned(),
+                }),
+                &mut self.buf,
+            );
             if let Err(e) = proxy.send(&self.buf, 0) {
                 warn!(error = %e, "ProxyNotif send failed");
             }
         }
         if self.peers[i].mode == Mode::Extended {
             self.buf.clear();
-            encode_into(&Message::TransferDone(TransferDone { req_id: req_id.to_owned(), seq: None }), &mut self.buf);
+            encode_into(
+                &Message::TransferDone(TransferDone {
+                    req_id: req_id.to_owned(),
+                    seq: None,
+                }),
+                &mut self.buf,
+            );
             if let Err(e) = self.peers[i].send_raw(&self.buf) {
                 warn!(error = %e, "TransferDone send failed");
             }
@@ -793,7 +929,9 @@ impl Ctrl {
                 let next: Vec<String> = t
                     .reqs
                     .values()
-                    .filter(|r| r.receiver == self.peers[i].endpoint && r.state == ReqState::Pending)
+                    .filter(|r| {
+                        r.receiver == self.peers[i].endpoint && r.state == ReqState::Pending
+                    })
                     .map(|r| r.req_id.clone())
                     .collect();
                 self.dirty.extend(next);
@@ -833,7 +971,8 @@ impl Ctrl {
     /// Handshake timeouts, reply timeouts and heartbeats.
     fn timers(&mut self, now: Instant) {
         let cfg = &self.shared.cfg;
-        let (hello_timeout, reply_timeout, hb) = (cfg.hello_timeout, cfg.reply_timeout, cfg.heartbeat_interval);
+        let (hello_timeout, reply_timeout, hb) =
+            (cfg.hello_timeout, cfg.reply_timeout, cfg.heartbeat_interval);
         for i in 0..self.peers.len() {
             if let Mode::Handshaking(since) = self.peers[i].mode {
                 if now.saturating_duration_since(since) >= hello_timeout {
@@ -846,7 +985,10 @@ impl Ctrl {
                     self.dirty_peer(i);
                 }
             }
-            if self.peers[i].oldest().is_some_and(|t| now.saturating_duration_since(t) >= reply_timeout) {
+            if self.peers[i]
+                .oldest()
+                .is_some_and(|t| now.saturating_duration_since(t) >= reply_timeout)
+            {
                 self.reply_timeout(i, now, reply_timeout);
             }
             if self.peers[i].mode == Mode::Extended
@@ -856,11 +998,15 @@ impl Ctrl {
                 let active = {
                     let t = self.shared.table.lock();
                     let ep = &self.peers[i].endpoint;
-                    t.reqs.values().any(|r| &r.receiver == ep && !matches!(r.state, ReqState::Done(_)))
+                    t.reqs
+                        .values()
+                        .any(|r| &r.receiver == ep && !matches!(r.state, ReqState::Done(_)))
                 };
                 if active {
                     self.buf.clear();
-                    let hbm = Message::Heartbeat(Heartbeat { sender_id: self.shared.cfg.sender_id.clone() });
+                    let hbm = Message::Heartbeat(Heartbeat {
+                        sender_id: self.shared.cfg.sender_id.clone(),
+                    });
                     encode_into(&hbm, &mut self.buf);
                     let _ = self.peers[i].send_raw(&self.buf);
                 }
@@ -879,9 +1025,15 @@ impl Ctrl {
             v
         } else {
             let p = &mut self.peers[i];
-            let seqs: Vec<u64> =
-                p.by_seq.iter().filter(|(_, (_, t))| now.saturating_duration_since(*t) >= limit).map(|(s, _)| *s).collect();
-            seqs.into_iter().filter_map(|s| p.by_seq.remove(&s).map(|(o, _)| o)).collect()
+            let seqs: Vec<u64> = p
+                .by_seq
+                .iter()
+                .filter(|(_, (_, t))| now.saturating_duration_since(*t) >= limit)
+                .map(|(s, _)| *s)
+                .collect();
+            seqs.into_iter()
+                .filter_map(|s| p.by_seq.remove(&s).map(|(o, _)| o))
+                .collect()
         };
         for o in late {
             if let Outstanding::Batch(id) = o {
@@ -889,10 +1041,19 @@ impl Ctrl {
                     1,
                     None,
                     ErrorCode::ReplyTimeout,
-                    format!("no reply from {} within {:?}", self.peers[i].endpoint, limit),
+                    format!(
+                        "no reply from {} within {:?}",
+                        self.peers[i].endpoint, limit
+                    ),
                 );
                 // Reuse the refusal path (aborts the request, frees its data).
-                let req = self.shared.table.lock().batches.get(&id).map(|b| b.req_id.clone());
+                let req = self
+                    .shared
+                    .table
+                    .lock()
+                    .batches
+                    .get(&id)
+                    .map(|b| b.req_id.clone());
                 self.on_batch_reply(i, id, resp);
                 if let Some(req) = req {
                     self.dirty.insert(req);

@@ -124,7 +124,12 @@ pub struct TransferSpec {
 
 impl TransferSpec {
     /// A spec with byte-shaped chunks.
-    pub fn new(req_id: impl Into<String>, receiver: impl Into<String>, total_chunks: usize, is_last: bool) -> Self {
+    pub fn new(
+        req_id: impl Into<String>,
+        receiver: impl Into<String>,
+        total_chunks: usize,
+        is_last: bool,
+    ) -> Self {
         Self {
             req_id: req_id.into(),
             receiver: receiver.into(),
@@ -167,7 +172,9 @@ impl RequestStatus {
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum StoreError {
     /// The request is not admitted yet and the pending area is full.
-    #[error("back-pressure: {needed} bytes do not fit in the pending area ({used} of {max} bytes used)")]
+    #[error(
+        "back-pressure: {needed} bytes do not fit in the pending area ({used} of {max} bytes used)"
+    )]
     Backpressure {
         /// Bytes this batch needs.
         needed: usize,
@@ -267,7 +274,9 @@ pub struct Sender {
 
 impl std::fmt::Debug for Sender {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Sender").field("sender_id", &self.shared.cfg.sender_id).finish_non_exhaustive()
+        f.debug_struct("Sender")
+            .field("sender_id", &self.shared.cfg.sender_id)
+            .finish_non_exhaustive()
     }
 }
 
@@ -279,13 +288,17 @@ impl Sender {
     /// poll threads.
     pub fn new(cfg: SenderConfig) -> Result<Self, SenderError> {
         if cfg.staging_slots == 0 || cfg.staging_slots > u32::MAX as usize {
-            return Err(SenderError::Config(format!("staging_slots must be in 1..={}", u32::MAX)));
+            return Err(SenderError::Config(format!(
+                "staging_slots must be in 1..={}",
+                u32::MAX
+            )));
         }
         if cfg.chunk_bytes == 0 {
             return Err(SenderError::Config("chunk_bytes must be positive".into()));
         }
         let staging = Arc::new(
-            StagingBuffer::new(cfg.staging_slots, cfg.chunk_bytes).map_err(|e| SenderError::Staging(e.to_string()))?,
+            StagingBuffer::new(cfg.staging_slots, cfg.chunk_bytes)
+                .map_err(|e| SenderError::Staging(e.to_string()))?,
         );
         let transport = crate::transport::by_name(&cfg.transport, &cfg.transport_config)?;
         let (poster, completions) = transport.start(Arc::clone(&staging))?;
@@ -315,7 +328,12 @@ impl Sender {
             let name = format!("kvf-send-poll-{}", shared.cfg.sender_id);
             crate::threads::spawn_named(&name, pins.next(), move || poll::run(shared, completions))?
         };
-        Ok(Self { shared, submit: Mutex::new(submit), ctrl: Some(ctrl), poll: Some(poll) })
+        Ok(Self {
+            shared,
+            submit: Mutex::new(submit),
+            ctrl: Some(ctrl),
+            poll: Some(poll),
+        })
     }
 
     /// Sets the callback run when a request reaches a terminal status.
@@ -331,10 +349,16 @@ impl Sender {
     /// always ends because admitted requests always drain). Otherwise the
     /// bytes are copied into the bounded pending area, or
     /// [`StoreError::Backpressure`] is returned at once.
-    pub fn store(&self, spec: &TransferSpec, keys: &[impl AsRef<str>], chunks: &[&[u8]]) -> Result<(), StoreError> {
+    pub fn store(
+        &self,
+        spec: &TransferSpec,
+        keys: &[impl AsRef<str>],
+        chunks: &[&[u8]],
+    ) -> Result<(), StoreError> {
         let n = chunks.len();
         self.validate(spec, keys.len(), chunks)?;
-        let span = tracing::debug_span!("store", req_id = %spec.req_id, chunks = n, last = spec.is_last);
+        let span =
+            tracing::debug_span!("store", req_id = %spec.req_id, chunks = n, last = spec.is_last);
         let _g = span.enter();
         let now = Instant::now();
         // Register the request (first batch) and learn whether it is admitted.
@@ -343,7 +367,10 @@ impl Sender {
             if t.closing {
                 return Err(StoreError::Closed);
             }
-            let req = t.reqs.entry(spec.req_id.clone()).or_insert_with(|| Req::new(spec));
+            let req = t
+                .reqs
+                .entry(spec.req_id.clone())
+                .or_insert_with(|| Req::new(spec));
             if req.receiver != spec.receiver {
                 return Err(StoreError::Invalid(format!(
                     "request {} goes to {}, not {}",
@@ -362,7 +389,10 @@ impl Sender {
                 _ => {}
             }
             if req.last_stored {
-                return Err(StoreError::Invalid(format!("request {} already stored its last batch", spec.req_id)));
+                return Err(StoreError::Invalid(format!(
+                    "request {} already stored its last batch",
+                    spec.req_id
+                )));
             }
             if req.stored_chunks + n > req.total {
                 return Err(StoreError::Invalid(format!(
@@ -409,7 +439,10 @@ impl Sender {
                 }
             };
             self.shared.stats.record_since(Stage::StagingWait, t0);
-            let copied = set.iter().zip(chunks).try_for_each(|(slot, chunk)| self.shared.staging.write_slot(slot, chunk));
+            let copied = set
+                .iter()
+                .zip(chunks)
+                .try_for_each(|(slot, chunk)| self.shared.staging.write_slot(slot, chunk));
             if let Err(e) = copied {
                 self.shared.slots.free(set);
                 undo(self);
@@ -418,15 +451,21 @@ impl Sender {
             BatchData::Staged(set)
         } else {
             let max = self.shared.cfg.max_pending_bytes;
-            let reserved = self.shared.pending_bytes.fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
-                (used + bytes <= max).then_some(used + bytes)
-            });
+            let reserved = self.shared.pending_bytes.fetch_update(
+                Ordering::AcqRel,
+                Ordering::Acquire,
+                |used| (used + bytes <= max).then_some(used + bytes),
+            );
             // AcqRel/Acquire: the counter only bounds memory; it publishes no
             // other data, so any ordering that keeps the RMW atomic suffices.
             if let Err(used) = reserved {
                 undo(self);
                 self.shared.stats.inc(Counter::Backpressure);
-                return Err(StoreError::Backpressure { needed: bytes, used, max });
+                return Err(StoreError::Backpressure {
+                    needed: bytes,
+                    used,
+                    max,
+                });
             }
             let mut buf = Vec::with_capacity(bytes);
             for c in chunks {
@@ -442,9 +481,15 @@ impl Sender {
             is_last: spec.is_last,
             stored_at: now,
             fmt: spec.fmt,
-            shape: if spec.shape.is_empty() { vec![self.shared.cfg.chunk_bytes as i64] } else { spec.shape.clone() },
+            shape: if spec.shape.is_empty() {
+                vec![self.shared.cfg.chunk_bytes as i64]
+            } else {
+                spec.shape.clone()
+            },
             dtype: spec.dtype.clone(),
-            last_chunk_toks: spec.last_chunk_toks.unwrap_or_else(|| chunks.last().map_or(0, |c| c.len() as i64)),
+            last_chunk_toks: spec
+                .last_chunk_toks
+                .unwrap_or_else(|| chunks.last().map_or(0, |c| c.len() as i64)),
             bytes,
             remote: Vec::new(),
             writes: SmallVec::new(),
@@ -452,7 +497,10 @@ impl Sender {
         // Publish the batch, then its id on the ring (ring order = send order).
         let id = {
             let mut t = self.shared.table.lock();
-            let aborted = !matches!(t.reqs.get(&spec.req_id).map(|r| &r.state), Some(ReqState::Pending | ReqState::Admitted));
+            let aborted = !matches!(
+                t.reqs.get(&spec.req_id).map(|r| &r.state),
+                Some(ReqState::Pending | ReqState::Admitted)
+            );
             if aborted {
                 drop(t);
                 self.drop_batch_data(batch.data, bytes);
@@ -469,7 +517,12 @@ impl Sender {
         Ok(())
     }
 
-    fn validate(&self, spec: &TransferSpec, n_keys: usize, chunks: &[&[u8]]) -> Result<(), StoreError> {
+    fn validate(
+        &self,
+        spec: &TransferSpec,
+        n_keys: usize,
+        chunks: &[&[u8]],
+    ) -> Result<(), StoreError> {
         if spec.req_id.is_empty() {
             return Err(StoreError::Invalid("req_id must not be empty".into()));
         }
@@ -477,7 +530,10 @@ impl Sender {
             return Err(StoreError::Invalid("total_chunks must be positive".into()));
         }
         if n_keys != chunks.len() {
-            return Err(StoreError::Invalid(format!("{n_keys} keys for {} chunks", chunks.len())));
+            return Err(StoreError::Invalid(format!(
+                "{n_keys} keys for {} chunks",
+                chunks.len()
+            )));
         }
         if chunks.is_empty() && !spec.is_last {
             return Err(StoreError::Invalid("only a last batch may be empty".into()));
@@ -491,7 +547,11 @@ impl Sender {
         }
         for (index, c) in chunks.iter().enumerate() {
             if c.len() as u64 > self.shared.cfg.chunk_bytes {
-                return Err(StoreError::ChunkTooLarge { index, len: c.len(), max: self.shared.cfg.chunk_bytes });
+                return Err(StoreError::ChunkTooLarge {
+                    index,
+                    len: c.len(),
+                    max: self.shared.cfg.chunk_bytes,
+                });
             }
         }
         Ok(())
@@ -562,7 +622,13 @@ impl Sender {
         let mut t = self.shared.table.lock();
         loop {
             let s = t.reqs.get(req_id).map(Req::status)?;
-            if s.is_terminal() || self.shared.status_cv.wait_until(&mut t, deadline).timed_out() {
+            if s.is_terminal()
+                || self
+                    .shared
+                    .status_cv
+                    .wait_until(&mut t, deadline)
+                    .timed_out()
+            {
                 return t.reqs.get(req_id).map(Req::status);
             }
         }
@@ -570,7 +636,13 @@ impl Sender {
 
     /// Requests not yet terminal.
     pub fn active_requests(&self) -> usize {
-        self.shared.table.lock().reqs.values().filter(|r| !matches!(r.state, ReqState::Done(_))).count()
+        self.shared
+            .table
+            .lock()
+            .reqs
+            .values()
+            .filter(|r| !matches!(r.state, ReqState::Done(_)))
+            .count()
     }
 
     /// Staging slots in use.
@@ -596,7 +668,14 @@ impl Sender {
 
     /// Per-request state dump (for watchdogs and debugging).
     pub fn dump(&self) -> Vec<String> {
-        self.shared.table.lock().reqs.values().filter(|r| !matches!(r.state, ReqState::Done(_))).map(Req::describe).collect()
+        self.shared
+            .table
+            .lock()
+            .reqs
+            .values()
+            .filter(|r| !matches!(r.state, ReqState::Done(_)))
+            .map(Req::describe)
+            .collect()
     }
 
     /// Lets in-flight requests finish until `deadline`, cancels what is
@@ -612,14 +691,28 @@ impl Sender {
         }
         self.shared.table.lock().closing = true;
         let mut cancelled = 0;
-        let quiet = |t: &Table| t.reqs.values().all(|r| matches!(r.state, ReqState::Done(_)));
+        let quiet = |t: &Table| {
+            t.reqs
+                .values()
+                .all(|r| matches!(r.state, ReqState::Done(_)))
+        };
         {
             let mut t = self.shared.table.lock();
-            while !quiet(&t) && !self.shared.status_cv.wait_until(&mut t, deadline).timed_out() {}
+            while !quiet(&t)
+                && !self
+                    .shared
+                    .status_cv
+                    .wait_until(&mut t, deadline)
+                    .timed_out()
+            {}
         }
         let active: Vec<String> = {
             let t = self.shared.table.lock();
-            t.reqs.iter().filter(|(_, r)| !matches!(r.state, ReqState::Done(_))).map(|(k, _)| k.clone()).collect()
+            t.reqs
+                .iter()
+                .filter(|(_, r)| !matches!(r.state, ReqState::Done(_)))
+                .map(|(k, _)| k.clone())
+                .collect()
         };
         for r in active {
             if self.cancel_request(&r) {

@@ -76,7 +76,11 @@ impl Peer {
     }
 
     /// A fresh DEALER socket (used again when a late reply must be shed).
-    pub fn socket(sender_id: &str, endpoint: &str, generation: u32) -> Result<zmq::Socket, zmq::Error> {
+    pub fn socket(
+        sender_id: &str,
+        endpoint: &str,
+        generation: u32,
+    ) -> Result<zmq::Socket, zmq::Error> {
         let sock = crate::zmq_io::context().socket(zmq::DEALER)?;
         let identity = if generation == 0 {
             format!("{sender_id}-to-{endpoint}")
@@ -98,6 +102,10 @@ impl Peer {
 
     /// The oldest unanswered message's send time.
     pub fn oldest(&self) -> Option<Instant> {
-        self.by_seq.values().map(|(_, t)| *t).chain(self.fifo.iter().map(|(_, t)| *t)).min()
+        self.by_seq
+            .values()
+            .map(|(_, t)| *t)
+            .chain(self.fifo.iter().map(|(_, t)| *t))
+            .min()
     }
 }

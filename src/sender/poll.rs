@@ -38,9 +38,13 @@ pub(super) fn run(shared: Arc<Shared>, mut completions: Box<dyn Completions>) {
                     continue;
                 };
                 shared.slots.free(w.slots);
-                shared.stats.record(Stage::Transfer, now.saturating_duration_since(w.posted_at));
+                shared
+                    .stats
+                    .record(Stage::Transfer, now.saturating_duration_since(w.posted_at));
                 t.staging_freed = true;
-                let Some(r) = t.reqs.get_mut(&w.req_id) else { continue };
+                let Some(r) = t.reqs.get_mut(&w.req_id) else {
+                    continue;
+                };
                 r.in_flight_ops = r.in_flight_ops.saturating_sub(1);
                 if c.ok() {
                     r.completed_chunks += w.chunks as usize;

@@ -191,7 +191,10 @@ impl Table {
         }
         while self.terminal_order.len() > TERMINAL_MEMORY {
             if let Some(old) = self.terminal_order.pop_front() {
-                if matches!(self.reqs.get(&old).map(|r| &r.state), Some(ReqState::Done(_))) {
+                if matches!(
+                    self.reqs.get(&old).map(|r| &r.state),
+                    Some(ReqState::Done(_))
+                ) {
                     self.reqs.remove(&old);
                 }
             }
