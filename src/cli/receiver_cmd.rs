@@ -45,6 +45,10 @@ pub struct ReceiverArgs {
     /// Pin the control thread to this CPU.
     #[arg(long)]
     pub pin_cpu: Option<usize>,
+    /// Release each request's chunks as soon as it is complete, like a
+    /// decoder that only counts (for load tests).
+    #[arg(long)]
+    pub consume: bool,
 }
 
 /// Runs a receiver until SIGINT/SIGTERM.
@@ -67,6 +71,7 @@ pub fn run(a: ReceiverArgs) -> ExitCode {
         quarantine_grace: Duration::from_millis(a.quarantine_ms),
         shm_path: a.shm_path,
         pin_cpu: a.pin_cpu,
+        auto_consume: a.consume,
         ..ReceiverConfig::default()
     };
     let receiver = match Receiver::start(cfg) {

@@ -68,6 +68,9 @@ pub struct CoreConfig {
     /// Answer `Hello` (default). `false` makes the receiver behave like an
     /// LMCache receiver, which knows no extensions: `Hello` goes unanswered.
     pub answer_hello: bool,
+    /// Release each request's chunks as soon as its `TransferDone` arrives,
+    /// like a decoder that only counts (load tests and benchmarks).
+    pub auto_consume: bool,
 }
 
 /// Something the control thread must do after a step of the core.
@@ -778,13 +781,23 @@ impl ReceiverCore {
         });
     }
 
-    fn on_transfer_done(&mut self, req_id: &str, _now: Instant, out: &mut Vec<Output>) {
+    fn on_transfer_done(&mut self, req_id: &str, now: Instant, out: &mut Vec<Output>) {
         match self.requests.get(req_id).map(|r| &r.phase) {
             Some(Phase::AwaitingDone) => {
                 if let Some(r) = self.requests.remove(req_id) {
                     for h in r.held.iter().filter(|h| h.wrote) {
                         if self.keys.get(&h.key).is_some_and(|e| e.gen == h.gen) {
                             self.keys.mark_ready(&h.key);
+                        }
+                    }
+                    if self.cfg.auto_consume {
+                        // A decoder that only counts: drop this request's
+                        // references at once.
+                        for h in &r.held {
+                            let u = self.keys.unref_gen(&h.key, h.gen);
+                            if self.release(u) {
+                                self.grant_parked(now, out);
+                            }
                         }
                     }
                     self.bump_request("completed");

@@ -22,6 +22,7 @@ fn cfg(capacity: usize) -> CoreConfig {
         transport: "shm".into(),
         descriptor: Descriptor::None,
         answer_hello: true,
+        auto_consume: false,
     }
 }
 
@@ -541,4 +542,42 @@ fn unexpected_message_types_get_an_error_reply() {
         &mut out,
     );
     assert_eq!(one_reply(&mut out).remote_indexes, vec![-1]);
+}
+
+#[test]
+fn auto_consume_releases_on_transfer_done() {
+    let t0 = Instant::now();
+    let mut c = ReceiverCore::new(
+        CoreConfig {
+            auto_consume: true,
+            ..cfg(4)
+        },
+        t0,
+    );
+    let mut out = Vec::new();
+    c.handle(P, hello(), t0, &mut out);
+    c.handle(
+        P,
+        batch("A", &["a0", "a1", "a2"], 3, true, Some(1)),
+        t0,
+        &mut out,
+    );
+    c.handle(Q, batch("B", &["b0", "b1"], 2, true, None), t0, &mut out);
+    out.clear();
+    assert_eq!(c.stats().parked_requests, 1);
+    c.handle(
+        P,
+        Message::TransferDone(TransferDone {
+            req_id: "A".into(),
+            seq: None,
+        }),
+        t0,
+        &mut out,
+    );
+    assert_eq!(c.stats().keys, 2, "A's chunks are gone, B's are allocated");
+    assert_eq!(
+        one_reply(&mut out).remote_indexes.len(),
+        2,
+        "B admitted by the release"
+    );
 }

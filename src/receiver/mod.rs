@@ -56,6 +56,9 @@ pub struct ReceiverConfig {
     /// Answer `Hello` (default `true`); `false` emulates an LMCache
     /// receiver, for tests and mixed deployments.
     pub answer_hello: bool,
+    /// Release each request's chunks as soon as it is complete (a decoder
+    /// that only counts; for load tests). Default `false`.
+    pub auto_consume: bool,
 }
 
 impl Default for ReceiverConfig {
@@ -72,6 +75,7 @@ impl Default for ReceiverConfig {
             limits: Limits::default(),
             pin_cpu: None,
             answer_hello: true,
+            auto_consume: false,
         }
     }
 }
@@ -260,6 +264,7 @@ impl Receiver {
                     len: region.data_len(),
                 },
                 answer_hello: cfg.answer_hello,
+                auto_consume: cfg.auto_consume,
             },
             now,
         );

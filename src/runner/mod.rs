@@ -82,7 +82,10 @@ struct Tally {
 struct Run {
     cfg: RunConfig,
     payloads: Payloads,
+    /// In-process decoders (empty when the receivers are other processes).
     receivers: Vec<Arc<Receiver>>,
+    /// Receiver endpoints, one per decoder.
+    endpoints: Vec<String>,
     senders: Vec<Arc<Sender>>,
     tally: Tally,
     planned: Mutex<HashMap<String, Planned>>,
@@ -114,11 +117,19 @@ impl Run {
     }
 }
 
-/// Runs the whole job and returns its report.
+/// Runs the whole job in-process and returns its report.
 pub fn run(cfg: RunConfig, progress: Progress) -> Result<RunReport, RunError> {
+    run_with(cfg, progress, |_| {})
+}
+
+/// [`run`], calling `on_start` with the receivers' endpoints once every role
+/// is up (tests use it to aim a rogue client at the receivers mid-run).
+pub fn run_with(
+    cfg: RunConfig,
+    progress: Progress,
+    on_start: impl FnOnce(&[String]),
+) -> Result<RunReport, RunError> {
     cfg.validate().map_err(RunError::Config)?;
-    let started = Instant::now();
-    // Receivers, the proxy, and senders pointed at both.
     let mut receivers = Vec::new();
     for d in 0..cfg.decoders {
         let r = Receiver::start(ReceiverConfig {
@@ -134,6 +145,65 @@ pub fn run(cfg: RunConfig, progress: Progress) -> Result<RunReport, RunError> {
     }
     let proxy =
         ProxyListener::bind("tcp://127.0.0.1:0").map_err(|e| RunError::Start(e.to_string()))?;
+    let endpoints: Vec<String> = receivers.iter().map(|r| r.endpoint().to_owned()).collect();
+    let proxy_endpoint = proxy.endpoint().to_owned();
+    execute(
+        cfg,
+        progress,
+        receivers,
+        endpoints,
+        Some(proxy),
+        Some(proxy_endpoint),
+        "prefiller",
+        on_start,
+    )
+}
+
+/// Runs only the prefill side (the `kvferry sender` role) against receivers
+/// in other processes: `cfg.prefillers` senders spread requests over
+/// `endpoints` and notify the proxy at `proxy`. Completion is counted when
+/// the sender's ProxyNotif goes out (the decoders are elsewhere).
+pub fn run_remote(
+    cfg: RunConfig,
+    endpoints: Vec<String>,
+    proxy: Option<String>,
+    sender_id: &str,
+    progress: Progress,
+) -> Result<RunReport, RunError> {
+    if endpoints.is_empty() {
+        return Err(RunError::Config(
+            "--connect needs at least one receiver endpoint".into(),
+        ));
+    }
+    let cfg = RunConfig {
+        decoders: endpoints.len(),
+        ..cfg
+    };
+    cfg.validate().map_err(RunError::Config)?;
+    execute(
+        cfg,
+        progress,
+        Vec::new(),
+        endpoints,
+        None,
+        proxy,
+        sender_id,
+        |_| {},
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn execute(
+    cfg: RunConfig,
+    progress: Progress,
+    receivers: Vec<Arc<Receiver>>,
+    endpoints: Vec<String>,
+    proxy: Option<ProxyListener>,
+    proxy_endpoint: Option<String>,
+    sender_prefix: &str,
+    on_start: impl FnOnce(&[String]),
+) -> Result<RunReport, RunError> {
+    let started = Instant::now();
     let mut senders = Vec::new();
     for p in 0..cfg.prefillers {
         let fault = (cfg.fail_rate > 0.0).then(|| FaultConfig {
@@ -142,8 +212,8 @@ pub fn run(cfg: RunConfig, progress: Progress) -> Result<RunReport, RunError> {
             ..FaultConfig::default()
         });
         let s = Sender::new(SenderConfig {
-            sender_id: format!("prefiller-{p}"),
-            proxy: Some(proxy.endpoint().to_owned()),
+            sender_id: format!("{sender_prefix}-{p}"),
+            proxy: proxy_endpoint.clone(),
             staging_slots: cfg.staging_slots,
             chunk_bytes: cfg.chunk_bytes,
             max_pending_bytes: cfg.max_pending_bytes,
@@ -168,6 +238,7 @@ pub fn run(cfg: RunConfig, progress: Progress) -> Result<RunReport, RunError> {
     let run = Arc::new(Run {
         payloads: Payloads::new(cfg.chunk_bytes as usize, cfg.seed),
         receivers,
+        endpoints,
         senders,
         tally: Tally::default(),
         planned: Mutex::new(HashMap::new()),
@@ -175,7 +246,9 @@ pub fn run(cfg: RunConfig, progress: Progress) -> Result<RunReport, RunError> {
         stop: AtomicBool::new(false),
         cfg,
     });
-    let handles = workers::start(&run, &proxy).map_err(|e| RunError::Start(e.to_string()))?;
+    let handles =
+        workers::start(&run, proxy.as_ref()).map_err(|e| RunError::Start(e.to_string()))?;
+    on_start(&run.endpoints);
     let watch = monitor::watch(&run, progress, started);
     let mut report = RunReport {
         config: run.cfg.clone(),

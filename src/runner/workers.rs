@@ -40,10 +40,10 @@ impl Handles {
 
 /// Starts decoders, hooks the proxy and the senders' callbacks, and starts
 /// the prefillers.
-pub(super) fn start(run: &Arc<Run>, proxy: &ProxyListener) -> std::io::Result<Handles> {
+pub(super) fn start(run: &Arc<Run>, proxy: Option<&ProxyListener>) -> std::io::Result<Handles> {
     let mut decoder_tx = Vec::new();
     let mut decoders = Vec::new();
-    for d in 0..run.cfg.decoders {
+    for d in 0..run.receivers.len() {
         let (tx, rx) = unbounded::<String>();
         decoder_tx.push(tx);
         let run = Arc::clone(run);
@@ -55,7 +55,7 @@ pub(super) fn start(run: &Arc<Run>, proxy: &ProxyListener) -> std::io::Result<Ha
     }
     // The proxy routes each complete request to its decoder, like a request
     // router would.
-    {
+    if let Some(proxy) = proxy {
         let run = Arc::clone(run);
         let routes = decoder_tx.clone();
         proxy.set_callback(move |n| {
@@ -72,9 +72,11 @@ pub(super) fn start(run: &Arc<Run>, proxy: &ProxyListener) -> std::io::Result<Ha
         done_rx.push(rx);
         let run2 = Arc::clone(run);
         let fail_injected = run.cfg.fail_rate > 0.0;
+        let local_decoders = !run.receivers.is_empty();
         sender.set_callback(move |req, status| {
-            if *status != RequestStatus::Completed {
-                // Completed requests are counted by their decoder once verified.
+            if *status != RequestStatus::Completed || !local_decoders {
+                // In-process, completed requests are counted by their
+                // decoder once verified.
                 run2.finish(status, fail_injected);
                 run2.planned.lock().remove(req);
             }
@@ -209,12 +211,8 @@ fn prefill_loop(
                 );
             }
             let chunks: Vec<&[u8]> = bufs[..n as usize].iter().map(Vec::as_slice).collect();
-            let spec = TransferSpec::new(
-                &a.req_id,
-                run.receivers[a.decoder].endpoint(),
-                a.total as usize,
-                last,
-            );
+            let spec =
+                TransferSpec::new(&a.req_id, &run.endpoints[a.decoder], a.total as usize, last);
             match sender.store(&spec, &keys, &chunks) {
                 Ok(()) => {
                     a.next += n;
