@@ -208,7 +208,8 @@ fn lmcache_sender_gets_byte_compatible_replies() {
 
     // An LMCache request is complete with its last batch (the proxy learns
     // of the writes); its keys are visible to the decoder from then on.
-    r.wait_ready("r1", deadline()).expect("LMCache request ready");
+    r.wait_ready("r1", deadline())
+        .expect("LMCache request ready");
     for (k, s) in ["k0", "k1", "k2"].iter().zip(&slots) {
         w.write(*s, &pattern(k));
     }
@@ -407,7 +408,10 @@ fn protocol_violations_roll_back_and_quarantine_until_the_fence() {
     assert_failure(&late, ErrorCode::ProtocolViolation, 1);
     // The kvferry sender's CancelNotif is the fence: the slots come back.
     let ack = k.call(&cancel("p1", &keys("a", 2), Some(4)), "p1 fence");
-    assert!(ack.remote_indexes.is_empty() && !ack.is_failure(), "{ack:?}");
+    assert!(
+        ack.remote_indexes.is_empty() && !ack.is_failure(),
+        "{ack:?}"
+    );
     assert_eq!(ack.seq, Some(4));
     assert_idle(&r);
 
@@ -415,7 +419,11 @@ fn protocol_violations_roll_back_and_quarantine_until_the_fence() {
     assert_ok(&k.call(&alloc("p2", &keys("d", 1), 1, true, None), "p2"), 1);
     let after = k.call(&alloc("p2", &keys("e", 1), 1, true, None), "p2 after last");
     assert_failure(&after, ErrorCode::ProtocolViolation, 1);
-    assert!(after.error.as_deref().unwrap().contains("after its last batch"));
+    assert!(after
+        .error
+        .as_deref()
+        .unwrap()
+        .contains("after its last batch"));
     assert_eq!(
         r.wait_ready("p2", deadline()),
         Err(WaitError::Failed(ErrorCode::ProtocolViolation))
@@ -448,25 +456,24 @@ fn chunk_larger_than_a_slot_is_refused() {
         })
     };
     // On a first batch: refused, nothing reserved.
-    assert_failure(
-        &c.call(&big("c1", 1), "c1"),
-        ErrorCode::ChunkTooLarge,
-        1,
-    );
+    assert_failure(&c.call(&big("c1", 1), "c1"), ErrorCode::ChunkTooLarge, 1);
     assert_idle(&r);
     // On a later batch: the admitted request is rolled back.
-    assert_ok(&c.call(&alloc("c2", &keys("c2-", 1), 2, false, None), "c2 b1"), 1);
-    assert_failure(
-        &c.call(&big("c2", 2), "c2 b2"),
-        ErrorCode::ChunkTooLarge,
+    assert_ok(
+        &c.call(&alloc("c2", &keys("c2-", 1), 2, false, None), "c2 b1"),
         1,
     );
+    assert_failure(&c.call(&big("c2", 2), "c2 b2"), ErrorCode::ChunkTooLarge, 1);
     assert_eq!(
         r.wait_ready("c2", deadline()),
         Err(WaitError::Failed(ErrorCode::ChunkTooLarge))
     );
     // Anonymous: refused too.
-    assert_failure(&c.call(&big("", 0), "anonymous"), ErrorCode::ChunkTooLarge, 1);
+    assert_failure(
+        &c.call(&big("", 0), "anonymous"),
+        ErrorCode::ChunkTooLarge,
+        1,
+    );
     // Unknown dtype: bad geometry is a bad message.
     let mut odd = alloc("c3", &keys("c3-", 1), 1, true, None);
     if let Message::AllocRequest(a) = &mut odd {
@@ -482,7 +489,10 @@ fn changed_total_chunks_is_inconsistent() {
     let r = start(config(8));
     let c = Client::connect(r.endpoint(), "inc");
     c.hello(); // kvferry sender: its CancelNotif fences the rollback below
-    assert_ok(&c.call(&alloc("i", &keys("i", 2), 4, false, Some(1)), "i b1"), 2);
+    assert_ok(
+        &c.call(&alloc("i", &keys("i", 2), 4, false, Some(1)), "i b1"),
+        2,
+    );
     let rep = c.call(&alloc("i", &keys("j", 1), 5, false, Some(2)), "i b2");
     assert_failure(&rep, ErrorCode::InconsistentRequest, 1);
     assert_eq!(rep.seq, Some(2));
@@ -502,7 +512,10 @@ fn anonymous_batch_fails_when_the_buffer_is_full() {
     let r = start(config(4));
     let c = Client::connect(r.endpoint(), "anon");
     // An admitted request reserves the whole buffer, one chunk allocated.
-    assert_ok(&c.call(&alloc("full", &keys("f", 1), 4, false, None), "full b1"), 1);
+    assert_ok(
+        &c.call(&alloc("full", &keys("f", 1), 4, false, None), "full b1"),
+        1,
+    );
     let rep = c.call(&alloc("", &keys("anon", 2), 0, false, Some(9)), "anonymous");
     assert_failure(&rep, ErrorCode::AllocationFailed, 2);
     assert_eq!(rep.seq, Some(9));
@@ -511,7 +524,10 @@ fn anonymous_batch_fails_when_the_buffer_is_full() {
     assert_ok(&pin, 1);
     assert_eq!(pin.already_sent_indexes, vec![0]);
     // The admitted request's guarantee is intact.
-    assert_ok(&c.call(&alloc("full", &keys("g", 3), 4, true, None), "full b2"), 3);
+    assert_ok(
+        &c.call(&alloc("full", &keys("g", 3), 4, true, None), "full b2"),
+        3,
+    );
     assert!(r.remove("f0") && r.remove("f0"), "two references on f0");
     for k in keys("g", 3) {
         assert!(r.remove(&k));

@@ -307,7 +307,10 @@ impl Writer {
     /// Writes `bytes` at the start of `slot`, as a sender's transport would.
     /// Only call for a slot the receiver granted to the caller's request.
     pub fn write(&self, slot: u32, bytes: &[u8]) {
-        assert!(bytes.len() as u64 <= self.region.chunk_bytes(), "chunk fits");
+        assert!(
+            bytes.len() as u64 <= self.region.chunk_bytes(),
+            "chunk fits"
+        );
         let ptr = self.region.slot_ptr(slot).expect("granted slot exists");
         // SAFETY: `slot` exists (slot_ptr returned Some), `bytes` fits in it,
         // and the receiver granted it to the caller's request, so nobody else
@@ -349,10 +352,8 @@ pub fn scrape(addr: SocketAddr) -> String {
 
 /// The value of the sample line `name_and_labels value` in a Prometheus text body.
 pub fn metric(body: &str, name_and_labels: &str) -> Option<f64> {
-    body.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| {
-            let (n, v) = l.rsplit_once(' ')?;
-            (n == name_and_labels).then(|| v.parse().ok())?
-        })
+    body.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+        let (n, v) = l.rsplit_once(' ')?;
+        (n == name_and_labels).then(|| v.parse().ok())?
+    })
 }
