@@ -137,9 +137,11 @@ fn four_clients_random_sizes_and_cancels_leave_nothing_behind() {
     cfg.quarantine_grace = Duration::from_millis(50);
     let r = Arc::new(start(cfg));
     let metrics = {
-        let r = Arc::clone(&r);
+        // Weak: a connection thread still finishing the scrape must not keep
+        // the receiver (and its buffer file) alive past the test.
+        let r = Arc::downgrade(&r);
         MetricsServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), move || {
-            r.render_metrics()
+            r.upgrade().map(|r| r.render_metrics()).unwrap_or_default()
         })
         .expect("metrics server")
     };
@@ -244,4 +246,8 @@ fn four_clients_random_sizes_and_cancels_leave_nothing_behind() {
     assert!(body.contains("# TYPE kvferry_receiver_admission_wait_us histogram"));
     assert!(metric(&body, "kvferry_receiver_admission_wait_us_sum").is_some());
     metrics.shutdown();
+    let shm = r.shm_path().to_owned();
+    let r = Arc::try_unwrap(r).expect("the test holds the last reference");
+    r.shutdown();
+    assert!(!shm.exists(), "buffer file {} removed", shm.display());
 }

@@ -38,7 +38,10 @@ fn bad(what: &'static str, bytes: Vec<u8>) -> Bad {
 }
 
 /// A map `{type: AllocRequest, ...}` with custom fields, written by hand.
-fn alloc_map(fields: &[(&str, &dyn Fn(&mut Vec<u8>))]) -> Vec<u8> {
+/// Writes one field value.
+type Field<'a> = (&'a str, &'a dyn Fn(&mut Vec<u8>));
+
+fn alloc_map(fields: &[Field<'_>]) -> Vec<u8> {
     let mut b = Vec::new();
     rmp::encode::write_map_len(&mut b, fields.len() as u32 + 1).unwrap();
     rmp::encode::write_str(&mut b, "type").unwrap();
@@ -59,7 +62,7 @@ fn str_array(b: &mut Vec<u8>, n: usize) {
 
 fn rogue_frames() -> Vec<Bad> {
     let mut v = Vec::new();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(0x6b76_6665_7272_79);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x006b_7666_6572_7279);
     for _ in 0..5 {
         let len = rng.random_range(1..200);
         let bytes: Vec<u8> = (0..len).map(|_| rng.random()).collect();
@@ -168,7 +171,7 @@ fn rogue_frames() -> Vec<Bad> {
     v.push(bad("frame too large", vec![0x90; MAX_FRAME + 1]));
     v.push(bad("deep nesting", {
         let mut b = vec![0x81, 0xa1, b'x'];
-        b.extend(std::iter::repeat_n(0x91, 100));
+        b.extend([0x91; 100]);
         b.push(0x01);
         b
     }));
