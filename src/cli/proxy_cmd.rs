@@ -18,6 +18,10 @@ pub struct ProxyArgs {
 /// Runs a proxy listener until SIGINT/SIGTERM, printing one line per
 /// ProxyNotif.
 pub fn run(a: ProxyArgs) -> ExitCode {
+    let termination = match super::signals::Termination::install() {
+        Ok(t) => t,
+        Err(e) => return super::runtime_error(format!("cannot install signal handlers: {e}")),
+    };
     let listener = match ProxyListener::bind(&a.listen) {
         Ok(l) => l,
         Err(e) => return super::runtime_error(e),
@@ -27,12 +31,8 @@ pub fn run(a: ProxyArgs) -> ExitCode {
     });
     println!("kvferry proxy listening on {}", listener.endpoint());
     let _ = std::io::stdout().flush();
-    match super::signals::wait_for_termination() {
-        Ok(_) => {
-            let (total, malformed) = listener.totals();
-            println!("kvferry proxy: {total} notifications, {malformed} malformed frames");
-            ExitCode::SUCCESS
-        }
-        Err(e) => super::runtime_error(format!("cannot wait for signals: {e}")),
-    }
+    termination.wait();
+    let (total, malformed) = listener.totals();
+    println!("kvferry proxy: {total} notifications, {malformed} malformed frames");
+    ExitCode::SUCCESS
 }

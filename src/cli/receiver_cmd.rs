@@ -74,14 +74,21 @@ pub fn run(a: ReceiverArgs) -> ExitCode {
         auto_consume: a.consume,
         ..ReceiverConfig::default()
     };
+    let termination = match super::signals::Termination::install() {
+        Ok(t) => t,
+        Err(e) => return super::runtime_error(format!("cannot install signal handlers: {e}")),
+    };
     let receiver = match Receiver::start(cfg) {
         Ok(r) => Arc::new(r),
         Err(e) => return super::runtime_error(e),
     };
     let _metrics = match a.metrics {
         Some(addr) => {
-            let r = Arc::clone(&receiver);
-            match MetricsServer::start(addr, move || r.render_metrics()) {
+            // Weak: a scrape still being served must not keep the receiver
+            // (and its buffer file) alive past the end of `run`.
+            let r = Arc::downgrade(&receiver);
+            let render = move || r.upgrade().map(|r| r.render_metrics()).unwrap_or_default();
+            match MetricsServer::start(addr, render) {
                 Ok(m) => Some(m),
                 Err(e) => return super::runtime_error(format!("metrics on {addr}: {e}")),
             }
@@ -90,8 +97,6 @@ pub fn run(a: ReceiverArgs) -> ExitCode {
     };
     println!("kvferry receiver listening on {}", receiver.endpoint());
     let _ = std::io::stdout().flush();
-    match super::signals::wait_for_termination() {
-        Ok(_) => ExitCode::SUCCESS,
-        Err(e) => super::runtime_error(format!("cannot wait for signals: {e}")),
-    }
+    termination.wait();
+    ExitCode::SUCCESS
 }

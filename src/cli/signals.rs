@@ -3,9 +3,20 @@
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
-/// Blocks until SIGINT or SIGTERM arrives. Returns the signal, or an error if
-/// the handlers could not be installed.
-pub fn wait_for_termination() -> std::io::Result<i32> {
-    let mut signals = Signals::new([SIGINT, SIGTERM])?;
-    Ok(signals.forever().next().unwrap_or(SIGTERM))
+/// SIGINT/SIGTERM handlers, installed before a command announces that it is
+/// ready, so a signal sent right after the announcement is caught rather
+/// than killing the process with the default action.
+pub struct Termination(Signals);
+
+impl Termination {
+    /// Installs the handlers.
+    pub fn install() -> std::io::Result<Self> {
+        Ok(Self(Signals::new([SIGINT, SIGTERM])?))
+    }
+
+    /// Blocks until SIGINT or SIGTERM arrives (or arrived since `install`);
+    /// returns the signal.
+    pub fn wait(mut self) -> i32 {
+        self.0.forever().next().unwrap_or(SIGTERM)
+    }
 }

@@ -744,6 +744,10 @@ impl ReceiverCore {
     }
 
     fn on_cancel(&mut self, peer: &[u8], c: CancelNotif, now: Instant, out: &mut Vec<Output>) {
+        // Only a kvferry sender (it said Hello) promises that its writes for
+        // the request completed before it cancels; an LMCache sender's
+        // cancel is no fence, so its quarantined slots wait for the grace.
+        let fenced = self.peers.contains_key(peer);
         if let Some(r) = self.requests.remove(&c.req_id) {
             debug!(req_id = %c.req_id, "cancelled by sender");
             self.bump_request("cancelled");
@@ -756,18 +760,16 @@ impl ReceiverCore {
                 out,
             );
             // The sender ended it: nothing later needs the tombstone's error.
-            if let Some(t) = self.tombstones.remove(&c.req_id) {
-                for slot in t.quarantined {
-                    self.free_slot(slot);
-                }
+            if fenced {
+                self.drop_tombstone(&c.req_id);
             }
-        } else if let Some(t) = self.tombstones.remove(&c.req_id) {
+        } else if self.tombstones.contains_key(&c.req_id) {
             // The fence for a request the receiver already failed: the
             // sender's in-flight writes are done, quarantined slots are safe.
-            for slot in t.quarantined {
-                self.free_slot(slot);
+            if fenced {
+                self.drop_tombstone(&c.req_id);
             }
-        } else if !self.peers.contains_key(peer) {
+        } else if !fenced {
             // An LMCache sender cancelling a request whose tracking already
             // ended: release the listed keys (one reference each).
             for key in &c.keys {
@@ -779,6 +781,15 @@ impl ReceiverCore {
             peer: peer.to_vec(),
             message: Message::AllocResponse(AllocResponse::ok(Vec::new(), Vec::new(), c.seq)),
         });
+    }
+
+    /// Removes a tombstone and frees the slots it quarantined.
+    fn drop_tombstone(&mut self, req_id: &str) {
+        if let Some(t) = self.tombstones.remove(req_id) {
+            for slot in t.quarantined {
+                self.free_slot(slot);
+            }
+        }
     }
 
     fn on_transfer_done(&mut self, req_id: &str, now: Instant, out: &mut Vec<Output>) {

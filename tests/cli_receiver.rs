@@ -1,0 +1,239 @@
+//! `kvferry receiver` as a process: start, announce, serve one AllocRequest
+//! and a metrics scrape, exit 0 on SIGTERM removing its buffer file; bad
+//! arguments exit 2 with a message on stderr.
+//!
+//! The ZMQ endpoint is bound on port 0 (the announced line carries the real
+//! port). The metrics port is picked by binding 127.0.0.1:0 and closing it,
+//! which leaves a small race with other processes on the machine; if the
+//! receiver then fails to start, the test retries once with a new port.
+#![cfg(not(feature = "shuttle-model"))]
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read};
+use std::net::{SocketAddr, TcpListener};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvferry::protocol::Descriptor;
+
+const BIN: &str = env!("CARGO_BIN_EXE_kvferry");
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// Waits for the process to exit; kills it and fails naming `what` after [`HANG`].
+fn wait_exit(child: &mut Child, what: &str) -> ExitStatus {
+    let end = deadline();
+    loop {
+        if let Some(st) = child.try_wait().expect("try_wait") {
+            return st;
+        }
+        if Instant::now() >= end {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("hung waiting for the receiver process to exit: {what}");
+        }
+        thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn stderr_of(child: &mut Child) -> String {
+    let mut s = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        let _ = e.read_to_string(&mut s);
+    }
+    s
+}
+
+struct Running {
+    child: Child,
+    endpoint: String,
+    metrics: SocketAddr,
+}
+
+/// Starts the receiver; `None` if it exited before announcing itself (e.g.
+/// the metrics port was taken meanwhile).
+fn spawn_receiver() -> Option<Running> {
+    let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let mut child = Command::new(BIN)
+        .args([
+            "receiver",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--capacity-chunks",
+            "8",
+            "--chunk-bytes",
+            "4096",
+            "--metrics",
+            &metrics.to_string(),
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kvferry receiver");
+    let stdout = child.stdout.take().expect("stdout piped");
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let end = deadline();
+    loop {
+        match rx.recv_timeout(Duration::from_millis(50)) {
+            Ok(line) => {
+                if let Some(ep) = line.strip_prefix("kvferry receiver listening on ") {
+                    return Some(Running {
+                        child,
+                        endpoint: ep.trim().to_owned(),
+                        metrics,
+                    });
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                let st = wait_exit(&mut child, "after closing stdout");
+                eprintln!(
+                    "receiver exited before announcing ({st}): {}",
+                    stderr_of(&mut child)
+                );
+                return None;
+            }
+        }
+        if let Some(st) = child.try_wait().expect("try_wait") {
+            eprintln!(
+                "receiver exited before announcing ({st}): {}",
+                stderr_of(&mut child)
+            );
+            return None;
+        }
+        if Instant::now() >= end {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("hung waiting for the line `kvferry receiver listening on ...`");
+        }
+    }
+}
+
+#[test]
+fn receiver_serves_scrapes_and_exits_cleanly_on_sigterm() {
+    let Running {
+        mut child,
+        endpoint,
+        metrics,
+    } = spawn_receiver()
+        .or_else(spawn_receiver)
+        .expect("receiver starts (two attempts)");
+    assert!(
+        endpoint.starts_with("tcp://127.0.0.1:") && !endpoint.ends_with(":0"),
+        "announced endpoint carries the real port: {endpoint}"
+    );
+
+    let c = Client::connect(&endpoint, "cli-test");
+    let ack = c.hello();
+    assert_eq!((ack.chunk_bytes, ack.capacity_chunks), (4096, 8));
+    let shm = match &ack.descriptor {
+        Descriptor::Shm { path, .. } => PathBuf::from(path),
+        other => panic!("expected an shm descriptor, got {other:?}"),
+    };
+    assert!(shm.exists(), "buffer file {} exists", shm.display());
+    let rep = c.call(&alloc("cli-1", &keys("k", 2), 2, true, Some(1)), "cli-1");
+    assert_eq!(rep.seq, Some(1));
+    assert_ok(&rep, 2);
+
+    let body = scrape(metrics);
+    let m = |name: &str| metric(&body, name).unwrap_or_else(|| panic!("{name} in:\n{body}"));
+    assert_eq!(m("kvferry_receiver_capacity_chunks"), 8.0);
+    assert_eq!(m("kvferry_receiver_allocated_chunks"), 2.0);
+    assert_eq!(m("kvferry_receiver_reserved_chunks"), 0.0);
+    assert_eq!(
+        m("kvferry_receiver_tracked_requests"),
+        1.0,
+        "awaiting TransferDone"
+    );
+    assert_eq!(
+        m("kvferry_receiver_requests_total{outcome=\"admitted\"}"),
+        1.0
+    );
+
+    // SAFETY: plain FFI call with a valid pid of our own child and a valid signal.
+    let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    assert_eq!(rc, 0, "kill(SIGTERM)");
+    let st = wait_exit(&mut child, "after SIGTERM");
+    let err = stderr_of(&mut child);
+    assert_eq!(st.code(), Some(0), "exit status {st}; stderr: {err}");
+    assert!(
+        !shm.exists(),
+        "buffer file {} removed on exit",
+        shm.display()
+    );
+}
+
+#[test]
+fn sigterm_right_after_the_announcement_is_a_clean_exit() {
+    let Some(mut r) = spawn_receiver().or_else(spawn_receiver) else {
+        panic!("receiver starts (two attempts)");
+    };
+    // SAFETY: plain FFI call with a valid pid of our own child and a valid signal.
+    let rc = unsafe { libc::kill(r.child.id() as libc::pid_t, libc::SIGTERM) };
+    assert_eq!(rc, 0, "kill(SIGTERM)");
+    let st = wait_exit(&mut r.child, "SIGTERM right after start");
+    assert_eq!(st.code(), Some(0), "exit status {st}");
+    let _ = (r.endpoint, r.metrics);
+}
+
+#[test]
+fn bad_arguments_exit_2_with_a_message() {
+    for (args, needle) in [
+        (&["--capacity-chunks", "0"][..], "capacity-chunks"),
+        (&["--chunk-bytes", "abc"][..], "chunk-bytes"),
+        (&["--lease-ms", "-1"][..], "-1"),
+        (&["--metrics", "not-an-address"][..], "metrics"),
+        (&["--no-such-flag"][..], "no-such-flag"),
+    ] {
+        let mut child = Command::new(BIN)
+            .arg("receiver")
+            .args(["--listen", "tcp://127.0.0.1:0"])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn kvferry");
+        let st = wait_exit(&mut child, &format!("with {args:?}"));
+        let err = stderr_of(&mut child);
+        assert_eq!(st.code(), Some(2), "{args:?}: status {st}, stderr: {err}");
+        assert!(
+            err.contains(needle),
+            "{args:?}: stderr names the problem ({needle}): {err}"
+        );
+    }
+}
+
+#[test]
+fn an_unusable_endpoint_is_a_runtime_error() {
+    let mut child = Command::new(BIN)
+        .args(["receiver", "--listen", "bogus://nowhere"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kvferry");
+    let st = wait_exit(&mut child, "with a bad endpoint");
+    let err = stderr_of(&mut child);
+    assert_eq!(st.code(), Some(1), "status {st}, stderr: {err}");
+    assert!(err.contains("bogus://nowhere"), "{err}");
+}
