@@ -3,6 +3,7 @@
 mod proxy_cmd;
 mod receiver_cmd;
 mod run_cmd;
+mod sender_cmd;
 mod signals;
 
 use std::process::ExitCode;
@@ -26,6 +27,8 @@ pub enum Command {
     Run(run_cmd::RunArgs),
     /// Run a receiver (decode side): admission, slots, the receive buffer.
     Receiver(receiver_cmd::ReceiverArgs),
+    /// Run a sender (prefill side) against receivers in other processes.
+    Sender(sender_cmd::SenderArgs),
     /// Run a proxy listener: count ProxyNotif per request.
     Proxy(proxy_cmd::ProxyArgs),
 }
@@ -36,6 +39,7 @@ pub fn run(cli: Cli) -> ExitCode {
     match cli.command {
         Command::Run(a) => run_cmd::run(a),
         Command::Receiver(a) => receiver_cmd::run(a),
+        Command::Sender(a) => sender_cmd::run(a),
         Command::Proxy(a) => proxy_cmd::run(a),
     }
 }

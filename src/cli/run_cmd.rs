@@ -8,10 +8,24 @@ use clap::Args;
 
 use crate::runner::{self, ChunkRange, Progress, RunConfig, RunError};
 
-/// Arguments of `kvferry run`. Every option may also come from `--config`
-/// (TOML, same names with `_`); the command line wins.
+/// Arguments of `kvferry run`.
 #[derive(Debug, Args)]
 pub struct RunArgs {
+    /// The load options.
+    #[command(flatten)]
+    pub load: LoadArgs,
+    /// Print the report as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+    /// No progress output.
+    #[arg(long, short)]
+    pub quiet: bool,
+}
+
+/// The load a run generates. Every option may also come from `--config`
+/// (TOML, same names with `_`); the command line wins.
+#[derive(Debug, Args)]
+pub struct LoadArgs {
     /// TOML file with the same keys as the options.
     #[arg(long)]
     pub config: Option<PathBuf>,
@@ -58,16 +72,11 @@ pub struct RunArgs {
     /// Seconds without progress before the watchdog declares a deadlock [default: 10].
     #[arg(long)]
     pub stall_timeout: Option<f64>,
-    /// Print the report as one JSON object.
-    #[arg(long)]
-    pub json: bool,
-    /// No progress output.
-    #[arg(long, short)]
-    pub quiet: bool,
 }
 
-impl RunArgs {
-    fn config(&self) -> Result<RunConfig, String> {
+impl LoadArgs {
+    /// The configuration: defaults, then `--config`, then the options.
+    pub fn config(&self) -> Result<RunConfig, String> {
         let mut c = match &self.config {
             Some(p) => RunConfig::from_file(p)?,
             None => RunConfig::default(),
@@ -84,26 +93,35 @@ impl RunArgs {
     }
 }
 
-/// Runs the job and prints the report. Exit code 0 only if every request
-/// not deliberately aborted or failed completed and nothing leaked.
-pub fn run(a: RunArgs) -> ExitCode {
-    let cfg = match a.config() {
-        Ok(c) => c,
-        Err(e) => return super::usage_error(e),
-    };
-    let progress = if a.quiet {
+/// The progress mode for a command's flags.
+pub fn progress_mode(quiet: bool) -> Progress {
+    if quiet {
         Progress::Quiet
     } else if std::io::stderr().is_terminal() {
         Progress::Bar
     } else {
         Progress::Lines
+    }
+}
+
+/// Runs the job and prints the report. Exit code 0 only if every request
+/// not deliberately aborted or failed completed and nothing leaked.
+pub fn run(a: RunArgs) -> ExitCode {
+    let cfg = match a.load.config() {
+        Ok(c) => c,
+        Err(e) => return super::usage_error(e),
     };
-    let report = match runner::run(cfg, progress) {
+    finish(runner::run(cfg, progress_mode(a.quiet)), a.json)
+}
+
+/// Prints a run's report (table or JSON) and turns it into the exit code.
+pub fn finish(result: Result<runner::RunReport, RunError>, json: bool) -> ExitCode {
+    let report = match result {
         Ok(r) => r,
         Err(e @ (RunError::Config(_) | RunError::Unavailable(_))) => return super::usage_error(e),
         Err(e) => return super::runtime_error(e),
     };
-    if a.json {
+    if json {
         match serde_json::to_string_pretty(&report) {
             Ok(s) => println!("{s}"),
             Err(e) => return super::runtime_error(format!("cannot encode the report: {e}")),

@@ -87,9 +87,13 @@ struct Run {
     /// Receiver endpoints, one per decoder.
     endpoints: Vec<String>,
     senders: Vec<Arc<Sender>>,
+    /// Prefix of sender ids and request ids (unique per process role).
+    prefix: String,
     tally: Tally,
     planned: Mutex<HashMap<String, Planned>>,
     end_to_end: Mutex<hdrhistogram::Histogram<u64>>,
+    /// Failed requests by code, with one example reason each.
+    failures: Mutex<std::collections::BTreeMap<String, (u64, String)>>,
     /// Set when the run is over (or the watchdog fired): threads stop.
     stop: AtomicBool,
 }
@@ -103,8 +107,13 @@ impl Run {
             RequestStatus::Cancelled => {
                 self.tally.aborted.fetch_add(1, Ordering::Relaxed);
             }
-            RequestStatus::Failed { code, .. } => {
+            RequestStatus::Failed { code, reason } => {
                 self.tally.failed.fetch_add(1, Ordering::Relaxed);
+                let mut f = self.failures.lock();
+                let e = f
+                    .entry(code.as_str().to_owned())
+                    .or_insert_with(|| (0, reason.clone()));
+                e.0 += 1;
                 if !(fail_injected && *code == ErrorCode::WriteFailed) {
                     self.tally.unexpected.fetch_add(1, Ordering::Relaxed);
                 }
@@ -119,15 +128,16 @@ impl Run {
 
 /// Runs the whole job in-process and returns its report.
 pub fn run(cfg: RunConfig, progress: Progress) -> Result<RunReport, RunError> {
-    run_with(cfg, progress, |_| {})
+    run_with(cfg, progress, |_, _| {})
 }
 
-/// [`run`], calling `on_start` with the receivers' endpoints once every role
-/// is up (tests use it to aim a rogue client at the receivers mid-run).
+/// [`run`], calling `on_start` with the receivers' endpoints and the senders
+/// once every role is up (tests aim a rogue client at the receivers mid-run;
+/// the CLI serves the senders' metrics).
 pub fn run_with(
     cfg: RunConfig,
     progress: Progress,
-    on_start: impl FnOnce(&[String]),
+    on_start: impl FnOnce(&[String], &[Arc<Sender>]),
 ) -> Result<RunReport, RunError> {
     cfg.validate().map_err(RunError::Config)?;
     let mut receivers = Vec::new();
@@ -169,6 +179,7 @@ pub fn run_remote(
     proxy: Option<String>,
     sender_id: &str,
     progress: Progress,
+    on_start: impl FnOnce(&[String], &[Arc<Sender>]),
 ) -> Result<RunReport, RunError> {
     if endpoints.is_empty() {
         return Err(RunError::Config(
@@ -188,7 +199,7 @@ pub fn run_remote(
         None,
         proxy,
         sender_id,
-        |_| {},
+        on_start,
     )
 }
 
@@ -201,7 +212,7 @@ fn execute(
     proxy: Option<ProxyListener>,
     proxy_endpoint: Option<String>,
     sender_prefix: &str,
-    on_start: impl FnOnce(&[String]),
+    on_start: impl FnOnce(&[String], &[Arc<Sender>]),
 ) -> Result<RunReport, RunError> {
     let started = Instant::now();
     let mut senders = Vec::new();
@@ -240,15 +251,17 @@ fn execute(
         receivers,
         endpoints,
         senders,
+        prefix: sender_prefix.to_owned(),
         tally: Tally::default(),
         planned: Mutex::new(HashMap::new()),
         end_to_end: Mutex::new(end_to_end),
+        failures: Mutex::new(std::collections::BTreeMap::new()),
         stop: AtomicBool::new(false),
         cfg,
     });
     let handles =
         workers::start(&run, proxy.as_ref()).map_err(|e| RunError::Start(e.to_string()))?;
-    on_start(&run.endpoints);
+    on_start(&run.endpoints, &run.senders);
     let watch = monitor::watch(&run, progress, started);
     let mut report = RunReport {
         config: run.cfg.clone(),
@@ -305,6 +318,7 @@ fn execute(
     report.chunks_per_s = chunks as f64 / secs;
     report.elapsed_s = secs;
     report.max_concurrent_admitted = watch.max_admitted;
+    report.failures = run.failures.lock().clone();
     report.peak_staging_slots = watch.peak_staging;
     report.peak_receiver_slots = watch.peak_receiver;
     report.peak_rss_bytes = report::peak_rss_bytes();

@@ -45,6 +45,8 @@ pub struct RunReport {
     pub failed: u64,
     /// Failures not caused by fault injection.
     pub unexpected_failures: u64,
+    /// Failed requests by error code, with one example reason each.
+    pub failures: BTreeMap<String, (u64, String)>,
     /// Payload bytes moved by completed writes.
     pub bytes: u64,
     /// Payload throughput, GB/s (10^9 bytes).

@@ -149,7 +149,7 @@ fn prefill_loop(
             let abort_after = rng
                 .random_bool(cfg.abort_rate)
                 .then(|| rng.random_range(0..total));
-            let req_id = format!("p{p}-r{id}");
+            let req_id = format!("{}{p}-r{id}", run.prefix);
             run.planned.lock().insert(
                 req_id.clone(),
                 Planned {

@@ -21,6 +21,7 @@
 //! admitted request needs to finish. See `docs/architecture.md`.
 
 mod ctrl;
+pub mod metrics;
 mod peer;
 mod poll;
 mod table;

@@ -1,0 +1,293 @@
+//! Stress and fault runs of the whole engine (issue: the main job in CI).
+//!
+//! - in-process: 10,000 requests across 4 senders and 2 receivers with 5 %
+//!   random aborts and 2 % injected write failures;
+//! - a rogue client sending malformed frames at the receivers during a run;
+//! - multi-process: a sender process killed with SIGKILL mid-request while
+//!   another keeps going; the receiver's lease frees the dead sender's
+//!   capacity and its metrics return to zero;
+//! - a soak, opt-in: `KVFERRY_SOAK_SECS=600 cargo test --release --test stress -- --ignored`.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvferry::runner::{self, ChunkRange, Progress, RunConfig};
+
+fn small(requests: usize) -> RunConfig {
+    RunConfig {
+        prefillers: 4,
+        decoders: 2,
+        requests,
+        chunks: ChunkRange { min: 1, max: 8 },
+        batch: 3,
+        chunk_bytes: 4096,
+        staging_slots: 12,
+        capacity_chunks: 16,
+        concurrency: 4,
+        stall_timeout_s: 20.0,
+        ..RunConfig::default()
+    }
+}
+
+#[test]
+fn ten_thousand_requests_with_aborts_and_write_failures() {
+    let cfg = RunConfig {
+        abort_rate: 0.05,
+        fail_rate: 0.02,
+        seed: 11,
+        ..small(10_000)
+    };
+    let r = runner::run(cfg, Progress::Quiet).expect("run starts");
+    assert!(!r.deadlock, "watchdog fired: {:#?}", r.stall_dump);
+    assert_eq!(
+        r.completed + r.aborted + r.failed,
+        10_000,
+        "every request terminal: {r:#?}"
+    );
+    assert!(
+        r.aborted > 0 && r.failed > 0,
+        "both fault kinds happened: {r:#?}"
+    );
+    assert_eq!(r.unexpected_failures, 0, "only injected failures: {r:#?}");
+    assert_eq!(r.checksum_mismatches, 0);
+    assert_eq!(
+        (
+            r.leaked_staging_slots,
+            r.leaked_receiver_slots,
+            r.leaked_reservations
+        ),
+        (0, 0, 0)
+    );
+    assert!(r.success());
+}
+
+#[test]
+fn rogue_client_does_not_disturb_a_run() {
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut rogue = None;
+    let r = runner::run_with(small(600), Progress::Quiet, |endpoints, _| {
+        let endpoints = endpoints.to_vec();
+        let stop = Arc::clone(&stop);
+        rogue = Some(std::thread::spawn(move || {
+            let ctx = zmq::Context::new();
+            let socks: Vec<zmq::Socket> = endpoints
+                .iter()
+                .map(|e| {
+                    let s = ctx.socket(zmq::DEALER).expect("socket");
+                    s.set_linger(0).expect("linger");
+                    s.connect(e).expect("connect");
+                    s
+                })
+                .collect();
+            let frames: [&[u8]; 6] = [
+                b"\xff\x00garbage",
+                b"",
+                b"\x81\xa4type\xa9NoSuchMsg",
+                b"\x93\x01\x02\x03",
+                b"\x82\xa4type\xacAllocRequest\xa4keys\xdd\xff\xff\xff\xff",
+                b"\x81\xa4type",
+            ];
+            let mut sent = 0u64;
+            while !stop.load(Ordering::Relaxed) && sent < 100_000 {
+                for s in &socks {
+                    let f = frames[(sent % frames.len() as u64) as usize];
+                    let _ = s.send_multipart([&[][..], f], zmq::DONTWAIT);
+                    while s.recv_multipart(zmq::DONTWAIT).is_ok() {}
+                    sent += 1;
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            sent
+        }));
+    })
+    .expect("run starts");
+    stop.store(true, Ordering::Relaxed);
+    let sent = rogue.expect("hook ran").join().expect("rogue thread");
+    assert!(sent > 0, "the rogue client sent frames");
+    assert!(
+        r.success(),
+        "run disturbed by malformed frames: {}",
+        r.render()
+    );
+    assert_eq!(r.completed, 600);
+}
+
+// ----- multi-process ------------------------------------------------------
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_kvferry")
+}
+
+/// A child process killed when dropped (tests never leave one behind).
+struct Proc(Child, &'static str);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+fn scrape(addr: SocketAddr) -> Option<String> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").ok()?;
+    let mut body = String::new();
+    s.read_to_string(&mut body).ok()?;
+    Some(body)
+}
+
+fn metric(body: &str, name: &str) -> Option<f64> {
+    body.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
+}
+
+fn wait_until(deadline: Instant, what: &str, mut f: impl FnMut() -> bool) {
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn killed_sender_process_frees_its_capacity_through_the_lease() {
+    let port = free_port();
+    let mport = free_port();
+    let endpoint = format!("tcp://127.0.0.1:{port}");
+    let maddr: SocketAddr = format!("127.0.0.1:{mport}").parse().expect("addr");
+    let mut receiver = Proc(
+        Command::new(bin())
+            .args([
+                "receiver",
+                "--listen",
+                &endpoint,
+                "--capacity-chunks",
+                "24",
+                "--chunk-bytes",
+                "65536",
+            ])
+            .args(["--lease-ms", "800", "--quarantine-ms", "800", "--consume"])
+            .args(["--metrics", &maddr.to_string()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn receiver"),
+        "receiver",
+    );
+    let out = receiver.0.stdout.take().expect("stdout");
+    let mut line = String::new();
+    BufReader::new(out)
+        .read_line(&mut line)
+        .expect("receiver announces itself");
+    assert!(
+        line.starts_with("kvferry receiver listening on"),
+        "unexpected: {line}"
+    );
+    let sender = |id: &str, requests: &str| {
+        Command::new(bin())
+            .args([
+                "sender",
+                "--connect",
+                &endpoint,
+                "--sender-id",
+                id,
+                "--requests",
+                requests,
+            ])
+            .args([
+                "--chunks",
+                "4..12",
+                "--chunk-bytes",
+                "65536",
+                "--staging-slots",
+                "12",
+            ])
+            .args([
+                "--capacity-chunks",
+                "24",
+                "--concurrency",
+                "3",
+                "--stall-timeout",
+                "30",
+                "-q",
+                "--json",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn sender")
+    };
+    // The victim: far more work than it will get to do.
+    let mut victim = Proc(sender("victim", "1000000"), "victim sender");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    wait_until(deadline, "the victim to hold receiver capacity", || {
+        scrape(maddr)
+            .and_then(|b| metric(&b, "kvferry_receiver_tracked_requests"))
+            .is_some_and(|v| v > 0.0)
+    });
+    victim.0.kill().expect("SIGKILL the victim");
+    let _ = victim.0.wait();
+    // Another sender keeps completing while the dead one's leases run out.
+    let survivor = sender("survivor", "150");
+    let output = survivor.wait_with_output().expect("survivor runs");
+    let report = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "survivor failed: {report}");
+    assert!(
+        report.contains("\"completed\": 150"),
+        "survivor report: {report}"
+    );
+    // Leases and quarantine return the receiver to zero.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    wait_until(
+        deadline,
+        "receiver metrics to return to zero after the lease",
+        || {
+            scrape(maddr).is_some_and(|b| {
+                metric(&b, "kvferry_receiver_reserved_chunks") == Some(0.0)
+                    && metric(&b, "kvferry_receiver_allocated_chunks") == Some(0.0)
+                    && metric(&b, "kvferry_receiver_tracked_requests") == Some(0.0)
+            })
+        },
+    );
+    let body = scrape(maddr).expect("metrics");
+    assert!(
+        body.contains("kvferry_receiver_requests_total{outcome=\"lease_expired\"}"),
+        "the dead sender's requests expired by lease:\n{body}"
+    );
+    drop(receiver);
+}
+
+#[test]
+#[ignore = "soak: set KVFERRY_SOAK_SECS (default 60) and run with --ignored"]
+fn soak() {
+    let secs: u64 = std::env::var("KVFERRY_SOAK_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(60);
+    let end = Instant::now() + Duration::from_secs(secs);
+    let mut round = 0u64;
+    while Instant::now() < end {
+        let cfg = RunConfig {
+            abort_rate: 0.05,
+            fail_rate: 0.02,
+            seed: round,
+            ..small(5_000)
+        };
+        let r = runner::run(cfg, Progress::Quiet).expect("run starts");
+        assert!(r.success(), "soak round {round} failed:\n{}", r.render());
+        round += 1;
+    }
+    eprintln!("soak: {round} rounds of 5,000 requests in {secs} s");
+}
