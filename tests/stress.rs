@@ -123,7 +123,7 @@ fn bin() -> &'static str {
 }
 
 /// A child process killed when dropped (tests never leave one behind).
-struct Proc(Child, &'static str);
+struct Proc(Child);
 
 impl Drop for Proc {
     fn drop(&mut self) {
@@ -184,7 +184,6 @@ fn killed_sender_process_frees_its_capacity_through_the_lease() {
             .stderr(Stdio::null())
             .spawn()
             .expect("spawn receiver"),
-        "receiver",
     );
     let out = receiver.0.stdout.take().expect("stdout");
     let mut line = String::new();
@@ -230,7 +229,7 @@ fn killed_sender_process_frees_its_capacity_through_the_lease() {
             .expect("spawn sender")
     };
     // The victim: far more work than it will get to do.
-    let mut victim = Proc(sender("victim", "1000000"), "victim sender");
+    let mut victim = Proc(sender("victim", "1000000"));
     let deadline = Instant::now() + Duration::from_secs(20);
     wait_until(deadline, "the victim to hold receiver capacity", || {
         scrape(maddr)

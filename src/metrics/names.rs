@@ -39,7 +39,7 @@ fn sanitize(name: &str, colon_ok: bool) -> Cow<'_, str> {
         return Cow::Borrowed(name);
     }
     let mut out = String::with_capacity(name.len() + 1);
-    if name.chars().next().map_or(true, |c| c.is_ascii_digit()) {
+    if name.chars().next().is_none_or(|c| c.is_ascii_digit()) {
         out.push('_');
     }
     out.extend(name.chars().map(|c| {

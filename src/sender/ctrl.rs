@@ -559,10 +559,7 @@ impl Ctrl {
             self.peers[i].legacy_active = Some(req_id.to_owned());
         }
         // 2. Stage and post answered batches.
-        loop {
-            let Some(id) = t.reqs.get(req_id).and_then(|r| r.unstaged.front().copied()) else {
-                break;
-            };
+        while let Some(id) = t.reqs.get(req_id).and_then(|r| r.unstaged.front().copied()) {
             if !self.stage_and_post(&mut t, i, req_id, id) {
                 break;
             }
