@@ -1,8 +1,8 @@
 //! Shuttle model checks of the real ledger code (its atomics, mutex and
 //! park/unpark come from shuttle through `kvferry`'s sync shim).
 //!
-//! Run (about 10-20 s including the build of kvferry with the feature):
-//! `cargo test -p kvferry --features shuttle-model --release --test ledger_model --test slots_model`
+//! Run (about 20 s warm on the 2-vCPU VM, ~5 s of it recompiling kvferry):
+//! `cargo test -p kvferry --features shuttle-model --test ledger_model --test slots_model`
 //!
 //! A lost wakeup shows up as a shuttle deadlock (every thread parked), since
 //! shuttle treats `park_timeout` like `park`; the tests pass no deadlines.

@@ -1,6 +1,6 @@
 //! Shuttle model checks of the real slot allocator code.
 //!
-//! Run: `cargo test -p kvferry --features shuttle-model --release --test ledger_model --test slots_model`
+//! Run: `cargo test -p kvferry --features shuttle-model --test ledger_model --test slots_model`
 #![cfg(feature = "shuttle-model")]
 
 use std::sync::Arc;
