@@ -37,7 +37,7 @@ pub(crate) use std::sync::Arc;
 #[cfg(not(feature = "shuttle-model"))]
 pub(crate) const SPIN_LIMIT: u32 = 6; // 1+2+..+32 = 63 pause instructions
 #[cfg(feature = "shuttle-model")]
-pub(crate) const SPIN_LIMIT: u32 = 0;
+pub(crate) const SPIN_LIMIT: u32 = 1; // one single pause
 
 /// `yield_now` calls after spinning and before parking.
 #[cfg(not(feature = "shuttle-model"))]

@@ -69,7 +69,12 @@ impl AtomicBitmap {
     pub(crate) fn claim(&self, n: usize, start: usize, out: &mut SmallVec<[u32; 16]>) -> usize {
         let nwords = self.words.len();
         let mut need = n;
-        let mut i = start % nwords.max(1);
+        // `start` is normally in range: avoid a division on the hot path.
+        let mut i = if start < nwords {
+            start
+        } else {
+            start % nwords.max(1)
+        };
         let mut visited = 0usize;
         while need > 0 {
             let word = &self.words[i];
@@ -106,7 +111,10 @@ impl AtomicBitmap {
             if need == 0 {
                 break;
             }
-            i = (i + 1) % nwords;
+            i += 1;
+            if i == nwords {
+                i = 0;
+            }
             visited += 1;
             if visited % nwords == 0 {
                 // A whole pass came up short: bits we need are in the hands

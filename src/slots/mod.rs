@@ -98,7 +98,9 @@ impl SlotAllocator {
         let mut out: SmallVec<[u32; 16]> = SmallVec::with_capacity(n);
         if n > 0 {
             let words = self.inner.bits.words();
-            let end = self.inner.bits.claim(n, hint() % words, &mut out);
+            let h = hint();
+            let start = if h < words { h } else { h % words };
+            let end = self.inner.bits.claim(n, start, &mut out);
             set_hint(end);
             out.sort_unstable();
         }
