@@ -54,7 +54,7 @@ impl<T: Plain> Producer<T> {
         let mut t = tail.load(Ordering::Relaxed);
         loop {
             let mut free = self.free_at(t);
-            if free < want && (exact || free == 0) {
+            if free < want {
                 // Acquire: pairs with the consumer's Release store of head
                 // after it read the slots we may now reuse.
                 self.cached_head = self.ring.head().load(Ordering::Acquire);
