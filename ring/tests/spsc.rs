@@ -278,3 +278,39 @@ fn handles_are_send() {
     is_send::<spsc::Producer<u8>>();
     is_send::<spsc::Consumer<u8>>();
 }
+
+/// Both sides block in `wait` (spin, yield, futex) for every entry of a
+/// ping-pong, with occasional pauses so they really park; a lost wakeup
+/// would leave one side asleep until its deadline.
+#[test]
+fn doorbell_ping_pong_never_loses_a_wakeup() {
+    const ROUNDS: u64 = 20_000;
+    let (mut ping_tx, mut ping_rx) = spsc::channel::<u64>(2);
+    let (mut pong_tx, mut pong_rx) = spsc::channel::<u64>(2);
+    let echo = thread::spawn(move || {
+        for i in 0..ROUNDS {
+            match ping_rx.wait(soon()) {
+                WaitStatus::Ready => {}
+                s => return Err(format!("echo got {s:?} at round {i}")),
+            }
+            let v = ping_rx.pop().unwrap();
+            if i % 64 == 0 {
+                thread::sleep(Duration::from_micros(200));
+            }
+            pong_tx.push(v).unwrap();
+        }
+        Ok(())
+    });
+    for i in 0..ROUNDS {
+        ping_tx.push(i).unwrap();
+        if i % 97 == 0 {
+            thread::sleep(Duration::from_micros(200));
+        }
+        match pong_rx.wait(soon()) {
+            WaitStatus::Ready => {}
+            s => panic!("main got {s:?} at round {i}: lost wakeup?"),
+        }
+        assert_eq!(pong_rx.pop(), Some(i));
+    }
+    assert_eq!(join_within(echo, "echo thread"), Ok(()));
+}

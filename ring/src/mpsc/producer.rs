@@ -22,6 +22,7 @@ pub struct Producer<T: Plain> {
 
 impl<T: Plain> Producer<T> {
     pub(crate) fn attach(ring: Arc<Ring<T>>) -> Self {
+        crate::barrier::register_producer_process();
         // Acquire: start from the head the consumer published.
         let cached_head = ring.head().load(Ordering::Acquire);
         Self {
