@@ -49,6 +49,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 
+mod barrier;
 mod batch;
 mod error;
 #[cfg(not(loom))]

@@ -6,8 +6,12 @@ use std::ptr::NonNull;
 use std::time::Instant;
 
 use crate::layout::{fingerprint, Control, Geometry, Kind, SyncWords, PRODUCERS_GONE};
-use crate::sync::{self, fence, AtomicU64, Ordering, SlotCell};
+use crate::barrier;
+use crate::sync::{self, AtomicU64, Ordering, SlotCell};
 use crate::{Plain, WaitStatus};
+
+/// Longest futex sleep when the heavy barrier could not run.
+const FALLBACK_POLL: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// Who owns the memory the ring's pointers point into.
 enum Backing<T> {
@@ -310,13 +314,15 @@ impl<T: Plain> Ring<T> {
     #[inline]
     pub(crate) fn notify(&self) {
         let sync = self.sync();
-        // SeqCst fence (P): Dekker pairing with the consumer's fence (C) in
+        // Barrier (P): Dekker pairing with the consumer's barrier (C) in
         // `wait_until`. The publish store before (P) and the consumer's
         // `need_wakeup = 1` store before (C) cannot both be missed by the
-        // loads after the other fence: either we see the flag here, or the
-        // consumer's re-check sees our entry.
-        fence(Ordering::SeqCst);
-        // Relaxed: ordered by the fence above. The swap makes only one
+        // loads after the other barrier: either we see the flag here, or the
+        // consumer's re-check sees our entry. (P) is the light half of an
+        // asymmetric barrier (a compiler fence when this process registered
+        // for membarrier, else a SeqCst fence); see `barrier.rs`.
+        barrier::light();
+        // Relaxed: ordered by the barrier pair above. The swap makes only one
         // producer pay for the wake when several see the flag.
         if sync.need_wakeup.load(Ordering::Relaxed) != 0
             && sync.need_wakeup.swap(0, Ordering::Relaxed) != 0
@@ -365,11 +371,12 @@ impl<T: Plain> Ring<T> {
         }
         let words = self.sync();
         loop {
-            // Relaxed: ordered by the fence below.
+            // Relaxed: ordered by the barrier below.
             words.need_wakeup.store(1, Ordering::Relaxed);
-            // SeqCst fence (C): pairs with the producer's fence (P) in
-            // `notify` (store->load Dekker; see there).
-            fence(Ordering::SeqCst);
+            // Barrier (C): SeqCst fence + membarrier, the heavy half that
+            // pairs with the producer's (P) in `notify` (store->load Dekker;
+            // see there and `barrier.rs`).
+            let fenced_everyone = barrier::heavy();
             // Acquire: pairs with the Release bump in `Bell::ring`. If we read
             // a bumped value, the entries (or close) published before that
             // bump are visible to `check` below; if we read the old value, a
@@ -387,6 +394,13 @@ impl<T: Plain> Ring<T> {
                     Some(left)
                 }
                 (None, None) => None,
+            };
+            // If the membarrier failed, producers in asymmetric mode may not
+            // have been fenced: poll at 1 ms so a wakeup is late, never lost.
+            let timeout = if fenced_everyone {
+                timeout
+            } else {
+                Some(timeout.map_or(FALLBACK_POLL, |t| t.min(FALLBACK_POLL)))
             };
             if let Some(s) = status {
                 // Relaxed: the flag is a hint; a stale 1 only costs a

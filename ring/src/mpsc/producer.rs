@@ -22,6 +22,7 @@ pub struct Producer<T: Plain> {
 
 impl<T: Plain> Producer<T> {
     pub(crate) fn attach(ring: Arc<Ring<T>>) -> Self {
+        crate::barrier::register_producer_process();
         // Acquire: start from the head the consumer published.
         let cached_head = ring.head().load(Ordering::Acquire);
         Self {
@@ -54,7 +55,7 @@ impl<T: Plain> Producer<T> {
         let mut t = tail.load(Ordering::Relaxed);
         loop {
             let mut free = self.free_at(t);
-            if free < want && (exact || free == 0) {
+            if free < want {
                 // Acquire: pairs with the consumer's Release store of head
                 // after it read the slots we may now reuse.
                 self.cached_head = self.ring.head().load(Ordering::Acquire);

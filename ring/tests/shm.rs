@@ -1,0 +1,557 @@
+//! Shared-memory rings: two-process transfers (the test binary re-executes
+//! itself as the child), header validation, side ownership and closing.
+#![cfg(not(loom))]
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use kvferry_ring::{mpsc, spsc, ShmError, Side, WaitStatus};
+
+/// Env var naming the role of a re-executed child.
+const ROLE: &str = "KVFERRY_RING_TEST_ROLE";
+/// Env var giving the child the ring path.
+const RING: &str = "KVFERRY_RING_TEST_PATH";
+/// Entries crossing in each two-process test.
+const TOTAL: u64 = 1_000_000;
+/// Deadline for a whole two-process transfer.
+const TRANSFER: Duration = Duration::from_secs(120);
+
+/// A unique temp path, removed on drop.
+struct TempPath(PathBuf);
+
+impl TempPath {
+    fn new(tag: &str) -> Self {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        TempPath(
+            std::env::temp_dir().join(format!("kvferry-ring-{tag}-{}-{n}", std::process::id())),
+        )
+    }
+}
+
+impl Drop for TempPath {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// A child process killed on drop if still running.
+struct ChildGuard(Child, &'static str);
+
+impl ChildGuard {
+    fn spawn(test: &str, role: &'static str, path: &Path) -> Self {
+        let child = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", test, "--nocapture", "--test-threads=1"])
+            .env(ROLE, role)
+            .env(RING, path)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        ChildGuard(child, role)
+    }
+
+    /// Wait for exit until `deadline`; kill and fail if it hangs.
+    fn wait_success(mut self, deadline: Instant) {
+        loop {
+            if let Some(status) = self.0.try_wait().unwrap() {
+                assert!(status.success(), "child {} failed: {status}", self.1);
+                return;
+            }
+            if Instant::now() > deadline {
+                let _ = self.0.kill();
+                panic!("child {} hung (killed)", self.1);
+            }
+            thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+/// Bounded backoff for a producer facing a full ring: spin, yield, then nap.
+fn backoff(round: &mut u32, deadline: Instant, what: &str) {
+    assert!(
+        Instant::now() < deadline,
+        "{what}: ring stayed full past the deadline"
+    );
+    *round += 1;
+    if *round < 32 {
+        std::hint::spin_loop();
+    } else if *round < 64 {
+        thread::yield_now();
+    } else {
+        thread::sleep(Duration::from_micros(50));
+    }
+}
+
+/// The payload of entry `i` (splitmix64), so a checksum catches corruption.
+fn mix(i: u64) -> u64 {
+    let mut z = i.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+fn child_spsc_producer(path: &Path) {
+    let ring = spsc::shared::open::<[u64; 2]>(path).unwrap();
+    let mut p = ring.producer().unwrap();
+    let deadline = Instant::now() + TRANSFER;
+    let mut i = 0;
+    let mut round = 0;
+    let mut buf = Vec::with_capacity(64);
+    while i < TOTAL {
+        let pushed = if i % 2 == 0 {
+            p.push([i, mix(i)]).is_ok() as u64
+        } else {
+            buf.clear();
+            buf.extend((i..(i + 64).min(TOTAL)).map(|k| [k, mix(k)]));
+            p.push_slice(&buf) as u64
+        };
+        if pushed == 0 {
+            backoff(&mut round, deadline, "spsc child");
+        } else {
+            round = 0;
+            i += pushed;
+        }
+    }
+    // Dropping the producer (as a process exit through main does) closes
+    // the ring for the parent.
+    drop(p);
+}
+
+#[test]
+fn two_process_spsc() {
+    if let Ok(role) = std::env::var(ROLE) {
+        if role == "spsc-producer" {
+            child_spsc_producer(Path::new(&std::env::var(RING).unwrap()));
+        }
+        return;
+    }
+    let path = TempPath::new("spsc");
+    let ring = spsc::shared::create::<[u64; 2]>(&path.0, 1024).unwrap();
+    let mut c = ring.consumer().unwrap();
+    let child = ChildGuard::spawn("two_process_spsc", "spsc-producer", &path.0);
+    let deadline = Instant::now() + TRANSFER;
+    let (mut count, mut sum, mut want_sum) = (0u64, 0u64, 0u64);
+    loop {
+        match c.wait(Some(deadline)) {
+            WaitStatus::Ready => {}
+            WaitStatus::Closed => break,
+            WaitStatus::TimedOut => panic!("spsc parent hung after {count} entries"),
+        }
+        let b = c.peek();
+        let (x, y) = b.as_slices();
+        for [seq, payload] in x.iter().chain(y) {
+            assert_eq!(*seq, count, "entry out of order or lost");
+            sum = sum.wrapping_add(*payload);
+            want_sum = want_sum.wrapping_add(mix(count));
+            count += 1;
+        }
+    }
+    assert_eq!(count, TOTAL);
+    assert_eq!(sum, want_sum, "checksum mismatch");
+    child.wait_success(Instant::now() + Duration::from_secs(30));
+}
+
+fn child_mpsc_producer(path: &Path, id: u64) {
+    let ring = mpsc::shared::open::<u64>(path).unwrap();
+    let mut p = ring.producer().unwrap();
+    let deadline = Instant::now() + TRANSFER;
+    let n = TOTAL / 2;
+    let mut i = 0;
+    let mut round = 0;
+    while i < n {
+        let ok = if i % 3 == 0 {
+            match p.reserve(4.min((n - i) as usize)) {
+                Some(mut b) => {
+                    for k in 0..b.len() {
+                        b.set(k, (id << 32) | (i + k as u64)).unwrap();
+                    }
+                    let k = b.len() as u64;
+                    b.commit();
+                    i += k;
+                    true
+                }
+                None => false,
+            }
+        } else if p.push((id << 32) | i).is_ok() {
+            i += 1;
+            true
+        } else {
+            false
+        };
+        if ok {
+            round = 0;
+        } else {
+            backoff(&mut round, deadline, "mpsc child");
+        }
+    }
+    drop(p);
+}
+
+#[test]
+fn two_process_mpsc() {
+    if let Ok(role) = std::env::var(ROLE) {
+        let path = PathBuf::from(std::env::var(RING).unwrap());
+        match role.as_str() {
+            "mpsc-producer-0" => child_mpsc_producer(&path, 0),
+            "mpsc-producer-1" => child_mpsc_producer(&path, 1),
+            _ => {}
+        }
+        return;
+    }
+    let path = TempPath::new("mpsc");
+    let ring = mpsc::shared::create::<u64>(&path.0, 1024).unwrap();
+    let mut c = ring.consumer().unwrap();
+    // Hold a producer until both children have attached (seen by their first
+    // entry), so the ring cannot close between one child's exit and the
+    // other's attach.
+    let mut placeholder = Some(ring.producer().unwrap());
+    let children = [
+        ChildGuard::spawn("two_process_mpsc", "mpsc-producer-0", &path.0),
+        ChildGuard::spawn("two_process_mpsc", "mpsc-producer-1", &path.0),
+    ];
+    let deadline = Instant::now() + TRANSFER;
+    let mut next = [0u64; 2];
+    let (mut count, mut sum) = (0u64, 0u64);
+    loop {
+        match c.wait(Some(deadline)) {
+            WaitStatus::Ready => {}
+            WaitStatus::Closed => break,
+            WaitStatus::TimedOut => panic!("mpsc parent hung after {count} entries ({next:?})"),
+        }
+        let b = c.peek();
+        for v in b.iter() {
+            let (id, seq) = ((v >> 32) as usize, v & 0xffff_ffff);
+            assert!(id < 2, "corrupt entry {v:#x}");
+            assert_eq!(seq, next[id], "producer {id} lost or reordered an entry");
+            next[id] += 1;
+            sum = sum.wrapping_add(mix(v));
+            count += 1;
+        }
+        drop(b);
+        if next[0] > 0 && next[1] > 0 {
+            placeholder = None;
+        }
+    }
+    assert!(placeholder.is_none());
+    assert_eq!(count, TOTAL);
+    assert_eq!(next, [TOTAL / 2, TOTAL / 2]);
+    let want: u64 = (0..2u64)
+        .flat_map(|id| (0..TOTAL / 2).map(move |i| mix((id << 32) | i)))
+        .fold(0, u64::wrapping_add);
+    assert_eq!(sum, want, "checksum mismatch");
+    for child in children {
+        child.wait_success(Instant::now() + Duration::from_secs(30));
+    }
+}
+
+#[test]
+fn two_mappings_in_one_process_share_ring_and_doorbell() {
+    let path = TempPath::new("maps");
+    let a = spsc::shared::create::<u32>(&path.0, 8).unwrap();
+    let b = spsc::shared::open::<u32>(&path.0).unwrap();
+    assert_eq!((a.capacity(), b.capacity()), (8, 8));
+    assert_eq!(b.path(), path.0.as_path());
+    let mut p = a.producer().unwrap();
+    let mut c = b.consumer().unwrap();
+    // The consumer sleeps on its own mapping; the wake comes through the
+    // other mapping, so this needs the shared (non-private) futex.
+    let h = thread::spawn(move || {
+        let s = c.wait(Some(Instant::now() + Duration::from_secs(30)));
+        (s, c.pop(), c)
+    });
+    thread::sleep(Duration::from_millis(50));
+    p.push(77).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !h.is_finished() {
+        assert!(
+            Instant::now() < deadline,
+            "hung: consumer on second mapping"
+        );
+        thread::sleep(Duration::from_millis(1));
+    }
+    let (s, v, c) = h.join().unwrap();
+    assert_eq!((s, v), (WaitStatus::Ready, Some(77)));
+    drop(p);
+    assert_eq!(
+        c.wait(Some(Instant::now() + Duration::from_secs(30))),
+        WaitStatus::Closed
+    );
+}
+
+/// Overwrite bytes of the file at `offset`.
+fn patch(path: &Path, offset: u64, bytes: &[u8]) {
+    let f = OpenOptions::new().write(true).open(path).unwrap();
+    f.write_all_at(bytes, offset).unwrap();
+}
+
+fn spsc_file(tag: &str) -> TempPath {
+    let p = TempPath::new(tag);
+    drop(spsc::shared::create::<u64>(&p.0, 16).unwrap());
+    p
+}
+
+#[test]
+fn open_missing_file_is_io_error() {
+    let p = TempPath::new("missing");
+    let err = spsc::shared::open::<u64>(&p.0).unwrap_err();
+    assert!(
+        matches!(err, ShmError::Io { ref path, .. } if path == &p.0),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn open_short_file_is_truncated() {
+    let p = TempPath::new("short");
+    std::fs::write(&p.0, [0u8; 100]).unwrap();
+    let err = spsc::shared::open::<u64>(&p.0).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ShmError::Truncated {
+                len: 100,
+                expected: 512
+            }
+        ),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn open_truncated_slots_is_truncated() {
+    let p = spsc_file("trunc");
+    let f = OpenOptions::new().write(true).open(&p.0).unwrap();
+    f.set_len(512 + 8).unwrap();
+    let err = spsc::shared::open::<u64>(&p.0).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ShmError::Truncated {
+                len: 520,
+                expected: 640
+            }
+        ),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn corrupt_magic() {
+    let p = spsc_file("magic");
+    patch(&p.0, 0, b"NOTARING");
+    let err = spsc::shared::open::<u64>(&p.0).unwrap_err();
+    assert!(matches!(err, ShmError::BadMagic { .. }), "{err:?}");
+}
+
+#[test]
+fn corrupt_version() {
+    let p = spsc_file("version");
+    patch(&p.0, 8, &99u32.to_ne_bytes());
+    let err = spsc::shared::open::<u64>(&p.0).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ShmError::VersionMismatch {
+                found: 99,
+                expected: 1
+            }
+        ),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn wrong_kind() {
+    let p = spsc_file("kind");
+    let err = mpsc::shared::open::<u64>(&p.0).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ShmError::KindMismatch {
+                found: 1,
+                expected: 2
+            }
+        ),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn corrupt_capacity() {
+    let p = spsc_file("cap");
+    patch(&p.0, 16, &3u64.to_ne_bytes());
+    let err = spsc::shared::open::<u64>(&p.0).unwrap_err();
+    assert!(matches!(err, ShmError::BadCapacity { found: 3 }), "{err:?}");
+    patch(&p.0, 16, &0u64.to_ne_bytes());
+    assert!(matches!(
+        spsc::shared::open::<u64>(&p.0),
+        Err(ShmError::BadCapacity { found: 0 })
+    ));
+}
+
+#[test]
+fn wrong_entry_size() {
+    let p = spsc_file("size");
+    let err = spsc::shared::open::<u32>(&p.0).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ShmError::EntrySizeMismatch {
+                found: 8,
+                expected: 4
+            }
+        ),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn wrong_entry_align() {
+    let p = spsc_file("align");
+    let err = spsc::shared::open::<[u8; 8]>(&p.0).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ShmError::EntryAlignMismatch {
+                found: 8,
+                expected: 1
+            }
+        ),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn wrong_type_same_layout() {
+    let p = spsc_file("type");
+    let err = spsc::shared::open::<i64>(&p.0).unwrap_err();
+    assert!(
+        matches!(err, ShmError::FingerprintMismatch { .. }),
+        "{err:?}"
+    );
+    assert!(matches!(
+        spsc::shared::open::<f64>(&p.0),
+        Err(ShmError::FingerprintMismatch { .. })
+    ));
+}
+
+#[test]
+fn corrupt_layout_offset() {
+    let p = spsc_file("layout");
+    patch(&p.0, 56, &4096u64.to_ne_bytes());
+    let err = spsc::shared::open::<u64>(&p.0).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ShmError::LayoutMismatch {
+                field: "slots_offset",
+                found: 4096,
+                expected: 512
+            }
+        ),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn create_rejects_huge_capacity_and_alignment() {
+    let p = TempPath::new("huge");
+    let err = spsc::shared::create::<u8>(&p.0, usize::MAX).unwrap_err();
+    assert!(matches!(err, ShmError::Capacity(_)), "{err:?}");
+    assert!(!p.0.exists());
+
+    #[derive(Clone, Copy)]
+    #[repr(C, align(8192))]
+    struct Huge([u8; 8192]);
+    // SAFETY: a byte array (any bit pattern), no pointers.
+    unsafe impl kvferry_ring::Plain for Huge {}
+    let err = mpsc::shared::create::<Huge>(&p.0, 2).unwrap_err();
+    assert!(
+        matches!(err, ShmError::AlignTooLarge { align: 8192 }),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn create_in_missing_dir_is_io_error() {
+    let p = std::env::temp_dir()
+        .join("kvferry-ring-no-such-dir")
+        .join("ring");
+    let err = spsc::shared::create::<u8>(&p, 4).unwrap_err();
+    assert!(matches!(err, ShmError::Io { .. }), "{err:?}");
+}
+
+#[test]
+fn each_side_is_taken_once() {
+    let p = TempPath::new("sides");
+    let a = spsc::shared::create::<u64>(&p.0, 4).unwrap();
+    let b = spsc::shared::open::<u64>(&p.0).unwrap();
+    let _prod = a.producer().unwrap();
+    let _cons = b.consumer().unwrap();
+    assert!(matches!(
+        b.producer(),
+        Err(ShmError::SideTaken(Side::Producer))
+    ));
+    assert!(matches!(
+        a.consumer(),
+        Err(ShmError::SideTaken(Side::Consumer))
+    ));
+    let m = TempPath::new("msides");
+    let r = mpsc::shared::create::<u64>(&m.0, 4).unwrap();
+    let _c = r.consumer().unwrap();
+    assert!(matches!(
+        r.consumer(),
+        Err(ShmError::SideTaken(Side::Consumer))
+    ));
+    let _p1 = r.producer().unwrap();
+    let _p2 = mpsc::shared::open::<u64>(&m.0).unwrap().producer().unwrap();
+    assert_eq!(
+        format!("{}", ShmError::SideTaken(Side::Consumer)),
+        "the consumer side of this ring is already taken"
+    );
+}
+
+#[test]
+fn mpsc_closes_when_last_attached_producer_detaches() {
+    let p = TempPath::new("mclose");
+    let r = mpsc::shared::create::<u64>(&p.0, 4).unwrap();
+    let mut c = r.consumer().unwrap();
+    // No producer attached yet: open, not closed.
+    assert!(!c.is_closed());
+    let mut p1 = r.producer().unwrap();
+    let p2 = mpsc::shared::open::<u64>(&p.0).unwrap().producer().unwrap();
+    p1.push(1).unwrap();
+    drop(p1);
+    assert!(!c.is_closed());
+    drop(p2);
+    assert!(c.is_closed());
+    assert_eq!(c.pop(), Some(1));
+    assert_eq!(c.wait(None), WaitStatus::Closed);
+    assert!(matches!(r.producer(), Err(ShmError::Closed)));
+}
+
+#[test]
+fn create_replaces_existing_file() {
+    let p = spsc_file("replace");
+    let r = spsc::shared::create::<u32>(&p.0, 4).unwrap();
+    assert_eq!(r.capacity(), 4);
+    assert!(spsc::shared::open::<u32>(&p.0).is_ok());
+    assert!(matches!(
+        spsc::shared::open::<u64>(&p.0),
+        Err(ShmError::EntrySizeMismatch { .. })
+    ));
+}
