@@ -5,8 +5,8 @@
 use std::ptr::NonNull;
 use std::time::Instant;
 
-use crate::layout::{fingerprint, Control, Geometry, Kind, SyncWords, PRODUCERS_GONE};
 use crate::barrier;
+use crate::layout::{fingerprint, Control, Geometry, Kind, SyncWords, PRODUCERS_GONE};
 use crate::sync::{self, AtomicU64, Ordering, SlotCell};
 use crate::{Plain, WaitStatus};
 
