@@ -290,3 +290,74 @@ fn soak() {
     }
     eprintln!("soak: {round} rounds of 5,000 requests in {secs} s");
 }
+
+/// A receiver that says Hello but never answers an AllocRequest: nothing
+/// can finish, and the watchdog must say so instead of hanging.
+#[test]
+fn watchdog_reports_a_stall_with_a_state_dump() {
+    use kvferry::protocol::{decode, encode, Descriptor, HelloAck, Message, PROTOCOL_VERSION};
+    use kvferry::region::{default_region_path, Region};
+    let region = Region::create(&default_region_path(), 4096, 16).expect("region");
+    let ctx = zmq::Context::new();
+    let router = ctx.socket(zmq::ROUTER).expect("socket");
+    router.set_linger(0).expect("linger");
+    router.bind("tcp://127.0.0.1:0").expect("bind");
+    let endpoint = router.get_last_endpoint().expect("endpoint").expect("utf8");
+    let stop = Arc::new(AtomicBool::new(false));
+    let silent = {
+        let stop = Arc::clone(&stop);
+        let ack = Message::HelloAck(HelloAck {
+            receiver_id: "silent".into(),
+            version: PROTOCOL_VERSION,
+            transport: "shm".into(),
+            descriptor: Descriptor::Shm {
+                path: region.path().to_string_lossy().into_owned(),
+                len: region.data_len(),
+            },
+            chunk_bytes: 4096,
+            capacity_chunks: 16,
+        });
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                if router.poll(zmq::POLLIN, 50).unwrap_or(0) == 0 {
+                    continue;
+                }
+                let Ok(frames) = router.recv_multipart(0) else {
+                    continue;
+                };
+                if let Some(Ok(Message::Hello(_))) = frames.last().map(|f| decode(f)) {
+                    let reply = encode(&ack);
+                    let _ = router.send_multipart([frames[0].as_slice(), &[], reply.as_slice()], 0);
+                }
+            }
+        })
+    };
+    let cfg = RunConfig {
+        prefillers: 1,
+        stall_timeout_s: 1.0,
+        ..small(4)
+    };
+    let r = runner::run_remote(
+        cfg,
+        vec![endpoint],
+        None,
+        "stalled",
+        Progress::Quiet,
+        |_, _| {},
+    )
+    .expect("run starts");
+    stop.store(true, Ordering::Relaxed);
+    let _ = silent.join();
+    assert!(r.deadlock, "the watchdog fired: {}", r.render());
+    assert!(!r.success());
+    assert!(
+        r.stall_dump.iter().any(|l| l.contains("awaiting reply 1")),
+        "request state dumped: {:#?}",
+        r.stall_dump
+    );
+    assert!(
+        r.stall_dump.iter().any(|l| l.contains("kvf-send-ctrl")),
+        "thread states dumped: {:#?}",
+        r.stall_dump
+    );
+}

@@ -87,6 +87,7 @@ pub(super) fn watch(run: &Arc<Run>, progress: Progress, started: Instant) -> Wat
             for (i, r) in run.receivers.iter().enumerate() {
                 w.dump.push(format!("decoder {i}: {:?}", r.stats()));
             }
+            w.dump.extend(thread_states());
             break;
         }
         std::thread::sleep(TICK);
@@ -95,4 +96,34 @@ pub(super) fn watch(run: &Arc<Run>, progress: Progress, started: Instant) -> Wat
         b.finish_and_clear();
     }
     w
+}
+
+/// One line per thread of this process: name, scheduler state and the
+/// kernel function it sleeps in (Linux `/proc`), for the stall dump.
+fn thread_states() -> Vec<String> {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return Vec::new();
+    };
+    let mut lines = Vec::new();
+    for t in tasks.flatten() {
+        let dir = t.path();
+        let read = |f: &str| {
+            std::fs::read_to_string(dir.join(f))
+                .unwrap_or_default()
+                .trim()
+                .to_owned()
+        };
+        let state = read("stat")
+            .rsplit(')')
+            .next()
+            .and_then(|r| r.split_whitespace().next().map(str::to_owned));
+        lines.push(format!(
+            "thread {} {:?}: state {}, waiting in {}",
+            t.file_name().to_string_lossy(),
+            read("comm"),
+            state.unwrap_or_default(),
+            read("wchan")
+        ));
+    }
+    lines
 }
