@@ -42,6 +42,9 @@ pub(super) struct Ctrl {
     next_work: u64,
     buf: Vec<u8>,
     dirty: HashSet<String>,
+    /// Answered batches whose pending bytes wait in the staging allocator's
+    /// FIFO queue, by batch id.
+    staging_requests: HashMap<u64, crate::slots::SlotRequest>,
     /// Terminal statuses to announce (callbacks) once the lock is released.
     finished: Vec<(String, RequestStatus)>,
 }
@@ -78,6 +81,7 @@ impl Ctrl {
             next_work: 1,
             buf: Vec::with_capacity(512),
             dirty: HashSet::new(),
+            staging_requests: HashMap::new(),
             finished: Vec::new(),
         })
     }
@@ -105,6 +109,13 @@ impl Ctrl {
         {
             let mut t = self.shared.table.lock();
             self.dirty.extend(t.attention.drain(..));
+            for (id, r) in &self.staging_requests {
+                if r.is_ready() {
+                    if let Some(b) = t.batches.get(id) {
+                        self.dirty.insert(b.req_id.clone());
+                    }
+                }
+            }
             if std::mem::take(&mut t.staging_freed) {
                 let waiting = t
                     .reqs
@@ -156,6 +167,7 @@ impl Ctrl {
                 !t.attention.is_empty() || (t.staging_freed && t.reqs.values().any(|r| !r.unstaged.is_empty()))
             }
             || !self.dirty.is_empty()
+            || self.staging_requests.values().any(crate::slots::SlotRequest::is_ready)
             || self.peers.iter().any(|p| readable(&p.sock))
             // Acquire: pairs with the Release store in `Sender::close`.
             || self.shared.stop.load(Ordering::Acquire);
@@ -653,9 +665,29 @@ impl Ctrl {
         };
         if let BatchData::Pending(bytes) = &b.data {
             let t0 = Instant::now();
-            let Some(set) = self.shared.slots.try_alloc(b.writes.len()) else {
+            // Queue for staging in FIFO order with the caller threads (never
+            // blocking this thread): the freeing thread hands the slots over
+            // and wakes us.
+            let request = match self.staging_requests.entry(id) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    let waker = Arc::clone(&self.shared.waker);
+                    match self.shared.slots.request(b.writes.len(), move || {
+                        let _ = waker.wake();
+                    }) {
+                        Ok(r) => e.insert(r),
+                        // Cannot happen: store() refuses batches larger than staging.
+                        Err(err) => {
+                            warn!(error = %err, "batch larger than staging");
+                            return false;
+                        }
+                    }
+                }
+            };
+            let Some(set) = request.take() else {
                 return false;
             };
+            self.staging_requests.remove(&id);
             let mut offsets: SmallVec<[usize; 16]> = SmallVec::with_capacity(b.lens.len());
             let mut off = 0usize;
             for &l in &b.lens {
@@ -816,6 +848,9 @@ impl Ctrl {
         let drop_ids: Vec<u64> = r.queued.drain(..).chain(r.unstaged.drain(..)).collect();
         let (in_flight, first_sent, cancel_sent) = (r.in_flight_ops, r.first_sent, r.cancel_sent);
         for id in drop_ids {
+            // Withdraws its place in the staging queue (or gives back slots
+            // granted but not taken).
+            self.staging_requests.remove(&id);
             if let Some(b) = t.batches.remove(&id) {
                 self.release_data(b.data, b.bytes);
             }

@@ -24,7 +24,7 @@ pub use error::AllocError;
 pub use slot_set::SlotSet;
 
 use crate::cancel::CancelToken;
-use crate::ledger::fifo_semaphore::{AcquireError, FifoSemaphore};
+use crate::ledger::fifo_semaphore::{AcquireError, FifoSemaphore, Waiter, Wake, Withdrawn};
 use crate::sync::{Arc, AtomicUsize, Ordering};
 use bitmap::AtomicBitmap;
 
@@ -136,6 +136,22 @@ impl SlotAllocator {
         }
     }
 
+    /// Queues a request for `n` slots without blocking, for a thread that
+    /// must not wait (the sender's ctrl thread). It takes its place in the
+    /// same FIFO queue as [`alloc`](Self::alloc): whoever frees slots hands
+    /// them over in order and calls `waker`; the owner then collects them
+    /// with [`SlotRequest::take`]. Dropping the request withdraws it (and
+    /// gives back slots granted but not taken). `n > capacity()` fails at
+    /// once with [`AllocError::TooLarge`].
+    pub fn request(&self, n: usize, waker: impl Fn() + Send + Sync + 'static) -> Result<SlotRequest, AllocError> {
+        if n > self.capacity() {
+            return Err(AllocError::TooLarge { requested: n, slots: self.capacity() });
+        }
+        let waker: Arc<dyn Fn() + Send + Sync> = Arc::new(waker);
+        let waiter = (n > 0).then(|| self.inner.sem.enqueue(n, Wake::Callback(Some(waker))));
+        Ok(SlotRequest { alloc: self.clone(), waiter, n, taken: false })
+    }
+
     /// Gives the slots of `set` back and wakes queued allocators that now
     /// fit. Slots that are not in use (or out of range) are ignored and
     /// counted in [`bad_frees`](Self::bad_frees); they never corrupt the
@@ -191,5 +207,102 @@ impl fmt::Debug for SlotAllocator {
             .field("in_use", &self.in_use())
             .field("waiters", &self.waiters())
             .finish()
+    }
+}
+
+/// A queued, non-blocking slot request (see [`SlotAllocator::request`]).
+#[must_use]
+pub struct SlotRequest {
+    alloc: SlotAllocator,
+    /// `None` for a request of zero slots.
+    waiter: Option<Arc<Waiter>>,
+    n: usize,
+    taken: bool,
+}
+
+impl fmt::Debug for SlotRequest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SlotRequest").field("n", &self.n).field("ready", &self.is_ready()).finish()
+    }
+}
+
+impl SlotRequest {
+    /// Slots requested.
+    pub fn len(&self) -> usize {
+        self.n
+    }
+
+    /// True for a request of zero slots.
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+
+    /// The slots were handed over and can be taken.
+    pub fn is_ready(&self) -> bool {
+        !self.taken && self.waiter.as_ref().is_none_or(|w| w.is_granted())
+    }
+
+    /// The slots, once granted (then the request is spent: later calls
+    /// return `None`).
+    pub fn take(&mut self) -> Option<SlotSet> {
+        if !self.is_ready() {
+            return None;
+        }
+        self.taken = true;
+        Some(self.alloc.claim(self.n))
+    }
+}
+
+impl Drop for SlotRequest {
+    fn drop(&mut self) {
+        if self.taken {
+            return;
+        }
+        if let Some(w) = &self.waiter {
+            if self.alloc.inner.sem.withdraw(w) == Withdrawn::WasGranted {
+                // Granted but never claimed: give the units back.
+                self.alloc.inner.sem.release(self.n);
+            }
+        }
+    }
+}
+
+#[cfg(all(test, not(feature = "shuttle-model")))]
+mod request_tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize as StdAtomic, Ordering as StdOrdering};
+
+    #[test]
+    fn queued_request_is_granted_in_fifo_order_and_wakes_its_owner() {
+        let a = SlotAllocator::new(4);
+        let held = a.try_alloc(3).expect("3 free");
+        let woken = std::sync::Arc::new(StdAtomic::new(0));
+        let w = std::sync::Arc::clone(&woken);
+        let mut r = a.request(2, move || { w.fetch_add(1, StdOrdering::SeqCst); }).expect("fits capacity");
+        assert!(!r.is_ready() && r.take().is_none());
+        assert!(a.try_alloc(1).is_none(), "no queue jumping past the request");
+        a.free(held);
+        assert_eq!(woken.load(StdOrdering::SeqCst), 1, "the freeing thread woke the owner");
+        let set = r.take().expect("granted");
+        assert_eq!(set.len(), 2);
+        assert!(r.take().is_none(), "spent");
+        a.free(set);
+        assert_eq!(a.in_use(), 0);
+        assert!(matches!(a.request(5, || {}), Err(AllocError::TooLarge { .. })));
+    }
+
+    #[test]
+    fn dropped_requests_leave_no_trace() {
+        let a = SlotAllocator::new(2);
+        let held = a.try_alloc(2).expect("free");
+        let pending = a.request(2, || {}).expect("fits");
+        drop(pending);
+        assert_eq!(a.waiters(), 0, "withdrawn");
+        a.free(held);
+        let granted = a.request(1, || {}).expect("fits");
+        assert!(granted.is_ready());
+        drop(granted);
+        assert_eq!(a.in_use(), 0, "granted but untaken slots go back");
+        assert!(a.try_alloc(2).is_some());
     }
 }
