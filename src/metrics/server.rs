@@ -275,15 +275,18 @@ fn dispatch(mut stream: TcpStream, peer: SocketAddr, shared: &Arc<Shared>) {
     let guard = ActiveGuard(shared.clone());
     if let Err(e) = spawn_named("kvferry-metrics-conn", None, move || {
         let shared = guard.0.clone();
-        serve_connection(stream, peer, &shared);
-        drop(guard);
+        serve_connection(stream, peer, &shared, guard);
     }) {
         // The closure (and with it the guard) was dropped: count restored.
         tracing::debug!(error = %e, %peer, "cannot spawn a metrics connection thread");
     }
 }
 
-fn serve_connection(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) {
+/// Serves one request. `guard` is released as soon as the response is
+/// written, before the close handshake: a client that reads the response to
+/// its end and connects again must not find its old connection still counted
+/// (that made sequential scrapes get 503 on a loaded machine).
+fn serve_connection(mut stream: TcpStream, peer: SocketAddr, shared: &Shared, guard: ActiveGuard) {
     let cfg = &shared.config;
     if stream.set_nonblocking(false).is_err()
         || stream
@@ -311,7 +314,7 @@ fn serve_connection(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) {
     } else {
         "text/plain; charset=utf-8"
     };
-    if write_response(
+    let written = write_response(
         &mut stream,
         version,
         status,
@@ -319,9 +322,9 @@ fn serve_connection(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) {
         extra,
         &body,
         with_body,
-    )
-    .is_ok()
-    {
+    );
+    drop(guard);
+    if written.is_ok() {
         close_gracefully(
             &mut stream,
             64 * 1024,

@@ -143,13 +143,25 @@ impl SlotAllocator {
     /// with [`SlotRequest::take`]. Dropping the request withdraws it (and
     /// gives back slots granted but not taken). `n > capacity()` fails at
     /// once with [`AllocError::TooLarge`].
-    pub fn request(&self, n: usize, waker: impl Fn() + Send + Sync + 'static) -> Result<SlotRequest, AllocError> {
+    pub fn request(
+        &self,
+        n: usize,
+        waker: impl Fn() + Send + Sync + 'static,
+    ) -> Result<SlotRequest, AllocError> {
         if n > self.capacity() {
-            return Err(AllocError::TooLarge { requested: n, slots: self.capacity() });
+            return Err(AllocError::TooLarge {
+                requested: n,
+                slots: self.capacity(),
+            });
         }
         let waker: Arc<dyn Fn() + Send + Sync> = Arc::new(waker);
         let waiter = (n > 0).then(|| self.inner.sem.enqueue(n, Wake::Callback(Some(waker))));
-        Ok(SlotRequest { alloc: self.clone(), waiter, n, taken: false })
+        Ok(SlotRequest {
+            alloc: self.clone(),
+            waiter,
+            n,
+            taken: false,
+        })
     }
 
     /// Gives the slots of `set` back and wakes queued allocators that now
@@ -222,7 +234,10 @@ pub struct SlotRequest {
 
 impl fmt::Debug for SlotRequest {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SlotRequest").field("n", &self.n).field("ready", &self.is_ready()).finish()
+        f.debug_struct("SlotRequest")
+            .field("n", &self.n)
+            .field("ready", &self.is_ready())
+            .finish()
     }
 }
 
@@ -278,17 +293,31 @@ mod request_tests {
         let held = a.try_alloc(3).expect("3 free");
         let woken = std::sync::Arc::new(StdAtomic::new(0));
         let w = std::sync::Arc::clone(&woken);
-        let mut r = a.request(2, move || { w.fetch_add(1, StdOrdering::SeqCst); }).expect("fits capacity");
+        let mut r = a
+            .request(2, move || {
+                w.fetch_add(1, StdOrdering::SeqCst);
+            })
+            .expect("fits capacity");
         assert!(!r.is_ready() && r.take().is_none());
-        assert!(a.try_alloc(1).is_none(), "no queue jumping past the request");
+        assert!(
+            a.try_alloc(1).is_none(),
+            "no queue jumping past the request"
+        );
         a.free(held);
-        assert_eq!(woken.load(StdOrdering::SeqCst), 1, "the freeing thread woke the owner");
+        assert_eq!(
+            woken.load(StdOrdering::SeqCst),
+            1,
+            "the freeing thread woke the owner"
+        );
         let set = r.take().expect("granted");
         assert_eq!(set.len(), 2);
         assert!(r.take().is_none(), "spent");
         a.free(set);
         assert_eq!(a.in_use(), 0);
-        assert!(matches!(a.request(5, || {}), Err(AllocError::TooLarge { .. })));
+        assert!(matches!(
+            a.request(5, || {}),
+            Err(AllocError::TooLarge { .. })
+        ));
     }
 
     #[test]
