@@ -134,7 +134,14 @@ impl Ctrl {
         }
         self.timers(Instant::now());
         while !self.dirty.is_empty() {
-            let dirty: Vec<String> = self.dirty.drain().collect();
+            let mut dirty: Vec<String> = self.dirty.drain().collect();
+            // Oldest request first (not hash order): first batches go out in
+            // store order, so receivers admit requests FIFO as stored, and
+            // in LMCache mode the next request is the oldest waiting one.
+            {
+                let t = self.shared.table.lock();
+                dirty.sort_by_cached_key(|id| t.reqs.get(id).map_or(u64::MAX, |r| r.order));
+            }
             for req in dirty {
                 self.progress(&req);
             }
