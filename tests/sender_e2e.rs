@@ -350,3 +350,45 @@ fn reordered_completions_notify_once_and_only_after_all_writes() {
     );
     wait_receiver_empty(&receiver, "after the reordered run");
 }
+
+#[test]
+fn batches_stored_before_and_after_admission_do_not_deadlock_on_staging() {
+    // Staging 4, batches of 4. Batches 1 and 2 are stored before the
+    // receiver admits the request (pending area); batch 3 after it, so it
+    // waits for staging in `store` and takes the slots batch 1's writes give
+    // back. Batch 2 then needs staging that batch 3 holds: batch 3 must be
+    // posted without waiting for batch 2, or neither ever moves.
+    let receiver = receiver(16);
+    let ep = receiver.endpoint().to_owned();
+    let mut cfg = sender_cfg(4, None);
+    cfg.transport_config = TransportConfig {
+        fault: Some(FaultConfig {
+            delay: Duration::from_millis(200),
+            ..FaultConfig::default()
+        }),
+        ..TransportConfig::default()
+    };
+    let sender = Arc::new(sender(cfg));
+    store_batch(&sender, &ep, "mix", 1, 12, 0..4).unwrap();
+    store_batch(&sender, &ep, "mix", 1, 12, 4..8).unwrap();
+    wait_for(
+        "batch 1 staged and its writes posted (4 staging slots)",
+        || sender.staging_in_use() == 4,
+    );
+    let third = {
+        let (sender, ep) = (Arc::clone(&sender), ep.clone());
+        std::thread::spawn(move || store_batch(&sender, &ep, "mix", 1, 12, 8..12))
+    };
+    join_within("the store of batch 3 (waits for staging)", third).unwrap();
+    let st = sender.wait("mix", deadline());
+    assert_eq!(
+        st,
+        Some(RequestStatus::Completed),
+        "sender: {:?}; staging slots in use {}",
+        sender.dump(),
+        sender.staging_in_use()
+    );
+    consume(&receiver, "mix", 1, 12).unwrap();
+    wait_sender_empty(&sender, "after the mixed request");
+    wait_receiver_empty(&receiver, "after the mixed request");
+}

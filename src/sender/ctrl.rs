@@ -4,6 +4,7 @@
 //! sends CancelNotif after fenced aborts, and ProxyNotif + TransferDone once
 //! a request is complete.
 
+use std::cell::Cell;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -44,6 +45,9 @@ pub(super) struct Ctrl {
     dirty: HashSet<String>,
     /// Terminal statuses to announce (callbacks) once the lock is released.
     finished: Vec<(String, RequestStatus)>,
+    /// This thread gave staging slots back (not through a completion, which
+    /// the poll thread reports): batches waiting for staging get a retry.
+    staging_released: Cell<bool>,
 }
 
 impl Ctrl {
@@ -79,6 +83,7 @@ impl Ctrl {
             buf: Vec::with_capacity(512),
             dirty: HashSet::new(),
             finished: Vec::new(),
+            staging_released: Cell::new(false),
         })
     }
 
@@ -133,7 +138,21 @@ impl Ctrl {
             }
         }
         self.timers(Instant::now());
-        while !self.dirty.is_empty() {
+        loop {
+            if self.staging_released.take() {
+                let t = self.shared.table.lock();
+                let waiting: Vec<String> = t
+                    .reqs
+                    .values()
+                    .filter(|r| !r.unstaged.is_empty())
+                    .map(|r| r.req_id.clone())
+                    .collect();
+                drop(t);
+                self.dirty.extend(waiting);
+            }
+            if self.dirty.is_empty() {
+                break;
+            }
             let mut dirty: Vec<String> = self.dirty.drain().collect();
             // Oldest request first (not hash order): first batches go out in
             // store order, so receivers admit requests FIFO as stored, and
@@ -163,6 +182,7 @@ impl Ctrl {
                 !t.attention.is_empty() || (t.staging_freed && t.reqs.values().any(|r| !r.unstaged.is_empty()))
             }
             || !self.dirty.is_empty()
+            || self.staging_released.get()
             || self.peers.iter().any(|p| readable(&p.sock))
             // Acquire: pairs with the Release store in `Sender::close`.
             || self.shared.stop.load(Ordering::Acquire);
@@ -199,9 +219,18 @@ impl Ctrl {
         self.dirty.insert(req_id);
     }
 
+    /// Gives staging slots back from this thread and remembers to retry
+    /// the batches waiting for staging.
+    fn free_staging(&self, set: crate::slots::SlotSet) {
+        if !set.is_empty() {
+            self.shared.slots.free(set);
+            self.staging_released.set(true);
+        }
+    }
+
     fn release_data(&self, data: BatchData, bytes: usize) {
         match data {
-            BatchData::Staged(set) => self.shared.slots.free(set),
+            BatchData::Staged(set) => self.free_staging(set),
             BatchData::Pending(_) => {
                 // AcqRel: pending-area accounting only (see `Sender::store`).
                 self.shared.pending_bytes.fetch_sub(bytes, Ordering::AcqRel);
@@ -468,7 +497,7 @@ impl Ctrl {
                 let freed = crate::slots::SlotSet::from_slots(dedup.iter().map(|&j| slots[j]));
                 let kept =
                     crate::slots::SlotSet::from_slots(writes.iter().map(|&j| slots[j as usize]));
-                self.shared.slots.free(freed);
+                self.free_staging(freed);
                 *set = kept;
                 let lens: SmallVec<[u32; 16]> =
                     writes.iter().map(|&j| b.lens[j as usize]).collect();
@@ -565,16 +594,20 @@ impl Ctrl {
         if legacy && sendable > 0 {
             self.peers[i].legacy_active = Some(req_id.to_owned());
         }
-        // 2. Stage and post answered batches.
-        loop {
-            let Some(id) = t.reqs.get(req_id).and_then(|r| r.unstaged.front().copied()) else {
+        // 2. Stage and post answered batches. One that cannot get staging
+        // now stays queued but does not hold up the ones behind it: a later
+        // batch stored after admission may already hold staging (possibly
+        // the very slots the earlier one waits for), and only posting it
+        // gives them back. Rotating keeps the order of those left.
+        let waiting = t.reqs.get(req_id).map_or(0, |r| r.unstaged.len());
+        for _ in 0..waiting {
+            let Some(id) = t.reqs.get_mut(req_id).and_then(|r| r.unstaged.pop_front()) else {
                 break;
             };
             if !self.stage_and_post(&mut t, i, req_id, id) {
-                break;
-            }
-            if let Some(r) = t.reqs.get_mut(req_id) {
-                r.unstaged.pop_front();
+                if let Some(r) = t.reqs.get_mut(req_id) {
+                    r.unstaged.push_back(id);
+                }
             }
         }
         // 3. Complete.
@@ -699,7 +732,7 @@ impl Ctrl {
         };
         let (Some(peer), Some(remote)) = (self.peers[i].index, self.peers[i].remote.as_ref())
         else {
-            self.shared.slots.free(set);
+            self.free_staging(set);
             return true;
         };
         let rbytes = remote.chunk_bytes;
@@ -773,7 +806,7 @@ impl Ctrl {
                     let mut t = self.shared.table.lock();
                     for op in failed {
                         if let Some(w) = t.inflight.remove(&op.work_id) {
-                            self.shared.slots.free(w.slots);
+                            self.free_staging(w.slots);
                             if let Some(r) = t.reqs.get_mut(&w.req_id) {
                                 r.in_flight_ops = r.in_flight_ops.saturating_sub(1);
                                 if matches!(r.state, ReqState::Pending | ReqState::Admitted) {
@@ -813,7 +846,7 @@ impl Ctrl {
             self.backlog.retain(|op| !mine.contains(&op.work_id));
             for w in mine {
                 if let Some(f) = t.inflight.remove(&w) {
-                    self.shared.slots.free(f.slots);
+                    self.free_staging(f.slots);
                     if let Some(r) = t.reqs.get_mut(req_id) {
                         r.in_flight_ops = r.in_flight_ops.saturating_sub(1);
                     }

@@ -444,7 +444,7 @@ impl Sender {
                 .zip(chunks)
                 .try_for_each(|(slot, chunk)| self.shared.staging.write_slot(slot, chunk));
             if let Err(e) = copied {
-                self.shared.slots.free(set);
+                self.drop_batch_data(BatchData::Staged(set), 0);
                 undo(self);
                 return Err(StoreError::Invalid(e.to_string()));
             }
@@ -576,7 +576,13 @@ impl Sender {
 
     fn drop_batch_data(&self, data: BatchData, bytes: usize) {
         match data {
-            BatchData::Staged(set) => self.shared.slots.free(set),
+            BatchData::Staged(set) => {
+                self.shared.slots.free(set);
+                // Batches of other requests may wait for these slots: have
+                // ctrl retry them (only completions set this otherwise).
+                self.shared.table.lock().staging_freed = true;
+                self.shared.wake_ctrl();
+            }
             BatchData::Pending(_) => {
                 // AcqRel: see the reservation in `store`.
                 self.shared.pending_bytes.fetch_sub(bytes, Ordering::AcqRel);

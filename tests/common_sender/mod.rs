@@ -216,8 +216,10 @@ pub fn terminal(s: &Sender, req_id: &str) -> RequestStatus {
         .unwrap_or_else(|| panic!("sender does not know request {req_id}"));
     assert!(
         st.is_terminal(),
-        "request {req_id} still in progress after {WAIT:?}; sender state: {:?}",
-        s.dump()
+        "request {req_id} still in progress after {WAIT:?}; sender state: {:?}; staging slots in use {}, pending bytes {}",
+        s.dump(),
+        s.staging_in_use(),
+        s.pending_bytes()
     );
     st
 }
