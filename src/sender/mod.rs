@@ -535,6 +535,16 @@ impl Sender {
                 chunks.len()
             )));
         }
+        if chunks.len() > spec.total_chunks {
+            // Checked here too (not only against the running count below)
+            // so a refused first batch does not leave the request registered.
+            return Err(StoreError::Invalid(format!(
+                "request {} would store {} chunks, more than its total_chunks = {}",
+                spec.req_id,
+                chunks.len(),
+                spec.total_chunks
+            )));
+        }
         if chunks.is_empty() && !spec.is_last {
             return Err(StoreError::Invalid("only a last batch may be empty".into()));
         }
