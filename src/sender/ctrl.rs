@@ -116,14 +116,6 @@ impl Ctrl {
                     }
                 }
             }
-            if std::mem::take(&mut t.staging_freed) {
-                let waiting = t
-                    .reqs
-                    .values()
-                    .filter(|r| !r.unstaged.is_empty())
-                    .map(|r| r.req_id.clone());
-                self.dirty.extend(waiting.collect::<Vec<_>>());
-            }
         }
         for i in 0..self.peers.len() {
             let mut n = 0;
@@ -144,8 +136,18 @@ impl Ctrl {
             }
         }
         self.timers(Instant::now());
-        while !self.dirty.is_empty() {
-            let dirty: Vec<String> = self.dirty.drain().collect();
+        loop {
+            if self.dirty.is_empty() {
+                break;
+            }
+            let mut dirty: Vec<String> = self.dirty.drain().collect();
+            // Oldest request first (not hash order): first batches go out in
+            // store order, so receivers admit requests FIFO as stored, and
+            // in LMCache mode the next request is the oldest waiting one.
+            {
+                let t = self.shared.table.lock();
+                dirty.sort_by_cached_key(|id| t.reqs.get(id).map_or(u64::MAX, |r| r.order));
+            }
             for req in dirty {
                 self.progress(&req);
             }
@@ -164,7 +166,7 @@ impl Ctrl {
         let busy = !self.submissions.is_empty()
             || {
                 let t = self.shared.table.lock();
-                !t.attention.is_empty() || (t.staging_freed && t.reqs.values().any(|r| !r.unstaged.is_empty()))
+                !t.attention.is_empty()
             }
             || !self.dirty.is_empty()
             || self.staging_requests.values().any(crate::slots::SlotRequest::is_ready)
@@ -204,9 +206,16 @@ impl Ctrl {
         self.dirty.insert(req_id);
     }
 
+    /// Gives staging slots back from this thread. Batches waiting for
+    /// staging hold a place in the allocator's queue (`staging_requests`), so
+    /// the free grants them and wakes this thread: no retry bookkeeping.
+    fn free_staging(&self, set: crate::slots::SlotSet) {
+        self.shared.slots.free(set);
+    }
+
     fn release_data(&self, data: BatchData, bytes: usize) {
         match data {
-            BatchData::Staged(set) => self.shared.slots.free(set),
+            BatchData::Staged(set) => self.free_staging(set),
             BatchData::Pending(_) => {
                 // AcqRel: pending-area accounting only (see `Sender::store`).
                 self.shared.pending_bytes.fetch_sub(bytes, Ordering::AcqRel);
@@ -473,7 +482,7 @@ impl Ctrl {
                 let freed = crate::slots::SlotSet::from_slots(dedup.iter().map(|&j| slots[j]));
                 let kept =
                     crate::slots::SlotSet::from_slots(writes.iter().map(|&j| slots[j as usize]));
-                self.shared.slots.free(freed);
+                self.free_staging(freed);
                 *set = kept;
                 let lens: SmallVec<[u32; 16]> =
                     writes.iter().map(|&j| b.lens[j as usize]).collect();
@@ -728,7 +737,7 @@ impl Ctrl {
         };
         let (Some(peer), Some(remote)) = (self.peers[i].index, self.peers[i].remote.as_ref())
         else {
-            self.shared.slots.free(set);
+            self.free_staging(set);
             return true;
         };
         let rbytes = remote.chunk_bytes;
@@ -802,7 +811,7 @@ impl Ctrl {
                     let mut t = self.shared.table.lock();
                     for op in failed {
                         if let Some(w) = t.inflight.remove(&op.work_id) {
-                            self.shared.slots.free(w.slots);
+                            self.free_staging(w.slots);
                             if let Some(r) = t.reqs.get_mut(&w.req_id) {
                                 r.in_flight_ops = r.in_flight_ops.saturating_sub(1);
                                 if matches!(r.state, ReqState::Pending | ReqState::Admitted) {
@@ -842,7 +851,7 @@ impl Ctrl {
             self.backlog.retain(|op| !mine.contains(&op.work_id));
             for w in mine {
                 if let Some(f) = t.inflight.remove(&w) {
-                    self.shared.slots.free(f.slots);
+                    self.free_staging(f.slots);
                     if let Some(r) = t.reqs.get_mut(req_id) {
                         r.in_flight_ops = r.in_flight_ops.saturating_sub(1);
                     }

@@ -445,7 +445,7 @@ impl Sender {
                 .zip(chunks)
                 .try_for_each(|(slot, chunk)| self.shared.staging.write_slot(slot, chunk));
             if let Err(e) = copied {
-                self.shared.slots.free(set);
+                self.drop_batch_data(BatchData::Staged(set), 0);
                 undo(self);
                 return Err(StoreError::Invalid(e.to_string()));
             }
@@ -536,6 +536,16 @@ impl Sender {
                 chunks.len()
             )));
         }
+        if chunks.len() > spec.total_chunks {
+            // Checked here too (not only against the running count below)
+            // so a refused first batch does not leave the request registered.
+            return Err(StoreError::Invalid(format!(
+                "request {} would store {} chunks, more than its total_chunks = {}",
+                spec.req_id,
+                chunks.len(),
+                spec.total_chunks
+            )));
+        }
         if chunks.is_empty() && !spec.is_last {
             return Err(StoreError::Invalid("only a last batch may be empty".into()));
         }
@@ -577,7 +587,11 @@ impl Sender {
 
     fn drop_batch_data(&self, data: BatchData, bytes: usize) {
         match data {
-            BatchData::Staged(set) => self.shared.slots.free(set),
+            BatchData::Staged(set) => {
+                // Batches waiting for staging are queued in the allocator:
+                // this free grants them and wakes ctrl.
+                self.shared.slots.free(set);
+            }
             BatchData::Pending(_) => {
                 // AcqRel: see the reservation in `store`.
                 self.shared.pending_bytes.fetch_sub(bytes, Ordering::AcqRel);

@@ -41,7 +41,6 @@ pub(super) fn run(shared: Arc<Shared>, mut completions: Box<dyn Completions>) {
                 shared
                     .stats
                     .record(Stage::Transfer, now.saturating_duration_since(w.posted_at));
-                t.staging_freed = true;
                 let Some(r) = t.reqs.get_mut(&w.req_id) else {
                     continue;
                 };

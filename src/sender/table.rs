@@ -3,6 +3,7 @@
 //! ctrl and poll threads hold it for short, allocation-free steps.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use smallvec::SmallVec;
@@ -58,10 +59,16 @@ pub(crate) enum ReqState {
     Done(RequestStatus),
 }
 
+/// Source of [`Req::order`].
+static NEXT_ORDER: AtomicU64 = AtomicU64::new(0);
+
 /// A request's progress.
 #[derive(Debug)]
 pub(crate) struct Req {
     pub req_id: String,
+    /// Creation order (first `store`): the ctrl thread serves older
+    /// requests first, so first batches leave in store order.
+    pub order: u64,
     pub receiver: String,
     pub total: usize,
     pub state: ReqState,
@@ -91,6 +98,10 @@ impl Req {
     pub fn new(spec: &TransferSpec) -> Self {
         Self {
             req_id: spec.req_id.clone(),
+            // Relaxed: one RMW chain is totally ordered on its own, and
+            // requests are created under the table lock, so the numbers
+            // follow creation order; nothing else is published through it.
+            order: NEXT_ORDER.fetch_add(1, Ordering::Relaxed),
             receiver: spec.receiver.clone(),
             total: spec.total_chunks,
             state: ReqState::Pending,
@@ -175,8 +186,6 @@ pub(crate) struct Table {
     pub next_batch: u64,
     /// Requests the ctrl thread must look at (set by poll and caller threads).
     pub attention: Vec<String>,
-    /// Staging slots were freed since ctrl last looked.
-    pub staging_freed: bool,
     /// Terminal requests in the order they ended (for forgetting old ones).
     pub terminal_order: VecDeque<String>,
     pub closing: bool,
