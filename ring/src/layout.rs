@@ -5,6 +5,7 @@
 use crate::sync::{AtomicU32, AtomicU64, Bell};
 
 /// `b"KVFRING1"` read as a little-endian u64.
+#[cfg_attr(loom, allow(dead_code))] // only shared rings use it
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"KVFRING1");
 /// Layout version written in the header; bump on any layout change.
 pub const LAYOUT_VERSION: u32 = 1;
@@ -13,6 +14,7 @@ pub(crate) const LINE: usize = 128;
 /// Largest capacity a ring accepts (entries).
 pub const MAX_CAPACITY: usize = 1 << 30;
 /// Alignment of a shared mapping (page size); entries may not need more.
+#[cfg_attr(loom, allow(dead_code))] // only shared rings use it
 pub(crate) const PAGE: usize = 4096;
 
 /// Which ring protocol a memory block holds.

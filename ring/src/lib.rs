@@ -25,14 +25,19 @@
 //! only when it sees the flag, because a wake with no waiter still costs a
 //! syscall (~170 ns on the project machine).
 //!
-//! Why no wakeup is lost: the consumer stores the flag, runs a SeqCst fence,
-//! loads the bell counter and re-checks the ring; the producer publishes,
-//! runs a SeqCst fence and loads the flag. Two SeqCst fences order this
-//! store→load (Dekker) pattern, so either the producer sees the flag (and
-//! bumps the bell, then wakes) or the consumer's re-check sees the entry.
-//! The futex itself sleeps only if the bell still holds the value read
-//! after the fence, so a bump between the re-check and the sleep makes the
-//! wait return at once. See `docs/ring.md` for the full argument.
+//! Why no wakeup is lost: the consumer stores the flag, runs a full
+//! barrier, loads the bell counter and re-checks the ring; the producer
+//! publishes, runs a barrier and loads the flag. Full barriers on both sides
+//! order this store→load (Dekker) pattern, so either the producer sees the
+//! flag (and bumps the bell, then wakes) or the consumer's re-check sees the
+//! entry. The barrier is asymmetric (module `barrier`): a compiler fence on
+//! the producer's hot path, and a SeqCst fence plus
+//! `membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED)` on the consumer's way to
+//! sleep, which forces a full barrier on every running thread of every
+//! registered producer process. The futex itself sleeps only if the bell
+//! still holds the value read after the barrier, so a bump between the
+//! re-check and the sleep makes the wait return at once. See `docs/ring.md`
+//! for the full argument.
 //!
 //! # Closing
 //! Dropping the last producer (SPSC: the producer; MPSC: the last clone or

@@ -47,6 +47,7 @@ unsafe impl<T: Plain> Send for Ring<T> {}
 unsafe impl<T: Plain> Sync for Ring<T> {}
 
 impl<T> Drop for Ring<T> {
+    #[cfg_attr(loom, allow(irrefutable_let_patterns))] // loom has no Mapped variant
     fn drop(&mut self) {
         if let Backing::Heap {
             ctrl,

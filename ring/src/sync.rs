@@ -115,6 +115,7 @@ impl<T: Copy> SlotCell<T> {
 }
 
 /// Result of one futex wait.
+#[cfg_attr(loom, allow(dead_code))] // the loom model never sees EINTR
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum FutexWait {
     /// Woken by `wake` (or spuriously).
