@@ -558,16 +558,20 @@ impl Ctrl {
         if legacy && sendable > 0 {
             self.peers[i].legacy_active = Some(req_id.to_owned());
         }
-        // 2. Stage and post answered batches.
-        loop {
-            let Some(id) = t.reqs.get(req_id).and_then(|r| r.unstaged.front().copied()) else {
-                break;
-            };
-            if !self.stage_and_post(&mut t, i, req_id, id) {
-                break;
-            }
-            if let Some(r) = t.reqs.get_mut(req_id) {
-                r.unstaged.pop_front();
+        // 2. Stage and post answered batches. Not strictly in order: a batch
+        // whose bytes wait in the pending area for staging must not hold back
+        // an already-staged batch behind it, which may hold the very staging
+        // slots it waits for (deadlock found by tests/model_check.rs).
+        let ids: SmallVec<[u64; 8]> = t
+            .reqs
+            .get(req_id)
+            .map(|r| r.unstaged.iter().copied().collect())
+            .unwrap_or_default();
+        for id in ids {
+            if self.stage_and_post(&mut t, i, req_id, id) {
+                if let Some(r) = t.reqs.get_mut(req_id) {
+                    r.unstaged.retain(|&x| x != id);
+                }
             }
         }
         // 3. Complete.
