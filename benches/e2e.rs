@@ -1,0 +1,595 @@
+//! Sender and receiver end to end, each bench against a baseline in the same
+//! run (ratios are what to read; the machine is a shared, noisy 2-vCPU VM).
+//!
+//! `cargo bench --bench e2e -- --warm-up-time 1 --measurement-time 3`
+//!
+//! 1. `e2e_shm/{4,64,256}KiB`: payload throughput of the whole engine
+//!    (`Sender::store` → AllocRequest/AllocResponse over ZMQ → shm copy engine
+//!    → receiver buffer → TransferDone; the receiver runs with `auto_consume`)
+//!    for requests of 16 chunks stored in batches of 4, 4 requests in flight,
+//!    vs a plain single-thread memcpy of the same bytes. Two store patterns:
+//!    `store_all` (the 4 batches of a request back to back) and
+//!    `first_batch_ahead` (the first batch of request i+1 is stored before
+//!    the remaining batches of request i, so those find their request
+//!    already admitted).
+//! 2. `alloc_rtt`: one AllocRequest (1 key, anonymous `req_id = ""`) through a
+//!    real `Receiver` from a raw ZMQ DEALER, reply decoded, key released with
+//!    `Receiver::remove` (the receiver's state stays flat) vs a raw ZMQ
+//!    DEALER/ROUTER ping-pong of the same request and reply bytes, both over
+//!    tcp loopback.
+//! 3. `alloc_pipelined`: 256 AllocRequests per iteration against the same
+//!    receiver, 32 in flight matched by `seq`, vs one at a time (LMCache's
+//!    per-receiver lock).
+//! 4. After criterion's groups (only under `cargo bench`; skip with
+//!    `KVFERRY_E2E_SKIP_CPU=1`): CPU seconds per GiB moved for bench 1's
+//!    `first_batch_ahead` pattern over 2 GiB per chunk size, from
+//!    `getrusage(RUSAGE_SELF)` (every thread of the process: caller, sender
+//!    ctrl/poll, copy engine, receiver ctrl, ZMQ I/O), next to a memcpy of the
+//!    same 2 GiB, with a per-thread breakdown from `/proc/self/task`.
+
+use std::collections::{HashMap, VecDeque};
+use std::hint::black_box;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
+use kvferry::protocol::{decode, encode, AllocRequest, AllocResponse, Message};
+use kvferry::receiver::{Receiver, ReceiverConfig};
+use kvferry::sender::{RequestStatus, Sender, SenderConfig, TransferSpec};
+
+/// Payload bytes moved per criterion iteration of bench 1.
+const BYTES_PER_ITER: usize = 32 << 20;
+/// Chunks per request.
+const CHUNKS_PER_REQ: usize = 16;
+/// Chunks per `store` call.
+const BATCH: usize = 4;
+/// Requests in flight (stored, not yet waited for).
+const WINDOW: usize = 4;
+/// Deadline of every wait in the benches.
+const WAIT: Duration = Duration::from_secs(20);
+/// Chunk sizes of bench 1.
+const CHUNK_SIZES: [usize; 3] = [4 << 10, 64 << 10, 256 << 10];
+/// Bytes moved per chunk size in the CPU-per-GiB section.
+const CPU_BYTES: usize = 2 << 30;
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+
+fn unique(prefix: &str) -> String {
+    // Relaxed: only distinct numbers are needed.
+    format!("{prefix}-{}", NEXT_ID.fetch_add(1, Ordering::Relaxed))
+}
+
+// ----- bench 1: shm end to end ------------------------------------------------
+
+/// How the caller hands a request's batches over.
+#[derive(Clone, Copy, Debug)]
+enum Pattern {
+    /// The 4 batches of a request back to back.
+    StoreAll,
+    /// The first batch of request i+1 before batches 2..4 of request i.
+    FirstBatchAhead,
+}
+
+/// One sender and one receiver (auto_consume) on this host, plus the
+/// caller's source bytes.
+struct E2e {
+    sender: Sender,
+    receiver: Receiver,
+    chunk: usize,
+    src: Vec<u8>,
+}
+
+impl E2e {
+    fn new(chunk: usize) -> Self {
+        let receiver = Receiver::start(ReceiverConfig {
+            receiver_id: unique("bench-recv"),
+            capacity_chunks: 256,
+            chunk_bytes: chunk as u64,
+            auto_consume: true,
+            ..ReceiverConfig::default()
+        })
+        .expect("bench: receiver starts");
+        let sender = Sender::new(SenderConfig {
+            sender_id: unique("bench-send"),
+            staging_slots: 64,
+            chunk_bytes: chunk as u64,
+            staging_timeout: WAIT,
+            reply_timeout: WAIT,
+            ..SenderConfig::default()
+        })
+        .expect("bench: sender starts");
+        let src: Vec<u8> = (0..BYTES_PER_ITER).map(|i| (i * 31 % 251) as u8).collect();
+        let e = Self {
+            sender,
+            receiver,
+            chunk,
+            src,
+        };
+        // Handshake (Hello/HelloAck, shm mapping) outside any measurement.
+        e.run(CHUNKS_PER_REQ * chunk, Pattern::StoreAll);
+        e
+    }
+
+    fn store_batch(&self, req: &str, part: usize, r: usize) {
+        let base = r * CHUNKS_PER_REQ * self.chunk;
+        let spec = TransferSpec::new(
+            req,
+            self.receiver.endpoint(),
+            CHUNKS_PER_REQ,
+            (part + 1) * BATCH == CHUNKS_PER_REQ,
+        );
+        let first = part * BATCH;
+        let keys: Vec<String> = (first..first + BATCH)
+            .map(|i| format!("{req}/{i}"))
+            .collect();
+        let chunks: Vec<&[u8]> = (first..first + BATCH)
+            .map(|i| &self.src[base + i * self.chunk..base + (i + 1) * self.chunk])
+            .collect();
+        if let Err(e) = self.sender.store(&spec, &keys, &chunks) {
+            panic!("bench: store of {req} batch {part} failed: {e}");
+        }
+    }
+
+    fn wait(&self, req: &str) {
+        match self.sender.wait(req, Instant::now() + WAIT) {
+            Some(RequestStatus::Completed) => {}
+            other => panic!(
+                "bench: request {req} not completed within {WAIT:?}: {other:?}; sender state: {:?}; receiver: {:?}",
+                self.sender.dump(),
+                self.receiver.stats()
+            ),
+        }
+    }
+
+    /// Waits (with a deadline) until the receiver has consumed every chunk:
+    /// `Sender::wait` returns before the receiver has read the TransferDone.
+    fn assert_drained(&self) {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let st = self.receiver.stats();
+            if (st.allocated_chunks, st.reserved_chunks) == (0, 0) {
+                return;
+            }
+            if Instant::now() >= deadline {
+                panic!("bench: receiver still holds chunks {WAIT:?} after the run: {st:?}");
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Moves `bytes` (a multiple of one request) as requests of 16 chunks,
+    /// `WINDOW` in flight, and waits for all of them.
+    fn run(&self, bytes: usize, pattern: Pattern) {
+        let per_req = CHUNKS_PER_REQ * self.chunk;
+        let in_src = self.src.len() / per_req;
+        let n = bytes / per_req;
+        let batches = CHUNKS_PER_REQ / BATCH;
+        let ids: Vec<String> = (0..n).map(|_| unique("e2e")).collect();
+        let mut inflight: VecDeque<usize> = VecDeque::with_capacity(WINDOW + 1);
+        for r in 0..n {
+            match pattern {
+                Pattern::StoreAll => {
+                    for part in 0..batches {
+                        self.store_batch(&ids[r], part, r % in_src);
+                    }
+                }
+                Pattern::FirstBatchAhead => {
+                    if r == 0 {
+                        self.store_batch(&ids[0], 0, 0);
+                    }
+                    if r + 1 < n {
+                        self.store_batch(&ids[r + 1], 0, (r + 1) % in_src);
+                    }
+                    for part in 1..batches {
+                        self.store_batch(&ids[r], part, r % in_src);
+                    }
+                }
+            }
+            inflight.push_back(r);
+            if inflight.len() >= WINDOW {
+                if let Some(done) = inflight.pop_front() {
+                    self.wait(&ids[done]);
+                }
+            }
+        }
+        for r in inflight {
+            self.wait(&ids[r]);
+        }
+    }
+}
+
+/// The baseline: one thread copying the same chunks into a destination of
+/// the same size.
+fn memcpy_chunks(src: &[u8], dst: &mut [u8], chunk: usize) {
+    for (s, d) in src.chunks(chunk).zip(dst.chunks_mut(chunk)) {
+        d.copy_from_slice(s);
+    }
+    black_box(dst.as_ptr());
+}
+
+fn bench_e2e(c: &mut Criterion) {
+    for chunk in CHUNK_SIZES {
+        let e = E2e::new(chunk);
+        let mut dst = vec![0u8; BYTES_PER_ITER];
+        let mut group = c.benchmark_group(format!("e2e_shm/{}KiB", chunk >> 10));
+        group.throughput(Throughput::Bytes(BYTES_PER_ITER as u64));
+        group.sample_size(10);
+        group.bench_function(BenchmarkId::new("memcpy", "1 thread"), |b| {
+            b.iter(|| memcpy_chunks(&e.src, &mut dst, chunk))
+        });
+        group.bench_function(BenchmarkId::new("kvferry", "store_all"), |b| {
+            b.iter(|| e.run(BYTES_PER_ITER, Pattern::StoreAll))
+        });
+        group.bench_function(BenchmarkId::new("kvferry", "first_batch_ahead"), |b| {
+            b.iter(|| e.run(BYTES_PER_ITER, Pattern::FirstBatchAhead))
+        });
+        group.finish();
+        e.assert_drained();
+    }
+}
+
+// ----- benches 2 and 3: AllocRequest round trips -------------------------------
+
+/// Receive-buffer slot size for the control-plane benches.
+const CTRL_CHUNK: u64 = 4096;
+
+/// An anonymous 1-key AllocRequest, as a kvferry sender would encode it.
+fn alloc_request(key: &str, seq: u64) -> Vec<u8> {
+    encode(&Message::AllocRequest(AllocRequest {
+        keys: vec![key.to_owned()],
+        fmt: 0,
+        shape: vec![CTRL_CHUNK as i64],
+        dtype: "uint8".into(),
+        last_chunk_toks: CTRL_CHUNK as i64,
+        req_id: String::new(),
+        is_last_batch: true,
+        total_chunks: 1,
+        seq: Some(seq),
+    }))
+}
+
+/// A raw DEALER client on its own ZMQ context; every receive has a deadline.
+fn dealer(ctx: &zmq::Context, endpoint: &str) -> zmq::Socket {
+    let s = ctx.socket(zmq::DEALER).expect("bench: dealer socket");
+    s.set_linger(0).expect("linger");
+    s.set_rcvtimeo(WAIT.as_millis() as i32).expect("rcvtimeo");
+    s.set_sndhwm(0).expect("sndhwm");
+    s.set_rcvhwm(0).expect("rcvhwm");
+    s.connect(endpoint).expect("bench: dealer connects");
+    s
+}
+
+/// Receives one reply and decodes it as an AllocResponse.
+fn recv_reply(s: &zmq::Socket, what: &str) -> AllocResponse {
+    let frames = match s.recv_multipart(0) {
+        Ok(f) => f,
+        Err(e) => panic!("bench: no reply from the {what} within {WAIT:?}: {e}"),
+    };
+    let payload = frames.last().map(Vec::as_slice).unwrap_or(&[]);
+    match decode(payload) {
+        Ok(Message::AllocResponse(r)) => r,
+        other => panic!("bench: unexpected reply from the {what}: {other:?}"),
+    }
+}
+
+/// Baseline server: a raw ROUTER on its own context that answers every
+/// message with the same reply bytes.
+struct PingPong {
+    endpoint: String,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl PingPong {
+    fn start(reply: Vec<u8>) -> Self {
+        let ctx = zmq::Context::new();
+        let s = ctx.socket(zmq::ROUTER).expect("bench: router socket");
+        s.set_linger(0).expect("linger");
+        s.set_rcvtimeo(50).expect("rcvtimeo");
+        s.set_sndhwm(0).expect("sndhwm");
+        s.set_rcvhwm(0).expect("rcvhwm");
+        s.bind("tcp://127.0.0.1:0").expect("bench: router binds");
+        let endpoint = s
+            .get_last_endpoint()
+            .expect("endpoint")
+            .expect("utf-8 endpoint");
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            let _ctx = ctx;
+            // Relaxed: a stop flag; the join below synchronises the rest.
+            while !flag.load(Ordering::Relaxed) {
+                match s.recv_multipart(0) {
+                    Ok(frames) => {
+                        let id = &frames[0];
+                        s.send_multipart([id.as_slice(), &[], reply.as_slice()], 0)
+                            .expect("bench: pong sent");
+                    }
+                    Err(zmq::Error::EAGAIN) => {}
+                    Err(e) => panic!("bench: ping-pong server: {e}"),
+                }
+            }
+        });
+        Self {
+            endpoint,
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for PingPong {
+    fn drop(&mut self) {
+        // Relaxed: see the loop.
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn ctrl_receiver() -> Receiver {
+    Receiver::start(ReceiverConfig {
+        receiver_id: unique("bench-ctrl-recv"),
+        capacity_chunks: 64,
+        chunk_bytes: CTRL_CHUNK,
+        ..ReceiverConfig::default()
+    })
+    .expect("bench: receiver starts")
+}
+
+fn bench_alloc_rtt(c: &mut Criterion) {
+    let receiver = ctrl_receiver();
+    let client_ctx = zmq::Context::new();
+    let key = "rtt-key";
+    let req = alloc_request(key, 1);
+    // The kvferry reply to this request, byte for byte, for the baseline.
+    let to_kvferry = dealer(&client_ctx, receiver.endpoint());
+    to_kvferry.send_multipart([&[][..], &req], 0).expect("send");
+    let first = recv_reply(&to_kvferry, "receiver");
+    assert!(!first.is_failure(), "bench: allocation failed: {first:?}");
+    assert!(receiver.remove(key), "bench: key not held after the reply");
+    let pong = encode(&Message::AllocResponse(first));
+    let server = PingPong::start(pong);
+    let to_pingpong = dealer(&client_ctx, &server.endpoint);
+
+    let mut group = c.benchmark_group("alloc_rtt");
+    group.sample_size(20);
+    group.throughput(Throughput::Elements(1));
+    group.bench_function(
+        BenchmarkId::new("zmq_ping_pong", format!("{} B", req.len())),
+        |b| {
+            b.iter(|| {
+                to_pingpong
+                    .send_multipart([&[][..], &req], 0)
+                    .expect("send");
+                let r = recv_reply(&to_pingpong, "ping-pong server");
+                black_box(r);
+            })
+        },
+    );
+    group.bench_function(
+        BenchmarkId::new("receiver", "anonymous 1 key + remove"),
+        |b| {
+            b.iter(|| {
+                to_kvferry.send_multipart([&[][..], &req], 0).expect("send");
+                let r = recv_reply(&to_kvferry, "receiver");
+                if r.is_failure() {
+                    panic!("bench: allocation failed: {r:?}");
+                }
+                if !receiver.remove(key) {
+                    panic!("bench: key {key} not held after its reply");
+                }
+            })
+        },
+    );
+    group.finish();
+    let st = receiver.stats();
+    assert_eq!(st.allocated_chunks, 0, "bench: state not flat: {st:?}");
+}
+
+/// AllocRequests per iteration of bench 3.
+const PIPELINE_REQS: usize = 256;
+/// Distinct keys (and seqs) cycled through; more than twice the window.
+const PIPELINE_KEYS: usize = 64;
+
+/// Sends `PIPELINE_REQS` anonymous AllocRequests with at most `window`
+/// unanswered, matching replies by `seq` and releasing each key on reply.
+fn pipelined(
+    s: &zmq::Socket,
+    receiver: &Receiver,
+    reqs: &[Vec<u8>],
+    keys: &[String],
+    window: usize,
+) {
+    let mut in_flight: HashMap<u64, usize> = HashMap::with_capacity(window);
+    let mut sent = 0;
+    let mut answered = 0;
+    while answered < PIPELINE_REQS {
+        while sent < PIPELINE_REQS && in_flight.len() < window {
+            let k = sent % PIPELINE_KEYS;
+            s.send_multipart([&[][..], &reqs[k]], 0).expect("send");
+            in_flight.insert(k as u64, k);
+            sent += 1;
+        }
+        let r = recv_reply(s, "receiver");
+        let seq = r.seq.expect("bench: reply without seq");
+        let Some(k) = in_flight.remove(&seq) else {
+            panic!("bench: reply for seq {seq}, which is not in flight");
+        };
+        if r.is_failure() {
+            panic!("bench: allocation failed: {r:?}");
+        }
+        if !receiver.remove(&keys[k]) {
+            panic!("bench: key {} not held after its reply", keys[k]);
+        }
+        answered += 1;
+    }
+}
+
+fn bench_alloc_pipelined(c: &mut Criterion) {
+    let receiver = ctrl_receiver();
+    let ctx = zmq::Context::new();
+    let s = dealer(&ctx, receiver.endpoint());
+    let keys: Vec<String> = (0..PIPELINE_KEYS).map(|k| format!("pipe-{k}")).collect();
+    let reqs: Vec<Vec<u8>> = keys
+        .iter()
+        .enumerate()
+        .map(|(k, key)| alloc_request(key, k as u64))
+        .collect();
+    pipelined(&s, &receiver, &reqs, &keys, 1);
+
+    let mut group = c.benchmark_group("alloc_pipelined");
+    group.sample_size(20);
+    group.throughput(Throughput::Elements(PIPELINE_REQS as u64));
+    group.bench_function(BenchmarkId::new("one_at_a_time", "window 1"), |b| {
+        b.iter(|| pipelined(&s, &receiver, &reqs, &keys, 1))
+    });
+    group.bench_function(BenchmarkId::new("pipelined", "window 32"), |b| {
+        b.iter(|| pipelined(&s, &receiver, &reqs, &keys, 32))
+    });
+    group.finish();
+    let st = receiver.stats();
+    assert_eq!(st.allocated_chunks, 0, "bench: state not flat: {st:?}");
+}
+
+// ----- bench 4: CPU seconds per GiB ---------------------------------------------
+
+/// User + system CPU time of the whole process.
+fn process_cpu() -> Duration {
+    // SAFETY: an all-zero `rusage` is a valid value of this plain C struct.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `ru` is a valid, writable rusage; RUSAGE_SELF is a valid `who`.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    assert_eq!(rc, 0, "bench: getrusage failed");
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// CPU ticks (user + system) per thread of this process, by tid, with the
+/// thread's name.
+fn thread_cpu() -> HashMap<u64, (String, u64)> {
+    let mut out = HashMap::new();
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return out;
+    };
+    for entry in dir.flatten() {
+        let Ok(tid) = entry.file_name().to_string_lossy().parse::<u64>() else {
+            continue;
+        };
+        let path = entry.path();
+        let name = std::fs::read_to_string(path.join("comm"))
+            .unwrap_or_default()
+            .trim()
+            .to_owned();
+        let Ok(stat) = std::fs::read_to_string(path.join("stat")) else {
+            continue;
+        };
+        // Fields after the ")" that closes the name: state is field 3, utime
+        // and stime are fields 14 and 15.
+        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+            continue;
+        };
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let ticks = f
+            .get(11)
+            .and_then(|u| u.parse::<u64>().ok())
+            .zip(f.get(12).and_then(|s| s.parse::<u64>().ok()))
+            .map_or(0, |(u, s)| u + s);
+        out.insert(tid, (name, ticks));
+    }
+    out
+}
+
+/// Per thread-role CPU seconds between two `thread_cpu` snapshots.
+fn thread_breakdown(
+    before: &HashMap<u64, (String, u64)>,
+    after: &HashMap<u64, (String, u64)>,
+    main_tid: u64,
+) -> Vec<(String, f64)> {
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let mut roles: HashMap<String, f64> = HashMap::new();
+    for (tid, (name, ticks)) in after {
+        let was = before.get(tid).map_or(0, |(_, t)| *t);
+        let role = if *tid == main_tid {
+            "caller (bench thread)".to_owned()
+        } else if name.starts_with("ZMQbg") {
+            "zmq I/O".to_owned()
+        } else {
+            // Drop the per-instance suffix of kvferry's thread names.
+            ["kvf-send-ctrl", "kvf-send-poll", "kvf-recv-ctrl"]
+                .iter()
+                .find(|p| name.starts_with(*p))
+                .map_or_else(|| name.clone(), |p| (*p).to_owned())
+        };
+        *roles.entry(role).or_default() += ticks.saturating_sub(was) as f64 / hz;
+    }
+    let mut v: Vec<(String, f64)> = roles.into_iter().filter(|(_, s)| *s > 0.0).collect();
+    v.sort_by(|a, b| b.1.total_cmp(&a.1));
+    v
+}
+
+fn cpu_per_gib() {
+    let gib = CPU_BYTES as f64 / f64::from(1u32 << 30);
+    // SAFETY: gettid has no preconditions.
+    let main_tid = unsafe { libc::syscall(libc::SYS_gettid) } as u64;
+    println!(
+        "\ncpu_per_gib: CPU seconds (user+sys, whole process) per GiB moved; {gib} GiB per row"
+    );
+    println!("| case | wall (s) | GiB/s | CPU (s) | CPU s/GiB | CPU / wall |");
+    println!("| --- | --- | --- | --- | --- | --- |");
+    let row = |name: &str, wall: Duration, cpu: Duration| {
+        println!(
+            "| {name} | {:.3} | {:.2} | {:.3} | {:.3} | {:.2} |",
+            wall.as_secs_f64(),
+            gib / wall.as_secs_f64(),
+            cpu.as_secs_f64(),
+            cpu.as_secs_f64() / gib,
+            cpu.as_secs_f64() / wall.as_secs_f64()
+        );
+    };
+    {
+        let src: Vec<u8> = (0..BYTES_PER_ITER).map(|i| (i * 31 % 251) as u8).collect();
+        let mut dst = vec![0u8; BYTES_PER_ITER];
+        memcpy_chunks(&src, &mut dst, 256 << 10);
+        let (c0, t0) = (process_cpu(), Instant::now());
+        for _ in 0..CPU_BYTES / BYTES_PER_ITER {
+            memcpy_chunks(&src, &mut dst, 256 << 10);
+        }
+        row("memcpy, 1 thread", t0.elapsed(), process_cpu() - c0);
+    }
+    let mut breakdowns = Vec::new();
+    for chunk in CHUNK_SIZES {
+        let e = E2e::new(chunk);
+        let before = thread_cpu();
+        let (c0, t0) = (process_cpu(), Instant::now());
+        e.run(CPU_BYTES, Pattern::FirstBatchAhead);
+        let (wall, cpu) = (t0.elapsed(), process_cpu() - c0);
+        let after = thread_cpu();
+        row(
+            &format!("kvferry e2e shm, {} KiB chunks", chunk >> 10),
+            wall,
+            cpu,
+        );
+        breakdowns.push((chunk, thread_breakdown(&before, &after, main_tid)));
+    }
+    println!("\nper-thread CPU seconds (from /proc/self/task, 1/CLK_TCK resolution):");
+    for (chunk, b) in breakdowns {
+        let parts: Vec<String> = b.iter().map(|(n, s)| format!("{n} {s:.2}")).collect();
+        println!("  {} KiB: {}", chunk >> 10, parts.join(", "));
+    }
+}
+
+criterion_group!(benches, bench_e2e, bench_alloc_rtt, bench_alloc_pipelined);
+
+fn main() {
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+    let bench_mode = std::env::args().any(|a| a == "--bench");
+    if bench_mode && std::env::var_os("KVFERRY_E2E_SKIP_CPU").is_none() {
+        cpu_per_gib();
+    }
+}
