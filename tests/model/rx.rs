@@ -89,6 +89,7 @@ fn core_config(cfg: &Cfg) -> CoreConfig {
         transport: "shm".into(),
         descriptor: Descriptor::None,
         answer_hello: true,
+        auto_consume: false,
     }
 }
 
