@@ -997,3 +997,174 @@ fn idle_engine_and_data_threads_sleep() {
         std::thread::sleep(Duration::from_millis(5));
     }
 }
+
+// ----- two network namespaces joined by a veth pair -------------------------
+
+/// Runs `ip args...`; Err with its stderr when it fails.
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = std::process::Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("cannot run ip: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// Two namespaces and their veth pair, removed when dropped.
+struct Netns {
+    a: String,
+    b: String,
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        // Deleting a namespace deletes its end of the veth pair, and so the pair.
+        let _ = ip(&["netns", "del", &self.a]);
+        let _ = ip(&["netns", "del", &self.b]);
+    }
+}
+
+/// A child process, SIGTERMed (then killed) when dropped.
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        // SAFETY: plain FFI call with our own child's pid (not yet reaped,
+        // we hold its handle) and a valid signal number.
+        unsafe { libc::kill(self.0.id() as libc::pid_t, libc::SIGTERM) };
+        let end = Instant::now() + WAIT;
+        while Instant::now() < end {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn setup_netns() -> Result<(Netns, String, String), String> {
+    let id = std::process::id();
+    let net = Netns {
+        a: format!("kvf-a-{id}"),
+        b: format!("kvf-b-{id}"),
+    };
+    ip(&["netns", "add", &net.a])?;
+    ip(&["netns", "add", &net.b])?;
+    let (va, vb) = (
+        format!("kva{}", id % 100_000),
+        format!("kvb{}", id % 100_000),
+    );
+    ip(&[
+        "link", "add", &va, "netns", &net.a, "type", "veth", "peer", "name", &vb, "netns", &net.b,
+    ])?;
+    let subnet = 1 + id % 250;
+    let (ipa, ipb) = (format!("10.200.{subnet}.1"), format!("10.200.{subnet}.2"));
+    ip(&[
+        "-n",
+        &net.a,
+        "addr",
+        "add",
+        &format!("{ipa}/24"),
+        "dev",
+        &va,
+    ])?;
+    ip(&[
+        "-n",
+        &net.b,
+        "addr",
+        "add",
+        &format!("{ipb}/24"),
+        "dev",
+        &vb,
+    ])?;
+    for (ns, dev) in [(&net.a, &va), (&net.b, &vb)] {
+        ip(&["-n", ns, "link", "set", dev, "up"])?;
+        ip(&["-n", ns, "link", "set", "lo", "up"])?;
+    }
+    Ok((net, ipa, ipb))
+}
+
+/// `kvferry receiver` in one namespace, `kvferry sender --transport tcp` in
+/// the other: the only path between them is the veth pair.
+#[test]
+fn sender_and_receiver_in_two_namespaces_over_a_veth_pair() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: network namespaces need root");
+        return;
+    }
+    let (net, _ipa, ipb) = match setup_netns() {
+        Ok(x) => x,
+        Err(e) => {
+            eprintln!("skipped: network namespaces not permitted here: {e}");
+            return;
+        }
+    };
+    let bin = env!("CARGO_BIN_EXE_kvferry");
+    let shm = format!("/dev/shm/kvferry-netns-{}.buf", std::process::id());
+    let mut receiver = Child(
+        std::process::Command::new("ip")
+            .args(["netns", "exec", &net.b, bin, "receiver"])
+            .args(["--listen", &format!("tcp://{ipb}:7400")])
+            .args(["--tcp-data", &format!("{ipb}:7401")])
+            .args(["--capacity-chunks", "32", "--chunk-bytes", "65536"])
+            .args(["--shm-path", &shm, "--consume"])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()
+            .expect("spawn the receiver"),
+    );
+    // Wait for both announcement lines.
+    let mut out = receiver.0.stdout.take().expect("receiver stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut text = String::new();
+        let mut buf = [0u8; 256];
+        while let Ok(n) = out.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            text.push_str(&String::from_utf8_lossy(&buf[..n]));
+            if text.contains("tcp data on") {
+                let _ = tx.send(text.clone());
+            }
+        }
+    });
+    let banner = rx
+        .recv_timeout(WAIT)
+        .expect("the receiver never announced its tcp data listener");
+    assert!(banner.contains(&format!("{ipb}:7401")), "{banner}");
+    let sender = std::process::Command::new("ip")
+        .args(["netns", "exec", &net.a, bin, "sender"])
+        .args(["--connect", &format!("tcp://{ipb}:7400")])
+        .args([
+            "--transport",
+            "tcp",
+            "--requests",
+            "200",
+            "--chunks",
+            "1..8",
+        ])
+        .args(["--chunk-bytes", "65536", "--staging-slots", "16"])
+        .args(["--stall-timeout", "20", "--quiet"])
+        .output()
+        .expect("run the sender");
+    let report = String::from_utf8_lossy(&sender.stdout);
+    assert!(
+        sender.status.success(),
+        "sender failed: {report}\n{}",
+        String::from_utf8_lossy(&sender.stderr)
+    );
+    drop(receiver);
+    drop(net);
+    assert!(!std::path::Path::new(&shm).exists(), "buffer file removed");
+}
