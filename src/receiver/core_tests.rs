@@ -604,7 +604,7 @@ fn hello_ack_answers_the_offer_the_sender_asked_for() {
             descriptor: Descriptor::None,
         })
     };
-    let mut ack = |c: &mut ReceiverCore, transport: &str| {
+    let ack = |c: &mut ReceiverCore, transport: &str| {
         let mut out = Vec::new();
         c.handle(P, ask(transport), t0, &mut out);
         match out.pop() {
