@@ -49,6 +49,14 @@ pub struct ReceiverArgs {
     /// decoder that only counts (for load tests).
     #[arg(long)]
     pub consume: bool,
+    /// Also offer the TCP data plane: bind its listener here (e.g.
+    /// `10.0.0.2:7401`; port 0 picks one).
+    #[arg(long)]
+    pub tcp_data: Option<SocketAddr>,
+    /// IP announced to senders for the TCP data plane (needed when
+    /// `--tcp-data` binds a wildcard address).
+    #[arg(long)]
+    pub tcp_advertise: Option<std::net::IpAddr>,
 }
 
 /// Runs a receiver until SIGINT/SIGTERM.
@@ -72,6 +80,8 @@ pub fn run(a: ReceiverArgs) -> ExitCode {
         shm_path: a.shm_path,
         pin_cpu: a.pin_cpu,
         auto_consume: a.consume,
+        tcp_data: a.tcp_data,
+        tcp_data_advertise: a.tcp_advertise,
         ..ReceiverConfig::default()
     };
     let termination = match super::signals::Termination::install() {
@@ -96,6 +106,9 @@ pub fn run(a: ReceiverArgs) -> ExitCode {
         None => None,
     };
     println!("kvferry receiver listening on {}", receiver.endpoint());
+    if let Some(addr) = receiver.tcp_data_addr() {
+        println!("kvferry receiver tcp data on {addr}");
+    }
     let _ = std::io::stdout().flush();
     termination.wait();
     ExitCode::SUCCESS

@@ -61,10 +61,15 @@ pub struct CoreConfig {
     /// How long slots of a failed request stay quarantined when no fence
     /// (`CancelNotif` from a kvferry sender) arrives.
     pub quarantine_grace: Duration,
-    /// Transport name announced in `HelloAck`.
+    /// Transport name announced in `HelloAck` (the default offer).
     pub transport: String,
     /// Transport descriptor announced in `HelloAck` (e.g. the shm path).
     pub descriptor: Descriptor,
+    /// Further data planes offered (e.g. `("tcp", Descriptor::Tcp {..})`).
+    /// `HelloAck` answers with the offer named by `Hello.transport`; when
+    /// none matches, with the default offer above, whose differing name
+    /// tells the sender its transport is not available here.
+    pub other_transports: Vec<(String, Descriptor)>,
     /// Answer `Hello` (default). `false` makes the receiver behave like an
     /// LMCache receiver, which knows no extensions: `Hello` goes unanswered.
     pub answer_hello: bool,
@@ -222,6 +227,12 @@ impl ReceiverCore {
     /// The core's configuration.
     pub fn config(&self) -> &CoreConfig {
         &self.cfg
+    }
+
+    /// The slot allocator of the receive buffer (a cheap cloneable handle;
+    /// the TCP data thread asks it which slots are in use).
+    pub fn slot_allocator(&self) -> &crate::slots::SlotAllocator {
+        &self.slots
     }
 
     /// The reservation ledger (for lock-free stats readers).
@@ -418,11 +429,17 @@ impl ReceiverCore {
     fn on_hello(&mut self, peer: &[u8], h: &Hello) -> HelloAck {
         debug!(sender_id = %h.sender_id, version = h.version, transport = %h.transport, "hello");
         self.peers.insert(peer.to_vec(), h.sender_id.clone());
+        let (transport, descriptor) = self
+            .cfg
+            .other_transports
+            .iter()
+            .find(|(name, _)| *name == h.transport && *name != self.cfg.transport)
+            .map_or((&self.cfg.transport, &self.cfg.descriptor), |(n, d)| (n, d));
         HelloAck {
             receiver_id: self.cfg.receiver_id.clone(),
             version: PROTOCOL_VERSION,
-            transport: self.cfg.transport.clone(),
-            descriptor: self.cfg.descriptor.clone(),
+            transport: transport.clone(),
+            descriptor: descriptor.clone(),
             chunk_bytes: self.cfg.chunk_bytes,
             capacity_chunks: self.cfg.capacity_chunks as u64,
         }

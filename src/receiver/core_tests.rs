@@ -21,6 +21,7 @@ fn cfg(capacity: usize) -> CoreConfig {
         quarantine_grace: Duration::from_secs(10),
         transport: "shm".into(),
         descriptor: Descriptor::None,
+        other_transports: Vec::new(),
         answer_hello: true,
         auto_consume: false,
     }
@@ -580,4 +581,42 @@ fn auto_consume_releases_on_transfer_done() {
         2,
         "B admitted by the release"
     );
+}
+
+#[test]
+fn hello_ack_answers_the_offer_the_sender_asked_for() {
+    let t0 = Instant::now();
+    let tcp = Descriptor::Tcp {
+        addr: "127.0.0.1:9".into(),
+    };
+    let mut c = ReceiverCore::new(
+        CoreConfig {
+            other_transports: vec![("tcp".into(), tcp.clone())],
+            ..cfg(4)
+        },
+        t0,
+    );
+    let ask = |transport: &str| {
+        Message::Hello(Hello {
+            sender_id: "s1".into(),
+            version: crate::protocol::PROTOCOL_VERSION,
+            transport: transport.into(),
+            descriptor: Descriptor::None,
+        })
+    };
+    let ack = |c: &mut ReceiverCore, transport: &str| {
+        let mut out = Vec::new();
+        c.handle(P, ask(transport), t0, &mut out);
+        match out.pop() {
+            Some(Output::Send {
+                message: Message::HelloAck(a),
+                ..
+            }) => (a.transport, a.descriptor),
+            other => panic!("expected a HelloAck, got {other:?}"),
+        }
+    };
+    assert_eq!(ack(&mut c, "tcp"), ("tcp".to_owned(), tcp));
+    assert_eq!(ack(&mut c, "shm"), ("shm".to_owned(), Descriptor::None));
+    // Not offered: the default offer, whose name differs from the ask.
+    assert_eq!(ack(&mut c, "rdma"), ("shm".to_owned(), Descriptor::None));
 }

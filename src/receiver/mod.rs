@@ -14,8 +14,10 @@ pub mod core;
 mod ctrl;
 pub mod keys;
 mod metrics;
+mod tcp_data;
 
 use std::collections::{HashMap, VecDeque};
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -59,6 +61,13 @@ pub struct ReceiverConfig {
     /// Release each request's chunks as soon as it is complete (a decoder
     /// that only counts; for load tests). Default `false`.
     pub auto_consume: bool,
+    /// Also offer the TCP data plane: bind its listener here (port 0 picks
+    /// one; see [`Receiver::tcp_data_addr`]). Default `None`: shm only.
+    pub tcp_data: Option<SocketAddr>,
+    /// The IP announced to senders for the TCP data plane, when it differs
+    /// from the bound one (required when `tcp_data` binds a wildcard
+    /// address such as `0.0.0.0`).
+    pub tcp_data_advertise: Option<IpAddr>,
 }
 
 impl Default for ReceiverConfig {
@@ -76,6 +85,8 @@ impl Default for ReceiverConfig {
             pin_cpu: None,
             answer_hello: true,
             auto_consume: false,
+            tcp_data: None,
+            tcp_data_advertise: None,
         }
     }
 }
@@ -101,6 +112,15 @@ pub enum ReceiverError {
     /// The ctrl thread or its poller could not be started.
     #[error("cannot start the receiver's control thread: {0}")]
     Thread(#[from] std::io::Error),
+    /// The TCP data listener could not be bound or started.
+    #[error("cannot serve the tcp data plane on {addr}: {source}")]
+    TcpData {
+        /// The address asked for.
+        addr: SocketAddr,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Why [`Receiver::wait_ready`] returned without the request being ready.
@@ -203,6 +223,7 @@ pub struct Receiver {
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
     endpoint: String,
+    tcp: Option<tcp_data::TcpData>,
 }
 
 impl std::fmt::Debug for Receiver {
@@ -227,6 +248,21 @@ impl Receiver {
         if cfg.chunk_bytes == 0 {
             return Err(ReceiverError::Config("chunk_bytes must be positive".into()));
         }
+        let tcp_listener = match cfg.tcp_data {
+            Some(at) => {
+                let tcp_error = |source| ReceiverError::TcpData { addr: at, source };
+                let l = tcp_data::TcpData::bind(at).map_err(tcp_error)?;
+                let bound = l.local_addr().map_err(tcp_error)?;
+                let ip = cfg.tcp_data_advertise.unwrap_or(bound.ip());
+                if ip.is_unspecified() {
+                    return Err(ReceiverError::Config(format!(
+                        "tcp_data binds the wildcard address {bound}: set tcp_data_advertise to the IP senders should use"
+                    )));
+                }
+                Some((l, SocketAddr::new(ip, bound.port())))
+            }
+            None => None,
+        };
         let path = cfg.shm_path.clone().unwrap_or_else(default_region_path);
         let region = Region::create(&path, cfg.chunk_bytes, cfg.capacity_chunks as u64)?;
         let sock = crate::zmq_io::context()
@@ -263,6 +299,17 @@ impl Receiver {
                     path: path.to_string_lossy().into_owned(),
                     len: region.data_len(),
                 },
+                other_transports: tcp_listener
+                    .iter()
+                    .map(|(_, addr)| {
+                        (
+                            "tcp".to_owned(),
+                            Descriptor::Tcp {
+                                addr: addr.to_string(),
+                            },
+                        )
+                    })
+                    .collect(),
                 answer_hello: cfg.answer_hello,
                 auto_consume: cfg.auto_consume,
             },
@@ -284,6 +331,17 @@ impl Receiver {
             waker: reactor.waker(),
             stop: AtomicBool::new(false),
         });
+        let tcp = match tcp_listener {
+            Some((listener, addr)) => {
+                let slots = shared.state.lock().core.slot_allocator().clone();
+                let name = format!("kvf-recv-tcp-{}", cfg.receiver_id);
+                Some(
+                    tcp_data::TcpData::start(listener, addr, Arc::clone(&shared), slots, name)
+                        .map_err(|source| ReceiverError::TcpData { addr, source })?,
+                )
+            }
+            None => None,
+        };
         let thread = {
             let shared = Arc::clone(&shared);
             let limits = cfg.limits.clone();
@@ -300,7 +358,30 @@ impl Receiver {
             shared,
             thread: Some(thread),
             endpoint,
+            tcp,
         })
+    }
+
+    /// The address of the TCP data listener announced to senders (with the
+    /// actual port when port 0 was asked for); `None` without `tcp_data`.
+    pub fn tcp_data_addr(&self) -> Option<SocketAddr> {
+        self.tcp.as_ref().map(|t| t.addr())
+    }
+
+    /// TCP data connections open now (0 without `tcp_data`).
+    pub fn tcp_data_connections(&self) -> usize {
+        self.tcp.as_ref().map_or(0, |t| t.connections())
+    }
+
+    /// Closes every TCP data connection at once, as a network failure
+    /// would (asynchronous: the data thread does it at its next wake-up).
+    /// The senders' writes in flight on them fail with `ConnectionLost`
+    /// and their requests abort; the senders reconnect for new writes. For
+    /// fault tests and operators.
+    pub fn cut_tcp_data_connections(&self) {
+        if let Some(t) = &self.tcp {
+            t.cut();
+        }
     }
 
     /// The bound endpoint (with the actual port when `:0` was asked for).
@@ -401,6 +482,9 @@ impl Receiver {
         let _ = self.shared.waker.wake();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
+        }
+        if let Some(mut tcp) = self.tcp.take() {
+            tcp.stop();
         }
         let mut st = self.shared.state.lock();
         st.shut_down = true;

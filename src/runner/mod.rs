@@ -148,6 +148,9 @@ pub fn run_with(
             capacity_chunks: cfg.capacity_chunks,
             chunk_bytes: cfg.chunk_bytes,
             quarantine_grace: Duration::from_secs(2),
+            // Offer the TCP data plane on loopback when the run uses it.
+            tcp_data: (cfg.transport == "tcp")
+                .then(|| std::net::SocketAddr::from(([127, 0, 0, 1], 0))),
             ..ReceiverConfig::default()
         })
         .map_err(|e| RunError::Start(e.to_string()))?;

@@ -320,6 +320,18 @@ impl Ctrl {
             }
         };
         match (&self.peers[i].mode, msg) {
+            (Mode::Handshaking(_), Message::HelloAck(ack))
+                if ack.transport != self.shared.cfg.transport =>
+            {
+                // The receiver does not offer our data plane (it answers
+                // with its default offer instead).
+                let p = &mut self.peers[i];
+                p.mode = Mode::Failed(format!(
+                    "receiver at {} does not offer the {} data plane (it offers {})",
+                    p.endpoint, self.shared.cfg.transport, ack.transport
+                ));
+                self.dirty_peer(i);
+            }
             (Mode::Handshaking(_), Message::HelloAck(ack)) => {
                 let remote = RemoteBuffer {
                     descriptor: ack.descriptor.clone(),

@@ -159,6 +159,18 @@ impl AtomicBitmap {
         res.bad += (!prev & mask).count_ones() as usize;
     }
 
+    /// True if bit `bit` is set (in use); false past the end.
+    pub(crate) fn is_set(&self, bit: usize) -> bool {
+        if bit >= self.bits {
+            return false;
+        }
+        // Acquire: pairs with the Release `fetch_and` in `clear` and the
+        // Acquire/Release CAS in `claim`, so a reader that sees the bit set
+        // sees the claim that set it. A point-in-time answer only: the bit
+        // may change right after.
+        self.words[bit / 64].load(Ordering::Acquire) & (1u64 << (bit % 64)) != 0
+    }
+
     /// A copy of the bits (1 = in use), padding excluded.
     pub(crate) fn snapshot(&self) -> BitVec<u64> {
         // Relaxed: a debug view; each word is read atomically, the whole

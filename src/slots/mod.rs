@@ -195,6 +195,13 @@ impl SlotAllocator {
         self.inner.sem.committed()
     }
 
+    /// True if `slot` is handed out right now (false for a free or
+    /// out-of-range slot). Lock-free and read-only; a point-in-time answer
+    /// (another thread may allocate or free it right after).
+    pub fn is_in_use(&self, slot: u32) -> bool {
+        self.inner.bits.is_set(slot as usize)
+    }
+
     /// Allocators queued in `alloc`.
     pub fn waiters(&self) -> usize {
         self.inner.sem.waiters()

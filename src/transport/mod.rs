@@ -20,6 +20,7 @@ mod error;
 pub mod fault;
 mod op;
 pub mod shm;
+pub mod tcp;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -116,19 +117,15 @@ pub trait Completions: Send {
     ) -> PollStatus;
 }
 
-/// Builds a transport by name: `"shm"` → [`shm::ShmTransport`]; `"tcp"` and
-/// `"rdma"` → [`TransportError::NotBuilt`] (not in this build yet); anything
+/// Builds a transport by name: `"shm"` → [`shm::ShmTransport`]; `"tcp"` →
+/// [`tcp::TcpTransport`]; `"rdma"` → [`TransportError::NotBuilt`] (not in
+/// this build yet); anything
 /// else → [`TransportError::UnknownTransport`]. Wrapped in a
 /// [`FaultTransport`] when `cfg.fault` is set.
 pub fn by_name(name: &str, cfg: &TransportConfig) -> Result<Box<dyn Transport>, TransportError> {
     let inner: Box<dyn Transport> = match name {
         "shm" => Box::new(shm::ShmTransport::new(cfg)?),
-        "tcp" => {
-            return Err(TransportError::NotBuilt {
-                transport: "tcp",
-                feature: "the tcp transport module",
-            })
-        }
+        "tcp" => Box::new(tcp::TcpTransport::new(cfg)?),
         "rdma" => {
             return Err(TransportError::NotBuilt {
                 transport: "rdma",

@@ -1,0 +1,1170 @@
+//! The TCP transport: `kvferry run` scenarios over loopback (with aborts and
+//! injected write failures), a data connection cut mid-transfer, and
+//! transport-level tests of the poster/completions pair against a real
+//! receiver's data listener and against scripted fake listeners.
+
+mod common;
+
+use std::collections::HashSet;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvferry::protocol::{Descriptor, ErrorCode};
+use kvferry::receiver::{Receiver, ReceiverConfig, ReceiverError};
+use kvferry::runner::{self, ChunkRange, Progress, RunConfig};
+use kvferry::sender::{RequestStatus, Sender, SenderConfig, TransferSpec};
+use kvferry::staging::StagingBuffer;
+use kvferry::transport::tcp::wire::{
+    self, Ack, Header, Preamble, ACK_LEN, HEADER_LEN, PREAMBLE_ACK_LEN, PREAMBLE_LEN,
+};
+use kvferry::transport::tcp::TcpTransport;
+use kvferry::transport::{
+    by_name, Completion, CompletionStatus, Completions, PollStatus, Poster, RemoteBuffer,
+    Transport, TransportConfig, TransportError, WriteOp,
+};
+
+use common::{alloc, assert_ok, keys, Client, CHUNK_BYTES};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+// ----- kvferry run over tcp -------------------------------------------------
+
+fn small(requests: usize) -> RunConfig {
+    RunConfig {
+        prefillers: 2,
+        decoders: 2,
+        requests,
+        chunks: ChunkRange { min: 1, max: 8 },
+        batch: 3,
+        chunk_bytes: 4096,
+        staging_slots: 12,
+        capacity_chunks: 16,
+        concurrency: 4,
+        stall_timeout_s: 20.0,
+        transport: "tcp".into(),
+        ..RunConfig::default()
+    }
+}
+
+fn assert_no_leaks(r: &runner::RunReport) {
+    assert!(!r.deadlock, "watchdog fired: {:#?}", r.stall_dump);
+    assert_eq!(r.checksum_mismatches, 0, "{}", r.render());
+    assert_eq!(
+        (
+            r.leaked_staging_slots,
+            r.leaked_receiver_slots,
+            r.leaked_reservations
+        ),
+        (0, 0, 0),
+        "{}",
+        r.render()
+    );
+}
+
+#[test]
+fn run_over_tcp_succeeds_without_leaks() {
+    let r = runner::run(small(1000), Progress::Quiet).expect("run starts");
+    assert_no_leaks(&r);
+    assert!(r.success(), "{}", r.render());
+    assert_eq!(r.completed, 1000, "{}", r.render());
+}
+
+#[test]
+fn run_over_tcp_with_aborts_and_write_failures_succeeds_without_leaks() {
+    let cfg = RunConfig {
+        abort_rate: 0.05,
+        fail_rate: 0.02,
+        seed: 7,
+        ..small(2000)
+    };
+    let r = runner::run(cfg, Progress::Quiet).expect("run starts");
+    assert_no_leaks(&r);
+    assert!(r.success(), "{}", r.render());
+    assert_eq!(r.completed + r.aborted + r.failed, 2000, "{}", r.render());
+    assert!(r.aborted > 0 && r.failed > 0, "{}", r.render());
+    assert_eq!(r.unexpected_failures, 0, "{}", r.render());
+}
+
+#[test]
+fn run_over_tcp_with_large_chunks() {
+    let cfg = RunConfig {
+        chunk_bytes: 256 * 1024,
+        staging_slots: 32,
+        capacity_chunks: 32,
+        ..small(200)
+    };
+    let r = runner::run(cfg, Progress::Quiet).expect("run starts");
+    assert_no_leaks(&r);
+    assert!(r.success(), "{}", r.render());
+}
+
+// ----- helpers --------------------------------------------------------------
+
+fn tcp_receiver(capacity: usize) -> Receiver {
+    common::start(ReceiverConfig {
+        tcp_data: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
+        ..common::config(capacity)
+    })
+}
+
+fn remote_of(r: &Receiver) -> RemoteBuffer {
+    RemoteBuffer {
+        descriptor: Descriptor::Tcp {
+            addr: r.tcp_data_addr().expect("tcp data listener").to_string(),
+        },
+        chunk_bytes: r.region().chunk_bytes(),
+        capacity_chunks: r.region().capacity_chunks(),
+    }
+}
+
+fn start(staging: &Arc<StagingBuffer>, ring: usize) -> (Box<dyn Poster>, Box<dyn Completions>) {
+    let cfg = TransportConfig {
+        ring_capacity: ring,
+        ..TransportConfig::default()
+    };
+    by_name("tcp", &cfg)
+        .unwrap()
+        .start(staging.clone())
+        .unwrap()
+}
+
+fn start_with_timeouts(
+    staging: &Arc<StagingBuffer>,
+    connect: Duration,
+    io: Duration,
+) -> (Box<dyn Poster>, Box<dyn Completions>) {
+    let t = TcpTransport::new(&TransportConfig::default())
+        .unwrap()
+        .with_timeouts(connect, io)
+        .unwrap();
+    Box::new(t).start(staging.clone()).unwrap()
+}
+
+fn op(work_id: u64, local_offset: u64, remote_offset: u64, len: u64, peer: u32) -> WriteOp {
+    WriteOp {
+        work_id,
+        local_offset,
+        remote_offset,
+        len,
+        peer,
+        _pad: 0,
+    }
+}
+
+/// Polls until `n` completions arrived; fails naming what hung.
+fn collect(comps: &mut dyn Completions, n: usize, what: &str) -> Vec<Completion> {
+    let deadline = Instant::now() + WAIT;
+    let mut out = Vec::new();
+    while out.len() < n {
+        let want = n - out.len();
+        match comps.poll(&mut out, want, Some(deadline)) {
+            PollStatus::Ready(_) => {}
+            s => panic!(
+                "{what}: waiting for {n} completions, got {} then {s:?}",
+                out.len()
+            ),
+        }
+    }
+    out
+}
+
+/// Posts all `ops`, polling completions whenever credits run out.
+fn post_all(
+    poster: &mut dyn Poster,
+    comps: &mut dyn Completions,
+    ops: &[WriteOp],
+) -> Vec<Completion> {
+    let deadline = Instant::now() + WAIT;
+    let mut done = Vec::new();
+    let mut next = 0;
+    while next < ops.len() {
+        next += poster.post(&ops[next..]).unwrap();
+        if next < ops.len() {
+            assert!(
+                poster.in_flight() > 0,
+                "post accepted nothing, nothing in flight"
+            );
+            match comps.poll(&mut done, usize::MAX, Some(deadline)) {
+                PollStatus::Ready(_) => {}
+                s => panic!("post_all: completion poll hung or closed: {s:?}"),
+            }
+        }
+    }
+    let missing = ops.len() - done.len();
+    done.extend(collect(comps, missing, "post_all drain"));
+    done
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (seed.wrapping_mul(31).wrapping_add(i as u64 * 7) % 251) as u8 + 1)
+        .collect()
+}
+
+/// Grants `n` slots of a fresh request at `r` through the control plane.
+fn grant(r: &Receiver, client: &Client, req: &str, n: usize) -> Vec<u32> {
+    let ks = keys(req, n);
+    let resp = client.call(&alloc(req, &ks, n as i64, false, None), "grant");
+    let slots = assert_ok(&resp, n);
+    assert!(slots
+        .iter()
+        .all(|&s| (s as u64) < r.region().capacity_chunks()));
+    slots
+}
+
+fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let end = Instant::now() + WAIT;
+    while !cond() {
+        assert!(Instant::now() < end, "hung waiting for: {what}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+// ----- transport level against a real receiver ------------------------------
+
+#[test]
+fn writes_land_in_granted_slots_with_credit_flow() {
+    let r = tcp_receiver(8);
+    let client = Client::connect(r.endpoint(), "granter");
+    let slots = grant(&r, &client, "req", 4);
+    assert_eq!(slots, vec![0, 1, 2, 3], "a fresh buffer grants from slot 0");
+    let staging = Arc::new(StagingBuffer::new(8, CHUNK_BYTES).unwrap());
+    let datas: Vec<Vec<u8>> = (0..8).map(|i| pattern(i, CHUNK_BYTES as usize)).collect();
+    for (i, d) in datas.iter().enumerate() {
+        staging.write_slot(i as u32, d).unwrap();
+    }
+    // Ring of 4: posting 40 ops needs credits back many times.
+    let (mut poster, mut comps) = start(&staging, 4);
+    let peer = poster.connect(&remote_of(&r)).unwrap();
+    assert_eq!(poster.credits(), 4);
+    let ops: Vec<WriteOp> = (0..40u64)
+        .map(|w| {
+            let local = w % 8;
+            let slot = u64::from(slots[(w % 4) as usize]);
+            op(
+                w,
+                local * CHUNK_BYTES,
+                slot * CHUNK_BYTES,
+                CHUNK_BYTES,
+                peer,
+            )
+        })
+        .collect();
+    let done = post_all(&mut *poster, &mut *comps, &ops);
+    assert_eq!(done.len(), 40);
+    assert!(done.iter().all(Completion::ok), "{done:?}");
+    let ids: HashSet<u64> = done.iter().map(|c| c.work_id).collect();
+    assert_eq!(ids.len(), 40, "every op completed exactly once");
+    assert_eq!(poster.in_flight(), 0);
+    // The last writes to each slot were ops 36..40: locals 4..8.
+    for (k, &slot) in slots.iter().enumerate() {
+        assert_eq!(
+            r.region().read_slot(slot, CHUNK_BYTES as usize).unwrap(),
+            datas[4 + k],
+            "slot {slot}"
+        );
+    }
+    // A coalesced write over the run of slots 1..3 and an empty write.
+    let mut run = datas[6].clone();
+    run.extend_from_slice(&datas[7]);
+    let done = post_all(
+        &mut *poster,
+        &mut *comps,
+        &[
+            op(100, 6 * CHUNK_BYTES, CHUNK_BYTES, 2 * CHUNK_BYTES, peer),
+            op(101, 0, 0, 0, peer),
+        ],
+    );
+    assert!(done.iter().all(Completion::ok), "{done:?}");
+    assert_eq!(r.region().read_slot(1, 4096).unwrap(), datas[6]);
+    assert_eq!(r.region().read_slot(2, 4096).unwrap(), datas[7]);
+    assert_eq!(r.tcp_data_connections(), 1, "one connection per receiver");
+}
+
+#[test]
+fn a_write_outside_the_granted_slots_is_rejected_and_closes_the_connection() {
+    let r = tcp_receiver(8);
+    let client = Client::connect(r.endpoint(), "granter");
+    let slots = grant(&r, &client, "req", 2);
+    assert_eq!(slots, vec![0, 1]);
+    let staging = Arc::new(StagingBuffer::new(4, CHUNK_BYTES).unwrap());
+    staging.write_slot(0, &pattern(9, 4096)).unwrap();
+    let (mut poster, mut comps) = start(&staging, 16);
+    let peer = poster.connect(&remote_of(&r)).unwrap();
+    wait_until("the data connection is up", || {
+        r.tcp_data_connections() == 1
+    });
+    // Slot 5 is free; the good write behind it is on the same connection.
+    let done = post_all(
+        &mut *poster,
+        &mut *comps,
+        &[
+            op(1, 0, 5 * CHUNK_BYTES, CHUNK_BYTES, peer),
+            op(2, 0, 0, CHUNK_BYTES, peer),
+        ],
+    );
+    assert_eq!(
+        done,
+        vec![
+            Completion::new(1, CompletionStatus::OutOfBounds),
+            Completion::new(2, CompletionStatus::ConnectionLost),
+        ]
+    );
+    assert_eq!(r.region().read_slot(5, 4096).unwrap(), vec![0; 4096]);
+    wait_until("the receiver closed the connection", || {
+        r.tcp_data_connections() == 0
+    });
+    // A write straddling a granted and a free slot is rejected too.
+    let done = post_all(
+        &mut *poster,
+        &mut *comps,
+        &[op(3, 0, CHUNK_BYTES + 1, CHUNK_BYTES, peer)],
+    );
+    assert_eq!(
+        done,
+        vec![Completion::new(3, CompletionStatus::OutOfBounds)]
+    );
+    // Past the end of the buffer: refused by the sender, nothing sent.
+    let done = post_all(
+        &mut *poster,
+        &mut *comps,
+        &[
+            op(4, 0, 8 * CHUNK_BYTES, 1, peer),
+            op(5, 4 * CHUNK_BYTES, 0, 1, peer),
+        ],
+    );
+    assert_eq!(
+        done,
+        vec![
+            Completion::new(4, CompletionStatus::OutOfBounds),
+            Completion::new(5, CompletionStatus::OutOfBounds),
+        ]
+    );
+    // The next good write reconnects and lands.
+    let done = post_all(&mut *poster, &mut *comps, &[op(6, 0, 0, CHUNK_BYTES, peer)]);
+    assert_eq!(done, vec![Completion::new(6, CompletionStatus::Ok)]);
+    assert_eq!(r.region().read_slot(0, 4096).unwrap(), pattern(9, 4096));
+}
+
+#[test]
+fn the_receiver_checks_range_and_preamble_on_raw_connections() {
+    let r = tcp_receiver(4);
+    let addr = r.tcp_data_addr().unwrap();
+    let greet = |p: Preamble| {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(WAIT)).unwrap();
+        s.write_all(&p.encode()).unwrap();
+        let mut ack = [0u8; PREAMBLE_ACK_LEN];
+        s.read_exact(&mut ack).unwrap();
+        (s, wire::decode_preamble_ack(&ack))
+    };
+    let good = Preamble {
+        version: wire::VERSION,
+        chunk_bytes: CHUNK_BYTES,
+        capacity_chunks: 4,
+    };
+    let expect_eof = |s: &mut TcpStream, what: &str| {
+        let mut rest = Vec::new();
+        match s.read_to_end(&mut rest) {
+            Ok(_) => assert!(rest.is_empty(), "{what}: trailing bytes {rest:?}"),
+            Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{what}"),
+        }
+    };
+    // Geometry other than the buffer's.
+    let (mut s, status) = greet(Preamble {
+        capacity_chunks: 5,
+        ..good
+    });
+    assert_eq!(status, Some(wire::PREAMBLE_BAD_GEOMETRY));
+    expect_eof(&mut s, "bad geometry");
+    drop(s);
+    // Unknown version.
+    let (mut s, status) = greet(Preamble {
+        version: 99,
+        ..good
+    });
+    assert_eq!(status, Some(wire::PREAMBLE_BAD_VERSION));
+    expect_eof(&mut s, "bad version");
+    drop(s);
+    // Not a kvferry client at all.
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    s.write_all(&[0xAB; PREAMBLE_LEN]).unwrap();
+    let mut ack = [0u8; PREAMBLE_ACK_LEN];
+    s.read_exact(&mut ack).unwrap();
+    assert_eq!(
+        wire::decode_preamble_ack(&ack),
+        Some(wire::PREAMBLE_BAD_VERSION)
+    );
+    expect_eof(&mut s, "garbage preamble");
+    drop(s);
+    // Accepted, then an offset overflowing u64 and one past the end.
+    for hdr in [
+        Header {
+            remote_offset: u64::MAX,
+            len: 2,
+            work_id: 5,
+        },
+        Header {
+            remote_offset: 4 * CHUNK_BYTES,
+            len: 1,
+            work_id: 6,
+        },
+    ] {
+        let (mut s, status) = greet(good);
+        assert_eq!(status, Some(wire::PREAMBLE_OK));
+        s.write_all(&hdr.encode()).unwrap();
+        let mut a = [0u8; ACK_LEN];
+        s.read_exact(&mut a).unwrap();
+        assert_eq!(
+            Ack::decode(&a),
+            Some(Ack {
+                work_id: hdr.work_id,
+                status: CompletionStatus::OutOfBounds as u32
+            })
+        );
+        expect_eof(&mut s, "out of range");
+    }
+    // An empty write is fine anywhere inside; a header cut short is no harm.
+    let (mut s, _) = greet(good);
+    s.write_all(
+        &Header {
+            remote_offset: 0,
+            len: 0,
+            work_id: 8,
+        }
+        .encode(),
+    )
+    .unwrap();
+    let mut a = [0u8; ACK_LEN];
+    s.read_exact(&mut a).unwrap();
+    assert_eq!(Ack::decode(&a).map(|a| (a.work_id, a.status)), Some((8, 0)));
+    s.write_all(&[1, 2, 3]).unwrap();
+    drop(s);
+    wait_until("every raw connection closed", || {
+        r.tcp_data_connections() == 0
+    });
+    assert_eq!(r.stats().allocated_chunks, 0);
+}
+
+#[test]
+fn connect_checks_the_descriptor_and_reports_typed_errors() {
+    let r = tcp_receiver(4);
+    let staging = Arc::new(StagingBuffer::new(1, CHUNK_BYTES).unwrap());
+    let (mut poster, _comps) = start(&staging, 8);
+    let good = remote_of(&r);
+    let shm = RemoteBuffer {
+        descriptor: Descriptor::Shm {
+            path: "/nonexistent".into(),
+            len: 4 * CHUNK_BYTES,
+        },
+        ..good.clone()
+    };
+    assert!(matches!(
+        poster.connect(&shm),
+        Err(TransportError::Unsupported {
+            transport: "tcp",
+            descriptor: "shm"
+        })
+    ));
+    let with_addr = |addr: &str| RemoteBuffer {
+        descriptor: Descriptor::Tcp { addr: addr.into() },
+        ..good.clone()
+    };
+    assert!(matches!(
+        poster.connect(&with_addr("not an address")),
+        Err(TransportError::BadDescriptor(_))
+    ));
+    let zero = RemoteBuffer {
+        capacity_chunks: 0,
+        ..good.clone()
+    };
+    assert!(matches!(
+        poster.connect(&zero),
+        Err(TransportError::BadDescriptor(_))
+    ));
+    // The listener refuses a geometry other than its buffer's.
+    let wrong = RemoteBuffer {
+        capacity_chunks: 5,
+        ..good.clone()
+    };
+    match poster.connect(&wrong) {
+        Err(TransportError::BadDescriptor(m)) => assert!(m.contains("geometry"), "{m}"),
+        other => panic!("expected a geometry refusal, got {other:?}"),
+    }
+    // Nobody listens there.
+    let closed = {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    match poster.connect(&with_addr(&closed.to_string())) {
+        Err(TransportError::Io(e)) => assert!(e.to_string().contains(&closed.to_string())),
+        other => panic!("expected an I/O error, got {other:?}"),
+    }
+    // Connecting twice is idempotent; a changed geometry for the same
+    // address is refused.
+    let a = poster.connect(&good).unwrap();
+    assert_eq!(poster.connect(&good).unwrap(), a);
+    let changed = RemoteBuffer {
+        chunk_bytes: 2 * CHUNK_BYTES,
+        capacity_chunks: 2,
+        ..good.clone()
+    };
+    assert!(matches!(
+        poster.connect(&changed),
+        Err(TransportError::BadDescriptor(_))
+    ));
+    assert!(matches!(
+        TcpTransport::new(&TransportConfig::default())
+            .unwrap()
+            .with_timeouts(Duration::ZERO, WAIT),
+        Err(TransportError::Config(_))
+    ));
+    assert!(matches!(
+        TcpTransport::new(&TransportConfig {
+            ring_capacity: 0,
+            ..TransportConfig::default()
+        }),
+        Err(TransportError::Config(_))
+    ));
+}
+
+#[test]
+fn unknown_and_disconnected_peers_complete_with_unknown_peer() {
+    let r = tcp_receiver(4);
+    let client = Client::connect(r.endpoint(), "granter");
+    grant(&r, &client, "req", 1);
+    let staging = Arc::new(StagingBuffer::new(1, CHUNK_BYTES).unwrap());
+    let (mut poster, mut comps) = start(&staging, 8);
+    let p = poster.connect(&remote_of(&r)).unwrap();
+    let done = post_all(
+        &mut *poster,
+        &mut *comps,
+        &[op(1, 0, 0, 16, p), op(2, 0, 0, 16, 77)],
+    );
+    assert_eq!(
+        done,
+        vec![
+            Completion::new(2, CompletionStatus::UnknownPeer),
+            Completion::new(1, CompletionStatus::Ok),
+        ]
+    );
+    poster.disconnect(p);
+    poster.disconnect(12345); // unknown: ignored
+    let done = post_all(&mut *poster, &mut *comps, &[op(3, 0, 0, 16, p)]);
+    assert_eq!(
+        done,
+        vec![Completion::new(3, CompletionStatus::UnknownPeer)]
+    );
+    wait_until("the disconnected peer's connection closed", || {
+        r.tcp_data_connections() == 0
+    });
+}
+
+#[test]
+fn post_stops_at_the_credit_limit_and_poll_respects_max_and_deadline() {
+    let r = tcp_receiver(4);
+    let client = Client::connect(r.endpoint(), "granter");
+    grant(&r, &client, "req", 1);
+    let staging = Arc::new(StagingBuffer::new(1, CHUNK_BYTES).unwrap());
+    let (mut poster, mut comps) = start(&staging, 4);
+    let p = poster.connect(&remote_of(&r)).unwrap();
+    let ops: Vec<WriteOp> = (0..10).map(|w| op(w, 0, 0, 64, p)).collect();
+    assert_eq!(poster.post(&ops).unwrap(), 4);
+    assert_eq!(poster.in_flight(), 4);
+    assert_eq!(poster.post(&ops[4..]).unwrap(), 0, "no credit left");
+    let mut out = Vec::new();
+    assert_eq!(comps.poll(&mut out, 0, None), PollStatus::Ready(0));
+    let first = collect(&mut *comps, 1, "one of four");
+    assert_eq!(first.len(), 1);
+    let rest = collect(&mut *comps, 3, "the other three");
+    assert_eq!(rest.len(), 3);
+    assert_eq!(poster.in_flight(), 0);
+    assert_eq!(poster.post(&ops[4..]).unwrap(), 4);
+    collect(&mut *comps, 4, "second round");
+    let t = Instant::now();
+    let mut out = Vec::new();
+    assert_eq!(
+        comps.poll(&mut out, 8, Some(t + Duration::from_millis(20))),
+        PollStatus::TimedOut
+    );
+    assert!(out.is_empty());
+}
+
+#[test]
+fn dropping_the_poster_delivers_every_completion_then_closed() {
+    let r = tcp_receiver(4);
+    let client = Client::connect(r.endpoint(), "granter");
+    grant(&r, &client, "req", 2);
+    let staging = Arc::new(StagingBuffer::new(2, CHUNK_BYTES).unwrap());
+    let (mut poster, mut comps) = start(&staging, 64);
+    let p = poster.connect(&remote_of(&r)).unwrap();
+    let ops: Vec<WriteOp> = (0..50)
+        .map(|w| {
+            op(
+                w,
+                (w % 2) * CHUNK_BYTES,
+                (w % 2) * CHUNK_BYTES,
+                CHUNK_BYTES,
+                p,
+            )
+        })
+        .collect();
+    assert_eq!(poster.post(&ops).unwrap(), 50);
+    drop(poster);
+    let done = collect(&mut *comps, 50, "drain after drop");
+    assert!(done.iter().all(Completion::ok));
+    let mut out = Vec::new();
+    assert_eq!(
+        comps.poll(&mut out, 8, Some(Instant::now() + WAIT)),
+        PollStatus::Closed
+    );
+}
+
+#[test]
+fn post_fails_with_closed_once_the_engine_stopped() {
+    let r = tcp_receiver(1);
+    let client = Client::connect(r.endpoint(), "granter");
+    grant(&r, &client, "req", 1);
+    let staging = Arc::new(StagingBuffer::new(1, 64).unwrap());
+    let (mut poster, comps) = start(&staging, 8);
+    let p = poster.connect(&remote_of(&r)).unwrap();
+    drop(comps);
+    let deadline = Instant::now() + WAIT;
+    let mut work_id = 0;
+    loop {
+        match poster.post(&[op(work_id, 0, 0, 64, p)]) {
+            Err(TransportError::Closed) => break,
+            Ok(_) => {}
+            Err(e) => panic!("unexpected error {e}"),
+        }
+        work_id += 1;
+        assert!(
+            Instant::now() < deadline,
+            "engine did not stop after its completion half was dropped"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(matches!(
+        poster.connect(&remote_of(&r)),
+        Ok(_) | Err(TransportError::Closed)
+    ));
+}
+
+// ----- scripted fake listeners: loss and timeouts ---------------------------
+
+/// Accepts one connection and answers its preamble.
+fn fake_accept(l: &TcpListener) -> TcpStream {
+    let (mut s, _) = l.accept().unwrap();
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    let mut p = [0u8; PREAMBLE_LEN];
+    s.read_exact(&mut p).unwrap();
+    assert!(Preamble::decode(&p).is_some());
+    s.write_all(&wire::encode_preamble_ack(wire::PREAMBLE_OK))
+        .unwrap();
+    s
+}
+
+/// Reads one write and returns its header.
+fn fake_read_write(s: &mut TcpStream) -> Header {
+    let mut h = [0u8; HEADER_LEN];
+    s.read_exact(&mut h).unwrap();
+    let h = Header::decode(&h);
+    let mut payload = vec![0u8; h.len as usize];
+    s.read_exact(&mut payload).unwrap();
+    h
+}
+
+fn fake_remote(addr: SocketAddr) -> RemoteBuffer {
+    RemoteBuffer {
+        descriptor: Descriptor::Tcp {
+            addr: addr.to_string(),
+        },
+        chunk_bytes: 4096,
+        capacity_chunks: 4,
+    }
+}
+
+#[test]
+fn connection_loss_fails_in_flight_writes_and_the_next_post_reconnects() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let staging = Arc::new(StagingBuffer::new(4, 4096).unwrap());
+    let (mut poster, mut comps) = start(&staging, 16);
+    let fake = std::thread::spawn(move || {
+        // First connection: ack one write, read two more, then drop it.
+        let mut s = fake_accept(&l);
+        let h = fake_read_write(&mut s);
+        s.write_all(
+            &Ack {
+                work_id: h.work_id,
+                status: 0,
+            }
+            .encode(),
+        )
+        .unwrap();
+        fake_read_write(&mut s);
+        fake_read_write(&mut s);
+        drop(s);
+        // Second connection: ack everything.
+        let mut s = fake_accept(&l);
+        let h = fake_read_write(&mut s);
+        s.write_all(
+            &Ack {
+                work_id: h.work_id,
+                status: 0,
+            }
+            .encode(),
+        )
+        .unwrap();
+        h.work_id
+    });
+    let p = poster.connect(&fake_remote(addr)).unwrap();
+    let done = post_all(
+        &mut *poster,
+        &mut *comps,
+        &[
+            op(1, 0, 0, 4096, p),
+            op(2, 0, 4096, 4096, p),
+            op(3, 0, 8192, 10, p),
+        ],
+    );
+    assert_eq!(
+        done,
+        vec![
+            Completion::new(1, CompletionStatus::Ok),
+            Completion::new(2, CompletionStatus::ConnectionLost),
+            Completion::new(3, CompletionStatus::ConnectionLost),
+        ]
+    );
+    let done = post_all(&mut *poster, &mut *comps, &[op(4, 0, 0, 100, p)]);
+    assert_eq!(done, vec![Completion::new(4, CompletionStatus::Ok)]);
+    assert_eq!(fake.join().unwrap(), 4);
+}
+
+#[test]
+fn out_of_order_acks_and_a_stalled_receiver_fail_the_connection() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let staging = Arc::new(StagingBuffer::new(1, 4096).unwrap());
+    let (mut poster, mut comps) =
+        start_with_timeouts(&staging, Duration::from_secs(5), Duration::from_millis(200));
+    let stop = Arc::new(AtomicBool::new(false));
+    let fake = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            // An ack for a write that was not next: a protocol error.
+            let mut s = fake_accept(&l);
+            fake_read_write(&mut s);
+            s.write_all(
+                &Ack {
+                    work_id: 999,
+                    status: 0,
+                }
+                .encode(),
+            )
+            .unwrap();
+            // Then a receiver that reads but never acks.
+            let mut s2 = fake_accept(&l);
+            fake_read_write(&mut s2);
+            while !stop.load(Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            drop((s, s2));
+        })
+    };
+    let p = poster.connect(&fake_remote(addr)).unwrap();
+    let done = post_all(&mut *poster, &mut *comps, &[op(1, 0, 0, 8, p)]);
+    assert_eq!(
+        done,
+        vec![Completion::new(1, CompletionStatus::ConnectionLost)]
+    );
+    let done = post_all(&mut *poster, &mut *comps, &[op(2, 0, 0, 8, p)]);
+    assert_eq!(
+        done,
+        vec![Completion::new(2, CompletionStatus::ConnectionLost)],
+        "the I/O timeout fails a write that is never acked"
+    );
+    stop.store(true, Ordering::Relaxed);
+    fake.join().unwrap();
+}
+
+// ----- the receiver side: offers and configuration ---------------------------
+
+#[test]
+fn a_sender_asking_for_tcp_fails_cleanly_at_a_receiver_without_it() {
+    let r = common::start(common::config(4));
+    assert_eq!(r.tcp_data_addr(), None);
+    assert_eq!(r.tcp_data_connections(), 0);
+    r.cut_tcp_data_connections(); // no-op without tcp
+    let s = Sender::new(SenderConfig {
+        sender_id: "tcp-asker".into(),
+        chunk_bytes: CHUNK_BYTES,
+        staging_slots: 4,
+        transport: "tcp".into(),
+        ..SenderConfig::default()
+    })
+    .unwrap();
+    let spec = TransferSpec::new("r1", r.endpoint(), 1, true);
+    s.store(&spec, &["k"], &[&[1u8; 64][..]]).unwrap();
+    match s.wait("r1", Instant::now() + WAIT) {
+        Some(RequestStatus::Failed { code, reason }) => {
+            assert_eq!(code, ErrorCode::PeerUnavailable);
+            assert!(
+                reason.contains("does not offer the tcp data plane"),
+                "{reason}"
+            );
+        }
+        other => panic!("expected PeerUnavailable, got {other:?}"),
+    }
+    assert_eq!(s.staging_in_use(), 0);
+}
+
+#[test]
+fn receiver_tcp_configuration_errors_are_typed() {
+    let wildcard = ReceiverConfig {
+        tcp_data: Some(SocketAddr::from(([0, 0, 0, 0], 0))),
+        ..common::config(2)
+    };
+    assert!(matches!(
+        Receiver::start(wildcard.clone()),
+        Err(ReceiverError::Config(m)) if m.contains("tcp_data_advertise")
+    ));
+    let r = Receiver::start(ReceiverConfig {
+        tcp_data_advertise: Some([127, 0, 0, 1].into()),
+        ..wildcard
+    })
+    .unwrap();
+    let addr = r.tcp_data_addr().unwrap();
+    assert_eq!(addr.ip(), std::net::IpAddr::from([127, 0, 0, 1]));
+    assert_ne!(addr.port(), 0);
+    let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+    let busy = ReceiverConfig {
+        tcp_data: Some(taken.local_addr().unwrap()),
+        ..common::config(2)
+    };
+    assert!(matches!(
+        Receiver::start(busy),
+        Err(ReceiverError::TcpData { .. })
+    ));
+}
+
+// ----- a cut mid-transfer ----------------------------------------------------
+
+#[test]
+fn cutting_the_data_connections_fails_the_affected_requests_and_others_proceed() {
+    const CHUNK: u64 = 128 * 1024;
+    const CHUNKS: usize = 8;
+    let r = Arc::new(
+        Receiver::start(ReceiverConfig {
+            chunk_bytes: CHUNK,
+            capacity_chunks: 32,
+            auto_consume: true,
+            tcp_data: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
+            ..common::config(32)
+        })
+        .unwrap(),
+    );
+    let s = Arc::new(
+        Sender::new(SenderConfig {
+            sender_id: "cut-victim".into(),
+            chunk_bytes: CHUNK,
+            staging_slots: 2 * CHUNKS,
+            transport: "tcp".into(),
+            ..SenderConfig::default()
+        })
+        .unwrap(),
+    );
+    let hit = Arc::new(AtomicBool::new(false));
+    let payload = vec![7u8; CHUNK as usize];
+    // The worker moves requests one after another and records how each
+    // ended; once a cut hit one, it moves 20 more, which must all complete.
+    let worker = {
+        let (r, s, hit) = (r.clone(), s.clone(), hit.clone());
+        std::thread::spawn(move || {
+            let mut outcomes = Vec::new();
+            let mut after_hit = 0;
+            let end = Instant::now() + Duration::from_secs(60);
+            let mut i = 0;
+            while after_hit < 20 {
+                assert!(Instant::now() < end, "the cut never hit a request");
+                let req = format!("req-{i}");
+                i += 1;
+                let keys: Vec<String> = (0..CHUNKS).map(|k| format!("{req}-{k}")).collect();
+                let chunks: Vec<&[u8]> = (0..CHUNKS).map(|_| &payload[..]).collect();
+                let spec = TransferSpec::new(req.clone(), r.endpoint(), CHUNKS, true);
+                s.store(&spec, &keys, &chunks).expect("store");
+                let status = s.wait(&req, Instant::now() + WAIT).expect("request known");
+                assert!(status.is_terminal(), "{req} hung: {status:?}");
+                if hit.load(Ordering::Relaxed) {
+                    after_hit += 1;
+                }
+                if let RequestStatus::Failed { reason, .. } = &status {
+                    if reason.contains("connection_lost") {
+                        hit.store(true, Ordering::Relaxed);
+                    }
+                }
+                outcomes.push((req, status));
+            }
+            outcomes
+        })
+    };
+    // Cut every few milliseconds until a request was hit.
+    let end = Instant::now() + Duration::from_secs(60);
+    while !hit.load(Ordering::Relaxed) && !worker.is_finished() && Instant::now() < end {
+        r.cut_tcp_data_connections();
+        std::thread::sleep(Duration::from_millis(3));
+    }
+    let outcomes = worker.join().expect("worker");
+    let failed: Vec<_> = outcomes
+        .iter()
+        .filter(|(_, st)| *st != RequestStatus::Completed)
+        .collect();
+    assert!(!failed.is_empty(), "no request was hit");
+    for (req, st) in &failed {
+        match st {
+            RequestStatus::Failed { code, reason } => {
+                assert_eq!(*code, ErrorCode::WriteFailed, "{req}: {reason}");
+                assert!(reason.contains("connection_lost"), "{req}: {reason}");
+            }
+            other => panic!("{req} ended {other:?}"),
+        }
+    }
+    // The last 20 requests (after the cuts stopped) all completed.
+    assert!(outcomes[outcomes.len() - 20..]
+        .iter()
+        .all(|(_, st)| *st == RequestStatus::Completed));
+    // Nothing leaked on either side once the fenced cancels arrived.
+    wait_until("receiver and sender released everything", || {
+        let st = r.stats();
+        st.allocated_chunks == 0 && st.reserved_chunks == 0 && s.staging_in_use() == 0
+    });
+}
+
+// ----- idle threads sleep ------------------------------------------------------
+
+fn thread_states(prefix: &str) -> Vec<(String, String)> {
+    let mut found = Vec::new();
+    for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if comm.trim().starts_with(prefix) {
+            let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
+            let state = stat
+                .rsplit(')')
+                .next()
+                .and_then(|s| s.split_whitespace().next());
+            found.push((
+                task.file_name().to_string_lossy().into_owned(),
+                state.unwrap_or("gone").to_owned(),
+            ));
+        }
+    }
+    found
+}
+
+#[test]
+fn idle_engine_and_data_threads_sleep() {
+    let before: HashSet<String> = thread_states("kvf-")
+        .into_iter()
+        .map(|(tid, _)| tid)
+        .collect();
+    let r = tcp_receiver(2);
+    let client = Client::connect(r.endpoint(), "granter");
+    grant(&r, &client, "req", 1);
+    let staging = Arc::new(StagingBuffer::new(1, 64).unwrap());
+    let (mut poster, mut comps) = start(&staging, 8);
+    let p = poster.connect(&remote_of(&r)).unwrap();
+    post_all(&mut *poster, &mut *comps, &[op(1, 0, 0, 64, p)]);
+    // comm is truncated to 15 bytes: "kvf-tcp-engine", "kvf-recv-tcp-te".
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let mine: Vec<(String, String)> = thread_states("kvf-tcp-engine")
+            .into_iter()
+            .chain(thread_states("kvf-recv-tcp"))
+            .filter(|(tid, _)| !before.contains(tid))
+            .collect();
+        let kinds = mine.len();
+        if kinds >= 2 && mine.iter().all(|(_, s)| s == "S") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "tcp engine / data thread never went to sleep: {mine:?}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+// ----- two network namespaces joined by a veth pair -------------------------
+
+/// Runs `ip args...`; Err with its stderr when it fails.
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = std::process::Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("cannot run ip: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// Two namespaces and their veth pair, removed when dropped.
+struct Netns {
+    a: String,
+    b: String,
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        // Deleting a namespace deletes its end of the veth pair, and so the pair.
+        let _ = ip(&["netns", "del", &self.a]);
+        let _ = ip(&["netns", "del", &self.b]);
+    }
+}
+
+/// A child process, SIGTERMed (then killed) when dropped.
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        // SAFETY: plain FFI call with our own child's pid (not yet reaped,
+        // we hold its handle) and a valid signal number.
+        unsafe { libc::kill(self.0.id() as libc::pid_t, libc::SIGTERM) };
+        let end = Instant::now() + WAIT;
+        while Instant::now() < end {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn setup_netns() -> Result<(Netns, String, String), String> {
+    let id = std::process::id();
+    let net = Netns {
+        a: format!("kvf-a-{id}"),
+        b: format!("kvf-b-{id}"),
+    };
+    ip(&["netns", "add", &net.a])?;
+    ip(&["netns", "add", &net.b])?;
+    let (va, vb) = (
+        format!("kva{}", id % 100_000),
+        format!("kvb{}", id % 100_000),
+    );
+    ip(&[
+        "link", "add", &va, "netns", &net.a, "type", "veth", "peer", "name", &vb, "netns", &net.b,
+    ])?;
+    let subnet = 1 + id % 250;
+    let (ipa, ipb) = (format!("10.200.{subnet}.1"), format!("10.200.{subnet}.2"));
+    ip(&[
+        "-n",
+        &net.a,
+        "addr",
+        "add",
+        &format!("{ipa}/24"),
+        "dev",
+        &va,
+    ])?;
+    ip(&[
+        "-n",
+        &net.b,
+        "addr",
+        "add",
+        &format!("{ipb}/24"),
+        "dev",
+        &vb,
+    ])?;
+    for (ns, dev) in [(&net.a, &va), (&net.b, &vb)] {
+        ip(&["-n", ns, "link", "set", dev, "up"])?;
+        ip(&["-n", ns, "link", "set", "lo", "up"])?;
+    }
+    Ok((net, ipa, ipb))
+}
+
+/// `kvferry receiver` in one namespace, `kvferry sender --transport tcp` in
+/// the other: the only path between them is the veth pair.
+#[test]
+fn sender_and_receiver_in_two_namespaces_over_a_veth_pair() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: network namespaces need root");
+        return;
+    }
+    let (net, _ipa, ipb) = match setup_netns() {
+        Ok(x) => x,
+        Err(e) => {
+            eprintln!("skipped: network namespaces not permitted here: {e}");
+            return;
+        }
+    };
+    let bin = env!("CARGO_BIN_EXE_kvferry");
+    let shm = format!("/dev/shm/kvferry-netns-{}.buf", std::process::id());
+    let mut receiver = Child(
+        std::process::Command::new("ip")
+            .args(["netns", "exec", &net.b, bin, "receiver"])
+            .args(["--listen", &format!("tcp://{ipb}:7400")])
+            .args(["--tcp-data", &format!("{ipb}:7401")])
+            .args(["--capacity-chunks", "32", "--chunk-bytes", "65536"])
+            .args(["--shm-path", &shm, "--consume"])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()
+            .expect("spawn the receiver"),
+    );
+    // Wait for both announcement lines.
+    let mut out = receiver.0.stdout.take().expect("receiver stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut text = String::new();
+        let mut buf = [0u8; 256];
+        while let Ok(n) = out.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            text.push_str(&String::from_utf8_lossy(&buf[..n]));
+            if text.contains("tcp data on") {
+                let _ = tx.send(text.clone());
+            }
+        }
+    });
+    let banner = rx
+        .recv_timeout(WAIT)
+        .expect("the receiver never announced its tcp data listener");
+    assert!(banner.contains(&format!("{ipb}:7401")), "{banner}");
+    let sender = std::process::Command::new("ip")
+        .args(["netns", "exec", &net.a, bin, "sender"])
+        .args(["--connect", &format!("tcp://{ipb}:7400")])
+        .args([
+            "--transport",
+            "tcp",
+            "--requests",
+            "200",
+            "--chunks",
+            "1..8",
+        ])
+        .args(["--chunk-bytes", "65536", "--staging-slots", "16"])
+        .args(["--stall-timeout", "20", "--quiet"])
+        .output()
+        .expect("run the sender");
+    let report = String::from_utf8_lossy(&sender.stdout);
+    assert!(
+        sender.status.success(),
+        "sender failed: {report}\n{}",
+        String::from_utf8_lossy(&sender.stderr)
+    );
+    drop(receiver);
+    drop(net);
+    assert!(!std::path::Path::new(&shm).exists(), "buffer file removed");
+}
