@@ -262,3 +262,36 @@ fn the_generic_connect_and_foreign_descriptors_are_refused() {
         PollStatus::Closed
     );
 }
+
+#[test]
+fn kvferry_run_without_a_device_exits_2_and_says_why() {
+    if probe().is_ok() {
+        eprintln!(
+            "SKIP kvferry_run_without_a_device_exits_2_and_says_why: this host has an RDMA device"
+        );
+        return;
+    }
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(["run", "--transport", "rdma", "--requests", "1", "--quiet"])
+        .env_remove("KVFERRY_RDMA_DEVICE")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + DEADLINE;
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("kvferry run --transport rdma did not exit within {DEADLINE:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(2), "stderr: {err}");
+    assert!(err.contains("no RDMA device was found"), "stderr: {err}");
+    assert!(err.contains("ibv_get_device_list"), "stderr: {err}");
+}
