@@ -19,6 +19,8 @@ mod config;
 mod error;
 pub mod fault;
 mod op;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod shm;
 pub mod tcp;
 
@@ -118,14 +120,18 @@ pub trait Completions: Send {
 }
 
 /// Builds a transport by name: `"shm"` → [`shm::ShmTransport`]; `"tcp"` →
-/// [`tcp::TcpTransport`]; `"rdma"` → [`TransportError::NotBuilt`] (not in
-/// this build yet); anything
-/// else → [`TransportError::UnknownTransport`]. Wrapped in a
+/// [`tcp::TcpTransport`]; `"rdma"` → the RDMA transport with the `rdma`
+/// feature (device from `KVFERRY_RDMA_*`, [`TransportError::NoDevice`] if
+/// there is none), else [`TransportError::NotBuilt`]; anything else →
+/// [`TransportError::UnknownTransport`]. Wrapped in a
 /// [`FaultTransport`] when `cfg.fault` is set.
 pub fn by_name(name: &str, cfg: &TransportConfig) -> Result<Box<dyn Transport>, TransportError> {
     let inner: Box<dyn Transport> = match name {
         "shm" => Box::new(shm::ShmTransport::new(cfg)?),
         "tcp" => Box::new(tcp::TcpTransport::new(cfg)?),
+        #[cfg(feature = "rdma")]
+        "rdma" => Box::new(rdma::RdmaTransport::new(rdma::RdmaConfig::from_env(cfg)?)?),
+        #[cfg(not(feature = "rdma"))]
         "rdma" => {
             return Err(TransportError::NotBuilt {
                 transport: "rdma",

@@ -1,0 +1,34 @@
+//! The RDMA transport (cargo feature `rdma`, verbs through `ibverbs` /
+//! `ibverbs-sys`): one RC queue pair per sender–receiver pair, a memory
+//! region over the sender's staging buffer and one over the receiver's slot
+//! area, RDMA WRITE for the data, a signalled completion per chain (or per
+//! [`RdmaConfig::signal_every`] requests), and a CQ-poll thread that feeds
+//! the same [`Completions`](crate::transport::Completions) path as the other
+//! transports. A queue pair error fails the in-flight writes of that queue
+//! pair. See docs/rdma.md.
+//!
+//! Modules with one job each: [`info`] (the `Descriptor::Rdma` exchanged in
+//! `Hello`/`HelloAck`), [`plan`] (which ops become which work requests,
+//! signalling), [`inflight`] (mapping work completions back to ops),
+//! [`qp_state`] (the INIT/RTR/RTS attributes), [`device`] (finding a
+//! device), `verbs` (owned wrappers over the raw verbs objects),
+//! `cq_thread`, `sender` and `receiver`. The first five work without a
+//! device and are unit-tested everywhere; the rest needs one.
+
+mod config;
+mod cq_thread;
+pub mod device;
+pub mod inflight;
+pub mod info;
+mod peers;
+pub mod plan;
+pub mod qp_state;
+mod receiver;
+mod sender;
+mod verbs;
+
+pub use config::{RdmaConfig, ENV_DEVICE, ENV_GID_INDEX, ENV_PORT};
+pub use device::probe;
+pub use info::QpInfo;
+pub use receiver::RdmaReceiverSide;
+pub use sender::{RdmaCompletions, RdmaPoster, RdmaTransport, CQ_THREAD_NAME};
