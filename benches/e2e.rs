@@ -7,7 +7,8 @@
 //!    (`Sender::store` → AllocRequest/AllocResponse over ZMQ → shm copy engine
 //!    → receiver buffer → TransferDone; the receiver runs with `auto_consume`)
 //!    for requests of 16 chunks stored in batches of 4, 4 requests in flight,
-//!    vs a plain single-thread memcpy of the same bytes. Two store patterns:
+//!    vs a plain single-thread memcpy of the same bytes (and, for context,
+//!    two memcpys: the fewest copies the shm design makes). Two store patterns:
 //!    `store_all` (the 4 batches of a request back to back) and
 //!    `first_batch_ahead` (the first batch of request i+1 is stored before
 //!    the remaining batches of request i, so those find their request
@@ -20,8 +21,10 @@
 //! 3. `alloc_pipelined`: 256 AllocRequests per iteration against the same
 //!    receiver, 32 in flight matched by `seq`, vs one at a time (LMCache's
 //!    per-receiver lock).
-//! 4. After criterion's groups (only under `cargo bench`; skip with
-//!    `KVFERRY_E2E_SKIP_CPU=1`): CPU seconds per GiB moved for bench 1's
+//! 4. After criterion's groups (only under `cargo bench`; skip both with
+//!    `KVFERRY_E2E_SKIP_EXTRA=1`): benches 2 and 3 again with the two sides
+//!    interleaved sample by sample (medians; robust to the VM's load
+//!    spikes), then CPU seconds per GiB moved for bench 1's
 //!    `first_batch_ahead` pattern over 2 GiB per chunk size, from
 //!    `getrusage(RUSAGE_SELF)` (every thread of the process: caller, sender
 //!    ctrl/poll, copy engine, receiver ctrl, ZMQ I/O), next to a memcpy of the
@@ -53,6 +56,8 @@ const WAIT: Duration = Duration::from_secs(20);
 const CHUNK_SIZES: [usize; 3] = [4 << 10, 64 << 10, 256 << 10];
 /// Bytes moved per chunk size in the CPU-per-GiB section.
 const CPU_BYTES: usize = 2 << 30;
+/// Slices the CPU-per-GiB transfer is timed in.
+const CPU_SLICES: usize = 8;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(0);
 
@@ -219,6 +224,15 @@ fn bench_e2e(c: &mut Criterion) {
         group.bench_function(BenchmarkId::new("memcpy", "1 thread"), |b| {
             b.iter(|| memcpy_chunks(&e.src, &mut dst, chunk))
         });
+        // The fewest copies the shm design needs (caller → staging, staging →
+        // receive buffer), for context.
+        let mut mid = vec![0u8; BYTES_PER_ITER];
+        group.bench_function(BenchmarkId::new("memcpy_twice", "1 thread"), |b| {
+            b.iter(|| {
+                memcpy_chunks(&e.src, &mut mid, chunk);
+                memcpy_chunks(&mid, &mut dst, chunk);
+            })
+        });
         group.bench_function(BenchmarkId::new("kvferry", "store_all"), |b| {
             b.iter(|| e.run(BYTES_PER_ITER, Pattern::StoreAll))
         });
@@ -359,18 +373,6 @@ fn bench_alloc_rtt(c: &mut Criterion) {
     group.sample_size(20);
     group.throughput(Throughput::Elements(1));
     group.bench_function(
-        BenchmarkId::new("zmq_ping_pong", format!("{} B", req.len())),
-        |b| {
-            b.iter(|| {
-                to_pingpong
-                    .send_multipart([&[][..], &req], 0)
-                    .expect("send");
-                let r = recv_reply(&to_pingpong, "ping-pong server");
-                black_box(r);
-            })
-        },
-    );
-    group.bench_function(
         BenchmarkId::new("receiver", "anonymous 1 key + remove"),
         |b| {
             b.iter(|| {
@@ -382,6 +384,18 @@ fn bench_alloc_rtt(c: &mut Criterion) {
                 if !receiver.remove(key) {
                     panic!("bench: key {key} not held after its reply");
                 }
+            })
+        },
+    );
+    group.bench_function(
+        BenchmarkId::new("zmq_ping_pong", format!("{} B", req.len())),
+        |b| {
+            b.iter(|| {
+                to_pingpong
+                    .send_multipart([&[][..], &req], 0)
+                    .expect("send");
+                let r = recv_reply(&to_pingpong, "ping-pong server");
+                black_box(r);
             })
         },
     );
@@ -511,13 +525,18 @@ fn thread_breakdown(
 ) -> Vec<(String, f64)> {
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    // libzmq's I/O threads are unnamed here: they carry the process's name.
+    let process_name = std::fs::read_to_string("/proc/self/comm")
+        .unwrap_or_default()
+        .trim()
+        .to_owned();
     let mut roles: HashMap<String, f64> = HashMap::new();
     for (tid, (name, ticks)) in after {
         let was = before.get(tid).map_or(0, |(_, t)| *t);
         let role = if *tid == main_tid {
             "caller (bench thread)".to_owned()
-        } else if name.starts_with("ZMQbg") {
-            "zmq I/O".to_owned()
+        } else if name.starts_with("ZMQbg") || *name == process_name {
+            "zmq I/O threads".to_owned()
         } else {
             // Drop the per-instance suffix of kvferry's thread names.
             ["kvf-send-ctrl", "kvf-send-poll", "kvf-recv-ctrl"]
@@ -562,12 +581,20 @@ fn cpu_per_gib() {
         row("memcpy, 1 thread", t0.elapsed(), process_cpu() - c0);
     }
     let mut breakdowns = Vec::new();
+    let mut slice_times = Vec::new();
     for chunk in CHUNK_SIZES {
         let e = E2e::new(chunk);
         let before = thread_cpu();
         let (c0, t0) = (process_cpu(), Instant::now());
-        e.run(CPU_BYTES, Pattern::FirstBatchAhead);
+        // In slices, to see whether the rate changes as requests accumulate.
+        let mut slices = Vec::with_capacity(CPU_SLICES);
+        for _ in 0..CPU_SLICES {
+            let ts = Instant::now();
+            e.run(CPU_BYTES / CPU_SLICES, Pattern::FirstBatchAhead);
+            slices.push(ts.elapsed());
+        }
         let (wall, cpu) = (t0.elapsed(), process_cpu() - c0);
+        slice_times.push((chunk, slices));
         let after = thread_cpu();
         row(
             &format!("kvferry e2e shm, {} KiB chunks", chunk >> 10),
@@ -581,6 +608,137 @@ fn cpu_per_gib() {
         let parts: Vec<String> = b.iter().map(|(n, s)| format!("{n} {s:.2}")).collect();
         println!("  {} KiB: {}", chunk >> 10, parts.join(", "));
     }
+    println!(
+        "\nwall ms per {} MiB slice, in order (requests so far grow by {} per slice at 4 KiB):",
+        (CPU_BYTES / CPU_SLICES) >> 20,
+        CPU_BYTES / CPU_SLICES / (CHUNKS_PER_REQ * (4 << 10))
+    );
+    for (chunk, slices) in slice_times {
+        let ms: Vec<String> = slices
+            .iter()
+            .map(|d| format!("{:.0}", d.as_secs_f64() * 1e3))
+            .collect();
+        println!("  {} KiB: {}", chunk >> 10, ms.join(" "));
+    }
+}
+
+/// Median and 90th percentile of a sample, in microseconds.
+fn median_p90(v: &mut [Duration]) -> (f64, f64) {
+    v.sort();
+    let at = |q: f64| v[((v.len() - 1) as f64 * q) as usize].as_secs_f64() * 1e6;
+    (at(0.5), at(0.9))
+}
+
+/// Benches 2 and 3 again, with the two sides interleaved sample by sample,
+/// so load spikes on the shared VM hit both alike; medians compared.
+fn paired_ctrl() {
+    const RTT_PAIRS: usize = 20_000;
+    const PIPE_PAIRS: usize = 60;
+    let receiver = ctrl_receiver();
+    let ctx = zmq::Context::new();
+    let key = "paired-key";
+    let req = alloc_request(key, 1);
+    let to_kvferry = dealer(&ctx, receiver.endpoint());
+    to_kvferry.send_multipart([&[][..], &req], 0).expect("send");
+    let first = recv_reply(&to_kvferry, "receiver");
+    assert!(receiver.remove(key), "bench: key not held after the reply");
+    let server = PingPong::start(encode(&Message::AllocResponse(first)));
+    let to_pingpong = dealer(&ctx, &server.endpoint);
+    let (mut base, mut kvf) = (Vec::with_capacity(RTT_PAIRS), Vec::with_capacity(RTT_PAIRS));
+    for _ in 0..RTT_PAIRS {
+        let t = Instant::now();
+        to_pingpong
+            .send_multipart([&[][..], &req], 0)
+            .expect("send");
+        black_box(recv_reply(&to_pingpong, "ping-pong server"));
+        base.push(t.elapsed());
+        let t = Instant::now();
+        to_kvferry.send_multipart([&[][..], &req], 0).expect("send");
+        let r = recv_reply(&to_kvferry, "receiver");
+        if r.is_failure() || !receiver.remove(key) {
+            panic!("bench: paired allocation failed: {r:?}");
+        }
+        kvf.push(t.elapsed());
+    }
+    let mean = |v: &[Duration]| v.iter().sum::<Duration>().as_secs_f64() * 1e6 / v.len() as f64;
+    let (bm, km) = (mean(&base), mean(&kvf));
+    let (b50, b90) = median_p90(&mut base);
+    let (k50, k90) = median_p90(&mut kvf);
+    // The same, each side back to back (as criterion runs them), in blocks.
+    let (mut base_b2b, mut kvf_b2b) = (Vec::new(), Vec::new());
+    for _ in 0..RTT_PAIRS / 1000 {
+        for _ in 0..500 {
+            let t = Instant::now();
+            to_pingpong
+                .send_multipart([&[][..], &req], 0)
+                .expect("send");
+            black_box(recv_reply(&to_pingpong, "ping-pong server"));
+            base_b2b.push(t.elapsed());
+        }
+        for _ in 0..500 {
+            let t = Instant::now();
+            to_kvferry.send_multipart([&[][..], &req], 0).expect("send");
+            let r = recv_reply(&to_kvferry, "receiver");
+            if r.is_failure() || !receiver.remove(key) {
+                panic!("bench: paired allocation failed: {r:?}");
+            }
+            kvf_b2b.push(t.elapsed());
+        }
+    }
+    let (bbm, kbm) = (mean(&base_b2b), mean(&kvf_b2b));
+    let (bb50, bb90) = median_p90(&mut base_b2b);
+    let (kb50, kb90) = median_p90(&mut kvf_b2b);
+    println!("\npaired (interleaved) AllocRequest round trip, {RTT_PAIRS} pairs:");
+    println!("| case | median (us) | p90 (us) | mean (us) |");
+    println!("| --- | --- | --- | --- |");
+    println!(
+        "| zmq DEALER/ROUTER ping-pong, {} B | {b50:.1} | {b90:.1} | {bm:.1} |",
+        req.len()
+    );
+    println!("| receiver, anonymous 1 key + remove | {k50:.1} | {k90:.1} | {km:.1} |");
+    println!(
+        "| ratio receiver / ping-pong | {:.2} | {:.2} | {:.2} |",
+        k50 / b50,
+        k90 / b90,
+        km / bm
+    );
+    println!("| ping-pong, back to back (blocks of 500) | {bb50:.1} | {bb90:.1} | {bbm:.1} |");
+    println!("| receiver, back to back (blocks of 500) | {kb50:.1} | {kb90:.1} | {kbm:.1} |");
+    println!(
+        "| ratio, back to back | {:.2} | {:.2} | {:.2} |",
+        kb50 / bb50,
+        kb90 / bb90,
+        kbm / bbm
+    );
+
+    let keys: Vec<String> = (0..PIPELINE_KEYS).map(|k| format!("pp-{k}")).collect();
+    let reqs: Vec<Vec<u8>> = keys
+        .iter()
+        .enumerate()
+        .map(|(k, key)| alloc_request(key, k as u64))
+        .collect();
+    let (mut one, mut many) = (Vec::new(), Vec::new());
+    for _ in 0..PIPE_PAIRS {
+        let t = Instant::now();
+        pipelined(&to_kvferry, &receiver, &reqs, &keys, 1);
+        one.push(t.elapsed());
+        let t = Instant::now();
+        pipelined(&to_kvferry, &receiver, &reqs, &keys, 32);
+        many.push(t.elapsed());
+    }
+    let (o50, _) = median_p90(&mut one);
+    let (m50, _) = median_p90(&mut many);
+    let rate = |us: f64| PIPELINE_REQS as f64 / us * 1e6;
+    println!("\npaired (interleaved) {PIPELINE_REQS} AllocRequests, {PIPE_PAIRS} pairs, medians:");
+    println!("| case | per {PIPELINE_REQS} (ms) | requests/s |");
+    println!("| --- | --- | --- |");
+    println!("| one at a time | {:.2} | {:.0} |", o50 / 1e3, rate(o50));
+    println!(
+        "| 32 in flight (seq) | {:.2} | {:.0} |",
+        m50 / 1e3,
+        rate(m50)
+    );
+    println!("| speed-up | | {:.1}x |", o50 / m50);
 }
 
 criterion_group!(benches, bench_e2e, bench_alloc_rtt, bench_alloc_pipelined);
@@ -589,7 +747,8 @@ fn main() {
     benches();
     Criterion::default().configure_from_args().final_summary();
     let bench_mode = std::env::args().any(|a| a == "--bench");
-    if bench_mode && std::env::var_os("KVFERRY_E2E_SKIP_CPU").is_none() {
+    if bench_mode && std::env::var_os("KVFERRY_E2E_SKIP_EXTRA").is_none() {
+        paired_ctrl();
         cpu_per_gib();
     }
 }
