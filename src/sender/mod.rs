@@ -633,6 +633,10 @@ impl Sender {
 
     /// Waits until the request is terminal or `deadline` passes; returns its
     /// status then (`InProgress` on timeout, `None` if unknown).
+    ///
+    /// `Completed` means every write completed and ProxyNotif/TransferDone
+    /// were sent; the receiver may not have processed the TransferDone yet
+    /// (a decoder waits with `Receiver::wait_ready`, not on this).
     pub fn wait(&self, req_id: &str, deadline: Instant) -> Option<RequestStatus> {
         let mut t = self.shared.table.lock();
         loop {
