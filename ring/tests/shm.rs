@@ -49,7 +49,13 @@ struct ChildGuard(Child, &'static str);
 impl ChildGuard {
     fn spawn(test: &str, role: &'static str, path: &Path) -> Self {
         let child = Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", test, "--nocapture", "--test-threads=1"])
+            .args([
+                "--exact",
+                test,
+                "--nocapture",
+                "--test-threads=1",
+                "--include-ignored",
+            ])
             .env(ROLE, role)
             .env(RING, path)
             .stdout(Stdio::null())
