@@ -265,7 +265,13 @@ fn killed_sender_process_frees_its_capacity_through_the_lease() {
         body.contains("kvferry_receiver_requests_total{outcome=\"lease_expired\"}"),
         "the dead sender's requests expired by lease:\n{body}"
     );
-    drop(receiver);
+    // SIGTERM, not the guard's SIGKILL: the receiver removes its shm file.
+    // SAFETY: kill(2) of our own child process.
+    unsafe { libc::kill(receiver.0.id() as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    wait_until(deadline, "the receiver to exit on SIGTERM", || {
+        receiver.0.try_wait().ok().flatten().is_some()
+    });
 }
 
 #[test]

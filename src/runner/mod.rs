@@ -328,6 +328,12 @@ fn execute(
     report.registered_bytes = run.cfg.chunk_bytes
         * (run.cfg.staging_slots * run.cfg.prefillers + run.cfg.capacity_chunks * run.cfg.decoders)
             as u64;
+    // The senders' callbacks hold the run (which holds the senders): break
+    // the cycle so the run, its senders and its receivers (and their
+    // shared-memory files) are dropped when this function returns.
+    for s in &run.senders {
+        s.clear_callback();
+    }
     if !watch.deadlock {
         // Orderly teardown; after a deadlock threads may be stuck, so the
         // caller exits instead.

@@ -342,6 +342,12 @@ impl Sender {
         *self.shared.callback.lock() = Some(Arc::new(f));
     }
 
+    /// Removes the callback (it may hold references that keep this sender
+    /// alive, e.g. to a structure that owns the sender).
+    pub fn clear_callback(&self) {
+        *self.shared.callback.lock() = None;
+    }
+
     /// Hands one batch of a request over and returns without waiting for
     /// the network. `keys[i]` names `chunks[i]`; the last chunk may be short.
     ///
