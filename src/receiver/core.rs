@@ -260,10 +260,7 @@ impl ReceiverCore {
             other => {
                 // AllocResponse / ProxyNotif / HelloAck are never sent to a
                 // receiver: answer so a confused peer is not left waiting.
-                debug!(
-                    kind = message_kind(&other),
-                    "unexpected message at receiver"
-                );
+                debug!(kind = other.type_name(), "unexpected message at receiver");
                 self.fail_reply(
                     peer,
                     1,
@@ -1067,18 +1064,4 @@ impl ReceiverCore {
 
 fn lease_scan_period(lease: Duration) -> Duration {
     (lease / 4).max(Duration::from_millis(1))
-}
-
-/// A short name of a message's type, for logs.
-pub fn message_kind(m: &Message) -> &'static str {
-    match m {
-        Message::AllocRequest(_) => "AllocRequest",
-        Message::AllocResponse(_) => "AllocResponse",
-        Message::ProxyNotif(_) => "ProxyNotif",
-        Message::CancelNotif(_) => "CancelNotif",
-        Message::Hello(_) => "Hello",
-        Message::HelloAck(_) => "HelloAck",
-        Message::TransferDone(_) => "TransferDone",
-        Message::Heartbeat(_) => "Heartbeat",
-    }
 }

@@ -23,21 +23,10 @@ const BATCH: usize = 256;
 /// every state change that matters wakes it sooner).
 const IDLE_WAIT: Duration = Duration::from_secs(3600);
 
-/// Pins the current thread, logging (not failing) when the CPU is not ours.
-pub(super) fn pin_to(cpu: usize) {
-    let ok = core_affinity::get_core_ids().is_some_and(|ids| {
-        ids.iter().any(|c| c.id == cpu)
-            && core_affinity::set_for_current(core_affinity::CoreId { id: cpu })
-    });
-    if !ok {
-        warn!(cpu, "cannot pin the receiver ctrl thread; running unpinned");
-    }
-}
-
 /// The envelope of a received message: identity, and whether the sender used
 /// the REQ-style empty delimiter frame (replies mirror it).
-struct Envelope {
-    identity: Vec<u8>,
+struct Envelope<'a> {
+    identity: &'a [u8],
     delimited: bool,
 }
 
@@ -65,18 +54,22 @@ pub(super) fn run(shared: Arc<Shared>, sock: zmq::Socket, mut reactor: Reactor, 
                 debug!(frames = frames.len(), "frame without identity dropped");
                 continue;
             };
-            envelopes.insert(env.identity.clone(), env.delimited);
+            // One map entry per peer: insert (allocate) only for a new peer
+            // or a changed envelope style, not on every frame.
+            if envelopes.get(env.identity) != Some(&env.delimited) {
+                envelopes.insert(env.identity.to_vec(), env.delimited);
+            }
             let payload = frames.last().map(Vec::as_slice).unwrap_or(&[]);
             let now = Instant::now();
             let mut st = shared.state.lock();
             match decode_with_limits(payload, &limits) {
-                Ok(msg) => st.core.handle(&env.identity, msg, now, &mut out),
+                Ok(msg) => st.core.handle(env.identity, msg, now, &mut out),
                 Err(e) => {
                     st.bad_frames += 1;
                     debug!(error = %e, "undecodable frame");
                     let hints = peek_reply_hints(payload, &limits);
                     st.core
-                        .bad_frame(&env.identity, e.to_string(), hints, &mut out);
+                        .bad_frame(env.identity, e.to_string(), hints, &mut out);
                 }
             }
             if st.absorb(&mut out) {
@@ -126,18 +119,18 @@ pub(super) fn run(shared: Arc<Shared>, sock: zmq::Socket, mut reactor: Reactor, 
 }
 
 /// Splits `[identity, (b"",)? payload]`.
-fn envelope(frames: &[Vec<u8>]) -> Option<Envelope> {
+fn envelope(frames: &[Vec<u8>]) -> Option<Envelope<'_>> {
     match frames {
         [id, empty, _payload] if empty.is_empty() => Some(Envelope {
-            identity: id.clone(),
+            identity: id,
             delimited: true,
         }),
         [id, _payload] => Some(Envelope {
-            identity: id.clone(),
+            identity: id,
             delimited: false,
         }),
         [id, .., _payload] if frames.len() > 3 => Some(Envelope {
-            identity: id.clone(),
+            identity: id,
             delimited: frames[1].is_empty(),
         }),
         _ => None,

@@ -346,11 +346,7 @@ impl Receiver {
             let shared = Arc::clone(&shared);
             let limits = cfg.limits.clone();
             let name = format!("kvf-recv-ctrl-{}", cfg.receiver_id);
-            let pin = cfg.pin_cpu;
-            std::thread::Builder::new().name(name).spawn(move || {
-                if let Some(cpu) = pin {
-                    crate::receiver::ctrl::pin_to(cpu);
-                }
+            crate::threads::spawn_named(&name, cfg.pin_cpu, move || {
                 ctrl::run(shared, sock, reactor, limits)
             })?
         };

@@ -26,7 +26,6 @@ mod peer;
 mod poll;
 mod table;
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -767,18 +766,4 @@ impl Drop for Sender {
     fn drop(&mut self) {
         self.close_inner(Instant::now() + Duration::from_secs(5));
     }
-}
-
-/// Counts of requests by terminal status (for reports).
-pub fn tally(statuses: &HashMap<String, RequestStatus>) -> (usize, usize, usize) {
-    let mut c = (0, 0, 0);
-    for s in statuses.values() {
-        match s {
-            RequestStatus::Completed => c.0 += 1,
-            RequestStatus::Cancelled => c.1 += 1,
-            RequestStatus::Failed { .. } => c.2 += 1,
-            RequestStatus::InProgress => {}
-        }
-    }
-    c
 }
