@@ -119,6 +119,39 @@ pub trait Completions: Send {
     ) -> PollStatus;
 }
 
+/// The common body of [`Completions::poll`] for transports whose engine
+/// thread posts completions to an SPSC ring: wait on the ring's doorbell
+/// until something is there (or closed, or `deadline`), move up to `max`
+/// completions into `out`, and report how many went back to the poster's
+/// credit through `returned`.
+pub(crate) fn poll_completion_ring(
+    cq: &mut kvferry_ring::spsc::Consumer<Completion>,
+    out: &mut Vec<Completion>,
+    max: usize,
+    deadline: Option<Instant>,
+    returned: impl FnOnce(usize),
+) -> PollStatus {
+    let max = max.min(cq.capacity());
+    if max == 0 {
+        return PollStatus::Ready(0);
+    }
+    loop {
+        let start = out.len();
+        out.resize(start + max, Completion::default());
+        let n = cq.pop_into(&mut out[start..]);
+        out.truncate(start + n);
+        if n > 0 {
+            returned(n);
+            return PollStatus::Ready(n);
+        }
+        match cq.wait(deadline) {
+            kvferry_ring::WaitStatus::Ready => {}
+            kvferry_ring::WaitStatus::Closed => return PollStatus::Closed,
+            kvferry_ring::WaitStatus::TimedOut => return PollStatus::TimedOut,
+        }
+    }
+}
+
 /// Builds a transport by name: `"shm"` → [`shm::ShmTransport`]; `"tcp"` →
 /// [`tcp::TcpTransport`]; `"rdma"` → the RDMA transport with the `rdma`
 /// feature (device from `KVFERRY_RDMA_*`, [`TransportError::NoDevice`] if

@@ -15,7 +15,6 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use kvferry_ring::spsc::Consumer;
-use kvferry_ring::WaitStatus;
 use parking_lot::Mutex;
 
 use crate::protocol::Descriptor;
@@ -418,24 +417,9 @@ impl Completions for RdmaCompletions {
         max: usize,
         deadline: Option<Instant>,
     ) -> PollStatus {
-        let max = max.min(self.rx.capacity());
-        if max == 0 {
-            return PollStatus::Ready(0);
-        }
-        loop {
-            let start = out.len();
-            out.resize(start + max, Completion::default());
-            let n = self.rx.pop_into(&mut out[start..]);
-            out.truncate(start + n);
-            if n > 0 {
-                self.shared.add_returned(n);
-                return PollStatus::Ready(n);
-            }
-            match self.rx.wait(deadline) {
-                WaitStatus::Ready => {}
-                WaitStatus::Closed => return PollStatus::Closed,
-                WaitStatus::TimedOut => return PollStatus::TimedOut,
-            }
-        }
+        let shared = &self.shared;
+        crate::transport::poll_completion_ring(&mut self.rx, out, max, deadline, |n| {
+            shared.add_returned(n)
+        })
     }
 }

@@ -4,7 +4,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvferry_ring::spsc::Consumer;
-use kvferry_ring::WaitStatus;
 
 use crate::transport::{Completion, Completions, PollStatus};
 
@@ -23,24 +22,9 @@ impl Completions for TcpCompletions {
         max: usize,
         deadline: Option<Instant>,
     ) -> PollStatus {
-        let max = max.min(self.cq.capacity());
-        if max == 0 {
-            return PollStatus::Ready(0);
-        }
-        loop {
-            let start = out.len();
-            out.resize(start + max, Completion::default());
-            let n = self.cq.pop_into(&mut out[start..]);
-            out.truncate(start + n);
-            if n > 0 {
-                self.shared.returned.add(n);
-                return PollStatus::Ready(n);
-            }
-            match self.cq.wait(deadline) {
-                WaitStatus::Ready => {}
-                WaitStatus::Closed => return PollStatus::Closed,
-                WaitStatus::TimedOut => return PollStatus::TimedOut,
-            }
-        }
+        let shared = &self.shared;
+        crate::transport::poll_completion_ring(&mut self.cq, out, max, deadline, |n| {
+            shared.returned.add(n)
+        })
     }
 }
