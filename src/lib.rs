@@ -10,6 +10,7 @@ pub mod metrics;
 pub mod protocol;
 pub mod proxy;
 pub mod receiver;
+pub mod recent;
 pub mod region;
 pub mod runner;
 pub mod sender;

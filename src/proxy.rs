@@ -6,7 +6,7 @@
 //! listener counts notifications per `req_id`: with TP, a request is ready
 //! once every rank's sender has reported, so callers say how many they expect.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -16,6 +16,7 @@ use parking_lot::{Condvar, Mutex};
 use tracing::{debug, warn};
 
 use crate::protocol::{decode, Message};
+use crate::recent::RecentMap;
 use crate::zmq_io::{readable, Reactor};
 
 /// How many request ids the listener remembers after they were reported.
@@ -65,10 +66,9 @@ pub enum ProxyError {
 /// Callback invoked (on the listener thread) for each notification.
 pub type NotifCallback = Box<dyn Fn(&Notification) + Send + Sync>;
 
-#[derive(Default)]
 struct Counts {
-    map: HashMap<String, usize>,
-    order: VecDeque<String>,
+    /// Notifications per request, for the most recent requests.
+    map: RecentMap<usize>,
     history: VecDeque<Notification>,
     malformed: u64,
     total: u64,
@@ -117,7 +117,13 @@ impl ProxyListener {
         let reactor = Reactor::new()?;
         reactor.register(&sock, 0)?;
         let shared = Arc::new(Shared {
-            counts: Mutex::new(Counts::default()),
+            counts: Mutex::new(Counts {
+                map: RecentMap::new(MEMORY),
+                history: VecDeque::new(),
+                malformed: 0,
+                total: 0,
+                shut_down: false,
+            }),
             cv: Condvar::new(),
             stop: AtomicBool::new(false),
             waker: reactor.waker(),
@@ -260,18 +266,10 @@ fn listen(shared: Arc<Shared>, sock: zmq::Socket, mut reactor: Reactor) {
                 let mut c = shared.counts.lock();
                 c.total += 1;
                 let count = {
-                    let e = c.map.entry(notif.req_id.clone()).or_insert(0);
+                    let e = c.map.get_or_insert_with(&notif.req_id, || 0);
                     *e += 1;
                     *e
                 };
-                if count == 1 {
-                    c.order.push_back(notif.req_id.clone());
-                    while c.order.len() > MEMORY {
-                        if let Some(old) = c.order.pop_front() {
-                            c.map.remove(&old);
-                        }
-                    }
-                }
                 let n = Notification {
                     req_id: notif.req_id,
                     count,

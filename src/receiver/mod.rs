@@ -16,7 +16,6 @@ pub mod keys;
 mod metrics;
 mod tcp_data;
 
-use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -27,6 +26,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use crate::protocol::{Descriptor, ErrorCode, Limits};
+use crate::recent::RecentMap;
 use crate::region::{default_region_path, Region, RegionError};
 
 use self::core::{CoreConfig, CoreStats, Outcome, Output, ReceiverCore};
@@ -156,30 +156,12 @@ pub struct ReceiverStats {
 /// How many finished request ids `wait_ready` remembers.
 const FINISHED_MEMORY: usize = 1 << 16;
 
-#[derive(Debug, Default)]
-struct Finished {
-    map: HashMap<String, Outcome>,
-    order: VecDeque<String>,
-}
-
-impl Finished {
-    fn record(&mut self, req_id: String, outcome: Outcome) {
-        if self.map.insert(req_id.clone(), outcome).is_none() {
-            self.order.push_back(req_id);
-            while self.order.len() > FINISHED_MEMORY {
-                if let Some(old) = self.order.pop_front() {
-                    self.map.remove(&old);
-                }
-            }
-        }
-    }
-}
-
 /// State behind the receiver's one lock.
 #[derive(Debug)]
 pub(crate) struct State {
     core: ReceiverCore,
-    finished: Finished,
+    /// Outcomes of finished requests, for `wait_ready` (first outcome wins).
+    finished: RecentMap<Outcome>,
     /// Replies produced outside the ctrl thread, for it to send.
     outbox: Vec<Output>,
     admission_wait_us: hdrhistogram::Histogram<u64>,
@@ -194,7 +176,7 @@ impl State {
         let mut any = false;
         out.retain(|o| match o {
             Output::Finished { req_id, outcome } => {
-                self.finished.record(req_id.clone(), *outcome);
+                self.finished.get_or_insert_with(req_id, || *outcome);
                 any = true;
                 false
             }
@@ -320,7 +302,7 @@ impl Receiver {
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 core,
-                finished: Finished::default(),
+                finished: RecentMap::new(FINISHED_MEMORY),
                 outbox: Vec::new(),
                 admission_wait_us,
                 bad_frames: 0,
@@ -401,7 +383,7 @@ impl Receiver {
     pub fn wait_ready(&self, req_id: &str, deadline: Instant) -> Result<(), WaitError> {
         let mut st = self.shared.state.lock();
         loop {
-            match st.finished.map.get(req_id) {
+            match st.finished.get(req_id) {
                 Some(Outcome::Ready) => return Ok(()),
                 Some(Outcome::Failed(code)) => return Err(WaitError::Failed(*code)),
                 None => {}
@@ -415,7 +397,7 @@ impl Receiver {
                 .wait_until(&mut st, deadline)
                 .timed_out()
             {
-                return match st.finished.map.get(req_id) {
+                return match st.finished.get(req_id) {
                     Some(Outcome::Ready) => Ok(()),
                     Some(Outcome::Failed(code)) => Err(WaitError::Failed(*code)),
                     None => Err(WaitError::Timeout),
