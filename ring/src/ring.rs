@@ -35,6 +35,8 @@ pub(crate) struct Ring<T> {
     mask: u64,
     capacity: u64,
     kind: Kind,
+    /// Which doorbell barrier the ring can use (see `barrier.rs`).
+    scope: barrier::Scope,
     backing: Backing<T>,
 }
 
@@ -104,6 +106,7 @@ impl<T: Plain> Ring<T> {
             mask: capacity - 1,
             capacity,
             kind,
+            scope: barrier::Scope::Process,
             backing: Backing::Heap {
                 ctrl,
                 stamps,
@@ -143,6 +146,7 @@ impl<T: Plain> Ring<T> {
             mask: geom.capacity - 1,
             capacity: geom.capacity,
             kind,
+            scope: barrier::Scope::Shared,
             backing: Backing::Mapped(map),
         }
     }
@@ -320,9 +324,10 @@ impl<T: Plain> Ring<T> {
         // `need_wakeup = 1` store before (C) cannot both be missed by the
         // loads after the other barrier: either we see the flag here, or the
         // consumer's re-check sees our entry. (P) is the light half of an
-        // asymmetric barrier (a compiler fence when this process registered
-        // for membarrier, else a SeqCst fence); see `barrier.rs`.
-        barrier::light();
+        // asymmetric barrier for heap rings (a compiler fence when this
+        // process registered for membarrier) and a SeqCst fence for shared
+        // rings; see `barrier.rs`.
+        barrier::light(self.scope);
         // Relaxed: ordered by the barrier pair above. The swap makes only one
         // producer pay for the wake when several see the flag.
         if sync.need_wakeup.load(Ordering::Relaxed) != 0
@@ -377,7 +382,7 @@ impl<T: Plain> Ring<T> {
             // Barrier (C): SeqCst fence + membarrier, the heavy half that
             // pairs with the producer's (P) in `notify` (store->load Dekker;
             // see there and `barrier.rs`).
-            let fenced_everyone = barrier::heavy();
+            let fenced_everyone = barrier::heavy(self.scope);
             // Acquire: pairs with the Release bump in `Bell::ring`. If we read
             // a bumped value, the entries (or close) published before that
             // bump are visible to `check` below; if we read the old value, a

@@ -224,3 +224,61 @@ fn handles_are_send_and_producer_clone() {
     is_send::<mpsc::Consumer<u8>>();
     is_clone::<mpsc::Producer<u8>>();
 }
+
+/// Two producers each wait for an echo of every entry, so the consumer finds
+/// the ring empty and parks between most entries, and the producers race
+/// each other into `notify` (one may clear the flag the other's entry
+/// needed). A lost wakeup leaves the consumer asleep until its deadline.
+#[test]
+fn doorbell_with_two_producers_never_loses_a_wakeup() {
+    const ROUNDS: u64 = 10_000;
+    let (tx, mut rx) = mpsc::channel::<u64>(4);
+    let (mut echo_a, back_a) = kvferry_ring::spsc::channel::<u64>(4);
+    let (mut echo_b, back_b) = kvferry_ring::spsc::channel::<u64>(4);
+    let producer =
+        |id: u64, mut tx: mpsc::Producer<u64>, mut back: kvferry_ring::spsc::Consumer<u64>| {
+            thread::spawn(move || {
+                for i in 0..ROUNDS {
+                    let v = (id << 32) | i;
+                    if tx.push(v).is_err() {
+                        return Err(format!("producer {id}: ring full at round {i}"));
+                    }
+                    if i % 101 == id {
+                        thread::sleep(Duration::from_micros(150));
+                    }
+                    match back.wait(soon()) {
+                        WaitStatus::Ready => {}
+                        s => {
+                            return Err(format!(
+                                "producer {id} got {s:?} at round {i}: lost wakeup?"
+                            ))
+                        }
+                    }
+                    if back.pop() != Some(v) {
+                        return Err(format!("producer {id}: wrong echo at round {i}"));
+                    }
+                }
+                Ok(())
+            })
+        };
+    let a = producer(0, tx.clone(), back_a);
+    let b = producer(1, tx, back_b);
+    for n in 0..2 * ROUNDS {
+        match rx.wait(soon()) {
+            WaitStatus::Ready => {}
+            s => panic!("consumer got {s:?} after {n} entries: lost wakeup?"),
+        }
+        let v = rx.pop().unwrap();
+        if n % 89 == 0 {
+            thread::sleep(Duration::from_micros(150));
+        }
+        let echo = if v >> 32 == 0 {
+            &mut echo_a
+        } else {
+            &mut echo_b
+        };
+        echo.push(v).unwrap();
+    }
+    assert_eq!(join_within(a, "producer 0"), Ok(()));
+    assert_eq!(join_within(b, "producer 1"), Ok(()));
+}

@@ -24,6 +24,37 @@ const TOTAL: u64 = 1_000_000;
 /// every side still moving.
 const STALL: Duration = Duration::from_secs(60);
 
+/// Prints an MPSC `u64` ring's indexes and the stamps and slots around its
+/// head, read straight from the file (offsets from `docs/ring.md`): what a
+/// stalled side needs to tell a lost wakeup (stamps set, consumer asleep)
+/// from a lost publish (stamp missing).
+fn dump_mpsc_words(path: &Path, who: &str) {
+    let Ok(f) = std::fs::File::open(path) else {
+        return;
+    };
+    let word = |off: u64| {
+        let mut b = [0u8; 8];
+        f.read_exact_at(&mut b, off)
+            .map(|()| u64::from_le_bytes(b))
+            .unwrap_or(u64::MAX)
+    };
+    let (capacity, stamps, slots) = (word(16), word(48), word(56));
+    let (tail, head) = (word(128), word(256));
+    eprintln!(
+        "{who}: ring head {head}, tail {tail}, producers word {:#x}",
+        word(392) & 0xffff_ffff
+    );
+    for pos in head.saturating_sub(2)..(head + 4).min(tail + 1) {
+        let i = pos & capacity.wrapping_sub(1);
+        eprintln!(
+            "  position {pos}: stamp {} (published = {}), entry {:#x}",
+            word(stamps + 8 * i),
+            pos + 1,
+            word(slots + 8 * i)
+        );
+    }
+}
+
 /// A unique temp path, removed on drop.
 struct TempPath(PathBuf);
 
@@ -92,6 +123,11 @@ impl Drop for ChildGuard {
 /// Bounded backoff for a producer facing a full ring: spin, yield, then nap.
 /// `deadline` is reset on every successful push (progress-based).
 fn backoff(round: &mut u32, deadline: Instant, what: &str) {
+    if Instant::now() >= deadline && std::env::var(ROLE).is_ok_and(|r| r.starts_with("mpsc")) {
+        if let Ok(p) = std::env::var(RING) {
+            dump_mpsc_words(Path::new(&p), what);
+        }
+    }
     assert!(
         Instant::now() < deadline,
         "{what}: ring stayed full for {STALL:?}"
@@ -214,17 +250,13 @@ fn child_mpsc_producer(path: &Path, id: u64) {
     drop(p);
 }
 
-/// KNOWN BUG, ignored so CI can land: on a clean CI run (load average
-/// 0.4) one child producer found the shared ring full for 60 s while the
-/// parent consumer saw it empty and then closed after 500,892 of 1,000,000
-/// entries — a claimed slot never became visible across processes. The
-/// in-process MPSC ring passes 60 rounds of 2 × 200k entries (push and
-/// reserve) with and without CPU hogs, and the engine only uses heap rings,
-/// so the bug is specific to the cross-process MPSC path (attach/detach
-/// counting, stamps in the shared mapping, or the membarrier doorbell).
-/// Run it with `cargo test -p kvferry-ring --test shm -- --ignored`.
+/// Two child processes × 500,000 entries into one shared MPSC ring (push
+/// and `reserve` batches), checked per producer for order and by checksum.
+/// This test found the lost wakeup of the cross-process doorbell when it used
+/// `MEMBARRIER_CMD_GLOBAL_EXPEDITED` (about one run in six: a child saw the
+/// ring full while the parent slept on published entries); see
+/// `barrier.rs`.
 #[test]
-#[ignore = "known cross-process MPSC stall, see the doc comment"]
 fn two_process_mpsc() {
     if let Ok(role) = std::env::var(ROLE) {
         let path = PathBuf::from(std::env::var(RING).unwrap());
@@ -253,6 +285,7 @@ fn two_process_mpsc() {
             WaitStatus::Ready => {}
             WaitStatus::Closed => break,
             WaitStatus::TimedOut => {
+                dump_mpsc_words(&path.0, "mpsc parent");
                 panic!("mpsc parent: no entry for {STALL:?} after {count} entries ({next:?})")
             }
         }
@@ -269,6 +302,9 @@ fn two_process_mpsc() {
         if next[0] > 0 && next[1] > 0 {
             placeholder = None;
         }
+    }
+    if count != TOTAL {
+        dump_mpsc_words(&path.0, "mpsc parent");
     }
     assert!(placeholder.is_none());
     assert_eq!(count, TOTAL);
