@@ -517,7 +517,15 @@ impl Sender {
             t.batches.insert(id, batch);
             id
         };
-        self.submit_id(id);
+        if !self.submit_id(id) {
+            // The ctrl thread is gone (it only stops on close, or if it
+            // panicked): nobody will ever send this batch.
+            let batch = self.shared.table.lock().batches.remove(&id);
+            if let Some(b) = batch {
+                self.drop_batch_data(b.data, bytes);
+            }
+            return Err(StoreError::Closed);
+        }
         self.shared.stats.inc(Counter::Batches);
         debug!(batch = id, admitted, "stored");
         Ok(())
@@ -573,11 +581,20 @@ impl Sender {
         Ok(())
     }
 
-    fn submit_id(&self, id: u64) {
+    /// Queues a batch id for the ctrl thread. False if the ctrl thread is
+    /// gone (its end of the ring dropped), so the caller never waits for a
+    /// consumer that cannot come back.
+    fn submit_id(&self, id: u64) -> bool {
         let mut backoff = crate::backoff::Backoff::new();
         loop {
-            if self.submit.lock().push(id).is_ok() {
-                break;
+            {
+                let mut ring = self.submit.lock();
+                if ring.push(id).is_ok() {
+                    break;
+                }
+                if ring.is_closed() {
+                    return false;
+                }
             }
             // The ring is sized far above what staging and the pending area
             // admit, so this only happens under a burst of empty batches:
@@ -588,6 +605,7 @@ impl Sender {
             }
         }
         self.shared.wake_ctrl();
+        true
     }
 
     fn drop_batch_data(&self, data: BatchData, bytes: usize) {
