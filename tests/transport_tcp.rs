@@ -752,30 +752,28 @@ fn out_of_order_acks_and_a_stalled_receiver_fail_the_connection() {
     let staging = Arc::new(StagingBuffer::new(1, 4096).unwrap());
     let (mut poster, mut comps) =
         start_with_timeouts(&staging, Duration::from_secs(5), Duration::from_millis(200));
-    let stop = Arc::new(AtomicBool::new(false));
-    let fake = {
-        let stop = stop.clone();
-        std::thread::spawn(move || {
-            // An ack for a write that was not next: a protocol error.
-            let mut s = fake_accept(&l);
-            fake_read_write(&mut s);
-            s.write_all(
-                &Ack {
-                    work_id: 999,
-                    status: 0,
-                }
-                .encode(),
-            )
-            .unwrap();
-            // Then a receiver that reads but never acks.
-            let mut s2 = fake_accept(&l);
-            fake_read_write(&mut s2);
-            while !stop.load(Ordering::Relaxed) {
-                std::thread::sleep(Duration::from_millis(5));
+    let fake = std::thread::spawn(move || {
+        // An ack for a write that was not next: a protocol error. The
+        // sender gives up on the connection: it shuts its write side and
+        // waits for this side to close before failing the write.
+        let mut s = fake_accept(&l);
+        fake_read_write(&mut s);
+        s.write_all(
+            &Ack {
+                work_id: 999,
+                status: 0,
             }
-            drop((s, s2));
-        })
-    };
+            .encode(),
+        )
+        .unwrap();
+        assert_eq!(read_to_eof(&mut s), 0, "nothing after the write");
+        drop(s);
+        // Then a receiver that reads but never acks: after the I/O
+        // timeout the sender shuts its write side the same way.
+        let mut s2 = fake_accept(&l);
+        fake_read_write(&mut s2);
+        assert_eq!(read_to_eof(&mut s2), 0, "nothing after the write");
+    });
     let p = poster.connect(&fake_remote(addr)).unwrap();
     let done = post_all(&mut *poster, &mut *comps, &[op(1, 0, 0, 8, p)]);
     assert_eq!(
@@ -788,8 +786,81 @@ fn out_of_order_acks_and_a_stalled_receiver_fail_the_connection() {
         vec![Completion::new(2, CompletionStatus::ConnectionLost)],
         "the I/O timeout fails a write that is never acked"
     );
-    stop.store(true, Ordering::Relaxed);
     fake.join().unwrap();
+}
+
+/// Reads until the peer shuts its write side; the bytes read.
+fn read_to_eof(s: &mut TcpStream) -> usize {
+    let mut total = 0;
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return total,
+            Ok(n) => total += n,
+            Err(e) => panic!("hung or failed reading to EOF after {total} bytes: {e}"),
+        }
+    }
+}
+
+/// The fencing window of a connection the sender gives up on (docs:
+/// "Fencing (invariant 7) over TCP"): a receiver stalls with a write unread
+/// past the sender's I/O timeout, then resumes. The write may complete
+/// `ConnectionLost` — the sender's signal that no byte of it can land any
+/// more, after which its request's `CancelNotif` frees the slots — only
+/// once the receiver has read every byte of it: none may arrive after the
+/// completion.
+#[test]
+fn an_abandoned_write_completes_only_after_the_receiver_read_all_of_it() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let staging = Arc::new(StagingBuffer::new(1, 4096).unwrap());
+    let io_timeout = Duration::from_millis(100);
+    let (mut poster, mut comps) = start_with_timeouts(&staging, Duration::from_secs(5), io_timeout);
+    let completed = Arc::new(AtomicBool::new(false));
+    let fake = {
+        let completed = completed.clone();
+        std::thread::spawn(move || {
+            let mut s = fake_accept(&l);
+            // Stall well past the sender's I/O timeout (this sleep sets the
+            // scene; nothing is asserted about time).
+            std::thread::sleep(io_timeout * 10);
+            let (mut total, mut late) = (0, 0);
+            let mut buf = [0u8; 4096];
+            loop {
+                match s.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => {
+                        total += n;
+                        // SeqCst: pairs with the store after the completion.
+                        if completed.load(Ordering::SeqCst) {
+                            late += n;
+                        }
+                    }
+                    Err(e) => panic!("hung or failed reading the stalled write: {e}"),
+                }
+            }
+            (total, late)
+        })
+    };
+    let p = poster.connect(&fake_remote(addr)).unwrap();
+    assert_eq!(poster.post(&[op(1, 0, 0, 4096, p)]).unwrap(), 1);
+    let done = collect(&mut *comps, 1, "the abandoned write's completion");
+    completed.store(true, Ordering::SeqCst);
+    assert_eq!(
+        done,
+        vec![Completion::new(1, CompletionStatus::ConnectionLost)]
+    );
+    let (total, late) = fake.join().unwrap();
+    assert_eq!(
+        total,
+        HEADER_LEN + 4096,
+        "the whole write reached the receiver"
+    );
+    assert_eq!(
+        late, 0,
+        "bytes of the write arrived after its ConnectionLost"
+    );
+    drop(poster);
 }
 
 // ----- the receiver side: offers and configuration ---------------------------
@@ -1167,4 +1238,43 @@ fn sender_and_receiver_in_two_namespaces_over_a_veth_pair() {
     drop(receiver);
     drop(net);
     assert!(!std::path::Path::new(&shm).exists(), "buffer file removed");
+}
+
+/// A drain waiting on a receiver that never closes does not hold up the
+/// poster's drop: the engine exits, the write completes `ConnectionLost`
+/// (nobody can send a `CancelNotif` after the poster is gone), then the
+/// stream ends.
+#[test]
+fn dropping_the_poster_ends_a_pending_drain() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let staging = Arc::new(StagingBuffer::new(1, 4096).unwrap());
+    let (mut poster, mut comps) =
+        start_with_timeouts(&staging, Duration::from_secs(5), Duration::from_millis(50));
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let fake = std::thread::spawn(move || {
+        let s = fake_accept(&l);
+        // Hold the connection open, unread, until the test is done.
+        let held = released.recv_timeout(WAIT).is_ok();
+        drop(s);
+        held
+    });
+    let p = poster.connect(&fake_remote(addr)).unwrap();
+    assert_eq!(poster.post(&[op(1, 0, 0, 4096, p)]).unwrap(), 1);
+    drop(poster);
+    let done = collect(&mut *comps, 1, "the drained write at engine exit");
+    assert_eq!(
+        done,
+        vec![Completion::new(1, CompletionStatus::ConnectionLost)]
+    );
+    let mut more = Vec::new();
+    assert_eq!(
+        comps.poll(&mut more, 1, Some(Instant::now() + WAIT)),
+        PollStatus::Closed
+    );
+    release.send(()).unwrap();
+    assert!(
+        fake.join().unwrap(),
+        "the poster's drop waited for the receiver to close the connection"
+    );
 }

@@ -180,8 +180,9 @@ impl Engine {
         // Anything still held can no longer be delivered (the poster is gone
         // and idle, or nobody listens): close the sockets.
         for link in self.links.iter_mut().flatten() {
-            link.close(self.poll.registry());
+            link.close(self.poll.registry(), &mut self.done);
         }
+        self.flush();
         tracing::debug!("tcp engine stopped");
     }
 
@@ -244,9 +245,12 @@ impl Engine {
     /// Drops a removed link once nothing of it is in flight.
     fn reap(&mut self, peer: PeerIndex) {
         if let Some(slot) = self.links.get_mut(peer as usize) {
-            if slot.as_ref().is_some_and(|l| l.removed && l.is_idle()) {
+            if slot
+                .as_ref()
+                .is_some_and(|l| l.removed && l.is_idle() && !l.has_drains())
+            {
                 if let Some(mut link) = slot.take() {
-                    link.close(self.poll.registry());
+                    link.close(self.poll.registry(), &mut self.done);
                 }
             }
         }

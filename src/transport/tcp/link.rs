@@ -2,6 +2,18 @@
 //! data connection (if any) and that connection's state machine
 //! (connecting → greeting → ready), with the framing of writes and the
 //! matching of acks.
+//!
+//! Fencing: a connection this side gives up on (no progress for
+//! `io_timeout`, or acks that break the protocol) may still hold bytes of
+//! its writes that the receiver has not read yet — in the receiver's socket
+//! buffer, or in ours, still being sent. Failing those writes at once would
+//! let the request's `CancelNotif` free slots that a late read then writes.
+//! So such a connection is not dropped: its write side is shut (a FIN after
+//! the last byte) and it is read, and the bytes dropped, until the receiver
+//! closes it; the receiver closes only after reading that FIN (or on its own
+//! reject/cut/exit, after which it lands nothing more from it). Only then
+//! do its writes complete with `ConnectionLost` — a true fence. A
+//! connection the receiver closed or reset fails its writes at once.
 
 use std::collections::VecDeque;
 use std::io::{ErrorKind, IoSlice, Read, Write};
@@ -73,6 +85,41 @@ struct Conn {
     last_progress: Instant,
 }
 
+/// A connection given up on while bytes of its writes may still reach the
+/// receiver: write side shut, read until the receiver closes it.
+struct Drain {
+    stream: TcpStream,
+    gen: u32,
+    /// Writes with bytes on this connection, completed when it ends.
+    works: Vec<u64>,
+}
+
+/// Why a connection ends.
+struct Broken {
+    reason: String,
+    /// This side gives up on a connection the receiver still has open, so
+    /// bytes already sent may still be read by it.
+    abandoned: bool,
+}
+
+impl Broken {
+    /// The receiver closed or reset the connection: it reads nothing more.
+    fn peer(reason: String) -> Self {
+        Self {
+            reason,
+            abandoned: false,
+        }
+    }
+
+    /// This side gives up on it (timeout, protocol error).
+    fn ours(reason: String) -> Self {
+        Self {
+            reason,
+            abandoned: true,
+        }
+    }
+}
+
 /// One peer.
 pub(super) struct Link {
     peer: PeerIndex,
@@ -83,6 +130,8 @@ pub(super) struct Link {
     /// Disconnected by the poster: no new ops; dropped once idle.
     pub(super) removed: bool,
     conn: Option<Conn>,
+    /// Earlier connections waiting for the receiver to close them.
+    drains: Vec<Drain>,
     /// Ops taken from the ring and not yet written in full, in order.
     queue: VecDeque<WriteOp>,
     /// The poster waiting in `connect` for the first connection.
@@ -103,6 +152,7 @@ impl Link {
             data_len,
             removed: false,
             conn: None,
+            drains: Vec::new(),
             queue: VecDeque::new(),
             reply: None,
         }
@@ -111,6 +161,11 @@ impl Link {
     /// Nothing queued, nothing awaiting an ack.
     pub(super) fn is_idle(&self) -> bool {
         self.queue.is_empty() && self.conn.as_ref().is_none_or(|c| c.sent.is_empty())
+    }
+
+    /// Writes still waiting for an abandoned connection to end.
+    pub(super) fn has_drains(&self) -> bool {
+        !self.drains.is_empty()
     }
 
     /// When this link's connection is declared lost if nothing moves.
@@ -136,14 +191,14 @@ impl Link {
         *io.next_gen = gen.wrapping_add(1);
         let mut stream = match TcpStream::connect(self.addr) {
             Ok(s) => s,
-            Err(e) => return self.lost(io, format!("connect: {e}")),
+            Err(e) => return self.lost(io, Broken::peer(format!("connect: {e}"))),
         };
         if let Err(e) = io.registry.register(
             &mut stream,
             token(self.peer, gen),
             Interest::READABLE | Interest::WRITABLE,
         ) {
-            return self.lost(io, format!("cannot watch the socket: {e}"));
+            return self.lost(io, Broken::ours(format!("cannot watch the socket: {e}")));
         }
         tracing::debug!(peer = self.peer, addr = %self.addr, "tcp connecting");
         self.conn = Some(Conn {
@@ -178,6 +233,8 @@ impl Link {
     pub(super) fn on_event(&mut self, gen: u32, io: &mut Io<'_>) {
         if self.conn.as_ref().is_some_and(|c| c.gen == gen) {
             self.drive(io);
+        } else if let Some(i) = self.drains.iter().position(|d| d.gen == gen) {
+            self.drain(i, io);
         }
     }
 
@@ -189,33 +246,65 @@ impl Link {
                     Some(Phase::Ready) => format!("no progress for {:?}", io.io_timeout),
                     _ => format!("not connected within {:?}", io.connect_timeout),
                 };
-                self.lost(io, what);
+                self.lost(io, Broken::ours(what));
             }
         }
     }
 
-    /// Closes the connection without completing anything (engine exit).
-    pub(super) fn close(&mut self, registry: &Registry) {
+    /// Closes the connection (engine exit, or a removed idle link). Writes
+    /// still waiting on an abandoned connection complete `ConnectionLost`
+    /// into `done`: the poster is gone by then, so no `CancelNotif` can
+    /// follow them.
+    pub(super) fn close(&mut self, registry: &Registry, done: &mut Vec<Completion>) {
         if let Some(mut c) = self.conn.take() {
             let _ = registry.deregister(&mut c.stream);
+        }
+        for mut d in self.drains.drain(..) {
+            let _ = registry.deregister(&mut d.stream);
+            for w in d.works {
+                done.push(Completion::new(w, CompletionStatus::ConnectionLost));
+            }
+        }
+    }
+
+    /// Reads (and drops) what abandoned connection `i` still receives until
+    /// the receiver closes it; then its writes complete `ConnectionLost`.
+    fn drain(&mut self, i: usize, io: &mut Io<'_>) {
+        let d = &mut self.drains[i];
+        let mut sink = [0u8; 4096];
+        let ended = loop {
+            match d.stream.read(&mut sink) {
+                Ok(0) => break "closed by the receiver".to_owned(),
+                Ok(_) => {}
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => break format!("receive: {e}"),
+            }
+        };
+        let mut d = self.drains.swap_remove(i);
+        let _ = io.registry.deregister(&mut d.stream);
+        tracing::debug!(peer = self.peer, writes = d.works.len(), %ended, "abandoned tcp connection ended; its writes are fenced");
+        for w in d.works {
+            io.done
+                .push(Completion::new(w, CompletionStatus::ConnectionLost));
         }
     }
 
     /// Makes all the progress the socket allows now (edge-triggered: every
     /// step runs until `WouldBlock`).
     fn drive(&mut self, io: &mut Io<'_>) {
-        if let Err(reason) = self.try_drive(io) {
-            self.lost(io, reason);
+        if let Err(broken) = self.try_drive(io) {
+            self.lost(io, broken);
         }
     }
 
-    fn try_drive(&mut self, io: &mut Io<'_>) -> Result<(), String> {
+    fn try_drive(&mut self, io: &mut Io<'_>) -> Result<(), Broken> {
         let Some(c) = self.conn.as_mut() else {
             return Ok(());
         };
         if c.phase == Phase::Connecting {
             match c.stream.take_error() {
-                Ok(Some(e)) | Err(e) => return Err(format!("connect: {e}")),
+                Ok(Some(e)) | Err(e) => return Err(Broken::peer(format!("connect: {e}"))),
                 Ok(None) => {}
             }
             match c.stream.peer_addr() {
@@ -225,13 +314,13 @@ impl Link {
                     c.last_progress = io.now;
                 }
                 Err(e) if e.kind() == ErrorKind::NotConnected => return Ok(()),
-                Err(e) => return Err(format!("connect: {e}")),
+                Err(e) => return Err(Broken::peer(format!("connect: {e}"))),
             }
         }
         if c.phase == Phase::Greeting && c.greeted < PREAMBLE_LEN {
             loop {
                 match c.stream.write(&self.preamble[c.greeted..]) {
-                    Ok(0) => return Err("connection closed while greeting".into()),
+                    Ok(0) => return Err(Broken::peer("connection closed while greeting".into())),
                     Ok(n) => {
                         c.greeted += n;
                         if c.greeted == PREAMBLE_LEN {
@@ -240,7 +329,7 @@ impl Link {
                     }
                     Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                     Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                    Err(e) => return Err(format!("send: {e}")),
+                    Err(e) => return Err(Broken::peer(format!("send: {e}"))),
                 }
             }
         }
@@ -249,17 +338,17 @@ impl Link {
     }
 
     /// Reads the preamble answer and acks until `WouldBlock`.
-    fn read_acks(&mut self, io: &mut Io<'_>) -> Result<(), String> {
+    fn read_acks(&mut self, io: &mut Io<'_>) -> Result<(), Broken> {
         loop {
             let Some(c) = self.conn.as_mut() else {
                 return Ok(());
             };
             let n = match c.stream.read(&mut c.rbuf[c.rhave..]) {
-                Ok(0) => return Err("connection closed by the receiver".into()),
+                Ok(0) => return Err(Broken::peer("connection closed by the receiver".into())),
                 Ok(n) => n,
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(e) => return Err(format!("receive: {e}")),
+                Err(e) => return Err(Broken::peer(format!("receive: {e}"))),
             };
             c.rhave += n;
             c.last_progress = io.now;
@@ -291,7 +380,7 @@ impl Link {
                         if let Some(r) = self.reply.take() {
                             let _ = r.send(ConnectResult::Rejected(why.clone()));
                         }
-                        return Err(format!("preamble refused: {why}"));
+                        return Err(Broken::peer(format!("preamble refused: {why}")));
                     }
                 }
             }
@@ -306,12 +395,17 @@ impl Link {
                         io.done.push(Completion::new(w, status));
                     }
                     Some(&w) => {
-                        return Err(format!(
+                        return Err(Broken::ours(format!(
                             "ack for work {} while work {w} was next",
                             ack.work_id
-                        ))
+                        )))
                     }
-                    None => return Err(format!("ack for work {} never sent", ack.work_id)),
+                    None => {
+                        return Err(Broken::ours(format!(
+                            "ack for work {} never sent",
+                            ack.work_id
+                        )))
+                    }
                 }
             }
             c.rbuf.copy_within(at..c.rhave, 0);
@@ -320,7 +414,7 @@ impl Link {
     }
 
     /// Writes queued ops (header + payload, gathered) until `WouldBlock`.
-    fn write_ops(&mut self, io: &mut Io<'_>) -> Result<(), String> {
+    fn write_ops(&mut self, io: &mut Io<'_>) -> Result<(), Broken> {
         let Some(c) = self.conn.as_mut() else {
             return Ok(());
         };
@@ -363,11 +457,11 @@ impl Link {
                 }
             }
             let written = match c.stream.write_vectored(&slices) {
-                Ok(0) => return Err("connection closed while sending".into()),
+                Ok(0) => return Err(Broken::peer("connection closed while sending".into())),
                 Ok(n) => n as u64,
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(e) => return Err(format!("send: {e}")),
+                Err(e) => return Err(Broken::peer(format!("send: {e}"))),
             };
             drop(slices);
             c.last_progress = io.now;
@@ -390,15 +484,43 @@ impl Link {
     }
 
     /// The connection broke: every op written or queued on it fails with
-    /// `ConnectionLost`; the next op opens a new connection.
-    fn lost(&mut self, io: &mut Io<'_>, reason: String) {
+    /// `ConnectionLost`; the next op opens a new connection. If this side
+    /// abandons it with bytes of writes sent, those writes complete only
+    /// once the receiver closed it (see the module docs): they move to a
+    /// [`Drain`].
+    fn lost(&mut self, io: &mut Io<'_>, broken: Broken) {
+        let Broken { reason, abandoned } = broken;
         let mut failed = self.queue.len();
         if let Some(mut c) = self.conn.take() {
-            let _ = io.registry.deregister(&mut c.stream);
             failed += c.sent.len();
-            for w in c.sent.drain(..) {
-                io.done
-                    .push(Completion::new(w, CompletionStatus::ConnectionLost));
+            let mut works: Vec<u64> = c.sent.drain(..).collect();
+            if c.front_done > 0 {
+                // Part of the front op is on the wire.
+                if let Some(op) = self.queue.pop_front() {
+                    works.push(op.work_id);
+                }
+            }
+            if abandoned && !works.is_empty() {
+                // Stays registered under its token: its events reach `drain`.
+                let _ = c.stream.shutdown(std::net::Shutdown::Write);
+                tracing::debug!(
+                    peer = self.peer,
+                    writes = works.len(),
+                    "tcp connection abandoned; waiting for the receiver to close it"
+                );
+                self.drains.push(Drain {
+                    stream: c.stream,
+                    gen: c.gen,
+                    works,
+                });
+                let i = self.drains.len() - 1;
+                self.drain(i, io);
+            } else {
+                let _ = io.registry.deregister(&mut c.stream);
+                for w in works {
+                    io.done
+                        .push(Completion::new(w, CompletionStatus::ConnectionLost));
+                }
             }
         }
         for op in self.queue.drain(..) {

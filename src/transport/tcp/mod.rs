@@ -14,7 +14,10 @@
 //!
 //! Connection loss fails every op posted to that connection and not yet
 //! acked with [`CompletionStatus::ConnectionLost`](crate::transport::CompletionStatus);
-//! the next op posted to the peer opens a new connection. See
+//! the next op posted to the peer opens a new connection. A connection the
+//! engine itself gives up on (no progress, broken acks) completes its
+//! written ops only once the receiver has closed it, so no byte of a
+//! `ConnectionLost` write can land afterwards. See
 //! `docs/transport.md` ("TCP") for the wire format and the fencing argument.
 //!
 //! The receiver's half lives in `crate::receiver` (the data listener that
