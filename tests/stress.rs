@@ -230,11 +230,25 @@ fn killed_sender_process_frees_its_capacity_through_the_lease() {
     };
     // The victim: far more work than it will get to do.
     let mut victim = Proc(sender("victim", "1000000"));
+    // Freeze the victim, then look: killing it right after a scrape that saw
+    // its requests tracked could land between two requests (nothing tracked,
+    // so nothing for the lease to expire), or just before a TransferDone.
+    // Frozen, what the receiver tracks for it can only end through the lease.
     let deadline = Instant::now() + Duration::from_secs(20);
+    let victim_pid = victim.0.id() as i32;
     wait_until(deadline, "the victim to hold receiver capacity", || {
-        scrape(maddr)
+        // SAFETY: kill(2) of our own child process.
+        unsafe { libc::kill(victim_pid, libc::SIGSTOP) };
+        // Let messages it sent before it froze (a TransferDone) land first.
+        std::thread::sleep(Duration::from_millis(100));
+        let held = scrape(maddr)
             .and_then(|b| metric(&b, "kvferry_receiver_tracked_requests"))
-            .is_some_and(|v| v > 0.0)
+            .is_some_and(|v| v > 0.0);
+        if !held {
+            // SAFETY: as above.
+            unsafe { libc::kill(victim_pid, libc::SIGCONT) };
+        }
+        held
     });
     victim.0.kill().expect("SIGKILL the victim");
     let _ = victim.0.wait();
