@@ -36,7 +36,11 @@ pub trait HelloAcceptor: Send + std::fmt::Debug {
 #[derive(Clone)]
 pub struct AcceptorFactory(
     #[allow(clippy::type_complexity)]
-    Arc<dyn Fn(Arc<Region>) -> Result<Box<dyn HelloAcceptor>, crate::transport::TransportError> + Send + Sync>,
+    Arc<
+        dyn Fn(Arc<Region>) -> Result<Box<dyn HelloAcceptor>, crate::transport::TransportError>
+            + Send
+            + Sync,
+    >,
 );
 
 impl AcceptorFactory {
@@ -114,20 +118,36 @@ mod tests {
     #[test]
     fn shm_and_tcp_need_no_acceptor_and_unknown_names_are_refused() {
         let cfg = TransportConfig::default();
-        assert!(AcceptorFactory::for_transport("shm", &cfg).unwrap().is_none());
-        assert!(AcceptorFactory::for_transport("tcp", &cfg).unwrap().is_none());
+        assert!(AcceptorFactory::for_transport("shm", &cfg)
+            .unwrap()
+            .is_none());
+        assert!(AcceptorFactory::for_transport("tcp", &cfg)
+            .unwrap()
+            .is_none());
         assert!(matches!(
             AcceptorFactory::for_transport("udp", &cfg),
             Err(TransportError::UnknownTransport(n)) if n == "udp"
         ));
-        assert_eq!(format!("{:?}", AcceptorFactory::new(|_| Err(TransportError::Closed))), "AcceptorFactory(..)");
+        assert_eq!(
+            format!(
+                "{:?}",
+                AcceptorFactory::new(|_| Err(TransportError::Closed))
+            ),
+            "AcceptorFactory(..)"
+        );
     }
 
     #[cfg(not(feature = "rdma"))]
     #[test]
     fn rdma_without_the_feature_says_it_is_not_built() {
         let e = AcceptorFactory::for_transport("rdma", &TransportConfig::default()).unwrap_err();
-        assert!(matches!(e, TransportError::NotBuilt { transport: "rdma", .. }));
+        assert!(matches!(
+            e,
+            TransportError::NotBuilt {
+                transport: "rdma",
+                ..
+            }
+        ));
         assert!(e.to_string().contains("`rdma` cargo feature"), "{e}");
     }
 
@@ -137,9 +157,8 @@ mod tests {
         let f = AcceptorFactory::for_transport("rdma", &TransportConfig::default())
             .unwrap()
             .expect("rdma needs an acceptor");
-        let region = Arc::new(
-            Region::create(&crate::region::default_region_path(), 64, 4).unwrap(),
-        );
+        let region =
+            Arc::new(Region::create(&crate::region::default_region_path(), 64, 4).unwrap());
         match (f.build(region), crate::transport::rdma::probe()) {
             (Ok(a), Ok(_)) => assert_eq!(a.kind(), "rdma"),
             (Err(TransportError::NoDevice(why)), Err(_)) => assert!(!why.is_empty()),

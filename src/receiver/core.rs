@@ -462,7 +462,10 @@ impl ReceiverCore {
                 let kind = a.kind();
                 let d = a.accept(&h.descriptor).map_err(|e| {
                     debug!(sender_id = %h.sender_id, error = %e, "data plane refused");
-                    format!("receiver {} cannot set up the {kind} data plane: {e}", self.cfg.receiver_id)
+                    format!(
+                        "receiver {} cannot set up the {kind} data plane: {e}",
+                        self.cfg.receiver_id
+                    )
                 })?;
                 self.accepted.insert(peer.to_vec(), h.descriptor.clone());
                 (kind.to_owned(), d)

@@ -574,4 +574,6 @@ impl Drop for ChunkRef {
 }
 
 #[cfg(test)]
+mod acceptor_tests;
+#[cfg(test)]
 mod core_tests;

@@ -293,7 +293,6 @@ impl Poster for RdmaPoster {
         Ok(index)
     }
 
-
     /// Destroys the queue pair `prepared` names if it was prepared and never
     /// connected.
     fn discard_prepared(&mut self, prepared: &Descriptor) {
