@@ -353,3 +353,43 @@ fn a_transport_whose_kind_is_not_the_configured_one_is_refused() {
         "{e:?}"
     );
 }
+
+/// `kvferry receiver --rdma` where rdma cannot be offered (a build without
+/// the `rdma` feature, or no device) exits 2 and says why.
+#[test]
+fn kvferry_receiver_rdma_exits_2_when_rdma_cannot_be_offered() {
+    #[cfg(feature = "rdma")]
+    if kvferry::transport::rdma::probe().is_ok() {
+        eprintln!("SKIP kvferry_receiver_rdma_exits_2_when_rdma_cannot_be_offered: this host has an RDMA device");
+        return;
+    }
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(["receiver", "--rdma", "--listen", "tcp://127.0.0.1:0"])
+        .env_remove("KVFERRY_RDMA_DEVICE")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("kvferry starts");
+    let end = deadline();
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        if std::time::Instant::now() > end {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("kvferry receiver --rdma did not exit within {WAIT:?}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut err)
+        .expect("read stderr");
+    assert_eq!(status.code(), Some(2), "stderr: {err}");
+    let why = if cfg!(feature = "rdma") {
+        "no RDMA device was found"
+    } else {
+        "needs the `rdma` cargo feature"
+    };
+    assert!(err.contains("--rdma") && err.contains(why), "stderr: {err}");
+}
