@@ -254,6 +254,14 @@ fn the_generic_connect_and_foreign_descriptors_are_refused() {
         p.poster.connect_prepared(&p.sender_desc, &remote(ack)),
         Err(TransportError::BadDescriptor(_))
     ));
+    // A discarded QP (its Hello went unanswered) cannot be connected.
+    let discarded = p.poster.prepare().unwrap();
+    let ack = p.rx.accept(&discarded).unwrap();
+    p.poster.discard_prepared(&discarded);
+    assert!(matches!(
+        p.poster.connect_prepared(&discarded, &remote(ack)),
+        Err(TransportError::BadDescriptor(_))
+    ));
     drop(p.poster);
     let mut out = Vec::new();
     assert_eq!(
@@ -294,4 +302,104 @@ fn kvferry_run_without_a_device_exits_2_and_says_why() {
     assert_eq!(status.code(), Some(2), "stderr: {err}");
     assert!(err.contains("no RDMA device was found"), "stderr: {err}");
     assert!(err.contains("ibv_get_device_list"), "stderr: {err}");
+}
+
+// ----- end to end through Hello / HelloAck ----------------------------------
+
+fn rdma_run(requests: usize) -> kvferry::runner::RunConfig {
+    kvferry::runner::RunConfig {
+        prefillers: 2,
+        decoders: 2,
+        requests,
+        chunks: kvferry::runner::ChunkRange { min: 1, max: 8 },
+        batch: 3,
+        chunk_bytes: 4096,
+        staging_slots: 12,
+        capacity_chunks: 16,
+        concurrency: 4,
+        stall_timeout_s: 20.0,
+        transport: "rdma".into(),
+        ..kvferry::runner::RunConfig::default()
+    }
+}
+
+/// `kvferry run --transport rdma` in-process: every receiver offers rdma,
+/// every sender's Hello carries a queue pair made for that receiver, the
+/// HelloAck connects it, and every byte is checked by the decoders.
+#[test]
+fn runner_over_rdma_moves_every_request_without_leaks() {
+    if !device_or_skip("runner_over_rdma_moves_every_request_without_leaks") {
+        return;
+    }
+    for cfg in [
+        rdma_run(1000),
+        kvferry::runner::RunConfig {
+            abort_rate: 0.05,
+            fail_rate: 0.02,
+            seed: 11,
+            ..rdma_run(1000)
+        },
+    ] {
+        let r = kvferry::runner::run(cfg, kvferry::runner::Progress::Quiet).expect("run starts");
+        assert!(!r.deadlock, "watchdog fired: {:#?}", r.stall_dump);
+        assert_eq!(r.checksum_mismatches, 0, "{}", r.render());
+        assert_eq!(
+            (
+                r.leaked_staging_slots,
+                r.leaked_receiver_slots,
+                r.leaked_reservations
+            ),
+            (0, 0, 0),
+            "{}",
+            r.render()
+        );
+        assert_eq!(r.unexpected_failures, 0, "{}", r.render());
+        assert!(r.success(), "{}", r.render());
+        assert_eq!(r.completed + r.aborted + r.failed, 1000, "{}", r.render());
+    }
+}
+
+/// The receiver's RDMA acceptor behind `Receiver::start`: a sender built
+/// with an explicit `RdmaConfig` reaches it through Hello, and the bytes it
+/// stores arrive in the receiver's slots.
+#[test]
+fn a_sender_reaches_a_receiver_that_offers_rdma() {
+    if !device_or_skip("a_sender_reaches_a_receiver_that_offers_rdma") {
+        return;
+    }
+    use kvferry::receiver::{AcceptorFactory, Receiver, ReceiverConfig};
+    use kvferry::sender::{RequestStatus, Sender, SenderConfig, TransferSpec};
+    let cfg = RdmaConfig::from_env(&TransportConfig::default()).unwrap();
+    let receiver = Receiver::start(ReceiverConfig {
+        capacity_chunks: SLOTS as usize,
+        chunk_bytes: CHUNK,
+        acceptor: Some(AcceptorFactory::rdma(cfg.clone())),
+        ..ReceiverConfig::default()
+    })
+    .unwrap();
+    let sender = Sender::with_transport(
+        SenderConfig {
+            staging_slots: 8,
+            chunk_bytes: CHUNK,
+            transport: "rdma".into(),
+            ..SenderConfig::default()
+        },
+        Box::new(RdmaTransport::new(cfg).unwrap()),
+    )
+    .unwrap();
+    let chunks: Vec<Vec<u8>> = (0..3u8).map(|i| vec![0xA0 + i; CHUNK as usize]).collect();
+    let refs: Vec<&[u8]> = chunks.iter().map(Vec::as_slice).collect();
+    let keys = ["k0", "k1", "k2"];
+    let spec = TransferSpec::new("rdma-hello", receiver.endpoint(), 3, true);
+    sender.store(&spec, &keys, &refs).unwrap();
+    let deadline = Instant::now() + DEADLINE;
+    assert_eq!(
+        sender.wait("rdma-hello", deadline),
+        Some(RequestStatus::Completed)
+    );
+    receiver.wait_ready("rdma-hello", deadline).unwrap();
+    for (k, want) in keys.iter().zip(&chunks) {
+        let got = receiver.get(k).expect("key held");
+        assert_eq!(got.bytes(), &want[..], "bytes of {k}");
+    }
 }

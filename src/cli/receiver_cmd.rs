@@ -10,7 +10,8 @@ use std::time::Duration;
 use clap::Args;
 
 use crate::metrics::MetricsServer;
-use crate::receiver::{Receiver, ReceiverConfig};
+use crate::receiver::{AcceptorFactory, Receiver, ReceiverConfig, ReceiverError};
+use crate::transport::TransportConfig;
 
 /// Arguments of `kvferry receiver`.
 #[derive(Debug, Args)]
@@ -57,6 +58,11 @@ pub struct ReceiverArgs {
     /// `--tcp-data` binds a wildcard address).
     #[arg(long)]
     pub tcp_advertise: Option<std::net::IpAddr>,
+    /// Also offer the RDMA data plane (one queue pair per sender, set up at
+    /// Hello; device from KVFERRY_RDMA_DEVICE / _PORT / _GID_INDEX). Needs
+    /// a binary built with the `rdma` cargo feature and an RDMA device.
+    #[arg(long)]
+    pub rdma: bool,
 }
 
 /// Runs a receiver until SIGINT/SIGTERM.
@@ -67,6 +73,14 @@ pub fn run(a: ReceiverArgs) -> ExitCode {
     {
         return super::usage_error("capacity-chunks × chunk-bytes overflows");
     }
+    let acceptor = if a.rdma {
+        match AcceptorFactory::for_transport("rdma", &TransportConfig::default()) {
+            Ok(f) => f,
+            Err(e) => return super::usage_error(format!("--rdma: {e}")),
+        }
+    } else {
+        None
+    };
     let cfg = ReceiverConfig {
         listen: a.listen.clone(),
         receiver_id: a
@@ -82,6 +96,7 @@ pub fn run(a: ReceiverArgs) -> ExitCode {
         auto_consume: a.consume,
         tcp_data: a.tcp_data,
         tcp_data_advertise: a.tcp_advertise,
+        acceptor,
         ..ReceiverConfig::default()
     };
     let termination = match super::signals::Termination::install() {
@@ -90,6 +105,8 @@ pub fn run(a: ReceiverArgs) -> ExitCode {
     };
     let receiver = match Receiver::start(cfg) {
         Ok(r) => Arc::new(r),
+        // --rdma on a host without a device: nothing to retry (exit 2).
+        Err(e @ ReceiverError::Transport(_)) => return super::usage_error(format!("--rdma: {e}")),
         Err(e) => return super::runtime_error(e),
     };
     let _metrics = match a.metrics {
@@ -108,6 +125,9 @@ pub fn run(a: ReceiverArgs) -> ExitCode {
     println!("kvferry receiver listening on {}", receiver.endpoint());
     if let Some(addr) = receiver.tcp_data_addr() {
         println!("kvferry receiver tcp data on {addr}");
+    }
+    if a.rdma {
+        println!("kvferry receiver offers rdma");
     }
     let _ = std::io::stdout().flush();
     termination.wait();

@@ -37,7 +37,9 @@ pub enum ErrorCode {
     ShuttingDown,
     /// Sender side: a data-plane write of the request failed.
     WriteFailed,
-    /// Sender side: the receiver could not be reached or set up.
+    /// The receiver could not be reached or set up (sender side), or it
+    /// could not set up the per-sender data plane a `Hello` asked for (a
+    /// receiver's answer to that `Hello`).
     PeerUnavailable,
     /// Sender side: the receiver did not answer in time.
     ReplyTimeout,

@@ -39,6 +39,7 @@ use crate::protocol::{
 };
 use crate::slots::SlotAllocator;
 
+use super::acceptor::HelloAcceptor;
 use super::keys::{KeyTable, Unref};
 
 /// Routing identity of a sender (the ZMQ identity frame).
@@ -201,6 +202,10 @@ pub struct ReceiverCore {
     stats: CoreStats,
     /// Admission waits (reserve → grant) not yet collected by the shell.
     admission_waits: Vec<Duration>,
+    /// The per-sender data plane offered besides `cfg`'s (RDMA), if any.
+    acceptor: Option<Box<dyn HelloAcceptor>>,
+    /// Senders the acceptor set up, with the descriptor of their `Hello`.
+    accepted: HashMap<PeerId, Descriptor>,
 }
 
 impl ReceiverCore {
@@ -221,7 +226,25 @@ impl ReceiverCore {
             next_lease_scan,
             stats: CoreStats::default(),
             admission_waits: Vec::new(),
+            acceptor: None,
+            accepted: HashMap::new(),
         }
+    }
+
+    /// Also offers the per-sender data plane of `acceptor` (RDMA): a `Hello`
+    /// asking for `acceptor.kind()` is answered with the descriptor of
+    /// [`HelloAcceptor::accept`], or, if that fails, with a
+    /// `peer_unavailable` failure reply carrying the reason. What was set up
+    /// for a sender is forgotten when a lease of its requests expires or it
+    /// says `Hello` again.
+    pub fn with_acceptor(mut self, acceptor: Box<dyn HelloAcceptor>) -> Self {
+        self.acceptor = Some(acceptor);
+        self
+    }
+
+    /// Senders the acceptor has set up and not forgotten.
+    pub fn accepted_senders(&self) -> usize {
+        self.accepted.len()
     }
 
     /// The core's configuration.
@@ -250,13 +273,15 @@ impl ReceiverCore {
             Message::Hello(_) if !self.cfg.answer_hello => {
                 debug!("Hello ignored (LMCache emulation)");
             }
-            Message::Hello(h) => {
-                let ack = self.on_hello(peer, &h);
-                out.push(Output::Send {
+            Message::Hello(h) => match self.on_hello(peer, &h) {
+                Ok(ack) => out.push(Output::Send {
                     peer: peer.to_vec(),
                     message: Message::HelloAck(ack),
-                });
-            }
+                }),
+                Err(reason) => {
+                    self.fail_reply(peer, 1, None, ErrorCode::PeerUnavailable, reason, out)
+                }
+            },
             other => {
                 // AllocResponse / ProxyNotif / HelloAck are never sent to a
                 // receiver: answer so a confused peer is not left waiting.
@@ -326,6 +351,8 @@ impl ReceiverCore {
                 if let Some(r) = self.requests.remove(&req_id) {
                     warn!(req_id = %req_id, "lease expired: no batch, heartbeat or TransferDone; rolling back");
                     self.bump_request("lease_expired");
+                    // The sender stopped renewing: take down its data plane.
+                    self.forget_sender(&r.peer);
                     self.finish_failed(
                         &req_id,
                         r,
@@ -423,22 +450,51 @@ impl ReceiverCore {
 
     // ----- message handlers -------------------------------------------------
 
-    fn on_hello(&mut self, peer: &[u8], h: &Hello) -> HelloAck {
+    /// The `HelloAck` for `h`, or the reason for a `peer_unavailable` reply
+    /// when the acceptor could not set up the data plane `h` asked for.
+    fn on_hello(&mut self, peer: &[u8], h: &Hello) -> Result<HelloAck, String> {
         debug!(sender_id = %h.sender_id, version = h.version, transport = %h.transport, "hello");
         self.peers.insert(peer.to_vec(), h.sender_id.clone());
-        let (transport, descriptor) = self
-            .cfg
-            .other_transports
-            .iter()
-            .find(|(name, _)| *name == h.transport && *name != self.cfg.transport)
-            .map_or((&self.cfg.transport, &self.cfg.descriptor), |(n, d)| (n, d));
-        HelloAck {
+        // Whatever this peer set up before is stale: it says Hello again.
+        self.forget_sender(peer);
+        let (transport, descriptor) = match &mut self.acceptor {
+            Some(a) if a.kind() == h.transport => {
+                let kind = a.kind();
+                let d = a.accept(&h.descriptor).map_err(|e| {
+                    debug!(sender_id = %h.sender_id, error = %e, "data plane refused");
+                    format!(
+                        "receiver {} cannot set up the {kind} data plane: {e}",
+                        self.cfg.receiver_id
+                    )
+                })?;
+                self.accepted.insert(peer.to_vec(), h.descriptor.clone());
+                (kind.to_owned(), d)
+            }
+            _ => self
+                .cfg
+                .other_transports
+                .iter()
+                .find(|(name, _)| *name == h.transport && *name != self.cfg.transport)
+                .map_or(
+                    (self.cfg.transport.clone(), self.cfg.descriptor.clone()),
+                    |(n, d)| (n.clone(), d.clone()),
+                ),
+        };
+        Ok(HelloAck {
             receiver_id: self.cfg.receiver_id.clone(),
             version: PROTOCOL_VERSION,
-            transport: transport.clone(),
-            descriptor: descriptor.clone(),
+            transport,
+            descriptor,
             chunk_bytes: self.cfg.chunk_bytes,
             capacity_chunks: self.cfg.capacity_chunks as u64,
+        })
+    }
+
+    /// Tears down the acceptor's data plane to `peer`, if it has one.
+    fn forget_sender(&mut self, peer: &[u8]) {
+        if let (Some(a), Some(d)) = (&mut self.acceptor, self.accepted.remove(peer)) {
+            debug!(kind = a.kind(), "forgetting a sender's data plane");
+            a.forget(&d);
         }
     }
 

@@ -10,6 +10,7 @@
 //! (a parked request granted because a slot was freed) to the ctrl thread
 //! through an outbox and its waker.
 
+mod acceptor;
 pub mod core;
 mod ctrl;
 pub mod keys;
@@ -30,6 +31,8 @@ use crate::recent::RecentMap;
 use crate::region::{default_region_path, Region, RegionError};
 
 use self::core::{CoreConfig, CoreStats, Outcome, Output, ReceiverCore};
+
+pub use acceptor::{AcceptorFactory, HelloAcceptor};
 
 /// Receiver configuration.
 #[derive(Debug, Clone)]
@@ -68,6 +71,11 @@ pub struct ReceiverConfig {
     /// from the bound one (required when `tcp_data` binds a wildcard
     /// address such as `0.0.0.0`).
     pub tcp_data_advertise: Option<IpAddr>,
+    /// Also offer a data plane set up per sender during `Hello` (RDMA:
+    /// [`AcceptorFactory::rdma`] with the `rdma` feature). Built over the
+    /// receive buffer at start; a failure (e.g. no RDMA device) fails
+    /// [`Receiver::start`] with [`ReceiverError::Transport`]. Default `None`.
+    pub acceptor: Option<AcceptorFactory>,
 }
 
 impl Default for ReceiverConfig {
@@ -87,6 +95,7 @@ impl Default for ReceiverConfig {
             auto_consume: false,
             tcp_data: None,
             tcp_data_advertise: None,
+            acceptor: None,
         }
     }
 }
@@ -121,6 +130,10 @@ pub enum ReceiverError {
         #[source]
         source: std::io::Error,
     },
+    /// The per-sender data plane ([`ReceiverConfig::acceptor`]) could not be
+    /// set up, e.g. there is no RDMA device.
+    #[error(transparent)]
+    Transport(#[from] crate::transport::TransportError),
 }
 
 /// Why [`Receiver::wait_ready`] returned without the request being ready.
@@ -194,7 +207,8 @@ impl State {
 pub(crate) struct Shared {
     state: Mutex<State>,
     finished_cv: Condvar,
-    region: Region,
+    /// Shared with the RDMA memory region registered over it, if any.
+    region: Arc<Region>,
     waker: Arc<mio::Waker>,
     stop: AtomicBool,
 }
@@ -246,7 +260,15 @@ impl Receiver {
             None => None,
         };
         let path = cfg.shm_path.clone().unwrap_or_else(default_region_path);
-        let region = Region::create(&path, cfg.chunk_bytes, cfg.capacity_chunks as u64)?;
+        let region = Arc::new(Region::create(
+            &path,
+            cfg.chunk_bytes,
+            cfg.capacity_chunks as u64,
+        )?);
+        let acceptor = match &cfg.acceptor {
+            Some(f) => Some(f.build(Arc::clone(&region))?),
+            None => None,
+        };
         let sock = crate::zmq_io::context()
             .socket(zmq::ROUTER)
             .map_err(|source| ReceiverError::Bind {
@@ -268,7 +290,7 @@ impl Receiver {
         let reactor = crate::zmq_io::Reactor::new()?;
         reactor.register(&sock, ctrl::SOCKET_TOKEN)?;
         let now = Instant::now();
-        let core = ReceiverCore::new(
+        let mut core = ReceiverCore::new(
             CoreConfig {
                 receiver_id: cfg.receiver_id.clone(),
                 capacity_chunks: cfg.capacity_chunks,
@@ -297,6 +319,9 @@ impl Receiver {
             },
             now,
         );
+        if let Some(a) = acceptor {
+            core = core.with_acceptor(a);
+        }
         let admission_wait_us = hdrhistogram::Histogram::new_with_bounds(1, 3_600_000_000, 3)
             .map_err(|e| ReceiverError::Config(format!("histogram: {e}")))?;
         let shared = Arc::new(Shared {
@@ -548,5 +573,7 @@ impl Drop for ChunkRef {
     }
 }
 
+#[cfg(test)]
+mod acceptor_tests;
 #[cfg(test)]
 mod core_tests;

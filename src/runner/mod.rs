@@ -22,7 +22,7 @@ use parking_lot::Mutex;
 
 use crate::protocol::ErrorCode;
 use crate::proxy::ProxyListener;
-use crate::receiver::{Receiver, ReceiverConfig};
+use crate::receiver::{AcceptorFactory, Receiver, ReceiverConfig, ReceiverError};
 use crate::sender::{RequestStatus, Sender, SenderConfig};
 use crate::stats::StageHistograms;
 use crate::transport::{FaultConfig, TransportConfig};
@@ -140,6 +140,9 @@ pub fn run_with(
     on_start: impl FnOnce(&[String], &[Arc<Sender>]),
 ) -> Result<RunReport, RunError> {
     cfg.validate().map_err(RunError::Config)?;
+    // rdma: every receiver also sets up a queue pair per sender at Hello.
+    let acceptor = AcceptorFactory::for_transport(&cfg.transport, &TransportConfig::default())
+        .map_err(|e| RunError::Unavailable(e.to_string()))?;
     let mut receivers = Vec::new();
     for d in 0..cfg.decoders {
         let r = Receiver::start(ReceiverConfig {
@@ -151,9 +154,14 @@ pub fn run_with(
             // Offer the TCP data plane on loopback when the run uses it.
             tcp_data: (cfg.transport == "tcp")
                 .then(|| std::net::SocketAddr::from(([127, 0, 0, 1], 0))),
+            acceptor: acceptor.clone(),
             ..ReceiverConfig::default()
         })
-        .map_err(|e| RunError::Start(e.to_string()))?;
+        .map_err(|e| match e {
+            // No RDMA device: the transport is unavailable (exit code 2).
+            ReceiverError::Transport(e) => RunError::Unavailable(e.to_string()),
+            e => RunError::Start(e.to_string()),
+        })?;
         receivers.push(Arc::new(r));
     }
     let proxy =

@@ -238,17 +238,7 @@ impl Ctrl {
             ));
         }
         if self.shared.cfg.use_extensions {
-            let hello = Message::Hello(Hello {
-                sender_id: self.shared.cfg.sender_id.clone(),
-                version: PROTOCOL_VERSION,
-                transport: self.shared.cfg.transport.clone(),
-                descriptor: crate::protocol::Descriptor::None,
-            });
-            self.buf.clear();
-            encode_into(&hello, &mut self.buf);
-            if let Err(e) = peer.send_raw(&self.buf) {
-                peer.mode = Mode::Failed(format!("cannot send Hello to {endpoint}: {e}"));
-            }
+            self.say_hello(&mut peer);
         } else {
             self.become_legacy(&mut peer);
         }
@@ -257,8 +247,46 @@ impl Ctrl {
         Ok(token)
     }
 
+    /// Sends `Hello` carrying the descriptor the data plane prepared for
+    /// this receiver (shm, tcp: none; rdma: a queue pair made for it), which
+    /// the peer keeps for the `HelloAck`.
+    fn say_hello(&mut self, peer: &mut Peer) {
+        let descriptor = match self.poster.prepare() {
+            Ok(d) => d,
+            Err(e) => {
+                peer.mode = Mode::Failed(format!(
+                    "data plane to {}: cannot prepare the {} transport for it: {e}",
+                    peer.endpoint, self.shared.cfg.transport
+                ));
+                return;
+            }
+        };
+        let hello = Message::Hello(Hello {
+            sender_id: self.shared.cfg.sender_id.clone(),
+            version: PROTOCOL_VERSION,
+            transport: self.shared.cfg.transport.clone(),
+            descriptor: descriptor.clone(),
+        });
+        self.buf.clear();
+        encode_into(&hello, &mut self.buf);
+        peer.prepared = Some(descriptor);
+        if let Err(e) = peer.send_raw(&self.buf) {
+            peer.mode = Mode::Failed(format!("cannot send Hello to {}: {e}", peer.endpoint));
+            self.discard_prepared(peer);
+        }
+    }
+
+    /// Releases what was prepared for a receiver whose `Hello` will not be
+    /// answered with a usable `HelloAck`.
+    fn discard_prepared(&mut self, peer: &mut Peer) {
+        if let Some(d) = peer.prepared.take() {
+            self.poster.discard_prepared(&d);
+        }
+    }
+
     /// Switches a peer to LMCache mode with its statically configured buffer.
     fn become_legacy(&mut self, peer: &mut Peer) {
+        self.discard_prepared(peer);
         let Some(remote) = self.static_peers.get(&peer.endpoint).cloned() else {
             peer.mode = Mode::Failed(format!(
                 "receiver at {} did not answer Hello and no static buffer descriptor is configured for it",
@@ -325,10 +353,30 @@ impl Ctrl {
             {
                 // The receiver does not offer our data plane (it answers
                 // with its default offer instead).
+                if let Some(d) = self.peers[i].prepared.take() {
+                    self.poster.discard_prepared(&d);
+                }
                 let p = &mut self.peers[i];
                 p.mode = Mode::Failed(format!(
                     "receiver at {} does not offer the {} data plane (it offers {})",
                     p.endpoint, self.shared.cfg.transport, ack.transport
+                ));
+                self.dirty_peer(i);
+            }
+            (Mode::Handshaking(_), Message::AllocResponse(resp))
+                if resp.code.as_deref() == Some(ErrorCode::PeerUnavailable.as_str()) =>
+            {
+                // A kvferry receiver that offers our data plane but could not
+                // set it up for us (LMCache receivers send no codes).
+                if let Some(d) = self.peers[i].prepared.take() {
+                    self.poster.discard_prepared(&d);
+                }
+                let p = &mut self.peers[i];
+                p.mode = Mode::Failed(format!(
+                    "receiver at {} refused the {} data plane: {}",
+                    p.endpoint,
+                    self.shared.cfg.transport,
+                    resp.error.as_deref().unwrap_or("no reason given")
                 ));
                 self.dirty_peer(i);
             }
@@ -338,7 +386,11 @@ impl Ctrl {
                     chunk_bytes: ack.chunk_bytes,
                     capacity_chunks: ack.capacity_chunks,
                 };
-                match self.poster.connect(&remote) {
+                let prepared = self.peers[i]
+                    .prepared
+                    .take()
+                    .unwrap_or(crate::protocol::Descriptor::None);
+                match self.poster.connect_prepared(&prepared, &remote) {
                     Ok(index) => {
                         let p = &mut self.peers[i];
                         p.index = Some(index);
@@ -347,6 +399,7 @@ impl Ctrl {
                         debug!(endpoint = %p.endpoint, receiver = %ack.receiver_id, "receiver speaks kvferry");
                     }
                     Err(e) => {
+                        self.poster.discard_prepared(&prepared);
                         self.peers[i].mode =
                             Mode::Failed(format!("data plane to {}: {e}", self.peers[i].endpoint))
                     }

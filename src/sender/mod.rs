@@ -285,8 +285,15 @@ const SUBMIT_RING: usize = 4096;
 
 impl Sender {
     /// Creates the staging buffer, starts the data plane and the ctrl and
-    /// poll threads.
+    /// poll threads. The data plane is [`crate::transport::by_name`]`(cfg.transport)`.
     pub fn new(cfg: SenderConfig) -> Result<Self, SenderError> {
+        Self::check(&cfg)?;
+        let transport = crate::transport::by_name(&cfg.transport, &cfg.transport_config)?;
+        Self::with_transport(cfg, transport)
+    }
+
+    /// The configuration checks done before anything is started.
+    fn check(cfg: &SenderConfig) -> Result<(), SenderError> {
         if cfg.staging_slots == 0 || cfg.staging_slots > u32::MAX as usize {
             return Err(SenderError::Config(format!(
                 "staging_slots must be in 1..={}",
@@ -296,11 +303,29 @@ impl Sender {
         if cfg.chunk_bytes == 0 {
             return Err(SenderError::Config("chunk_bytes must be positive".into()));
         }
+        Ok(())
+    }
+
+    /// [`Sender::new`] over a data plane built by the caller (e.g. an
+    /// `RdmaTransport` with an explicit `RdmaConfig`, or a test transport).
+    /// Its [`kind`](crate::transport::Transport::kind) must be
+    /// `cfg.transport`, the name the `Hello` asks receivers for.
+    pub fn with_transport(
+        cfg: SenderConfig,
+        transport: Box<dyn crate::transport::Transport>,
+    ) -> Result<Self, SenderError> {
+        if transport.kind() != cfg.transport {
+            return Err(SenderError::Config(format!(
+                "the transport is {}, the configuration says {}",
+                transport.kind(),
+                cfg.transport
+            )));
+        }
+        Self::check(&cfg)?;
         let staging = Arc::new(
             StagingBuffer::new(cfg.staging_slots, cfg.chunk_bytes)
                 .map_err(|e| SenderError::Staging(e.to_string()))?,
         );
-        let transport = crate::transport::by_name(&cfg.transport, &cfg.transport_config)?;
         let (poster, completions) = transport.start(Arc::clone(&staging))?;
         let reactor = crate::zmq_io::Reactor::new()?;
         let (submit, submissions) = kvferry_ring::mpsc::channel::<u64>(SUBMIT_RING);

@@ -12,6 +12,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
+use crate::protocol::Descriptor;
 use crate::transport::{PeerIndex, RemoteBuffer};
 
 /// What a reply answers.
@@ -43,6 +44,9 @@ pub(super) struct Peer {
     pub mode: Mode,
     pub index: Option<PeerIndex>,
     pub remote: Option<RemoteBuffer>,
+    /// What `Poster::prepare` made for this receiver and the `Hello`
+    /// carried, until the `HelloAck` connects it (or it is discarded).
+    pub prepared: Option<Descriptor>,
     /// Extended mode: sent and unanswered, by seq.
     pub by_seq: HashMap<u64, (Outstanding, Instant)>,
     /// Legacy mode: sent and unanswered (at most one), in order.
@@ -66,6 +70,7 @@ impl Peer {
             mode: Mode::Handshaking(Instant::now()),
             index: None,
             remote: None,
+            prepared: None,
             by_seq: HashMap::new(),
             fifo: VecDeque::new(),
             waiting: VecDeque::new(),

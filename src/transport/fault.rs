@@ -193,6 +193,22 @@ impl Poster for FaultPoster {
         self.inner.connect(remote)
     }
 
+    fn prepare(&mut self) -> Result<Descriptor, TransportError> {
+        self.inner.prepare()
+    }
+
+    fn connect_prepared(
+        &mut self,
+        prepared: &Descriptor,
+        remote: &RemoteBuffer,
+    ) -> Result<PeerIndex, TransportError> {
+        self.inner.connect_prepared(prepared, remote)
+    }
+
+    fn discard_prepared(&mut self, prepared: &Descriptor) {
+        self.inner.discard_prepared(prepared);
+    }
+
     fn disconnect(&mut self, peer: PeerIndex) {
         self.inner.disconnect(peer);
     }

@@ -75,6 +75,40 @@ pub trait Poster: Send {
     /// transport's kind or the buffer does not match the announced geometry.
     fn connect(&mut self, remote: &RemoteBuffer) -> Result<PeerIndex, TransportError>;
 
+    /// Prepares this side of the data plane to one new receiver and returns
+    /// the descriptor to send in its `Hello`. The sender's ctrl thread calls
+    /// it once per receiver, keeps the result with that receiver, and hands
+    /// it back to [`Poster::connect_prepared`] with the `HelloAck`.
+    ///
+    /// Default: [`Descriptor::None`] (shm and tcp need nothing per
+    /// receiver). RDMA creates a queue pair for that receiver.
+    fn prepare(&mut self) -> Result<Descriptor, TransportError> {
+        Ok(Descriptor::None)
+    }
+
+    /// Connects the receiver that answered the `Hello` carrying `prepared`
+    /// (what [`Poster::prepare`] returned) with `remote`, and returns the
+    /// index to put in [`WriteOp::peer`].
+    ///
+    /// Default: [`Poster::connect`]`(remote)`.
+    fn connect_prepared(
+        &mut self,
+        prepared: &Descriptor,
+        remote: &RemoteBuffer,
+    ) -> Result<PeerIndex, TransportError> {
+        let _ = prepared;
+        self.connect(remote)
+    }
+
+    /// Gives up what [`Poster::prepare`] set up for a receiver that will not
+    /// be connected with it (its `Hello` went unanswered, was refused, or
+    /// named another transport). Unknown descriptors are ignored.
+    ///
+    /// Default: nothing to release.
+    fn discard_prepared(&mut self, prepared: &Descriptor) {
+        let _ = prepared;
+    }
+
     /// Forgets a peer. Ops posted to it afterwards complete with
     /// [`CompletionStatus::UnknownPeer`]; ops already in flight complete
     /// either normally or with `UnknownPeer`. Unknown indices are ignored.

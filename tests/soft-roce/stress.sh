@@ -11,12 +11,12 @@
 #   PREFILLERS DECODERS REQUESTS CONCURRENCY      load (default 4 2 20000 8)
 #   EXTRA_ARGS   more `kvferry run` options
 #
-# Status: the rdma data plane is built and its device tests pass where a
-# device exists, but `kvferry run` cannot use it end to end until the
-# sender's Hello carries a per-receiver QP and the receiver answers with
-# RdmaReceiverSide::accept (docs/rdma.md, "Not wired yet"). Until then the
-# run below fails at connect with "the rdma transport cannot use a `shm`
-# descriptor" and this script exits 1.
+# The run is the real thing: every receiver offers rdma, every sender's Hello
+# carries a queue pair made for that receiver (Poster::prepare), the
+# receiver answers with one made for that sender (RdmaReceiverSide::accept)
+# and the HelloAck connects the pair (Poster::connect_prepared); decoders
+# check every byte and the report (printed on stdout) ends in a leak check.
+# Not yet run on a host with rdma_rxe (the development VM has none).
 #
 # Exit codes: 0 run passed, 1 run failed, 2 refused (no RDMA possible here,
 # missing tools or rights), 3 build failed.

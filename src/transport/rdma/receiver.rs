@@ -115,3 +115,24 @@ impl RdmaReceiverSide {
         &self.pd.ctx.name
     }
 }
+
+/// The receiver's core calls this from `on_hello` when a sender asks for
+/// `"rdma"`: one queue pair per sender, torn down when its lease expires or
+/// it says `Hello` again.
+impl crate::receiver::HelloAcceptor for RdmaReceiverSide {
+    fn kind(&self) -> &'static str {
+        "rdma"
+    }
+
+    fn accept(&mut self, sender: &Descriptor) -> Result<Descriptor, String> {
+        RdmaReceiverSide::accept(self, sender).map_err(|e| e.to_string())
+    }
+
+    fn forget(&mut self, sender: &Descriptor) {
+        if let Ok(peer) = QpInfo::from_descriptor(sender) {
+            if RdmaReceiverSide::forget(self, peer.qp_num) {
+                tracing::debug!(sender_qp = peer.qp_num, "rdma sender forgotten");
+            }
+        }
+    }
+}

@@ -3,8 +3,8 @@
 //! channel) and its two halves, [`RdmaPoster`] and [`RdmaCompletions`].
 //!
 //! Connecting a receiver takes two steps because an RC queue pair needs the
-//! peer's QP number: [`RdmaPoster::prepare`] creates a queue pair (INIT) and
-//! returns the descriptor for the `Hello`; [`RdmaPoster::connect_prepared`]
+//! peer's QP number: [`Poster::prepare`] creates a queue pair (INIT) and
+//! returns the descriptor for the `Hello`; [`Poster::connect_prepared`]
 //! takes the receiver's `HelloAck` descriptor and moves the queue pair to
 //! RTR and RTS. The generic [`Poster::connect`] cannot do this (it is given
 //! only the receiver's side), see docs/rdma.md.
@@ -68,7 +68,8 @@ impl RdmaTransport {
     }
 
     /// Starts the data plane and returns the concrete halves (the posting
-    /// half has [`RdmaPoster::prepare`] / [`RdmaPoster::connect_prepared`]).
+    /// half connects receivers with [`Poster::prepare`] /
+    /// [`Poster::connect_prepared`]).
     pub fn start_rdma(
         self,
         local: Arc<StagingBuffer>,
@@ -137,7 +138,7 @@ impl Transport for RdmaTransport {
     }
 
     /// [`Descriptor::None`]: the sender's descriptor is per receiver (one
-    /// queue pair each), from [`RdmaPoster::prepare`].
+    /// queue pair each), from [`Poster::prepare`].
     fn local_descriptor(&self) -> Descriptor {
         Descriptor::None
     }
@@ -177,65 +178,6 @@ impl std::fmt::Debug for RdmaPoster {
 }
 
 impl RdmaPoster {
-    /// Creates a queue pair for a new receiver (state INIT) and returns
-    /// the descriptor to send in `Hello`: its QP number, LID, GID, and the
-    /// staging region's address and length (`rkey` 0: the receiver never
-    /// accesses it).
-    pub fn prepare(&mut self) -> Result<Descriptor, TransportError> {
-        let qp = Qp::new(self.pd.clone(), self.cq.clone(), self.max_wr)?;
-        qp.modify(&QpStep::Init, &self.pd.ctx.qp_params(0))?;
-        let ctx = &self.pd.ctx;
-        let info = QpInfo {
-            qp_num: qp.qp_num(),
-            lid: ctx.lid,
-            gid: ctx.gid,
-            rkey: 0,
-            addr: self.mr.addr,
-            len: self.mr.len,
-        };
-        self.prepared.insert(info.qp_num, qp);
-        Ok(info.to_descriptor())
-    }
-
-    /// Connects the queue pair `prepared` (the descriptor [`prepare`]
-    /// returned) to the receiver that answered with `remote`; returns the
-    /// peer index for [`WriteOp::peer`].
-    ///
-    /// [`prepare`]: RdmaPoster::prepare
-    pub fn connect_prepared(
-        &mut self,
-        prepared: &Descriptor,
-        remote: &RemoteBuffer,
-    ) -> Result<PeerIndex, TransportError> {
-        let own = QpInfo::from_descriptor(prepared)?;
-        let peer = QpInfo::from_descriptor(&remote.descriptor)?;
-        peer.check_geometry(remote.chunk_bytes, remote.capacity_chunks)?;
-        let qp = self.prepared.remove(&own.qp_num).ok_or_else(|| {
-            TransportError::BadDescriptor(format!(
-                "QP {:#x} was not prepared by this poster",
-                own.qp_num
-            ))
-        })?;
-        connect(&qp, &self.pd.ctx.qp_params(0), &peer)?;
-        let pq = Arc::new(PeerQp {
-            qp,
-            remote: peer,
-            inflight: Mutex::new(Inflight::default()),
-        });
-        let mut peers = self.shared.peers.write();
-        let index = PeerIndex::try_from(peers.len())
-            .map_err(|_| TransportError::Config("more than u32::MAX peers".into()))?;
-        peers.push(Some(pq.clone()));
-        self.shared.by_qpn.write().insert(own.qp_num, pq);
-        tracing::debug!(
-            index,
-            qp = own.qp_num,
-            remote_qp = peer.qp_num,
-            "rdma peer connected"
-        );
-        Ok(index)
-    }
-
     /// Posts the writes of one peer's chain; returns the completions to
     /// deliver at once (writes that could not be posted).
     fn post_chain(
@@ -293,14 +235,84 @@ impl RdmaPoster {
 }
 
 impl Poster for RdmaPoster {
+    /// Creates a queue pair for a new receiver (state INIT) and returns
+    /// the descriptor to send in `Hello`: its QP number, LID, GID, and the
+    /// staging region's address and length (`rkey` 0: the receiver never
+    /// accesses it).
+    fn prepare(&mut self) -> Result<Descriptor, TransportError> {
+        let qp = Qp::new(self.pd.clone(), self.cq.clone(), self.max_wr)?;
+        qp.modify(&QpStep::Init, &self.pd.ctx.qp_params(0))?;
+        let ctx = &self.pd.ctx;
+        let info = QpInfo {
+            qp_num: qp.qp_num(),
+            lid: ctx.lid,
+            gid: ctx.gid,
+            rkey: 0,
+            addr: self.mr.addr,
+            len: self.mr.len,
+        };
+        self.prepared.insert(info.qp_num, qp);
+        Ok(info.to_descriptor())
+    }
+
+    /// Connects the queue pair `prepared` (the descriptor
+    /// [`Poster::prepare`] returned) to the receiver that answered with
+    /// `remote` (RTR, then RTS); returns the peer index for
+    /// [`WriteOp::peer`].
+    fn connect_prepared(
+        &mut self,
+        prepared: &Descriptor,
+        remote: &RemoteBuffer,
+    ) -> Result<PeerIndex, TransportError> {
+        let own = QpInfo::from_descriptor(prepared)?;
+        let peer = QpInfo::from_descriptor(&remote.descriptor)?;
+        peer.check_geometry(remote.chunk_bytes, remote.capacity_chunks)?;
+        let qp = self.prepared.remove(&own.qp_num).ok_or_else(|| {
+            TransportError::BadDescriptor(format!(
+                "QP {:#x} was not prepared by this poster",
+                own.qp_num
+            ))
+        })?;
+        connect(&qp, &self.pd.ctx.qp_params(0), &peer)?;
+        let pq = Arc::new(PeerQp {
+            qp,
+            remote: peer,
+            inflight: Mutex::new(Inflight::default()),
+        });
+        let mut peers = self.shared.peers.write();
+        let index = PeerIndex::try_from(peers.len())
+            .map_err(|_| TransportError::Config("more than u32::MAX peers".into()))?;
+        peers.push(Some(pq.clone()));
+        self.shared.by_qpn.write().insert(own.qp_num, pq);
+        tracing::debug!(
+            index,
+            qp = own.qp_num,
+            remote_qp = peer.qp_num,
+            "rdma peer connected"
+        );
+        Ok(index)
+    }
+
+    /// Destroys the queue pair `prepared` names if it was prepared and never
+    /// connected.
+    fn discard_prepared(&mut self, prepared: &Descriptor) {
+        if let Ok(own) = QpInfo::from_descriptor(prepared) {
+            if self.prepared.remove(&own.qp_num).is_some() {
+                tracing::debug!(qp = own.qp_num, "prepared rdma queue pair discarded");
+            }
+        }
+    }
+
     /// Always an error: an RC queue pair needs both sides' QP numbers, so
-    /// receivers are connected with [`RdmaPoster::prepare`] (before `Hello`)
-    /// and [`RdmaPoster::connect_prepared`] (with the `HelloAck`).
+    /// receivers are connected with [`Poster::prepare`] (before `Hello`)
+    /// and [`Poster::connect_prepared`] (with the `HelloAck`), which the
+    /// sender's ctrl thread does; a static (LMCache-style) peer cannot use
+    /// rdma.
     fn connect(&mut self, remote: &RemoteBuffer) -> Result<PeerIndex, TransportError> {
         match &remote.descriptor {
             Descriptor::Rdma { .. } => Err(TransportError::BadDescriptor(
                 "an rdma receiver can only be connected with the queue pair the sender announced in its Hello \
-                 (RdmaPoster::prepare / connect_prepared); the sender's Hello does not carry one yet, see docs/rdma.md"
+                 (Poster::prepare / connect_prepared); a receiver that did not answer Hello cannot use rdma, see docs/rdma.md"
                     .into(),
             )),
             other => Err(TransportError::Unsupported {
