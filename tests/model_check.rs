@@ -228,7 +228,10 @@ fn dedup_cfg(name: &'static str, rules: Rules, aborts: [bool; 2]) -> Cfg {
 /// not: a listed property found reachable fails the check too).
 fn expect_pass_except_unreached(cfg: Cfg, unreached: &[&str]) {
     let c = check(cfg);
-    assert!(c.is_done(), "the checker must explore the whole state space");
+    assert!(
+        c.is_done(),
+        "the checker must explore the whole state space"
+    );
     let found = c.discoveries();
     for p in c.model().properties() {
         let name = p.name;

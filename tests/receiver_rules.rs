@@ -352,7 +352,10 @@ fn kvferry_dedup_waits_for_the_writers_transfer_done() {
     let w = Writer::from_ack(&a.hello());
     b.hello();
     let k = "shared".to_owned();
-    let ra = a.call(&alloc("A", &[k.clone()], 1, true, Some(1)), "A's batch");
+    let ra = a.call(
+        &alloc("A", std::slice::from_ref(&k), 1, true, Some(1)),
+        "A's batch",
+    );
     let sa = assert_ok(&ra, 1);
     let rb = b.call(
         &alloc("B", &[k.clone(), "b".into()], 2, true, Some(1)),
@@ -369,7 +372,10 @@ fn kvferry_dedup_waits_for_the_writers_transfer_done() {
     a.send(&transfer_done("A"));
     r.wait_ready("A", deadline()).expect("A ready");
     // A's copy is written now: a third request is told "already sent".
-    let rc = b.call(&alloc("C", &[k.clone()], 1, true, Some(2)), "C's batch");
+    let rc = b.call(
+        &alloc("C", std::slice::from_ref(&k), 1, true, Some(2)),
+        "C's batch",
+    );
     assert_eq!(rc.already_sent_indexes, vec![0]);
     assert_eq!(assert_ok(&rc, 1), sa.clone(), "C pins A's copy");
     w.write(sb[0], &pattern(&k));
