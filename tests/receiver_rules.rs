@@ -341,6 +341,62 @@ fn dedup_pins_keys_and_reports_already_sent() {
     assert_idle(&r);
 }
 
+/// Dedup only against written keys: a kvferry writer's key is "already
+/// sent" only after its TransferDone; a request asking for it meanwhile gets
+/// a slot of its own and writes its own copy.
+#[test]
+fn kvferry_dedup_waits_for_the_writers_transfer_done() {
+    let r = start(config(8));
+    let a = Client::connect(r.endpoint(), "dedup-kv-a");
+    let b = Client::connect(r.endpoint(), "dedup-kv-b");
+    let w = Writer::from_ack(&a.hello());
+    b.hello();
+    let k = "shared".to_owned();
+    let ra = a.call(
+        &alloc("A", std::slice::from_ref(&k), 1, true, Some(1)),
+        "A's batch",
+    );
+    let sa = assert_ok(&ra, 1);
+    let rb = b.call(
+        &alloc("B", &[k.clone(), "b".into()], 2, true, Some(1)),
+        "B's batch",
+    );
+    let sb = assert_ok(&rb, 2);
+    assert!(
+        rb.already_sent_indexes.is_empty(),
+        "A has not finished writing the key: B writes its own copy"
+    );
+    assert_ne!(sb[0], sa[0], "B's copy has its own slot");
+    assert_eq!(r.stats().allocated_chunks, 3);
+    w.write(sa[0], &pattern(&k));
+    a.send(&transfer_done("A"));
+    r.wait_ready("A", deadline()).expect("A ready");
+    // A's copy is written now: a third request is told "already sent".
+    let rc = b.call(
+        &alloc("C", std::slice::from_ref(&k), 1, true, Some(2)),
+        "C's batch",
+    );
+    assert_eq!(rc.already_sent_indexes, vec![0]);
+    assert_eq!(assert_ok(&rc, 1), sa.clone(), "C pins A's copy");
+    w.write(sb[0], &pattern(&k));
+    w.write(sb[1], &pattern("b"));
+    b.send(&transfer_done("B"));
+    b.send(&transfer_done("C"));
+    r.wait_ready("B", deadline()).expect("B ready");
+    r.wait_ready("C", deadline()).expect("C ready");
+    // Three references (A, C on A's copy; B on its own): all readable.
+    let refs: Vec<_> = (0..3)
+        .map(|i| r.get(&k).unwrap_or_else(|| panic!("reference {i} of {k}")))
+        .collect();
+    for c in &refs {
+        assert_eq!(&c.bytes()[..16], &pattern(&k));
+    }
+    assert!(r.get(&k).is_none(), "every reference claimed");
+    drop(refs);
+    assert!(r.remove("b"));
+    assert_idle(&r);
+}
+
 #[test]
 fn zero_total_chunks_is_refused() {
     let r = start(config(4));

@@ -17,8 +17,17 @@
 //!   included), a changed `total_chunks` and a batch after the last one are
 //!   errors; any error of an admitted request rolls back every chunk it holds
 //!   and releases its reservation.
-//! - Keys already held are pinned (ref count up) and reported in
-//!   `already_sent_indexes`; the first writer wins.
+//! - Dedup only against written keys: a key is reported in
+//!   `already_sent_indexes` (and pinned, ref count up) only when a copy of it
+//!   is `ready` — its writer's `TransferDone` arrived (kvferry peers), or at
+//!   allocation (LMCache peers and anonymous allocations, LMCache's own
+//!   semantics). A key held but still being written gets a fresh slot: the
+//!   new request writes its own, independent copy (its reservation already
+//!   counts the chunk).
+//! - A slot is never freed while a reference holds it: a failed writer's copy
+//!   is detached (nobody new pins or reads it) and its slot freed with the
+//!   last reference (and, if the writer's writes may still land, after the
+//!   fence below).
 //! - A request's tracking ends when its last batch is allocated (LMCache
 //!   peers) or when its `TransferDone` arrives (kvferry peers, which said
 //!   `Hello`), on failure, on cancel, or when its lease expires.
@@ -40,7 +49,7 @@ use crate::protocol::{
 use crate::slots::SlotAllocator;
 
 use super::acceptor::HelloAcceptor;
-use super::keys::{KeyTable, Unref};
+use super::keys::{Borrowed, KeyTable, Unref};
 
 /// Routing identity of a sender (the ZMQ identity frame).
 pub type PeerId = Vec<u8>;
@@ -115,7 +124,10 @@ pub struct CoreStats {
     pub parked_requests: usize,
     /// Requests being tracked (parked, admitted, awaiting `TransferDone`).
     pub tracked_requests: usize,
-    /// Keys held in the buffer.
+    /// Key copies held in the buffer, readable or being written (a key two
+    /// requests first-wrote concurrently counts twice; a failed writer's
+    /// detached copy, kept by other holders or quarantine, counts in
+    /// `slots_in_use` only).
     pub keys: usize,
     /// Slots held in quarantine.
     pub quarantined_slots: usize,
@@ -172,7 +184,8 @@ struct Request {
 #[derive(Debug)]
 struct Tombstone {
     code: ErrorCode,
-    quarantined: Vec<u32>,
+    /// Copies `(key, gen)` whose slot is kept until the fence.
+    quarantined: Vec<(String, u64)>,
     until: Instant,
 }
 
@@ -371,11 +384,7 @@ impl ReceiverCore {
             .map(|(k, _)| k.clone())
             .collect();
         for req_id in dead {
-            if let Some(t) = self.tombstones.remove(&req_id) {
-                for slot in t.quarantined {
-                    self.free_slot(slot);
-                }
-            }
+            self.drop_tombstone(&req_id);
         }
         self.grant_parked(now, out);
     }
@@ -397,15 +406,16 @@ impl ReceiverCore {
         next
     }
 
-    /// Claims one reference of `key` as a decoder borrow: `(slot, tokens)`.
-    pub fn borrow(&mut self, key: &str) -> Option<(u32, Option<u32>)> {
+    /// Claims one reference of a ready copy of `key` as a decoder borrow.
+    pub fn borrow(&mut self, key: &str) -> Option<Borrowed> {
         self.keys.borrow(key)
     }
 
-    /// Ends a borrow, consuming its reference; frees the slot if it was the
-    /// last. Returns true if capacity was freed.
-    pub fn end_borrow(&mut self, key: &str, now: Instant, out: &mut Vec<Output>) -> bool {
-        let u = self.keys.end_borrow(key);
+    /// Ends a borrow of the copy of generation `gen` (from [`Borrowed`]),
+    /// consuming its reference; frees the slot if it was the last. Returns
+    /// true if capacity was freed.
+    pub fn end_borrow(&mut self, key: &str, gen: u64, now: Instant, out: &mut Vec<Output>) -> bool {
+        let u = self.keys.end_borrow(key, gen);
         let freed = self.release(u);
         if freed {
             self.grant_parked(now, out);
@@ -427,7 +437,7 @@ impl ReceiverCore {
         }
     }
 
-    /// True if `key` is held and its bytes are in place.
+    /// True if a copy of `key` is held and its bytes are in place.
     pub fn is_ready(&self, key: &str) -> bool {
         self.keys.get(key).is_some_and(|e| e.ready)
     }
@@ -667,9 +677,12 @@ impl ReceiverCore {
         for (i, key) in req.keys.iter().enumerate() {
             let tokens =
                 (i + 1 == n).then(|| req.last_chunk_toks.clamp(0, i64::from(u32::MAX)) as u32);
+            // Dedup only against a written copy (`pin` skips copies still
+            // being written): "already sent" then means the bytes are in
+            // place, so the sender may count the chunk complete at once.
             if let Some((slot, gen)) = self.keys.pin(key) {
-                // Dedup: the chunk needs no slot, so its share of the
-                // reservation goes back at once (allocate it, then free it).
+                // The chunk needs no slot, so its share of the reservation
+                // goes back at once (allocate it, then free it).
                 if reservation.allocate(1).is_ok() {
                     self.ledger.free(1);
                 }
@@ -697,6 +710,8 @@ impl ReceiverCore {
                 break;
             };
             let slot = set.as_slice()[0];
+            // A new key, or one whose copies are all still being written:
+            // this request writes its own copy (its reservation counts it).
             let gen = self.keys.insert_new(key, slot, !r.extended, tokens);
             r.held.push(Held {
                 key: key.clone(),
@@ -764,7 +779,7 @@ impl ReceiverCore {
             .keys
             .iter()
             .map(String::as_str)
-            .filter(|k| self.keys.get(k).is_none())
+            .filter(|k| !self.keys.pinnable(k))
             .collect();
         let busy = !self.queue.is_empty();
         let reservation = if busy {
@@ -853,11 +868,13 @@ impl ReceiverCore {
         });
     }
 
-    /// Removes a tombstone and frees the slots it quarantined.
+    /// Removes a tombstone and ends the quarantine of the copies it kept;
+    /// each slot is freed unless a reference still holds it.
     fn drop_tombstone(&mut self, req_id: &str) {
         if let Some(t) = self.tombstones.remove(req_id) {
-            for slot in t.quarantined {
-                self.free_slot(slot);
+            for (key, gen) in t.quarantined {
+                let u = self.keys.unquarantine(&key, gen);
+                self.release(u);
             }
         }
     }
@@ -866,10 +883,10 @@ impl ReceiverCore {
         match self.requests.get(req_id).map(|r| &r.phase) {
             Some(Phase::AwaitingDone) => {
                 if let Some(r) = self.requests.remove(req_id) {
+                    // The copies this request wrote are now in place: from
+                    // here on, later requests are told "already sent".
                     for h in r.held.iter().filter(|h| h.wrote) {
-                        if self.keys.get(&h.key).is_some_and(|e| e.gen == h.gen) {
-                            self.keys.mark_ready(&h.key);
-                        }
+                        self.keys.mark_ready(&h.key, h.gen);
                     }
                     if self.cfg.auto_consume {
                         // A decoder that only counts: drop this request's
@@ -979,16 +996,17 @@ impl ReceiverCore {
         for h in &r.held {
             if h.wrote {
                 // A tracked request never completed, so the bytes it was
-                // writing are not whole (an LMCache peer's keys are visible
-                // from allocation on, but that does not make them written):
-                // the key goes, whoever else pinned it, and the slot is
-                // fenced if it was granted.
-                if let Some(slot) = self.keys.evict(&h.key, h.gen) {
-                    if h.granted && fence {
-                        quarantined.push(slot);
-                    } else {
-                        self.free_slot(slot);
-                    }
+                // writing are not whole: its copy is detached (nobody new
+                // pins or reads it). A kvferry peer's copy was never pinned
+                // (only ready copies are), but an LMCache peer's keys are
+                // pinnable from allocation on, so others may hold it: their
+                // references keep the slot until they go, and a granted
+                // slot is also kept until the fence.
+                let quarantine = h.granted && fence;
+                let u = self.keys.evict(&h.key, h.gen, quarantine);
+                self.release(u);
+                if quarantine && self.keys.get_gen(&h.key, h.gen).is_some() {
+                    quarantined.push((h.key.clone(), h.gen));
                 }
             } else {
                 let u = self.keys.unref_gen(&h.key, h.gen);

@@ -276,6 +276,182 @@ fn dedup_counts_toward_total_chunks() {
     assert!(!c.remove_key("x", t0, &mut out));
 }
 
+fn done(req: &str) -> Message {
+    Message::TransferDone(TransferDone {
+        req_id: req.into(),
+        seq: None,
+    })
+}
+
+fn cancel(req: &str, seq: u64) -> Message {
+    Message::CancelNotif(CancelNotif {
+        req_id: req.into(),
+        keys: vec![],
+        seq: Some(seq),
+    })
+}
+
+/// Finding 2 of docs/model-check.md: a kvferry writer's key is not "already
+/// sent" until its TransferDone; a request asking for it meanwhile writes
+/// its own copy.
+#[test]
+fn dedup_only_against_written_keys() {
+    let t0 = Instant::now();
+    let mut c = ReceiverCore::new(cfg(10), t0);
+    let mut out = Vec::new();
+    c.handle(P, hello(), t0, &mut out);
+    c.handle(Q, hello(), t0, &mut out);
+    out.clear();
+    c.handle(P, batch("A", &["k", "a"], 2, true, Some(1)), t0, &mut out);
+    let ra = one_reply(&mut out);
+    c.handle(Q, batch("B", &["k", "b"], 2, true, Some(1)), t0, &mut out);
+    let rb = one_reply(&mut out);
+    assert!(
+        rb.already_sent_indexes.is_empty(),
+        "A is still writing k: B must write its own copy"
+    );
+    assert_ne!(rb.remote_indexes[0], ra.remote_indexes[0], "a fresh slot");
+    assert_eq!(c.stats().keys, 4, "k has two copies");
+    assert_eq!(c.ledger().stats().allocated, 4);
+    c.handle(P, done("A"), t0, &mut out);
+    // Now A's copy is written: a third request is told "already sent".
+    c.handle(Q, batch("C", &["k"], 1, true, Some(2)), t0, &mut out);
+    let rc = one_reply(&mut out);
+    assert_eq!(rc.already_sent_indexes, vec![0]);
+    assert_eq!(rc.remote_indexes[0], ra.remote_indexes[0], "A's copy");
+    // B's copy is not readable until B's TransferDone; A's is.
+    let first = c.borrow("k").expect("A's copy is ready");
+    assert_eq!(i64::from(first.slot), ra.remote_indexes[0]);
+    let second = c.borrow("k").expect("A's copy has C's pin too");
+    assert_eq!(second.gen, first.gen);
+    assert!(c.borrow("k").is_none(), "B's copy is still being written");
+    c.handle(Q, done("B"), t0, &mut out);
+    let third = c.borrow("k").expect("B's copy is ready");
+    assert_eq!(i64::from(third.slot), rb.remote_indexes[0]);
+    for b in [first, second, third] {
+        c.end_borrow("k", b.gen, t0, &mut out);
+    }
+    consume(&mut c, &["a".into(), "b".into()], t0, &mut out);
+    assert_eq!(c.stats().keys, 0);
+    assert_eq!(c.ledger().stats().committed, 0);
+    assert_eq!(c.stats().slots_in_use, 0);
+}
+
+/// Anonymous allocations follow the same rule.
+#[test]
+fn anonymous_batches_do_not_pin_a_key_being_written() {
+    let t0 = Instant::now();
+    let mut c = ReceiverCore::new(cfg(4), t0);
+    let mut out = Vec::new();
+    c.handle(P, hello(), t0, &mut out);
+    out.clear();
+    c.handle(P, batch("A", &["k"], 1, true, Some(1)), t0, &mut out);
+    let ra = one_reply(&mut out);
+    c.handle(Q, batch("", &["k"], 0, false, None), t0, &mut out);
+    let rn = one_reply(&mut out);
+    assert!(rn.already_sent_indexes.is_empty());
+    assert_ne!(rn.remote_indexes[0], ra.remote_indexes[0]);
+    assert_eq!(c.ledger().stats().allocated, 2, "two copies, two slots");
+    c.handle(P, done("A"), t0, &mut out);
+    c.handle(Q, batch("", &["k"], 0, false, None), t0, &mut out);
+    assert_eq!(one_reply(&mut out).already_sent_indexes, vec![0]);
+}
+
+/// Finding 3 of docs/model-check.md: a writer that aborts only releases its
+/// own copy; the request that wrote the key concurrently keeps its slot.
+#[test]
+fn an_aborted_writer_frees_only_its_own_copy() {
+    let t0 = Instant::now();
+    let mut c = ReceiverCore::new(cfg(6), t0);
+    let mut out = Vec::new();
+    c.handle(P, hello(), t0, &mut out);
+    c.handle(Q, hello(), t0, &mut out);
+    out.clear();
+    c.handle(P, batch("A", &["k"], 3, false, Some(1)), t0, &mut out);
+    let ra = one_reply(&mut out);
+    c.handle(Q, batch("B", &["k", "b"], 3, false, Some(1)), t0, &mut out);
+    let rb = one_reply(&mut out);
+    assert!(rb.already_sent_indexes.is_empty());
+    c.handle(P, cancel("A", 2), t0, &mut out);
+    out.clear();
+    assert_eq!(c.stats().slots_in_use, 2, "only A's copy went");
+    // A's slot may be granted again; B's never, while B holds it.
+    c.handle(Q, batch("B", &["b2"], 3, true, Some(2)), t0, &mut out);
+    let rb2 = one_reply(&mut out);
+    assert!(!rb.remote_indexes.contains(&rb2.remote_indexes[0]));
+    assert_eq!(
+        rb2.remote_indexes[0], ra.remote_indexes[0],
+        "A's freed slot"
+    );
+    c.handle(Q, done("B"), t0, &mut out);
+    let k = c.borrow("k").expect("B's copy is ready");
+    assert_eq!(i64::from(k.slot), rb.remote_indexes[0]);
+    c.end_borrow("k", k.gen, t0, &mut out);
+    consume(&mut c, &["b".into(), "b2".into()], t0, &mut out);
+    assert_eq!(c.stats().slots_in_use, 0);
+    assert_eq!(c.ledger().stats().committed, 0);
+}
+
+/// An LMCache peer's keys are ready (pinnable) from allocation on, so a
+/// failed LMCache writer's copy may be pinned: the slot stays until the
+/// last reference goes, past the end of the writer's quarantine.
+#[test]
+fn a_failed_writer_never_frees_a_slot_another_request_holds() {
+    let t0 = Instant::now();
+    let mut c = ReceiverCore::new(cfg(3), t0);
+    let mut out = Vec::new();
+    c.handle(P, batch("A", &["k"], 2, false, None), t0, &mut out);
+    let ra = one_reply(&mut out);
+    c.handle(Q, batch("B", &["k"], 1, true, None), t0, &mut out);
+    assert_eq!(
+        one_reply(&mut out).already_sent_indexes,
+        vec![0],
+        "LMCache semantics: pinned at once"
+    );
+    // A breaks its total: rolled back, its granted slot quarantined.
+    c.handle(P, batch("A", &["x", "y"], 2, true, None), t0, &mut out);
+    out.clear();
+    assert_eq!(c.stats().quarantined_slots, 1);
+    assert!(c.borrow("k").is_none(), "A's bytes are not whole");
+    c.tick(t0 + Duration::from_secs(11), &mut out);
+    assert_eq!(c.stats().quarantined_slots, 0);
+    assert_eq!(
+        c.stats().slots_in_use,
+        1,
+        "B's pin still holds the slot after the quarantine"
+    );
+    // Every other slot can be granted, never k's.
+    c.handle(P, batch("C", &["c0", "c1"], 2, true, None), t0, &mut out);
+    let rc = one_reply(&mut out);
+    assert!(!rc.is_failure());
+    assert!(!rc.remote_indexes.contains(&ra.remote_indexes[0]));
+    // B's decoder drops its reference: now the slot goes.
+    assert!(c.remove_key("k", t0, &mut out));
+    consume(&mut c, &["c0".into(), "c1".into()], t0, &mut out);
+    assert_eq!(c.stats().slots_in_use, 0);
+    assert_eq!(c.ledger().stats().committed, 0);
+}
+
+/// The quarantine itself still holds when the pin goes first.
+#[test]
+fn a_pin_released_early_does_not_end_the_quarantine() {
+    let t0 = Instant::now();
+    let mut c = ReceiverCore::new(cfg(3), t0);
+    let mut out = Vec::new();
+    c.handle(P, batch("A", &["k"], 2, false, None), t0, &mut out);
+    one_reply(&mut out);
+    c.handle(Q, batch("B", &["k"], 1, true, None), t0, &mut out);
+    one_reply(&mut out);
+    c.handle(P, batch("A", &["x", "y"], 2, true, None), t0, &mut out);
+    out.clear();
+    assert!(c.remove_key("k", t0, &mut out), "B's reference");
+    assert_eq!(c.stats().slots_in_use, 1, "quarantined until the grace");
+    assert!(!c.remove_key("k", t0, &mut out), "no reference left");
+    c.tick(t0 + Duration::from_secs(11), &mut out);
+    assert_eq!(c.stats().slots_in_use, 0);
+    assert_eq!(c.ledger().stats().committed, 0);
+}
+
 #[test]
 fn cancel_of_a_parked_request_answers_its_batches() {
     let t0 = Instant::now();

@@ -434,19 +434,24 @@ impl Receiver {
     /// Borrows the bytes of a ready key. Each borrow claims one of the key's
     /// references; dropping the [`ChunkRef`] releases it (like `remove`), and
     /// the slot is freed with the last reference. `None` if the key is not
-    /// held, not yet written, or every reference is already borrowed.
+    /// held, not yet written, or every reference is already borrowed. When
+    /// two requests wrote the same key concurrently it has two copies (same
+    /// bytes, separate slots); the oldest written copy with an unclaimed
+    /// reference is borrowed.
     pub fn get(&self, key: &str) -> Option<ChunkRef> {
-        let (slot, tokens) = self.shared.state.lock().core.borrow(key)?;
+        let b = self.shared.state.lock().core.borrow(key)?;
         Some(ChunkRef {
             shared: Arc::clone(&self.shared),
             key: key.to_owned(),
-            slot,
-            tokens,
+            gen: b.gen,
+            slot: b.slot,
+            tokens: b.tokens,
         })
     }
 
-    /// Drops one (unborrowed) reference of `key`. Returns false if the key
-    /// is not held or all its references are borrowed.
+    /// Drops one (unborrowed) reference of `key` (of the copy [`Receiver::get`]
+    /// would read when it has one). Returns false if the key is not held or
+    /// all its references are borrowed.
     pub fn remove(&self, key: &str) -> bool {
         let mut st = self.shared.state.lock();
         let mut out = Vec::new();
@@ -521,6 +526,8 @@ impl Shared {
 pub struct ChunkRef {
     shared: Arc<Shared>,
     key: String,
+    /// Generation of the copy borrowed (a key may have several copies).
+    gen: u64,
     slot: u32,
     tokens: Option<u32>,
 }
@@ -568,7 +575,8 @@ impl Drop for ChunkRef {
     fn drop(&mut self) {
         let mut st = self.shared.state.lock();
         let mut out = Vec::new();
-        st.core.end_borrow(&self.key, Instant::now(), &mut out);
+        st.core
+            .end_borrow(&self.key, self.gen, Instant::now(), &mut out);
         self.shared.post(&mut st, out);
     }
 }

@@ -171,9 +171,9 @@ fn apply(cfg: &Cfg, core: &mut ReceiverCore, input: &RxIn, out: &mut Vec<Output>
         RxIn::Consume(k) => {
             let key = &cfg.key_names[*k as usize];
             match core.borrow(key) {
-                Some((slot, _)) => {
-                    core.end_borrow(key, now, out);
-                    Some(slot)
+                Some(b) => {
+                    core.end_borrow(key, b.gen, now, out);
+                    Some(b.slot)
                 }
                 None => {
                     core.remove_key(key, now, out);
