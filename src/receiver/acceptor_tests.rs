@@ -240,6 +240,114 @@ fn lease_expiry_forgets_the_senders_data_plane() {
     assert_eq!(c.accepted_senders(), 0);
 }
 
+/// A `Hello` from sender `sender_id` (the socket identity is separate).
+fn hello_from(sender_id: &str, descriptor: Descriptor) -> Message {
+    Message::Hello(Hello {
+        sender_id: sender_id.into(),
+        version: crate::protocol::PROTOCOL_VERSION,
+        transport: "rdma".into(),
+        descriptor,
+    })
+}
+
+#[test]
+fn a_re_hello_on_a_new_socket_generation_forgets_only_that_senders_earlier_data_plane() {
+    // A kvferry sender re-handshakes on a new socket: identity
+    // "{sender_id}-to-{endpoint}#{generation}".
+    const OLD: &[u8] = b"s1-to-tcp://r:1";
+    const NEW: &[u8] = b"s1-to-tcp://r:1#1";
+    const NEWER: &[u8] = b"s1-to-tcp://r:1#2";
+    const OTHER_ENDPOINT: &[u8] = b"s1-to-tcp://r-alias:1";
+    const OTHER_SENDER: &[u8] = b"s2-to-tcp://r:1";
+    let t0 = Instant::now();
+    let fake = Fake::default();
+    let mut c = core(&fake, t0);
+    let mut out = Vec::new();
+    c.handle(OLD, hello_from("s1", qp(5)), t0, &mut out);
+    c.handle(OTHER_ENDPOINT, hello_from("s1", qp(7)), t0, &mut out);
+    c.handle(OTHER_SENDER, hello_from("s2", qp(8)), t0, &mut out);
+    out.clear();
+    // A request admitted under the old identity.
+    c.handle(
+        OLD,
+        Message::AllocRequest(AllocRequest {
+            keys: vec!["k0".into()],
+            fmt: 1,
+            shape: vec![1024],
+            dtype: "uint8".into(),
+            last_chunk_toks: 1024,
+            req_id: "A".into(),
+            is_last_batch: false,
+            total_chunks: 2,
+            seq: Some(1),
+        }),
+        t0,
+        &mut out,
+    );
+    assert!(!alloc_reply(&mut out).is_failure(), "A admitted");
+    fake.calls.lock().clear();
+
+    c.handle(NEW, hello_from("s1", qp(6)), t0, &mut out);
+    assert_eq!(ack(sent(&mut out)).descriptor, qp(1006));
+    assert_eq!(
+        *fake.calls.lock(),
+        vec![Call::Forget(qp(5)), Call::Accept(qp(6))],
+        "the old generation's data plane is forgotten, nobody else's"
+    );
+    assert_eq!(c.accepted_senders(), 3);
+
+    // The request tracked under the old identity is not broken: the
+    // sender's CancelNotif (sent on the old socket) still releases it.
+    c.handle(
+        OLD,
+        Message::CancelNotif(crate::protocol::CancelNotif {
+            req_id: "A".into(),
+            keys: vec!["k0".into()],
+            seq: Some(2),
+        }),
+        t0,
+        &mut out,
+    );
+    assert!(
+        out.iter().any(|o| matches!(
+            o,
+            Output::Finished {
+                outcome: Outcome::Failed(ErrorCode::Cancelled),
+                ..
+            }
+        )),
+        "{out:?}"
+    );
+    out.clear();
+    assert_eq!(c.stats().slots_in_use, 0);
+
+    // Generation 2 forgets generation 1 the same way.
+    fake.calls.lock().clear();
+    c.handle(NEWER, hello_from("s1", qp(9)), t0, &mut out);
+    assert_eq!(
+        *fake.calls.lock(),
+        vec![Call::Forget(qp(6)), Call::Accept(qp(9))]
+    );
+    assert_eq!(c.accepted_senders(), 3);
+
+    // An identity that only looks like another generation, from another
+    // sender_id, forgets nothing of s1's.
+    fake.calls.lock().clear();
+    c.handle(b"s1-to-tcp://r:1#3", hello_from("s3", qp(10)), t0, &mut out);
+    assert_eq!(*fake.calls.lock(), vec![Call::Accept(qp(10))]);
+    assert_eq!(c.accepted_senders(), 4);
+}
+
+#[test]
+fn identity_stems_strip_only_a_numeric_generation_suffix() {
+    use super::core::identity_stem;
+    assert_eq!(identity_stem(b"s-to-tcp://r:1"), b"s-to-tcp://r:1");
+    assert_eq!(identity_stem(b"s-to-tcp://r:1#12"), b"s-to-tcp://r:1");
+    assert_eq!(identity_stem(b"s-to-ipc://a#b"), b"s-to-ipc://a#b");
+    assert_eq!(identity_stem(b"s-to-x#"), b"s-to-x#");
+    assert_eq!(identity_stem(b""), b"");
+}
+
 /// The one AllocResponse in `out`.
 fn alloc_reply(out: &mut Vec<Output>) -> AllocResponse {
     match sent(out) {

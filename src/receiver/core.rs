@@ -467,6 +467,24 @@ impl ReceiverCore {
         self.peers.insert(peer.to_vec(), h.sender_id.clone());
         // Whatever this peer set up before is stale: it says Hello again.
         self.forget_sender(peer);
+        // So is what an earlier socket of the same sender to this receiver
+        // set up: a kvferry sender that re-handshakes (its data plane was
+        // lost) does so on a new socket, whose identity differs only by the
+        // generation suffix (`"{sender_id}-to-{endpoint}#{generation}"`).
+        let stem = identity_stem(peer);
+        let earlier: Vec<PeerId> = self
+            .accepted
+            .keys()
+            .filter(|k| {
+                k.as_slice() != peer
+                    && identity_stem(k) == stem
+                    && self.peers.get(*k).is_some_and(|id| *id == h.sender_id)
+            })
+            .cloned()
+            .collect();
+        for k in earlier {
+            self.forget_sender(&k);
+        }
         let (transport, descriptor) = match &mut self.acceptor {
             Some(a) if a.kind() == h.transport => {
                 let kind = a.kind();
@@ -1133,6 +1151,21 @@ impl ReceiverCore {
 
     fn bump_error(&mut self, code: ErrorCode) {
         *self.stats.errors_total.entry(code.as_str()).or_default() += 1;
+    }
+}
+
+/// A sender socket's identity without its generation suffix: kvferry's
+/// sender names its sockets `"{sender_id}-to-{endpoint}"` and, when it
+/// replaces one, appends `#{generation}`. Identities without a numeric
+/// `#` suffix are their own stem.
+pub(crate) fn identity_stem(identity: &[u8]) -> &[u8] {
+    match identity.iter().rposition(|&b| b == b'#') {
+        Some(at)
+            if at + 1 < identity.len() && identity[at + 1..].iter().all(u8::is_ascii_digit) =>
+        {
+            &identity[..at]
+        }
+        _ => identity,
     }
 }
 

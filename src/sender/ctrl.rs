@@ -17,7 +17,7 @@ use crate::protocol::{
     Message, ProxyNotif, TransferDone, PROTOCOL_VERSION,
 };
 use crate::stats::{Counter, Stage};
-use crate::transport::{Poster, RemoteBuffer, WriteOp};
+use crate::transport::{PeerIndex, Poster, RemoteBuffer, WriteOp};
 use crate::zmq_io::{readable, Reactor};
 
 use super::peer::{Mode, Outstanding, Peer};
@@ -26,6 +26,11 @@ use super::{RequestStatus, Shared};
 
 /// Longest sleep with no timer due (a safety net; real work wakes the thread).
 const MAX_SLEEP: Duration = Duration::from_secs(3600);
+
+/// How long a socket replaced for a re-handshake keeps sending what was
+/// queued on it (the CancelNotifs of the aborted requests) after it is
+/// closed, in milliseconds. Closing does not block on it.
+const OLD_SOCKET_LINGER_MS: i32 = 1000;
 
 pub(super) struct Ctrl {
     shared: Arc<Shared>,
@@ -106,9 +111,10 @@ impl Ctrl {
         while let Some(id) = self.submissions.pop() {
             self.enqueue(id);
         }
-        {
+        let lost = {
             let mut t = self.shared.table.lock();
             self.dirty.extend(t.attention.drain(..));
+            let lost = std::mem::take(&mut t.lost_peers);
             for (id, r) in &self.staging_requests {
                 if r.is_ready() {
                     if let Some(b) = t.batches.get(id) {
@@ -116,7 +122,11 @@ impl Ctrl {
                     }
                 }
             }
-        }
+            lost
+        };
+        // Resolved before any reply is read, so a loss reported for an old
+        // connection can never be taken for one a HelloAck just made.
+        let lost = self.mark_lost(&lost);
         for i in 0..self.peers.len() {
             let mut n = 0;
             while n < 256 && readable(&self.peers[i].sock) {
@@ -136,6 +146,22 @@ impl Ctrl {
             }
         }
         self.timers(Instant::now());
+        self.drain_dirty();
+        if !lost.is_empty() {
+            // After one round, so requests whose writes all landed before
+            // the loss complete instead of failing.
+            self.abort_lost(&lost);
+            self.drain_dirty();
+        }
+        if self.rehello_due(Instant::now()) {
+            self.drain_dirty();
+        }
+        self.flush_backlog();
+        self.announce();
+    }
+
+    /// Progresses every request marked dirty until none is.
+    fn drain_dirty(&mut self) {
         loop {
             if self.dirty.is_empty() {
                 break;
@@ -152,8 +178,139 @@ impl Ctrl {
                 self.progress(&req);
             }
         }
-        self.flush_backlog();
-        self.announce();
+    }
+
+    /// The peers whose data plane was lost (the poll thread saw
+    /// `ConnectionLost` completions on `indices`) and that re-handshake:
+    /// connected through a `Hello`-negotiated data plane (`rehandshake`)
+    /// and still `Extended` on that index. They become `Reconnecting`.
+    /// Losses on shm and tcp peers, and stale ones, are ignored.
+    fn mark_lost(&mut self, indices: &[PeerIndex]) -> Vec<usize> {
+        let mut lost = Vec::new();
+        for &x in indices {
+            let Some(i) = self.peers.iter().position(|p| p.index == Some(x)) else {
+                continue;
+            };
+            let p = &mut self.peers[i];
+            if p.rehandshake && p.mode == Mode::Extended {
+                debug!(endpoint = %p.endpoint, peer = x, "data plane lost; will re-handshake");
+                p.mode = Mode::Reconnecting;
+                lost.push(i);
+            }
+        }
+        lost
+    }
+
+    /// Fails every live request of the peers that lost their data plane:
+    /// their writes cannot land any more, and their replies would come on
+    /// the socket the re-handshake replaces. The usual fenced abort path
+    /// runs (in-flight writes end first, then CancelNotif on the old
+    /// socket).
+    fn abort_lost(&mut self, lost: &[usize]) {
+        for &i in lost {
+            if self.peers[i].mode != Mode::Reconnecting {
+                continue;
+            }
+            let endpoint = self.peers[i].endpoint.clone();
+            let live: Vec<String> = {
+                let t = self.shared.table.lock();
+                t.reqs
+                    .values()
+                    .filter(|r| {
+                        r.receiver == endpoint
+                            && matches!(r.state, ReqState::Pending | ReqState::Admitted)
+                    })
+                    .map(|r| r.req_id.clone())
+                    .collect()
+            };
+            for req in live {
+                self.abort(
+                    &req,
+                    ErrorCode::WriteFailed,
+                    format!(
+                        "the data plane to {endpoint} was lost (connection_lost); the sender re-handshakes with it"
+                    ),
+                );
+            }
+        }
+    }
+
+    /// May peer `i` say `Hello` again now (its data plane was negotiated
+    /// through `Hello`, and the last `Hello` is at least `rehello_backoff`
+    /// ago)?
+    fn rehello_allowed(&self, i: usize, now: Instant) -> bool {
+        let p = &self.peers[i];
+        p.rehandshake
+            && p.last_hello
+                .is_none_or(|t| now.saturating_duration_since(t) >= self.shared.cfg.rehello_backoff)
+    }
+
+    /// Re-handshakes every `Reconnecting` peer whose aborted requests have
+    /// all ended (fenced) and whose backoff has passed. True if any did.
+    fn rehello_due(&mut self, now: Instant) -> bool {
+        let mut any = false;
+        for i in 0..self.peers.len() {
+            if self.peers[i].mode != Mode::Reconnecting || !self.rehello_allowed(i, now) {
+                continue;
+            }
+            let aborting = {
+                let t = self.shared.table.lock();
+                let ep = &self.peers[i].endpoint;
+                t.reqs
+                    .values()
+                    .any(|r| &r.receiver == ep && matches!(r.state, ReqState::Aborting(_)))
+            };
+            if !aborting {
+                self.rehello(i);
+                any = true;
+            }
+        }
+        any
+    }
+
+    /// Starts a new handshake with peer `i` (after a lost data plane, or
+    /// to retry after a refused re-handshake): forgets the old data plane
+    /// (`Poster::disconnect`), replaces the socket so late replies to the old
+    /// one are shed, prepares a fresh descriptor and says `Hello`. Requests
+    /// for the peer wait for the `HelloAck` as for a new receiver.
+    fn rehello(&mut self, i: usize) {
+        debug!(endpoint = %self.peers[i].endpoint, "re-handshaking");
+        // Batches still waiting for a reply belong to aborted requests: the
+        // replies will not be read, so release their data now.
+        let outstanding: Vec<Outstanding> =
+            self.peers[i].by_seq.drain().map(|(_, (o, _))| o).collect();
+        for o in outstanding {
+            if let Outstanding::Batch(id) = o {
+                let resp = AllocResponse::failure(
+                    1,
+                    None,
+                    ErrorCode::PeerUnavailable,
+                    "the data plane to the receiver was lost",
+                );
+                self.on_batch_reply(i, id, resp);
+            }
+        }
+        if let Some(index) = self.peers[i].index.take() {
+            self.poster.disconnect(index);
+        }
+        self.peers[i].remote = None;
+        // What is queued on the old socket (CancelNotifs) still goes out.
+        let _ = self.peers[i].sock.set_linger(OLD_SOCKET_LINGER_MS);
+        if !self.renew_socket(i) {
+            let ep = &self.peers[i].endpoint;
+            self.peers[i].mode = Mode::Failed(format!("cannot open a new socket to receiver {ep}"));
+            self.peers[i].last_hello = Some(Instant::now());
+            self.dirty_peer(i);
+            return;
+        }
+        let mut p = self.peers.swap_remove(i);
+        p.mode = Mode::Handshaking(Instant::now());
+        self.say_hello(&mut p);
+        self.peers.push(p);
+        let last = self.peers.len() - 1;
+        self.peers.swap(i, last);
+        // Waiting requests fail at once if the Hello could not go out.
+        self.dirty_peer(i);
     }
 
     /// Sleeps until a socket, the waker or the next timer.
@@ -166,7 +323,7 @@ impl Ctrl {
         let busy = !self.submissions.is_empty()
             || {
                 let t = self.shared.table.lock();
-                !t.attention.is_empty()
+                !t.attention.is_empty() || !t.lost_peers.is_empty()
             }
             || !self.dirty.is_empty()
             || self.staging_requests.values().any(crate::slots::SlotRequest::is_ready)
@@ -251,6 +408,7 @@ impl Ctrl {
     /// this receiver (shm, tcp: none; rdma: a queue pair made for it), which
     /// the peer keeps for the `HelloAck`.
     fn say_hello(&mut self, peer: &mut Peer) {
+        peer.last_hello = Some(Instant::now());
         let descriptor = match self.poster.prepare() {
             Ok(d) => d,
             Err(e) => {
@@ -306,7 +464,8 @@ impl Ctrl {
     }
 
     /// Replaces a peer's socket so late replies to the old one are shed.
-    fn renew_socket(&mut self, i: usize) {
+    /// False if no new socket could be made (the old one stays).
+    fn renew_socket(&mut self, i: usize) -> bool {
         let gen = self.peers[i].generation + 1;
         match Peer::socket(
             &self.shared.cfg.sender_id,
@@ -318,8 +477,12 @@ impl Ctrl {
                 let _ = self.reactor.register(&sock, i);
                 self.peers[i].sock = sock;
                 self.peers[i].generation = gen;
+                true
             }
-            Err(e) => warn!(error = %e, "cannot renew the receiver socket"),
+            Err(e) => {
+                warn!(error = %e, "cannot renew the receiver socket");
+                false
+            }
         }
     }
 
@@ -393,6 +556,8 @@ impl Ctrl {
                 match self.poster.connect_prepared(&prepared, &remote) {
                     Ok(index) => {
                         let p = &mut self.peers[i];
+                        // A per-pair data plane (rdma): re-handshake if lost.
+                        p.rehandshake |= prepared != crate::protocol::Descriptor::None;
                         p.index = Some(index);
                         p.remote = Some(remote);
                         p.mode = Mode::Extended;
@@ -416,7 +581,7 @@ impl Ctrl {
                 self.renew_socket(i);
                 self.dirty_peer(i);
             }
-            (Mode::Extended, Message::AllocResponse(resp)) => {
+            (Mode::Extended | Mode::Reconnecting, Message::AllocResponse(resp)) => {
                 let Some(seq) = resp.seq else {
                     debug!("reply without seq from a kvferry receiver ignored");
                     return;
@@ -590,6 +755,25 @@ impl Ctrl {
                 };
                 match self.peers[i].mode.clone() {
                     Mode::Handshaking(_) => {}
+                    Mode::Reconnecting => {
+                        // Wait for the new handshake; a request whose writes
+                        // all landed before the loss still completes.
+                        let complete = {
+                            let t = self.shared.table.lock();
+                            t.reqs.get(req_id).is_some_and(|r| r.is_complete())
+                        };
+                        if complete {
+                            self.progress_live(req_id, i);
+                        }
+                    }
+                    Mode::Failed(_) if self.rehello_allowed(i, Instant::now()) => {
+                        // A refused (or failed) re-handshake: try again once
+                        // the backoff has passed; this request waits for it.
+                        self.rehello(i);
+                        if let Mode::Failed(reason) = self.peers[i].mode.clone() {
+                            self.abort(req_id, ErrorCode::PeerUnavailable, reason);
+                        }
+                    }
                     Mode::Failed(reason) => self.abort(req_id, ErrorCode::PeerUnavailable, reason),
                     Mode::Extended | Mode::Legacy => self.progress_live(req_id, i),
                 }
@@ -851,6 +1035,7 @@ impl Ctrl {
                     bytes: op.len,
                     slots: crate::slots::SlotSet::from_slots(s),
                     posted_at: now,
+                    peer,
                 },
             );
             if let Some(r) = t.reqs.get_mut(req_id) {
@@ -969,7 +1154,7 @@ impl Ctrl {
         if matches!(p.mode, Mode::Failed(_) | Mode::Handshaking(_)) {
             return;
         }
-        let extended = p.mode == Mode::Extended;
+        let extended = matches!(p.mode, Mode::Extended | Mode::Reconnecting);
         let seq = extended.then(|| {
             self.next_seq += 1;
             self.next_seq
@@ -1015,7 +1200,7 @@ impl Ctrl {
                 warn!(error = %e, "ProxyNotif send failed");
             }
         }
-        if self.peers[i].mode == Mode::Extended {
+        if matches!(self.peers[i].mode, Mode::Extended | Mode::Reconnecting) {
             self.buf.clear();
             encode_into(
                 &Message::TransferDone(TransferDone {
@@ -1188,6 +1373,15 @@ impl Ctrl {
             }
             if p.mode == Mode::Extended {
                 consider(p.last_heartbeat + cfg.heartbeat_interval);
+            }
+            if p.mode == Mode::Reconnecting {
+                // The backoff's end (only if still ahead: once it passed, the
+                // re-handshake waits for the aborts, whose completions wake us).
+                if let Some(due) = p.last_hello.map(|t| t + cfg.rehello_backoff) {
+                    if due > Instant::now() {
+                        consider(due);
+                    }
+                }
             }
         }
         if !self.backlog.is_empty() {

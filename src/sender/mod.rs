@@ -71,6 +71,11 @@ pub struct SenderConfig {
     pub staging_timeout: Duration,
     /// Interval of `Heartbeat`s renewing this sender's leases.
     pub heartbeat_interval: Duration,
+    /// Least time between two `Hello`s to the same receiver when the sender
+    /// re-handshakes after losing a `Hello`-negotiated data plane (rdma):
+    /// a receiver that keeps refusing, or whose connection keeps breaking,
+    /// gets at most one `Hello` per this period (default 1 s).
+    pub rehello_backoff: Duration,
     /// Receive buffers of receivers that do not answer `Hello` (LMCache
     /// style), by endpoint.
     pub static_peers: Vec<(String, RemoteBuffer)>,
@@ -94,6 +99,7 @@ impl Default for SenderConfig {
             reply_timeout: Duration::from_secs(120),
             staging_timeout: Duration::from_secs(60),
             heartbeat_interval: Duration::from_secs(5),
+            rehello_backoff: Duration::from_secs(1),
             static_peers: Vec::new(),
             use_extensions: true,
             pin_cpus: Vec::new(),

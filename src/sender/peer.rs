@@ -33,6 +33,12 @@ pub(super) enum Mode {
     Extended,
     /// LMCache-style receiver: one message at a time.
     Legacy,
+    /// The Hello-negotiated data plane to this receiver was lost (writes
+    /// completed with `ConnectionLost`): its requests are being aborted
+    /// (fenced, CancelNotif still goes out on this socket) and new ones
+    /// wait; once the aborts are done and the re-Hello backoff has passed,
+    /// ctrl says `Hello` again on a fresh socket.
+    Reconnecting,
     /// Unusable (no descriptor, transport refused it).
     Failed(String),
 }
@@ -58,6 +64,13 @@ pub(super) struct Peer {
     pub last_heartbeat: Instant,
     /// Incarnation of the socket (the identity changes when it is replaced).
     pub generation: u32,
+    /// The data plane to this receiver was set up per pair through `Hello`
+    /// (`prepare` made a descriptor other than `Descriptor::None`, e.g. an
+    /// RDMA queue pair) and connected at least once: a lost connection is
+    /// re-handshaken. Never set for shm and tcp.
+    pub rehandshake: bool,
+    /// When the last `Hello` went out (the re-Hello backoff counts from it).
+    pub last_hello: Option<Instant>,
 }
 
 impl Peer {
@@ -77,6 +90,8 @@ impl Peer {
             legacy_active: None,
             last_heartbeat: Instant::now(),
             generation,
+            rehandshake: false,
+            last_hello: None,
         })
     }
 

@@ -9,7 +9,7 @@ use tracing::{debug, debug_span, warn};
 
 use crate::protocol::ErrorCode;
 use crate::stats::{Counter, Stage};
-use crate::transport::{Completion, Completions, PollStatus};
+use crate::transport::{Completion, CompletionStatus, Completions, PollStatus};
 
 use super::table::ReqState;
 use super::{RequestStatus, Shared};
@@ -38,6 +38,13 @@ pub(super) fn run(shared: Arc<Shared>, mut completions: Box<dyn Completions>) {
                     continue;
                 };
                 shared.slots.free(w.slots);
+                if c.status() == CompletionStatus::ConnectionLost && !t.lost_peers.contains(&w.peer)
+                {
+                    // Published under the table lock like `attention`, so
+                    // ctrl's pre-sleep check sees it (lost-wakeup safety).
+                    t.lost_peers.push(w.peer);
+                    nudge = true;
+                }
                 shared
                     .stats
                     .record(Stage::Transfer, now.saturating_duration_since(w.posted_at));

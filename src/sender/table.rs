@@ -10,6 +10,7 @@ use smallvec::SmallVec;
 
 use crate::cancel::CancelToken;
 use crate::slots::SlotSet;
+use crate::transport::PeerIndex;
 
 use super::{RequestStatus, TransferSpec};
 
@@ -172,6 +173,9 @@ pub(crate) struct InFlight {
     pub bytes: u64,
     pub slots: SlotSet,
     pub posted_at: Instant,
+    /// The transport peer it was posted to (so the poll thread can tell
+    /// ctrl which peer lost its connection).
+    pub peer: PeerIndex,
 }
 
 /// How many terminal requests the table remembers for `status` queries.
@@ -186,6 +190,10 @@ pub(crate) struct Table {
     pub next_batch: u64,
     /// Requests the ctrl thread must look at (set by poll and caller threads).
     pub attention: Vec<String>,
+    /// Transport peers whose writes completed with `ConnectionLost` (set by
+    /// the poll thread, drained by ctrl, which decides whether to
+    /// re-handshake; no duplicates).
+    pub lost_peers: Vec<PeerIndex>,
     /// Terminal requests in the order they ended (for forgetting old ones).
     pub terminal_order: VecDeque<String>,
     pub closing: bool,
