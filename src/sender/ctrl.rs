@@ -187,13 +187,10 @@ impl Ctrl {
     /// Losses on shm and tcp peers, and stale ones, are ignored.
     fn mark_lost(&mut self, indices: &[PeerIndex]) -> Vec<usize> {
         let mut lost = Vec::new();
-        for &x in indices {
-            let Some(i) = self.peers.iter().position(|p| p.index == Some(x)) else {
-                continue;
-            };
-            let p = &mut self.peers[i];
-            if p.rehandshake && p.mode == Mode::Extended {
-                debug!(endpoint = %p.endpoint, peer = x, "data plane lost; will re-handshake");
+        for (i, p) in self.peers.iter_mut().enumerate() {
+            let hit = p.index.is_some_and(|x| indices.contains(&x));
+            if hit && p.rehandshake && p.mode == Mode::Extended {
+                debug!(endpoint = %p.endpoint, peer = ?p.index, "data plane lost; will re-handshake");
                 p.mode = Mode::Reconnecting;
                 lost.push(i);
             }
