@@ -30,12 +30,8 @@
 //! publishes, runs a barrier and loads the flag. Full barriers on both sides
 //! order this store→load (Dekker) pattern, so either the producer sees the
 //! flag (and bumps the bell, then wakes) or the consumer's re-check sees the
-//! entry. For heap rings the barrier is asymmetric (module `barrier`): a
-//! compiler fence on the producer's hot path, and a SeqCst fence plus
-//! `membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)` on the consumer's way to
-//! sleep, which forces a full barrier on every running thread of the
-//! process. Shared-memory rings, whose producers may be other processes,
-//! use a SeqCst fence on both sides. The futex itself sleeps only if the bell
+//! entry. Both barriers are SeqCst fences (module `barrier` says why the
+//! cheaper membarrier-based asymmetric barrier was removed). The futex itself sleeps only if the bell
 //! still holds the value read after the barrier, so a bump between the
 //! re-check and the sleep makes the wait return at once. See `docs/ring.md`
 //! for the full argument.

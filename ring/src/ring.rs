@@ -10,9 +10,6 @@ use crate::layout::{fingerprint, Control, Geometry, Kind, SyncWords, PRODUCERS_G
 use crate::sync::{self, AtomicU64, Ordering, SlotCell};
 use crate::{Plain, WaitStatus};
 
-/// Longest futex sleep when the heavy barrier could not run.
-const FALLBACK_POLL: std::time::Duration = std::time::Duration::from_millis(1);
-
 /// Who owns the memory the ring's pointers point into.
 enum Backing<T> {
     /// Boxes leaked with `Box::into_raw`, rebuilt and dropped in `Drop`.
@@ -35,8 +32,6 @@ pub(crate) struct Ring<T> {
     mask: u64,
     capacity: u64,
     kind: Kind,
-    /// Which doorbell barrier the ring can use (see `barrier.rs`).
-    scope: barrier::Scope,
     backing: Backing<T>,
 }
 
@@ -106,7 +101,6 @@ impl<T: Plain> Ring<T> {
             mask: capacity - 1,
             capacity,
             kind,
-            scope: barrier::Scope::Process,
             backing: Backing::Heap {
                 ctrl,
                 stamps,
@@ -146,7 +140,6 @@ impl<T: Plain> Ring<T> {
             mask: geom.capacity - 1,
             capacity: geom.capacity,
             kind,
-            scope: barrier::Scope::Shared,
             backing: Backing::Mapped(map),
         }
     }
@@ -323,11 +316,9 @@ impl<T: Plain> Ring<T> {
         // `wait_until`. The publish store before (P) and the consumer's
         // `need_wakeup = 1` store before (C) cannot both be missed by the
         // loads after the other barrier: either we see the flag here, or the
-        // consumer's re-check sees our entry. (P) is the light half of an
-        // asymmetric barrier for heap rings (a compiler fence when this
-        // process registered for membarrier) and a SeqCst fence for shared
-        // rings; see `barrier.rs`.
-        barrier::light(self.scope);
+        // consumer's re-check sees our entry. (P) is a SeqCst fence; see
+        // `barrier.rs` for why it is not cheaper.
+        barrier::light();
         // Relaxed: ordered by the barrier pair above. The swap makes only one
         // producer pay for the wake when several see the flag.
         if sync.need_wakeup.load(Ordering::Relaxed) != 0
@@ -379,10 +370,9 @@ impl<T: Plain> Ring<T> {
         loop {
             // Relaxed: ordered by the barrier below.
             words.need_wakeup.store(1, Ordering::Relaxed);
-            // Barrier (C): SeqCst fence + membarrier, the heavy half that
-            // pairs with the producer's (P) in `notify` (store->load Dekker;
-            // see there and `barrier.rs`).
-            let fenced_everyone = barrier::heavy(self.scope);
+            // Barrier (C): a SeqCst fence that pairs with the producer's (P)
+            // in `notify` (store->load Dekker; see there and `barrier.rs`).
+            barrier::heavy();
             // Acquire: pairs with the Release bump in `Bell::ring`. If we read
             // a bumped value, the entries (or close) published before that
             // bump are visible to `check` below; if we read the old value, a
@@ -400,13 +390,6 @@ impl<T: Plain> Ring<T> {
                     Some(left)
                 }
                 (None, None) => None,
-            };
-            // If the membarrier failed, producers in asymmetric mode may not
-            // have been fenced: poll at 1 ms so a wakeup is late, never lost.
-            let timeout = if fenced_everyone {
-                timeout
-            } else {
-                Some(timeout.map_or(FALLBACK_POLL, |t| t.min(FALLBACK_POLL)))
             };
             if let Some(s) = status {
                 // Relaxed: the flag is a hint; a stale 1 only costs a

@@ -12,7 +12,7 @@ use std::time::Duration;
 #[cfg(loom)]
 pub(crate) use loom::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 #[cfg(not(loom))]
-pub(crate) use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+pub(crate) use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
 /// Busy-wait iterations before a waiting consumer starts yielding.
 pub(crate) const SPIN_LIMIT: u32 = if cfg!(loom) { 0 } else { 64 };

@@ -17,19 +17,13 @@ use super::{RequestStatus, Shared};
 /// Completions handled per lock acquisition.
 const BATCH: usize = 256;
 
-/// Longest single sleep of the poll thread on the completion ring.
-const WAIT_CAP: std::time::Duration = std::time::Duration::from_millis(50);
-
 pub(super) fn run(shared: Arc<Shared>, mut completions: Box<dyn Completions>) {
     let span = debug_span!("sender_poll", sender = %shared.cfg.sender_id);
     let _g = span.enter();
     let mut buf: Vec<Completion> = Vec::with_capacity(BATCH);
     loop {
         buf.clear();
-        // Bounded: the rings' doorbell has one open report of a rare lost
-        // wakeup (docs/ring.md), so an idle poll thread re-checks every
-        // WAIT_CAP instead of relying on it alone.
-        match completions.poll(&mut buf, BATCH, Some(Instant::now() + WAIT_CAP)) {
+        match completions.poll(&mut buf, BATCH, None) {
             PollStatus::Ready(_) => {}
             PollStatus::TimedOut => continue,
             PollStatus::Closed => break,

@@ -22,7 +22,6 @@ pub struct Producer<T: Plain> {
 
 impl<T: Plain> Producer<T> {
     pub(crate) fn attach(ring: Arc<Ring<T>>) -> Self {
-        crate::barrier::register_producer_process();
         // Acquire: start from the head the consumer published.
         let cached_head = ring.head().load(Ordering::Acquire);
         Self {
@@ -62,8 +61,21 @@ impl<T: Plain> Producer<T> {
                 // Relaxed: reloaded because `t` may predate that head.
                 t = tail.load(Ordering::Relaxed);
                 free = self.free_at(t);
-                if free < want && (exact || free == 0) {
-                    return None;
+                if free < want {
+                    // The tail may be much newer than the head we read (this
+                    // thread was preempted between the two loads while the
+                    // others moved on), which looks full when it is not. The
+                    // ring was full at the moment of the tail load only if
+                    // the head still reads the same after it.
+                    // Acquire: as above.
+                    let head = self.ring.head().load(Ordering::Acquire);
+                    if head != self.cached_head {
+                        self.cached_head = head;
+                        continue;
+                    }
+                    if exact || free == 0 {
+                        return None;
+                    }
                 }
             }
             let n = want.min(free);

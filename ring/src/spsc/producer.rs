@@ -24,7 +24,6 @@ pub struct Producer<T: Plain> {
 
 impl<T: Plain> Producer<T> {
     pub(crate) fn attach(ring: Arc<Ring<T>>) -> Self {
-        crate::barrier::register_producer_process();
         // Acquire (both): a handle attaching to an existing (shared) ring
         // starts from the indices its peers published.
         let tail = ring.tail().load(Ordering::Acquire);

@@ -27,9 +27,6 @@ pub(super) struct Engine {
     pub(super) peers: Arc<PeerTable>,
 }
 
-/// Longest single sleep of the copy engine on its submission ring.
-const WAIT_CAP: std::time::Duration = std::time::Duration::from_millis(50);
-
 impl Engine {
     /// Runs until the poster is gone and every op was completed (or until
     /// the completion half is gone: then nobody can observe completions).
@@ -41,10 +38,7 @@ impl Engine {
         let mut seen_version = 0u64;
         tracing::debug!("shm copy engine started");
         loop {
-            // A bounded sleep: the ring's doorbell has one open report of a
-            // rare lost wakeup (docs/ring.md), so an idle engine re-checks
-            // every WAIT_CAP instead of relying on it alone.
-            match self.sq.wait(Some(std::time::Instant::now() + WAIT_CAP)) {
+            match self.sq.wait(None) {
                 WaitStatus::Ready => {}
                 WaitStatus::Closed => break,
                 WaitStatus::TimedOut => continue,
