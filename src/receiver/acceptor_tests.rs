@@ -206,22 +206,7 @@ fn lease_expiry_forgets_the_senders_data_plane() {
     let mut out = Vec::new();
     c.handle(P, hello("rdma", qp(5)), t0, &mut out);
     out.clear();
-    c.handle(
-        P,
-        Message::AllocRequest(AllocRequest {
-            keys: vec!["k0".into()],
-            fmt: 1,
-            shape: vec![1024],
-            dtype: "uint8".into(),
-            last_chunk_toks: 1024,
-            req_id: "A".into(),
-            is_last_batch: false,
-            total_chunks: 2,
-            seq: Some(1),
-        }),
-        t0,
-        &mut out,
-    );
+    c.handle(P, first_batch("A", 1), t0, &mut out);
     assert!(!alloc_reply(&mut out).is_failure(), "A admitted");
     c.tick(t0 + Duration::from_secs(10), &mut out);
     assert_eq!(fake.calls.lock().len(), 1, "lease still running");
@@ -238,6 +223,21 @@ fn lease_expiry_forgets_the_senders_data_plane() {
         vec![Call::Accept(qp(5)), Call::Forget(qp(5))]
     );
     assert_eq!(c.accepted_senders(), 0);
+}
+
+/// The first batch (one chunk of two) of request `req_id`, with `seq`.
+fn first_batch(req_id: &str, seq: u64) -> Message {
+    Message::AllocRequest(AllocRequest {
+        keys: vec!["k0".into()],
+        fmt: 1,
+        shape: vec![1024],
+        dtype: "uint8".into(),
+        last_chunk_toks: 1024,
+        req_id: req_id.into(),
+        is_last_batch: false,
+        total_chunks: 2,
+        seq: Some(seq),
+    })
 }
 
 /// A `Hello` from sender `sender_id` (the socket identity is separate).
@@ -268,22 +268,7 @@ fn a_re_hello_on_a_new_socket_generation_forgets_only_that_senders_earlier_data_
     c.handle(OTHER_SENDER, hello_from("s2", qp(8)), t0, &mut out);
     out.clear();
     // A request admitted under the old identity.
-    c.handle(
-        OLD,
-        Message::AllocRequest(AllocRequest {
-            keys: vec!["k0".into()],
-            fmt: 1,
-            shape: vec![1024],
-            dtype: "uint8".into(),
-            last_chunk_toks: 1024,
-            req_id: "A".into(),
-            is_last_batch: false,
-            total_chunks: 2,
-            seq: Some(1),
-        }),
-        t0,
-        &mut out,
-    );
+    c.handle(OLD, first_batch("A", 1), t0, &mut out);
     assert!(!alloc_reply(&mut out).is_failure(), "A admitted");
     fake.calls.lock().clear();
 
