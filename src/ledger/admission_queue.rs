@@ -120,23 +120,30 @@ impl<K: Clone + Eq> AdmissionQueue<K> {
         out
     }
 
-    /// Removes parked (not yet granted) requests whose deadline is `<= now`
-    /// and returns their keys in FIFO order. Granted entries are left for
-    /// [`grant_ready`](Self::grant_ready). Call `grant_ready` afterwards:
-    /// removing a large head may let smaller requests behind it in.
+    /// Removes every parked (not yet granted) request whose deadline is
+    /// `<= now` and returns their keys in FIFO order. Granted entries are
+    /// left for [`grant_ready`](Self::grant_ready). Call `grant_ready`
+    /// afterwards: removing a large head may let smaller requests behind it
+    /// in — but never one that was itself past its deadline.
     pub fn expire(&mut self, now: Instant) -> Vec<K> {
         let mut expired = Vec::new();
-        let mut i = 0;
-        while i < self.entries.len() {
+        // Back to front: withdrawing the head hands its place to the
+        // waiters behind it, so the later expired ones go first, and a
+        // request past its deadline is never admitted by an earlier one's
+        // withdrawal within the same call. (Front to back, the proptest
+        // model caught exactly that: a head expiring granted a 0-chunk
+        // request behind it that had expired too.)
+        let mut i = self.entries.len();
+        while i > 0 {
+            i -= 1;
             let e = &self.entries[i];
             if e.deadline <= now && e.ledger.sem().withdraw(&e.waiter) == Withdrawn::Removed {
                 if let Some(e) = self.entries.remove(i) {
                     expired.push(e.key);
                 }
-            } else {
-                i += 1;
             }
         }
+        expired.reverse();
         expired
     }
 
