@@ -925,6 +925,20 @@ fn receiver_tcp_configuration_errors_are_typed() {
 
 // ----- a cut mid-transfer ----------------------------------------------------
 
+/// How a request hit by a cut ends: its writes failed with the connection,
+/// or (a cut while the data connection was being set up) the receiver was
+/// unreachable; the sender then retries the handshake after its backoff.
+fn cut_outcome(st: &RequestStatus) -> bool {
+    match st {
+        RequestStatus::Failed { code, reason } => match code {
+            ErrorCode::WriteFailed => reason.contains("connection_lost"),
+            ErrorCode::PeerUnavailable => reason.contains("tcp data connection"),
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
 #[test]
 fn cutting_the_data_connections_fails_the_affected_requests_and_others_proceed() {
     const CHUNK: u64 = 128 * 1024;
@@ -961,7 +975,13 @@ fn cutting_the_data_connections_fails_the_affected_requests_and_others_proceed()
             let end = Instant::now() + Duration::from_secs(60);
             let mut i = 0;
             while after_hit < 20 {
-                assert!(Instant::now() < end, "the cut never hit a request");
+                if Instant::now() >= end {
+                    let mut tally: std::collections::BTreeMap<String, usize> = Default::default();
+                    for (_, st) in &outcomes {
+                        *tally.entry(format!("{st:?}")).or_default() += 1;
+                    }
+                    panic!("the cut never hit a request in 60 s; outcomes: {tally:?}");
+                }
                 let req = format!("req-{i}");
                 i += 1;
                 let keys: Vec<String> = (0..CHUNKS).map(|k| format!("{req}-{k}")).collect();
@@ -973,8 +993,8 @@ fn cutting_the_data_connections_fails_the_affected_requests_and_others_proceed()
                 if hit.load(Ordering::Relaxed) {
                     after_hit += 1;
                 }
-                if let RequestStatus::Failed { reason, .. } = &status {
-                    if reason.contains("connection_lost") {
+                if let RequestStatus::Failed { .. } = &status {
+                    if cut_outcome(&status) {
                         hit.store(true, Ordering::Relaxed);
                     }
                 }
@@ -996,13 +1016,7 @@ fn cutting_the_data_connections_fails_the_affected_requests_and_others_proceed()
         .collect();
     assert!(!failed.is_empty(), "no request was hit");
     for (req, st) in &failed {
-        match st {
-            RequestStatus::Failed { code, reason } => {
-                assert_eq!(*code, ErrorCode::WriteFailed, "{req}: {reason}");
-                assert!(reason.contains("connection_lost"), "{req}: {reason}");
-            }
-            other => panic!("{req} ended {other:?}"),
-        }
+        assert!(cut_outcome(st), "{req} ended {st:?}");
     }
     // The last 20 requests (after the cuts stopped) all completed.
     assert!(outcomes[outcomes.len() - 20..]

@@ -233,11 +233,11 @@ impl Ctrl {
     }
 
     /// May peer `i` say `Hello` again now (its data plane was negotiated
-    /// through `Hello`, and the last `Hello` is at least `rehello_backoff`
-    /// ago)?
+    /// through `Hello`, or its last data-plane connect failed, and the last
+    /// `Hello` is at least `rehello_backoff` ago)?
     fn rehello_allowed(&self, i: usize, now: Instant) -> bool {
         let p = &self.peers[i];
-        p.rehandshake
+        (p.rehandshake || p.retry_hello)
             && p.last_hello
                 .is_none_or(|t| now.saturating_duration_since(t) >= self.shared.cfg.rehello_backoff)
     }
@@ -555,13 +555,18 @@ impl Ctrl {
                         let p = &mut self.peers[i];
                         // A per-pair data plane (rdma): re-handshake if lost.
                         p.rehandshake |= prepared != crate::protocol::Descriptor::None;
+                        p.retry_hello = false;
                         p.index = Some(index);
                         p.remote = Some(remote);
                         p.mode = Mode::Extended;
                         debug!(endpoint = %p.endpoint, receiver = %ack.receiver_id, "receiver speaks kvferry");
                     }
                     Err(e) => {
+                        // Often transient (the receiver cut the connection
+                        // while it was being set up): retried after the
+                        // backoff by the next request for this receiver.
                         self.poster.discard_prepared(&prepared);
+                        self.peers[i].retry_hello = true;
                         self.peers[i].mode =
                             Mode::Failed(format!("data plane to {}: {e}", self.peers[i].endpoint))
                     }

@@ -71,6 +71,10 @@ pub(super) struct Peer {
     pub rehandshake: bool,
     /// When the last `Hello` went out (the re-Hello backoff counts from it).
     pub last_hello: Option<Instant>,
+    /// The last handshake failed while connecting the data plane (e.g. the
+    /// receiver closed the connection during setup): a request after
+    /// `rehello_backoff` tries a new `Hello` instead of failing for good.
+    pub retry_hello: bool,
 }
 
 impl Peer {
@@ -92,6 +96,7 @@ impl Peer {
             generation,
             rehandshake: false,
             last_hello: None,
+            retry_hello: false,
         })
     }
 
