@@ -167,7 +167,8 @@ fn concurrent_producers_per_producer_fifo() {
     for id in 0..PRODUCERS {
         let mut p = p.clone();
         handles.push(thread::spawn(move || {
-            let deadline = Instant::now() + Duration::from_secs(30);
+            // Progress-based (see spsc.rs `cross_thread_transfer_in_order`).
+            let mut deadline = Instant::now() + Duration::from_secs(30);
             let mut i = 0;
             while i < N {
                 let v = (id << 32) | i;
@@ -182,6 +183,7 @@ fn concurrent_producers_per_producer_fifo() {
                 };
                 if ok {
                     i += 1;
+                    deadline = Instant::now() + Duration::from_secs(30);
                 } else {
                     if Instant::now() > deadline {
                         return Err(i);
