@@ -158,6 +158,42 @@ pub trait Completions: Send {
 /// until something is there (or closed, or `deadline`), move up to `max`
 /// completions into `out`, and report how many went back to the poster's
 /// credit through `returned`.
+/// The two rings of a copy-engine transport (shm, tcp): submissions from the
+/// poster to the engine, completions back. Credits (writes in flight) are
+/// bounded by the completion ring, so every completion always has room.
+pub(crate) struct EngineRings {
+    /// The poster's end of the submission ring.
+    pub sq_tx: kvferry_ring::spsc::Producer<WriteOp>,
+    /// The engine's end of the submission ring.
+    pub sq_rx: kvferry_ring::spsc::Consumer<WriteOp>,
+    /// The engine's end of the completion ring.
+    pub cq_tx: kvferry_ring::spsc::Producer<Completion>,
+    /// The completion poller's end.
+    pub cq_rx: kvferry_ring::spsc::Consumer<Completion>,
+    /// Writes the poster may have in flight.
+    pub credits: usize,
+}
+
+impl EngineRings {
+    /// Both rings with `ring_capacity` entries (rounded up to a power of
+    /// two); a capacity the ring crate refuses is a config error.
+    pub(crate) fn new(ring_capacity: usize) -> Result<Self, TransportError> {
+        let capacity_error = |e: kvferry_ring::CapacityError| TransportError::Config(e.to_string());
+        let (sq_tx, sq_rx) =
+            kvferry_ring::spsc::try_channel::<WriteOp>(ring_capacity).map_err(capacity_error)?;
+        let (cq_tx, cq_rx) =
+            kvferry_ring::spsc::try_channel::<Completion>(ring_capacity).map_err(capacity_error)?;
+        let credits = cq_rx.capacity().min(sq_tx.capacity());
+        Ok(Self {
+            sq_tx,
+            sq_rx,
+            cq_tx,
+            cq_rx,
+            credits,
+        })
+    }
+}
+
 pub(crate) fn poll_completion_ring(
     cq: &mut kvferry_ring::spsc::Consumer<Completion>,
     out: &mut Vec<Completion>,

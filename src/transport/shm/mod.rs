@@ -17,7 +17,7 @@ use crate::protocol::Descriptor;
 use crate::staging::StagingBuffer;
 
 use super::config::MAX_RING_CAPACITY;
-use super::{Completion, Started, Transport, TransportConfig, TransportError, WriteOp};
+use super::{Started, Transport, TransportConfig, TransportError};
 
 use completions::ShmCompletions;
 use credits::Returned;
@@ -62,13 +62,13 @@ impl Transport for ShmTransport {
     }
 
     fn start(self: Box<Self>, local: Arc<StagingBuffer>) -> Result<Started, TransportError> {
-        let capacity_error = |e: kvferry_ring::CapacityError| TransportError::Config(e.to_string());
-        let (sq_tx, sq_rx) = kvferry_ring::spsc::try_channel::<WriteOp>(self.ring_capacity)
-            .map_err(capacity_error)?;
-        let (cq_tx, cq_rx) = kvferry_ring::spsc::try_channel::<Completion>(self.ring_capacity)
-            .map_err(capacity_error)?;
-        // Credits = completion ring capacity; the submission ring is as large.
-        let credits = cq_rx.capacity().min(sq_tx.capacity());
+        let super::EngineRings {
+            sq_tx,
+            sq_rx,
+            cq_tx,
+            cq_rx,
+            credits,
+        } = super::EngineRings::new(self.ring_capacity)?;
         let peers = Arc::new(PeerTable::default());
         let returned = Arc::new(Returned::default());
         let engine = Engine {
