@@ -186,23 +186,19 @@ impl Engine {
         tracing::debug!("tcp engine stopped");
     }
 
-    fn io<'a>(
-        poll: &'a Poll,
-        local: &'a StagingBuffer,
-        done: &'a mut Vec<Completion>,
-        now: Instant,
-        next_gen: &'a mut u32,
-        timeouts: (Duration, Duration),
-    ) -> Io<'a> {
-        Io {
-            registry: poll.registry(),
-            local,
-            done,
+    /// The links and the I/O context they work with, borrowed together
+    /// (disjoint fields, so a link can be driven while `done` grows).
+    fn parts(&mut self, now: Instant) -> (&mut Vec<Option<Link>>, Io<'_>) {
+        let io = Io {
+            registry: self.poll.registry(),
+            local: &self.local,
+            done: &mut self.done,
             now,
-            next_gen,
-            connect_timeout: timeouts.0,
-            io_timeout: timeouts.1,
-        }
+            next_gen: &mut self.next_gen,
+            connect_timeout: self.connect_timeout,
+            io_timeout: self.io_timeout,
+        };
+        (&mut self.links, io)
     }
 
     fn apply_commands(&mut self, now: Instant) {
@@ -217,20 +213,13 @@ impl Engine {
                     reply,
                 } => {
                     let i = peer as usize;
-                    if self.links.len() <= i {
-                        self.links.resize_with(i + 1, || None);
+                    let (links, mut io) = self.parts(now);
+                    if links.len() <= i {
+                        links.resize_with(i + 1, || None);
                     }
                     let mut link = Link::new(peer, addr, preamble, data_len);
-                    let mut io = Self::io(
-                        &self.poll,
-                        &self.local,
-                        &mut self.done,
-                        now,
-                        &mut self.next_gen,
-                        (self.connect_timeout, self.io_timeout),
-                    );
                     link.open(&mut io, Some(reply));
-                    self.links[i] = Some(link);
+                    links[i] = Some(link);
                 }
                 Cmd::Disconnect(peer) => {
                     if let Some(link) = self.links.get_mut(peer as usize).and_then(Option::as_mut) {
@@ -263,45 +252,31 @@ impl Engine {
                 .checked_add(op.len)
                 .is_some_and(|end| end <= limit && end <= usize::MAX as u64)
         };
-        let Some(link) = self
-            .links
+        let local_len = self.local.len();
+        let (links, mut io) = self.parts(now);
+        let Some(link) = links
             .get_mut(op.peer as usize)
             .and_then(Option::as_mut)
             .filter(|l| !l.removed)
         else {
-            self.done
+            io.done
                 .push(Completion::new(op.work_id, CompletionStatus::UnknownPeer));
             return;
         };
-        if !fits(op.local_offset, self.local.len()) || !fits(op.remote_offset, link.data_len) {
-            self.done
+        if !fits(op.local_offset, local_len) || !fits(op.remote_offset, link.data_len) {
+            io.done
                 .push(Completion::new(op.work_id, CompletionStatus::OutOfBounds));
             return;
         }
-        let mut io = Self::io(
-            &self.poll,
-            &self.local,
-            &mut self.done,
-            now,
-            &mut self.next_gen,
-            (self.connect_timeout, self.io_timeout),
-        );
         link.enqueue(op, &mut io);
     }
 
     fn on_event(&mut self, token: Token, now: Instant) {
         let (peer, gen) = super::link::split_token(token);
-        let Some(link) = self.links.get_mut(peer as usize).and_then(Option::as_mut) else {
+        let (links, mut io) = self.parts(now);
+        let Some(link) = links.get_mut(peer as usize).and_then(Option::as_mut) else {
             return;
         };
-        let mut io = Self::io(
-            &self.poll,
-            &self.local,
-            &mut self.done,
-            now,
-            &mut self.next_gen,
-            (self.connect_timeout, self.io_timeout),
-        );
         link.on_event(gen, &mut io);
         if link.removed {
             self.reap(peer);
@@ -311,17 +286,10 @@ impl Engine {
     /// Declares busy connections without progress past their deadline lost.
     fn expire(&mut self, now: Instant) {
         for i in 0..self.links.len() {
-            let Some(link) = self.links[i].as_mut() else {
+            let (links, mut io) = self.parts(now);
+            let Some(link) = links[i].as_mut() else {
                 continue;
             };
-            let mut io = Self::io(
-                &self.poll,
-                &self.local,
-                &mut self.done,
-                now,
-                &mut self.next_gen,
-                (self.connect_timeout, self.io_timeout),
-            );
             link.expire(&mut io);
             if link.removed {
                 self.reap(i as PeerIndex);
