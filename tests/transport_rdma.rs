@@ -6,6 +6,9 @@
 //! transport_rdma -- --nocapture` shows the skip reasons.
 #![cfg(feature = "rdma")]
 
+mod common_transport;
+use common_transport::collect;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -14,8 +17,8 @@ use kvferry::region::{default_region_path, Region};
 use kvferry::staging::StagingBuffer;
 use kvferry::transport::rdma::{probe, RdmaConfig, RdmaPoster, RdmaReceiverSide, RdmaTransport};
 use kvferry::transport::{
-    by_name, Completion, CompletionStatus, Completions, PollStatus, Poster, RemoteBuffer,
-    TransportConfig, TransportError, WriteOp,
+    by_name, CompletionStatus, Completions, PollStatus, Poster, RemoteBuffer, TransportConfig,
+    TransportError, WriteOp,
 };
 
 const CHUNK: u64 = 4096;
@@ -125,24 +128,6 @@ fn op(work_id: u64, peer: u32, slot: u64, remote_slot: u64, len: u64) -> WriteOp
         peer,
         _pad: 0,
     }
-}
-
-/// Polls until `n` completions arrived; fails naming what hung.
-fn collect(c: &mut dyn Completions, n: usize, what: &str) -> Vec<Completion> {
-    let deadline = Instant::now() + DEADLINE;
-    let mut out = Vec::new();
-    while out.len() < n {
-        let want = n - out.len();
-        match c.poll(&mut out, want, Some(deadline)) {
-            PollStatus::Ready(_) => {}
-            PollStatus::TimedOut => panic!(
-                "{what}: only {} of {n} completions within {DEADLINE:?}",
-                out.len()
-            ),
-            PollStatus::Closed => panic!("{what}: closed after {} of {n} completions", out.len()),
-        }
-    }
-    out
 }
 
 #[test]

@@ -1,5 +1,8 @@
 //! Black-box tests of the shm transport, the staging buffer and coalescing.
 
+mod common_transport;
+use common_transport::{collect, op, pattern, post_all, WAIT};
+
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -12,8 +15,6 @@ use kvferry::transport::{
     RemoteBuffer, TransportConfig, TransportError, WriteOp, MAX_RING_CAPACITY,
 };
 use proptest::prelude::*;
-
-const WAIT: Duration = Duration::from_secs(10);
 
 fn start(
     staging: &Arc<StagingBuffer>,
@@ -38,67 +39,6 @@ fn remote(region: &Region) -> RemoteBuffer {
         chunk_bytes: region.chunk_bytes(),
         capacity_chunks: region.capacity_chunks(),
     }
-}
-
-fn op(work_id: u64, local_offset: u64, remote_offset: u64, len: u64, peer: u32) -> WriteOp {
-    WriteOp {
-        work_id,
-        local_offset,
-        remote_offset,
-        len,
-        peer,
-        _pad: 0,
-    }
-}
-
-/// Polls until `n` completions arrived; fails naming what hung.
-fn collect(comps: &mut dyn Completions, n: usize, what: &str) -> Vec<Completion> {
-    let deadline = Instant::now() + WAIT;
-    let mut out = Vec::new();
-    while out.len() < n {
-        let want = n - out.len();
-        match comps.poll(&mut out, want, Some(deadline)) {
-            PollStatus::Ready(_) => {}
-            s => panic!(
-                "{what}: waiting for {n} completions, got {} then {s:?}",
-                out.len()
-            ),
-        }
-    }
-    out
-}
-
-/// Posts all `ops`, polling completions whenever credits run out.
-fn post_all(
-    poster: &mut dyn Poster,
-    comps: &mut dyn Completions,
-    ops: &[WriteOp],
-) -> Vec<Completion> {
-    let deadline = Instant::now() + WAIT;
-    let mut done = Vec::new();
-    let mut next = 0;
-    while next < ops.len() {
-        next += poster.post(&ops[next..]).unwrap();
-        if next < ops.len() {
-            assert!(
-                poster.in_flight() > 0,
-                "post accepted nothing with nothing in flight"
-            );
-            match comps.poll(&mut done, usize::MAX, Some(deadline)) {
-                PollStatus::Ready(_) => {}
-                s => panic!("post_all: completion poll hung or closed: {s:?}"),
-            }
-        }
-    }
-    let missing = ops.len() - done.len();
-    done.extend(collect(comps, missing, "post_all drain"));
-    done
-}
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| (seed.wrapping_mul(31).wrapping_add(i as u64 * 7) % 251) as u8 + 1)
-        .collect()
 }
 
 fn region(chunk: u64, cap: u64) -> Region {

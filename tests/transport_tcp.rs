@@ -5,6 +5,9 @@
 
 mod common;
 
+mod common_transport;
+use common_transport::{collect, op, pattern, post_all, WAIT};
+
 use std::collections::HashSet;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -27,8 +30,6 @@ use kvferry::transport::{
 };
 
 use common::{alloc, assert_ok, keys, Client, CHUNK_BYTES};
-
-const WAIT: Duration = Duration::from_secs(10);
 
 // ----- kvferry run over tcp -------------------------------------------------
 
@@ -141,67 +142,6 @@ fn start_with_timeouts(
         .with_timeouts(connect, io)
         .unwrap();
     Box::new(t).start(staging.clone()).unwrap()
-}
-
-fn op(work_id: u64, local_offset: u64, remote_offset: u64, len: u64, peer: u32) -> WriteOp {
-    WriteOp {
-        work_id,
-        local_offset,
-        remote_offset,
-        len,
-        peer,
-        _pad: 0,
-    }
-}
-
-/// Polls until `n` completions arrived; fails naming what hung.
-fn collect(comps: &mut dyn Completions, n: usize, what: &str) -> Vec<Completion> {
-    let deadline = Instant::now() + WAIT;
-    let mut out = Vec::new();
-    while out.len() < n {
-        let want = n - out.len();
-        match comps.poll(&mut out, want, Some(deadline)) {
-            PollStatus::Ready(_) => {}
-            s => panic!(
-                "{what}: waiting for {n} completions, got {} then {s:?}",
-                out.len()
-            ),
-        }
-    }
-    out
-}
-
-/// Posts all `ops`, polling completions whenever credits run out.
-fn post_all(
-    poster: &mut dyn Poster,
-    comps: &mut dyn Completions,
-    ops: &[WriteOp],
-) -> Vec<Completion> {
-    let deadline = Instant::now() + WAIT;
-    let mut done = Vec::new();
-    let mut next = 0;
-    while next < ops.len() {
-        next += poster.post(&ops[next..]).unwrap();
-        if next < ops.len() {
-            assert!(
-                poster.in_flight() > 0,
-                "post accepted nothing, nothing in flight"
-            );
-            match comps.poll(&mut done, usize::MAX, Some(deadline)) {
-                PollStatus::Ready(_) => {}
-                s => panic!("post_all: completion poll hung or closed: {s:?}"),
-            }
-        }
-    }
-    let missing = ops.len() - done.len();
-    done.extend(collect(comps, missing, "post_all drain"));
-    done
-}
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| (seed.wrapping_mul(31).wrapping_add(i as u64 * 7) % 251) as u8 + 1)
-        .collect()
 }
 
 /// Grants `n` slots of a fresh request at `r` through the control plane.
