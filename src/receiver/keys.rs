@@ -19,6 +19,8 @@
 
 use std::collections::HashMap;
 
+use smallvec::SmallVec;
+
 /// One copy of a key.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct KeyEntry {
@@ -76,10 +78,12 @@ pub enum Unref {
     NotHeld,
 }
 
-/// Map from key to its copies (oldest first).
+/// Map from key to its copies (oldest first). Almost every key has exactly
+/// one copy, so it is stored inline: no allocation per key beyond the
+/// map's own.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct KeyTable {
-    map: HashMap<String, Vec<KeyEntry>>,
+    map: HashMap<String, SmallVec<[KeyEntry; 1]>>,
     /// Copies held, detached ones included.
     copies: usize,
     /// Copies held that are not detached.
