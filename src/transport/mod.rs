@@ -16,6 +16,7 @@
 
 mod coalesce;
 mod config;
+mod credits;
 mod error;
 pub mod fault;
 mod op;

@@ -7,7 +7,7 @@ use kvferry_ring::spsc::Consumer;
 
 use crate::transport::{Completion, Completions, PollStatus};
 
-use super::credits::Returned;
+use crate::transport::credits::Returned;
 
 /// Owns the completion ring's consumer.
 pub(super) struct ShmCompletions {

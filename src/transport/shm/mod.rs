@@ -5,7 +5,6 @@
 //! rings with futex doorbells, so an idle engine sleeps).
 
 mod completions;
-mod credits;
 mod engine;
 mod peers;
 mod poster;
@@ -19,8 +18,8 @@ use crate::staging::StagingBuffer;
 use super::config::MAX_RING_CAPACITY;
 use super::{Started, Transport, TransportConfig, TransportError};
 
+use super::credits::Returned;
 use completions::ShmCompletions;
-use credits::Returned;
 use engine::Engine;
 use peers::PeerTable;
 use poster::ShmPoster;

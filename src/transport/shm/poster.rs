@@ -11,8 +11,8 @@ use crate::protocol::Descriptor;
 use crate::region::Region;
 use crate::transport::{descriptor_kind, PeerIndex, Poster, RemoteBuffer, TransportError, WriteOp};
 
-use super::credits::Returned;
 use super::peers::PeerTable;
+use crate::transport::credits::Returned;
 
 /// Owns the submission ring's producer and the peer table's write side.
 pub(super) struct ShmPoster {

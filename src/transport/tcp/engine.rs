@@ -7,8 +7,8 @@
 //! they are ready, and the only timer is the no-progress deadline of a busy
 //! connection.
 
+use crate::transport::credits::Returned;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -53,29 +53,6 @@ pub(super) enum ConnectResult {
     Rejected(String),
     /// The connection could not be opened (refused, unreachable, timeout).
     Failed(String),
-}
-
-/// Counts completions returned to the caller; the poster compares it with
-/// its own count of posted ops to know how many are in flight.
-#[derive(Debug, Default)]
-pub(super) struct Returned(AtomicU64);
-
-impl Returned {
-    /// Called by the completion half after it popped `n` completions.
-    pub(super) fn add(&self, n: usize) {
-        // Release: pairs with the Acquire in `get`. The completion ring's head
-        // was advanced (Release) before this, so a poster that sees the new
-        // count and then posts an op makes that head visible to the engine
-        // (through the submission ring's Release/Acquire), which therefore
-        // finds room for the op's completion.
-        self.0.fetch_add(n as u64, Ordering::Release);
-    }
-
-    /// Completions returned so far.
-    pub(super) fn get(&self) -> u64 {
-        // Acquire: pairs with the Release in `add` (see there).
-        self.0.load(Ordering::Acquire)
-    }
 }
 
 /// State shared by the poster, the engine and the completion half.
