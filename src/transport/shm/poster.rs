@@ -76,24 +76,13 @@ impl Poster for ShmPoster {
     }
 
     fn post(&mut self, ops: &[WriteOp]) -> Result<usize, TransportError> {
-        let sq = self.sq.as_mut().ok_or(TransportError::Closed)?;
-        if sq.is_closed() {
-            return Err(TransportError::Closed);
-        }
-        let in_flight = self.posted.wrapping_sub(self.returned.get()) as usize;
-        let room = self.credits.saturating_sub(in_flight).min(ops.len());
-        if room == 0 {
-            return Ok(0);
-        }
-        // The submission ring has the completion ring's capacity and holds at
-        // most the ops in flight, so all `room` ops fit unless the engine is
-        // gone.
-        let pushed = sq.push_slice(&ops[..room]);
-        self.posted += pushed as u64;
-        if pushed == 0 {
-            return Err(TransportError::Closed);
-        }
-        Ok(pushed)
+        crate::transport::credits::push_within_credits(
+            self.sq.as_mut(),
+            &mut self.posted,
+            self.credits,
+            &self.returned,
+            ops,
+        )
     }
 
     fn in_flight(&self) -> usize {

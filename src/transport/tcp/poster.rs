@@ -158,22 +158,15 @@ impl Poster for TcpPoster {
     }
 
     fn post(&mut self, ops: &[WriteOp]) -> Result<usize, TransportError> {
-        let sq = self.sq.as_mut().ok_or(TransportError::Closed)?;
-        if sq.is_closed() {
-            return Err(TransportError::Closed);
-        }
-        let in_flight = self.posted.wrapping_sub(self.shared.returned.get()) as usize;
-        let room = self.credits.saturating_sub(in_flight).min(ops.len());
-        if room == 0 {
-            return Ok(0);
-        }
-        // The submission ring has the completion ring's capacity and holds at
-        // most the ops in flight, so all `room` ops fit unless the engine is
-        // gone.
-        let pushed = sq.push_slice(&ops[..room]);
-        self.posted += pushed as u64;
+        let pushed = crate::transport::credits::push_within_credits(
+            self.sq.as_mut(),
+            &mut self.posted,
+            self.credits,
+            &self.shared.returned,
+            ops,
+        )?;
         if pushed == 0 {
-            return Err(TransportError::Closed);
+            return Ok(0);
         }
         // A failed wake means the engine exited; the next post sees the
         // closed ring. The ops pushed are counted either way.
