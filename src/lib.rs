@@ -6,6 +6,7 @@ pub mod backoff;
 pub mod cancel;
 pub mod cli;
 pub mod ledger;
+pub mod log_budget;
 pub mod metrics;
 pub mod protocol;
 pub mod proxy;

@@ -15,12 +15,26 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 use tracing::{debug, warn};
 
-use crate::protocol::{decode, Message};
+use crate::protocol::{decode_with_limits, Limits, Message};
 use crate::recent::RecentMap;
 use crate::zmq_io::{readable, Reactor};
 
-/// How many request ids the listener remembers after they were reported.
-const MEMORY: usize = 1 << 16;
+/// Bytes of notification counts (request ids) the listener remembers:
+/// 65,536 ids of 64 bytes, fewer longer ones.
+pub const MEMORY_BYTES: usize = 16 << 20;
+
+/// Bytes of notifications kept for [`ProxyListener::next`] until taken.
+pub const HISTORY_BYTES: usize = 16 << 20;
+
+/// Largest frame the listener accepts (`ZMQ_MAXMSGSIZE` of its PULL socket;
+/// a larger frame drops the connection before it is buffered). A
+/// `ProxyNotif` with the longest `req_id` (4 KiB) is under 4.2 KB.
+pub const MAX_FRAME_BYTES: usize = 64 << 10;
+
+/// Charge of one kept notification.
+fn notification_cost(n: &Notification) -> usize {
+    n.req_id.len() + 64
+}
 
 /// One received notification.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -70,6 +84,8 @@ struct Counts {
     /// Notifications per request, for the most recent requests.
     map: RecentMap<usize>,
     history: VecDeque<Notification>,
+    /// Bytes charged for `history`.
+    history_bytes: usize,
     malformed: u64,
     total: u64,
     shut_down: bool,
@@ -108,6 +124,7 @@ impl ProxyListener {
         };
         let sock = crate::zmq_io::context().socket(zmq::PULL).map_err(err)?;
         sock.set_linger(0).map_err(err)?;
+        sock.set_maxmsgsize(MAX_FRAME_BYTES as i64).map_err(err)?;
         sock.set_rcvhwm(0).map_err(err)?;
         sock.bind(endpoint).map_err(err)?;
         let bound = match sock.get_last_endpoint() {
@@ -118,8 +135,9 @@ impl ProxyListener {
         reactor.register(&sock, 0)?;
         let shared = Arc::new(Shared {
             counts: Mutex::new(Counts {
-                map: RecentMap::new(MEMORY),
+                map: RecentMap::new(MEMORY_BYTES),
                 history: VecDeque::new(),
+                history_bytes: 0,
                 malformed: 0,
                 total: 0,
                 shut_down: false,
@@ -205,11 +223,11 @@ impl ProxyListener {
     pub fn next(&self, deadline: Instant) -> Option<Notification> {
         let mut c = self.shared.counts.lock();
         loop {
-            if let Some(n) = c.history.pop_front() {
+            if let Some(n) = c.pop_history() {
                 return Some(n);
             }
             if c.shut_down || self.shared.cv.wait_until(&mut c, deadline).timed_out() {
-                return c.history.pop_front();
+                return c.pop_history();
             }
         }
     }
@@ -237,7 +255,19 @@ impl Drop for ProxyListener {
     }
 }
 
+impl Counts {
+    fn pop_history(&mut self) -> Option<Notification> {
+        let n = self.history.pop_front()?;
+        self.history_bytes -= notification_cost(&n);
+        Some(n)
+    }
+}
+
 fn listen(shared: Arc<Shared>, sock: zmq::Socket, mut reactor: Reactor) {
+    let limits = Limits {
+        max_frame_bytes: MAX_FRAME_BYTES,
+        ..Limits::default()
+    };
     // Acquire: pairs with the Release store in `stop_and_join`.
     while !shared.stop.load(Ordering::Acquire) {
         while readable(&sock) {
@@ -249,7 +279,7 @@ fn listen(shared: Arc<Shared>, sock: zmq::Socket, mut reactor: Reactor) {
                     break;
                 }
             };
-            let notif = match decode(&frame) {
+            let notif = match decode_with_limits(&frame, &limits) {
                 Ok(Message::ProxyNotif(p)) => p,
                 Ok(other) => {
                     debug!(?other, "non-ProxyNotif frame at the proxy ignored");
@@ -275,9 +305,10 @@ fn listen(shared: Arc<Shared>, sock: zmq::Socket, mut reactor: Reactor) {
                     count,
                     at: Instant::now(),
                 };
+                c.history_bytes += notification_cost(&n);
                 c.history.push_back(n.clone());
-                while c.history.len() > MEMORY {
-                    c.history.pop_front();
+                while c.history_bytes > HISTORY_BYTES {
+                    c.pop_history();
                 }
                 n
             };

@@ -1,26 +1,46 @@
 //! [`RecentMap`]: a map that remembers only its most recently added keys,
-//! for per-request bookkeeping that must stay bounded however many requests
-//! a long-running process sees (finished request ids, notification counts).
+//! within a budget in bytes, for per-request bookkeeping that must stay
+//! bounded however many requests — and however long their ids — a
+//! long-running process sees (finished request ids, notification counts).
+//!
+//! Each key's bytes are stored once (an `Arc<str>` shared by the map and the
+//! insertion order), and each entry is charged its key length plus
+//! [`RecentMap::ENTRY_OVERHEAD`] against the budget, so 4 KiB ids are
+//! forgotten 64 times sooner than 64-byte ones instead of costing 64 times
+//! the memory.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 
 /// A map of string keys that forgets the oldest keys (in insertion order)
-/// beyond a capacity.
+/// once their bytes exceed a budget.
 #[derive(Debug, Clone)]
 pub struct RecentMap<V> {
-    map: HashMap<String, V>,
-    order: VecDeque<String>,
-    cap: usize,
+    map: HashMap<Arc<str>, V>,
+    order: VecDeque<Arc<str>>,
+    bytes: usize,
+    max_bytes: usize,
 }
 
 impl<V> RecentMap<V> {
-    /// An empty map remembering at most `cap` keys (at least 1).
-    pub fn new(cap: usize) -> Self {
+    /// Bytes charged per entry besides its key: the hash-map slot, the
+    /// order slot, the `Arc` header and the value.
+    pub const ENTRY_OVERHEAD: usize =
+        64 + 2 * std::mem::size_of::<Arc<str>>() + std::mem::size_of::<V>();
+
+    /// An empty map holding at most `max_bytes` of entries (it always keeps
+    /// the newest one, whatever its size).
+    pub fn new(max_bytes: usize) -> Self {
         Self {
             map: HashMap::new(),
             order: VecDeque::new(),
-            cap: cap.max(1),
+            bytes: 0,
+            max_bytes,
         }
+    }
+
+    fn cost(key: &str) -> usize {
+        key.len() + Self::ENTRY_OVERHEAD
     }
 
     /// The value of `key`, if remembered.
@@ -38,21 +58,46 @@ impl<V> RecentMap<V> {
         self.map.is_empty()
     }
 
+    /// Bytes charged for what is remembered, removed keys that have not
+    /// aged out included (at most the budget, unless a single newest entry
+    /// is larger).
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Forgets `key`; returns its value. O(1): the key's place in the
+    /// insertion order (and its charge, since it still holds the key's
+    /// bytes) stays until it ages out.
+    pub fn remove(&mut self, key: &str) -> Option<V> {
+        self.map.remove(key)
+    }
+
     /// The value of `key`, inserting `make()` if absent (forgetting the
-    /// oldest key when the map is full).
+    /// oldest keys while the budget would be exceeded).
     pub fn get_or_insert_with(&mut self, key: &str, make: impl FnOnce() -> V) -> &mut V {
         if !self.map.contains_key(key) {
-            while self.order.len() >= self.cap {
-                match self.order.pop_front() {
-                    Some(old) => {
-                        self.map.remove(&old);
-                    }
-                    None => break,
+            let cost = Self::cost(key);
+            while self.bytes + cost > self.max_bytes {
+                let Some(old) = self.order.pop_front() else {
+                    break;
+                };
+                self.bytes -= Self::cost(&old);
+                // The entry is this order slot's only if it is the same
+                // allocation: a key removed and added again has a newer slot.
+                if self
+                    .map
+                    .get_key_value(&*old)
+                    .is_some_and(|(k, _)| Arc::ptr_eq(k, &old))
+                {
+                    self.map.remove(&*old);
                 }
             }
-            self.order.push_back(key.to_owned());
+            let k: Arc<str> = Arc::from(key);
+            self.order.push_back(Arc::clone(&k));
+            self.bytes += cost;
+            self.map.insert(k, make());
         }
-        self.map.entry(key.to_owned()).or_insert_with(make)
+        self.map.get_mut(key).unwrap_or_else(|| unreachable!())
     }
 }
 
@@ -60,9 +105,13 @@ impl<V> RecentMap<V> {
 mod tests {
     use super::*;
 
+    fn budget(entries: usize, key_len: usize) -> usize {
+        entries * (key_len + RecentMap::<u32>::ENTRY_OVERHEAD)
+    }
+
     #[test]
     fn keeps_values_and_forgets_the_oldest_keys() {
-        let mut m = RecentMap::new(2);
+        let mut m = RecentMap::<u32>::new(budget(2, 1));
         *m.get_or_insert_with("a", || 0) += 1;
         *m.get_or_insert_with("a", || 0) += 1;
         assert_eq!(m.get("a"), Some(&2), "an existing key keeps its value");
@@ -70,5 +119,29 @@ mod tests {
         m.get_or_insert_with("c", || 9);
         assert_eq!(m.get("a"), None, "the oldest key was forgotten");
         assert_eq!((m.get("b"), m.get("c"), m.len()), (Some(&7), Some(&9), 2));
+    }
+
+    #[test]
+    fn the_budget_is_in_bytes_so_long_keys_are_forgotten_sooner() {
+        let max = budget(100, 8);
+        let mut m = RecentMap::<u32>::new(max);
+        for i in 0..10_000 {
+            m.get_or_insert_with(&format!("{i:0>4096}"), || i);
+            assert!(m.bytes() <= max, "{} > {max}", m.bytes());
+        }
+        assert!(m.len() < 10, "4 KiB keys: only a few fit, got {}", m.len());
+        assert_eq!(m.get(&format!("{:0>4096}", 9_999)), Some(&9_999));
+        assert_eq!(m.remove(&format!("{:0>4096}", 9_999)), Some(9_999));
+        assert_eq!(m.get(&format!("{:0>4096}", 9_999)), None);
+        m.get_or_insert_with("again", || 1);
+        m.remove("again");
+        m.get_or_insert_with("again", || 2);
+        m.get_or_insert_with("again", || 3);
+        assert_eq!(m.get("again"), Some(&2), "re-added after a removal");
+        for i in 0..1_000 {
+            m.get_or_insert_with(&format!("{i:08}"), || i);
+        }
+        assert_eq!(m.len(), 100, "short keys: the budget holds 100");
+        assert!(m.bytes() <= max);
     }
 }

@@ -2,7 +2,6 @@
 //! ProxyNotif per request (one per sender TP rank) and reports, at exit,
 //! how many requests became ready and how far apart their ranks reported.
 
-use std::collections::HashMap;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -15,6 +14,11 @@ use serde::Serialize;
 
 use crate::metrics::{MetricsServer, MetricsWriter};
 use crate::proxy::{Notification, ProxyListener};
+use crate::recent::RecentMap;
+
+/// Bytes of first-arrival times kept for requests that have not yet
+/// reached `--expect` (ids that never do age out, oldest first).
+const FIRST_SEEN_BYTES: usize = 16 << 20;
 
 /// Arguments of `kvferry proxy`.
 #[derive(Debug, Args)]
@@ -58,7 +62,8 @@ struct Spread {
 
 struct Tracker {
     expect: usize,
-    first_seen: HashMap<String, Instant>,
+    /// First arrival per request not yet ready, bounded in bytes.
+    first_seen: RecentMap<Instant>,
     ready: u64,
     spread_us: hdrhistogram::Histogram<u64>,
     verbose: bool,
@@ -66,7 +71,7 @@ struct Tracker {
 
 impl Tracker {
     fn on(&mut self, n: &Notification) {
-        let first = *self.first_seen.entry(n.req_id.clone()).or_insert(n.at);
+        let first = *self.first_seen.get_or_insert_with(&n.req_id, || n.at);
         if n.count == self.expect {
             self.first_seen.remove(&n.req_id);
             self.ready += 1;
@@ -98,7 +103,7 @@ pub fn run(a: ProxyArgs) -> ExitCode {
     };
     let tracker = Arc::new(Mutex::new(Tracker {
         expect: a.expect as usize,
-        first_seen: HashMap::new(),
+        first_seen: RecentMap::new(FIRST_SEEN_BYTES),
         ready: 0,
         spread_us,
         verbose: a.verbose,

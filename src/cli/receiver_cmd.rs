@@ -10,6 +10,7 @@ use std::time::Duration;
 use clap::Args;
 
 use crate::metrics::MetricsServer;
+use crate::receiver::bounds::Bounds;
 use crate::receiver::{AcceptorFactory, Receiver, ReceiverConfig, ReceiverError};
 use crate::transport::TransportConfig;
 
@@ -63,6 +64,30 @@ pub struct ReceiverArgs {
     /// a binary built with the `rdma` cargo feature and an RDMA device.
     #[arg(long)]
     pub rdma: bool,
+    /// Bytes all parked requests and their queued batches may hold; past it
+    /// new parked work is answered `overloaded` (docs/security.md).
+    #[arg(long, default_value_t = Bounds::default().max_parked_bytes)]
+    pub max_parked_bytes: usize,
+    /// Bytes one peer's parked requests may hold.
+    #[arg(long, default_value_t = Bounds::default().max_peer_parked_bytes)]
+    pub max_peer_parked_bytes: usize,
+    /// Bytes of ended-request records (tombstones, LMCache cancel records)
+    /// and anonymous allocations' records.
+    #[arg(long, default_value_t = Bounds::default().max_ended_bytes)]
+    pub max_record_bytes: usize,
+    /// Bytes of per-peer state; past it new peers are answered `overloaded`.
+    #[arg(long, default_value_t = Bounds::default().max_peer_bytes)]
+    pub max_peer_state_bytes: usize,
+    /// Refuse anonymous allocations (req_id "", LMCache's untracked path).
+    #[arg(long)]
+    pub no_anonymous: bool,
+    /// Lifetime of an anonymous allocation no decoder consumed, in milliseconds.
+    #[arg(long, default_value_t = Bounds::default().anonymous_lifetime.as_millis() as u64, value_parser = clap::value_parser!(u64).range(1..))]
+    pub anonymous_lifetime_ms: u64,
+    /// Replies queued for one peer that does not read them; past it they are
+    /// dropped and counted.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(i32).range(1..))]
+    pub reply_queue_per_peer: i32,
 }
 
 /// Runs a receiver until SIGINT/SIGTERM.
@@ -97,6 +122,15 @@ pub fn run(a: ReceiverArgs) -> ExitCode {
         tcp_data: a.tcp_data,
         tcp_data_advertise: a.tcp_advertise,
         acceptor,
+        bounds: Bounds {
+            max_parked_bytes: a.max_parked_bytes,
+            max_peer_parked_bytes: a.max_peer_parked_bytes,
+            max_ended_bytes: a.max_record_bytes,
+            max_peer_bytes: a.max_peer_state_bytes,
+            allow_anonymous: !a.no_anonymous,
+            anonymous_lifetime: Duration::from_millis(a.anonymous_lifetime_ms),
+        },
+        reply_queue_per_peer: a.reply_queue_per_peer,
         ..ReceiverConfig::default()
     };
     let termination = match super::signals::Termination::install() {

@@ -43,11 +43,18 @@ pub enum ErrorCode {
     PeerUnavailable,
     /// Sender side: the receiver did not answer in time.
     ReplyTimeout,
+    /// The message names a request that belongs to another peer: it
+    /// changed nothing (requests are keyed by peer and `req_id`).
+    NotOwner,
+    /// A bound on what peers may make the receiver hold (parked requests,
+    /// batches queued behind them, per-peer state) is reached: refused at
+    /// once, nothing was kept. Retry later.
+    Overloaded,
 }
 
 impl ErrorCode {
     /// Every code, in declaration order.
-    pub const ALL: [ErrorCode; 15] = [
+    pub const ALL: [ErrorCode; 17] = [
         ErrorCode::BufferTooSmall,
         ErrorCode::ProtocolViolation,
         ErrorCode::AdmissionTimeout,
@@ -63,6 +70,8 @@ impl ErrorCode {
         ErrorCode::WriteFailed,
         ErrorCode::PeerUnavailable,
         ErrorCode::ReplyTimeout,
+        ErrorCode::NotOwner,
+        ErrorCode::Overloaded,
     ];
 
     /// The wire string (snake_case) of this code.
@@ -83,6 +92,8 @@ impl ErrorCode {
             ErrorCode::WriteFailed => "write_failed",
             ErrorCode::PeerUnavailable => "peer_unavailable",
             ErrorCode::ReplyTimeout => "reply_timeout",
+            ErrorCode::NotOwner => "not_owner",
+            ErrorCode::Overloaded => "overloaded",
         }
     }
 

@@ -75,6 +75,7 @@ fn cfg() -> CoreConfig {
         other_transports: Vec::new(),
         answer_hello: true,
         auto_consume: false,
+        bounds: super::bounds::Bounds::default(),
     }
 }
 
@@ -97,7 +98,7 @@ fn sent(out: &mut Vec<Output>) -> Message {
         .drain(..)
         .filter_map(|o| match o {
             Output::Send { message, .. } => Some(message),
-            Output::Finished { .. } => None,
+            Output::Finished { .. } | Output::ForgetPeer { .. } => None,
         })
         .collect();
     assert_eq!(msgs.len(), 1, "expected one message, got {msgs:?}");

@@ -35,11 +35,25 @@
 //!   writes may still be in flight, are quarantined — still counted as
 //!   allocated — until the sender's `CancelNotif` (which a kvferry sender sends
 //!   only after its in-flight writes completed) or `quarantine_grace` passes.
+//! - Ownership (invariant 8): requests are keyed by (peer, `req_id`). A
+//!   `CancelNotif` or `TransferDone` from a peer that does not own the
+//!   request changes nothing and is counted (`not_owner`, answered for a
+//!   cancel); a `Heartbeat` renews only its own peer's requests, in O(1):
+//!   it moves the peer's liveness, and a request's lease is the later of its
+//!   own progress and its peer's liveness. A kvferry peer's liveness covers
+//!   its parked requests too.
+//! - Bounds (invariant 9, [`Bounds`]): parked requests and their backlog,
+//!   ended-request records and per-peer state are charged in bytes; past a
+//!   bound the peer is answered `overloaded` at once. Peer state is dropped
+//!   when nothing of the peer is left and it was silent for a lease.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use tracing::{debug, warn};
+use tracing::debug;
+
+use crate::log_budget::LogBudget;
+use crate::peer_warn;
 
 use crate::ledger::{AdmissionQueue, Ledger, Reservation};
 use crate::protocol::{
@@ -49,10 +63,14 @@ use crate::protocol::{
 use crate::slots::SlotAllocator;
 
 use super::acceptor::HelloAcceptor;
+use super::bounds::{self, Bounds};
 use super::keys::{Borrowed, KeyTable, Unref};
+use super::owned::ByRequest;
 
-/// Routing identity of a sender (the ZMQ identity frame).
-pub type PeerId = Vec<u8>;
+pub use super::owned::PeerId;
+
+/// A request's key in the admission queue: (owner, `req_id`).
+type ReqKey = (PeerId, String);
 
 /// Static configuration of the core.
 #[derive(Debug, Clone)]
@@ -86,6 +104,8 @@ pub struct CoreConfig {
     /// Release each request's chunks as soon as its `TransferDone` arrives,
     /// like a decoder that only counts (load tests and benchmarks).
     pub auto_consume: bool,
+    /// Bounds on what peers can make the core hold.
+    pub bounds: Bounds,
 }
 
 /// Something the control thread must do after a step of the core.
@@ -104,6 +124,12 @@ pub enum Output {
         req_id: String,
         /// How it ended.
         outcome: Outcome,
+    },
+    /// Nothing of `peer` is left in the core: the shell may drop what it
+    /// keeps per peer (the envelope style).
+    ForgetPeer {
+        /// The peer.
+        peer: PeerId,
     },
 }
 
@@ -138,8 +164,21 @@ pub struct CoreStats {
     /// Requests by outcome (`admitted`, `parked`, `completed`, `cancelled`,
     /// `failed`, `lease_expired`, `admission_timeout`, `rejected`).
     pub requests_total: BTreeMap<&'static str, u64>,
-    /// Error replies by code.
+    /// Error replies by code (`not_owner` also counts messages from a
+    /// peer about another peer's request that get no reply: `TransferDone`,
+    /// a `Heartbeat` naming another sender).
     pub errors_total: BTreeMap<&'static str, u64>,
+    /// Peers with state in the core (said Hello, or have requests or
+    /// records).
+    pub peers: usize,
+    /// Bytes charged to parked requests and their backlog.
+    pub parked_bytes: usize,
+    /// Bytes charged to ended-request records and anonymous allocations.
+    pub record_bytes: usize,
+    /// Bytes charged to per-peer state.
+    pub peer_bytes: usize,
+    /// Anonymous allocations not yet expired.
+    pub anonymous_allocations: usize,
 }
 
 /// One key a request holds a reference on.
@@ -160,6 +199,8 @@ enum Phase {
     Parked {
         backlog: VecDeque<AllocRequest>,
         since: Instant,
+        /// Bytes charged against the parked bounds (request + backlog).
+        charge: usize,
     },
     /// Admitted, more batches to come.
     Admitted { reservation: Reservation },
@@ -187,6 +228,53 @@ struct Tombstone {
     /// Copies `(key, gen)` whose slot is kept until the fence.
     quarantined: Vec<(String, u64)>,
     until: Instant,
+    /// Bytes charged against `max_ended_bytes`.
+    charge: usize,
+}
+
+/// The references an LMCache peer's request still held when its tracking
+/// ended (last batch): what a later `CancelNotif` of that peer for that
+/// request releases, and nothing else.
+#[derive(Debug)]
+struct DoneRefs {
+    held: Vec<(String, u64)>,
+    until: Instant,
+    charge: usize,
+}
+
+/// An anonymous allocation (`req_id == ""`): its references, until its
+/// lifetime ends.
+#[derive(Debug)]
+struct Anonymous {
+    peer: PeerId,
+    /// Copies it wrote (`true`) or pinned (`false`).
+    held: Vec<(String, u64, bool)>,
+    until: Instant,
+    charge: usize,
+}
+
+/// What the core keeps per peer.
+#[derive(Debug)]
+struct PeerState {
+    /// The peer said `Hello` (kvferry semantics); its sender id.
+    hello: Option<String>,
+    /// Its last `Heartbeat` plus a lease: its requests, parked ones
+    /// included, are alive until then.
+    alive_until: Instant,
+    /// Its last message of any kind.
+    last_seen: Instant,
+    /// Bytes its parked requests are charged.
+    parked_bytes: usize,
+    /// Anonymous allocations it holds.
+    anonymous: usize,
+    /// Bytes this state is charged.
+    charge: usize,
+}
+
+impl PeerState {
+    fn extended(&self) -> bool {
+        self.hello.is_some()
+    }
 }
 
 /// Why a request is being rolled back.
@@ -204,13 +292,26 @@ enum Cause {
 pub struct ReceiverCore {
     cfg: CoreConfig,
     ledger: Ledger,
-    queue: AdmissionQueue<String>,
+    queue: AdmissionQueue<ReqKey>,
     slots: SlotAllocator,
     keys: KeyTable,
-    requests: HashMap<String, Request>,
-    tombstones: HashMap<String, Tombstone>,
-    /// Peers that said Hello, with their sender id.
-    peers: HashMap<PeerId, String>,
+    requests: ByRequest<Request>,
+    tombstones: ByRequest<Tombstone>,
+    /// LMCache requests whose tracking ended, with the references they hold.
+    done_refs: ByRequest<DoneRefs>,
+    /// Anonymous allocations, oldest first (all have the same lifetime).
+    anonymous: VecDeque<Anonymous>,
+    /// Per-peer state, pruned when nothing of the peer is left.
+    peers: HashMap<PeerId, PeerState>,
+    /// Hello'd peers whose state was pruned (hashes, bounded), so their
+    /// next request keeps kvferry semantics.
+    pruned_hello: PrunedPeers,
+    /// Bytes charged: parked requests, ended records + anonymous, peers.
+    parked_bytes: usize,
+    record_bytes: usize,
+    peer_bytes: usize,
+    /// Rate limit of warnings a peer's message causes.
+    log: LogBudget,
     next_lease_scan: Instant,
     stats: CoreStats,
     /// Admission waits (reserve → grant) not yet collected by the shell.
@@ -233,9 +334,16 @@ impl ReceiverCore {
             queue: AdmissionQueue::new(),
             slots,
             keys: KeyTable::default(),
-            requests: HashMap::new(),
-            tombstones: HashMap::new(),
+            requests: ByRequest::default(),
+            tombstones: ByRequest::default(),
+            done_refs: ByRequest::default(),
+            anonymous: VecDeque::new(),
             peers: HashMap::new(),
+            pruned_hello: PrunedPeers::default(),
+            parked_bytes: 0,
+            record_bytes: 0,
+            peer_bytes: 0,
+            log: LogBudget::new(),
             next_lease_scan,
             stats: CoreStats::default(),
             admission_waits: Vec::new(),
@@ -253,6 +361,12 @@ impl ReceiverCore {
     pub fn with_acceptor(mut self, acceptor: Box<dyn HelloAcceptor>) -> Self {
         self.acceptor = Some(acceptor);
         self
+    }
+
+    /// True if the core keeps state for `peer` (it said Hello, or has
+    /// requests or records); the shell keeps per-peer data only for these.
+    pub fn has_peer(&self, peer: &[u8]) -> bool {
+        self.peers.contains_key(peer)
     }
 
     /// Senders the acceptor has set up and not forgotten.
@@ -278,22 +392,23 @@ impl ReceiverCore {
 
     /// Handles one decoded message from `peer`.
     pub fn handle(&mut self, peer: &[u8], msg: Message, now: Instant, out: &mut Vec<Output>) {
+        if let Some(p) = self.peers.get_mut(peer) {
+            p.last_seen = now;
+        }
         match msg {
             Message::AllocRequest(req) => self.on_alloc(peer, req, now, out),
             Message::CancelNotif(c) => self.on_cancel(peer, c, now, out),
-            Message::TransferDone(d) => self.on_transfer_done(&d.req_id, now, out),
-            Message::Heartbeat(h) => self.on_heartbeat(&h.sender_id, now),
+            Message::TransferDone(d) => self.on_transfer_done(peer, &d.req_id, now, out),
+            Message::Heartbeat(h) => self.on_heartbeat(peer, &h.sender_id, now),
             Message::Hello(_) if !self.cfg.answer_hello => {
                 debug!("Hello ignored (LMCache emulation)");
             }
-            Message::Hello(h) => match self.on_hello(peer, &h) {
+            Message::Hello(h) => match self.on_hello(peer, &h, now) {
                 Ok(ack) => out.push(Output::Send {
                     peer: peer.to_vec(),
                     message: Message::HelloAck(ack),
                 }),
-                Err(reason) => {
-                    self.fail_reply(peer, 1, None, ErrorCode::PeerUnavailable, reason, out)
-                }
+                Err((code, reason)) => self.fail_reply(peer, 1, None, code, reason, out),
             },
             other => {
                 // AllocResponse / ProxyNotif / HelloAck are never sent to a
@@ -336,9 +451,9 @@ impl ReceiverCore {
     /// expired leases, quarantines and tombstones. Call when
     /// [`ReceiverCore::next_deadline`] has passed (calling earlier is harmless).
     pub fn tick(&mut self, now: Instant, out: &mut Vec<Output>) {
-        for req_id in self.queue.expire(now) {
-            if let Some(r) = self.requests.remove(&req_id) {
-                warn!(req_id = %req_id, "admission timeout");
+        for (peer, req_id) in self.queue.expire(now) {
+            if let Some(r) = self.requests.remove(&peer, &req_id) {
+                peer_warn!(self.log, now, req_id = %req_id, "admission timeout");
                 self.bump_request("admission_timeout");
                 self.finish_failed(
                     &req_id,
@@ -352,52 +467,136 @@ impl ReceiverCore {
         }
         if now >= self.next_lease_scan {
             self.next_lease_scan = now + lease_scan_period(self.cfg.lease);
-            let expired: Vec<String> = self
-                .requests
-                .iter()
-                .filter(|(_, r)| {
-                    !matches!(r.phase, Phase::Parked { .. }) && r.lease_deadline <= now
-                })
-                .map(|(k, _)| k.clone())
-                .collect();
-            for req_id in expired {
-                if let Some(r) = self.requests.remove(&req_id) {
-                    warn!(req_id = %req_id, "lease expired: no batch, heartbeat or TransferDone; rolling back");
-                    self.bump_request("lease_expired");
-                    // The sender stopped renewing: take down its data plane.
-                    self.forget_sender(&r.peer);
-                    self.finish_failed(
-                        &req_id,
-                        r,
-                        ErrorCode::LeaseExpired,
-                        Cause::Unfenced,
-                        now,
-                        out,
-                    );
-                }
-            }
+            self.expire_leases(now, out);
+            self.expire_records(now, out);
+            self.prune_peers(now, out);
         }
-        let dead: Vec<String> = self
+        let dead: Vec<(PeerId, String)> = self
             .tombstones
             .iter()
-            .filter(|(_, t)| t.until <= now)
-            .map(|(k, _)| k.clone())
+            .filter(|(_, _, t)| t.until <= now)
+            .map(|(p, id, _)| (p.to_vec(), id.to_owned()))
             .collect();
-        for req_id in dead {
-            self.drop_tombstone(&req_id);
+        for (peer, req_id) in dead {
+            self.drop_tombstone(&peer, &req_id);
         }
         self.grant_parked(now, out);
+    }
+
+    /// Rolls back requests whose lease passed: no batch, `TransferDone` or
+    /// (for kvferry peers) `Heartbeat` for a lease. A kvferry peer's parked
+    /// requests are covered by its liveness too; an LMCache peer's parked
+    /// requests only by the admission timeout (it sends nothing while it
+    /// waits for the reply).
+    fn expire_leases(&mut self, now: Instant, out: &mut Vec<Output>) {
+        let expired: Vec<(PeerId, String)> = self
+            .requests
+            .iter()
+            .filter(|(peer, _, r)| {
+                let alive = self.peers.get(*peer).map(|p| p.alive_until);
+                let deadline = alive.map_or(r.lease_deadline, |a| a.max(r.lease_deadline));
+                let parked = matches!(r.phase, Phase::Parked { .. });
+                (!parked || r.extended) && deadline <= now
+            })
+            .map(|(p, id, _)| (p.to_vec(), id.to_owned()))
+            .collect();
+        for (peer, req_id) in expired {
+            if let Some(r) = self.requests.remove(&peer, &req_id) {
+                peer_warn!(self.log, now, req_id = %req_id, "lease expired: no batch, heartbeat or TransferDone; rolling back");
+                self.bump_request("lease_expired");
+                // The sender stopped renewing: take down its data plane.
+                self.forget_sender(&r.peer);
+                self.finish_failed(
+                    &req_id,
+                    r,
+                    ErrorCode::LeaseExpired,
+                    Cause::Unfenced,
+                    now,
+                    out,
+                );
+            }
+        }
+    }
+
+    /// Drops expired LMCache reference records, and ends anonymous
+    /// allocations past their lifetime: each copy it wrote is detached and
+    /// its reference (like each pin's) dropped, so the slot is freed once
+    /// no borrow holds it.
+    fn expire_records(&mut self, now: Instant, out: &mut Vec<Output>) {
+        let old: Vec<(PeerId, String)> = self
+            .done_refs
+            .iter()
+            .filter(|(_, _, d)| d.until <= now)
+            .map(|(p, id, _)| (p.to_vec(), id.to_owned()))
+            .collect();
+        for (peer, req_id) in old {
+            if let Some(d) = self.done_refs.remove(&peer, &req_id) {
+                self.record_bytes -= d.charge;
+            }
+        }
+        let mut freed = false;
+        while self.anonymous.front().is_some_and(|a| a.until <= now) {
+            let Some(a) = self.anonymous.pop_front() else {
+                break;
+            };
+            self.record_bytes -= a.charge;
+            if let Some(p) = self.peers.get_mut(&a.peer) {
+                p.anonymous -= 1;
+            }
+            for (key, gen, wrote) in a.held {
+                let u = if wrote {
+                    self.keys.evict(&key, gen, false)
+                } else {
+                    self.keys.unref_gen(&key, gen)
+                };
+                freed |= self.release(u);
+            }
+        }
+        if freed {
+            self.grant_parked(now, out);
+        }
+    }
+
+    /// Forgets peers with nothing left in the core (no request, record or
+    /// anonymous allocation) that were silent for a lease. A kvferry peer
+    /// is remembered (a hash, in a bounded set) so that its next request
+    /// keeps kvferry semantics without a new `Hello`.
+    fn prune_peers(&mut self, now: Instant, out: &mut Vec<Output>) {
+        let lease = self.cfg.lease;
+        let busy: HashSet<&[u8]> = self
+            .requests
+            .iter()
+            .map(|(p, _, _)| p)
+            .chain(self.tombstones.iter().map(|(p, _, _)| p))
+            .chain(self.done_refs.iter().map(|(p, _, _)| p))
+            .collect();
+        let gone: Vec<PeerId> = self
+            .peers
+            .iter()
+            .filter(|(id, p)| {
+                p.anonymous == 0 && p.last_seen + lease <= now && !busy.contains(id.as_slice())
+            })
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in gone {
+            if let Some(p) = self.peers.remove(&id) {
+                self.peer_bytes -= p.charge;
+                if p.extended() {
+                    self.pruned_hello.insert(&id);
+                }
+                debug!("peer state pruned: nothing left, silent for a lease");
+                out.push(Output::ForgetPeer { peer: id });
+            }
+        }
     }
 
     /// The earliest instant at which [`ReceiverCore::tick`] has work.
     pub fn next_deadline(&self) -> Option<Instant> {
         let mut next = self.queue.next_deadline();
         let mut consider = |t: Instant| next = Some(next.map_or(t, |n: Instant| n.min(t)));
-        if self
-            .requests
-            .values()
-            .any(|r| !matches!(r.phase, Phase::Parked { .. }))
-        {
+        // Leases, records and idle peers are scanned while any exist; with
+        // nothing left there is no deadline and the ctrl thread sleeps.
+        if !self.requests.is_empty() || !self.peers.is_empty() {
             consider(self.next_lease_scan);
         }
         for t in self.tombstones.values() {
@@ -455,16 +654,33 @@ impl ReceiverCore {
         s.keys = self.keys.len();
         s.quarantined_slots = self.tombstones.values().map(|t| t.quarantined.len()).sum();
         s.slots_in_use = self.slots.in_use();
+        s.peers = self.peers.len();
+        s.parked_bytes = self.parked_bytes;
+        s.record_bytes = self.record_bytes;
+        s.peer_bytes = self.peer_bytes;
+        s.anonymous_allocations = self.anonymous.len();
         s
     }
 
     // ----- message handlers -------------------------------------------------
 
-    /// The `HelloAck` for `h`, or the reason for a `peer_unavailable` reply
+    /// The `HelloAck` for `h`, or the code and reason of a failure reply:
+    /// `overloaded` when per-peer state is at its bound, `peer_unavailable`
     /// when the acceptor could not set up the data plane `h` asked for.
-    fn on_hello(&mut self, peer: &[u8], h: &Hello) -> Result<HelloAck, String> {
+    fn on_hello(
+        &mut self,
+        peer: &[u8],
+        h: &Hello,
+        now: Instant,
+    ) -> Result<HelloAck, (ErrorCode, String)> {
         debug!(sender_id = %h.sender_id, version = h.version, transport = %h.transport, "hello");
-        self.peers.insert(peer.to_vec(), h.sender_id.clone());
+        let p = self
+            .peer_state(peer, now)
+            .map_err(|m| (ErrorCode::Overloaded, m))?;
+        let charge = bounds::peer_cost(peer, &h.sender_id);
+        let old = std::mem::replace(&mut p.charge, charge);
+        p.hello = Some(h.sender_id.clone());
+        self.peer_bytes = self.peer_bytes - old + charge;
         // Whatever this peer set up before is stale: it says Hello again.
         self.forget_sender(peer);
         // So is what an earlier socket of the same sender to this receiver
@@ -478,7 +694,10 @@ impl ReceiverCore {
             .filter(|k| {
                 k.as_slice() != peer
                     && identity_stem(k) == stem
-                    && self.peers.get(*k).is_some_and(|id| *id == h.sender_id)
+                    && self
+                        .peers
+                        .get(*k)
+                        .is_some_and(|p| p.hello.as_deref() == Some(h.sender_id.as_str()))
             })
             .cloned()
             .collect();
@@ -490,10 +709,11 @@ impl ReceiverCore {
                 let kind = a.kind();
                 let d = a.accept(&h.descriptor).map_err(|e| {
                     debug!(sender_id = %h.sender_id, error = %e, "data plane refused");
-                    format!(
+                    let msg = format!(
                         "receiver {} cannot set up the {kind} data plane: {e}",
                         self.cfg.receiver_id
-                    )
+                    );
+                    (ErrorCode::PeerUnavailable, msg)
                 })?;
                 self.accepted.insert(peer.to_vec(), h.descriptor.clone());
                 (kind.to_owned(), d)
@@ -526,11 +746,41 @@ impl ReceiverCore {
         }
     }
 
+    /// Per-peer state of `peer`, created (and charged) if it has none;
+    /// `Err` with the reason when per-peer state is at its bound.
+    fn peer_state(&mut self, peer: &[u8], now: Instant) -> Result<&mut PeerState, String> {
+        if !self.peers.contains_key(peer) {
+            let charge = bounds::peer_cost(peer, "");
+            if self.peer_bytes + charge > self.cfg.bounds.max_peer_bytes {
+                return Err(format!(
+                    "receiver overloaded: per-peer state holds {} bytes (bound {}); retry later",
+                    self.peer_bytes, self.cfg.bounds.max_peer_bytes
+                ));
+            }
+            self.peer_bytes += charge;
+            let hello = self.pruned_hello.take(peer).then(String::new);
+            self.peers.insert(
+                peer.to_vec(),
+                PeerState {
+                    hello,
+                    alive_until: now,
+                    last_seen: now,
+                    parked_bytes: 0,
+                    anonymous: 0,
+                    charge,
+                },
+            );
+        }
+        self.peers
+            .get_mut(peer)
+            .ok_or_else(|| unreachable!("inserted above"))
+    }
+
     fn on_alloc(&mut self, peer: &[u8], req: AllocRequest, now: Instant, out: &mut Vec<Output>) {
         if req.req_id.is_empty() {
-            return self.on_anonymous(peer, req, out);
+            return self.on_anonymous(peer, req, now, out);
         }
-        if let Some(t) = self.tombstones.get(&req.req_id) {
+        if let Some(t) = self.tombstones.get(peer, &req.req_id) {
             let code = t.code;
             let msg = format!(
                 "request {} already ended with {}",
@@ -540,9 +790,37 @@ impl ReceiverCore {
             return self.fail_reply(peer, req.keys.len(), req.seq, code, msg, out);
         }
         let req_id = req.req_id.clone();
-        match self.requests.get_mut(&req_id) {
+        match self.requests.get_mut(peer, &req_id) {
             Some(r) => match &mut r.phase {
-                Phase::Parked { backlog, .. } => backlog.push_back(req),
+                Phase::Parked {
+                    backlog, charge, ..
+                } => {
+                    let cost = bounds::batch_cost(&req);
+                    let peer_parked = self.peers.get(peer).map_or(0, |p| p.parked_bytes);
+                    let b = &self.cfg.bounds;
+                    if self.parked_bytes + cost > b.max_parked_bytes
+                        || peer_parked + cost > b.max_peer_parked_bytes
+                    {
+                        let msg = format!(
+                            "receiver overloaded: request {req_id} is parked and its queued batches reached the bound ({} bytes parked in all, {peer_parked} by this peer; bounds {} and {}); the request is rolled back",
+                            self.parked_bytes, b.max_parked_bytes, b.max_peer_parked_bytes
+                        );
+                        self.bump_request("overloaded");
+                        return self.fail_request(
+                            &req_id,
+                            peer,
+                            &req,
+                            ErrorCode::Overloaded,
+                            msg,
+                            now,
+                            out,
+                        );
+                    }
+                    *charge += cost;
+                    r.lease_deadline = now + self.cfg.lease;
+                    backlog.push_back(req);
+                    self.charge_parked(peer, cost as isize);
+                }
                 Phase::Admitted { .. } => self.process_batch(peer, req, now, out),
                 Phase::AwaitingDone => {
                     let msg = format!("batch for request {req_id} after its last batch");
@@ -593,17 +871,25 @@ impl ReceiverCore {
             return self.fail_reply(peer, n, req.seq, ErrorCode::ProtocolViolation, msg, out);
         }
         let deadline = now + self.cfg.admission_timeout;
-        let extended = self.peers.contains_key(peer);
+        let extended = match self.peer_state(peer, now) {
+            Ok(p) => p.extended(),
+            Err(msg) => {
+                self.bump_request("overloaded");
+                return self.fail_reply(peer, n, req.seq, ErrorCode::Overloaded, msg, out);
+            }
+        };
         let req_id = req.req_id.clone();
+        let key = (peer.to_vec(), req_id.clone());
         match self
             .queue
-            .admit_or_park(&self.ledger, req_id.clone(), total, deadline)
+            .admit_or_park(&self.ledger, key.clone(), total, deadline)
         {
             Ok(Some(reservation)) => {
                 self.bump_request("admitted");
                 self.admission_waits.push(Duration::ZERO);
                 self.requests.insert(
-                    req_id,
+                    peer,
+                    &req_id,
                     Request {
                         peer: peer.to_vec(),
                         extended,
@@ -618,12 +904,28 @@ impl ReceiverCore {
                 self.process_batch(peer, req, now, out);
             }
             Ok(None) => {
+                let charge = bounds::request_cost(peer, &req_id) + bounds::batch_cost(&req);
+                let peer_parked = self.peers.get(peer).map_or(0, |p| p.parked_bytes);
+                let b = &self.cfg.bounds;
+                if self.parked_bytes + charge > b.max_parked_bytes
+                    || peer_parked + charge > b.max_peer_parked_bytes
+                {
+                    self.queue.remove(&key);
+                    let msg = format!(
+                        "receiver overloaded: request {req_id} does not fit now and parked requests hold {} bytes ({peer_parked} of this peer; bounds {} and {}); retry later",
+                        self.parked_bytes, b.max_parked_bytes, b.max_peer_parked_bytes
+                    );
+                    self.bump_request("overloaded");
+                    return self.fail_reply(peer, n, req.seq, ErrorCode::Overloaded, msg, out);
+                }
                 debug!(req_id = %req_id, total, "parked: does not fit yet");
                 self.bump_request("parked");
+                self.charge_parked(peer, charge as isize);
                 let mut backlog = VecDeque::new();
                 backlog.push_back(req);
                 self.requests.insert(
-                    req_id,
+                    peer,
+                    &req_id,
                     Request {
                         peer: peer.to_vec(),
                         extended,
@@ -634,6 +936,7 @@ impl ReceiverCore {
                         phase: Phase::Parked {
                             backlog,
                             since: now,
+                            charge,
                         },
                     },
                 );
@@ -655,7 +958,7 @@ impl ReceiverCore {
         out: &mut Vec<Output>,
     ) {
         let req_id = req.req_id.clone();
-        let Some(mut r) = self.requests.remove(&req_id) else {
+        let Some(mut r) = self.requests.remove(peer, &req_id) else {
             return;
         };
         let n = req.keys.len();
@@ -680,12 +983,12 @@ impl ReceiverCore {
             self.check_batch_shape(&req)
         };
         if let Err((code, msg)) = check {
-            self.requests.insert(req_id.clone(), r);
+            self.requests.insert(peer, &req_id, r);
             return self.fail_request(&req_id, peer, &req, code, msg, now, out);
         }
         let Phase::Admitted { reservation } = &mut r.phase else {
             // Only admitted requests reach here (callers check the phase).
-            self.requests.insert(req_id.clone(), r);
+            self.requests.insert(peer, &req_id, r);
             return;
         };
         let mut remote = Vec::with_capacity(n);
@@ -740,7 +1043,7 @@ impl ReceiverCore {
             remote.push(i64::from(slot));
         }
         if let Some(msg) = failure {
-            self.requests.insert(req_id.clone(), r);
+            self.requests.insert(peer, &req_id, r);
             return self.fail_request(
                 &req_id,
                 peer,
@@ -769,11 +1072,13 @@ impl ReceiverCore {
                 drop(reservation);
             }
             if r.extended {
-                self.requests.insert(req_id, r);
+                self.requests.insert(peer, &req_id, r);
             } else {
                 // LMCache semantics: tracking ends with the last batch; the
                 // keys stay for the decoder, which learns of them from the
-                // proxy.
+                // proxy. What the request holds is remembered for a lease,
+                // so the peer's own late CancelNotif releases exactly that.
+                self.remember_done_refs(peer, &req_id, r.held, now);
                 self.bump_request("completed");
                 out.push(Output::Finished {
                     req_id,
@@ -781,17 +1086,76 @@ impl ReceiverCore {
                 });
             }
         } else {
-            self.requests.insert(req_id, r);
+            self.requests.insert(peer, &req_id, r);
+        }
+    }
+
+    /// Records an LMCache request's references for its late `CancelNotif`
+    /// (not kept when the records are at their bound: the cancel then
+    /// releases nothing and the decoder consumes the keys as usual).
+    fn remember_done_refs(&mut self, peer: &[u8], req_id: &str, held: Vec<Held>, now: Instant) {
+        let held: Vec<(String, u64)> = held.into_iter().map(|h| (h.key, h.gen)).collect();
+        let charge = bounds::ended_cost(peer, req_id, held.iter().map(|(k, _)| k.as_str()));
+        if self.record_bytes + charge > self.cfg.bounds.max_ended_bytes {
+            peer_warn!(self.log, now, req_id, "ended-request records at their bound: a later cancel of this request will release nothing");
+            return;
+        }
+        self.record_bytes += charge;
+        let until = now + self.cfg.lease;
+        if let Some(old) = self.done_refs.insert(
+            peer,
+            req_id,
+            DoneRefs {
+                held,
+                until,
+                charge,
+            },
+        ) {
+            self.record_bytes -= old.charge;
+        }
+    }
+
+    /// Adds `delta` bytes to what `peer`'s parked requests are charged.
+    fn charge_parked(&mut self, peer: &[u8], delta: isize) {
+        self.parked_bytes = self.parked_bytes.saturating_add_signed(delta);
+        if let Some(p) = self.peers.get_mut(peer) {
+            p.parked_bytes = p.parked_bytes.saturating_add_signed(delta);
         }
     }
 
     /// Allocation for `req_id == ""`: no admission wait, no tracking, but the
     /// chunks are still counted in the ledger so admitted requests keep their
     /// guarantee.
-    fn on_anonymous(&mut self, peer: &[u8], req: AllocRequest, out: &mut Vec<Output>) {
+    ///
+    /// Anonymous allocations have no owner request that a lease could
+    /// cover, so each gets a lifetime ([`Bounds::anonymous_lifetime`]) and
+    /// its record is charged against the record bound; they are refused
+    /// (`protocol_violation`) when [`Bounds::allow_anonymous`] is off.
+    fn on_anonymous(
+        &mut self,
+        peer: &[u8],
+        req: AllocRequest,
+        now: Instant,
+        out: &mut Vec<Output>,
+    ) {
         let n = req.keys.len();
+        if !self.cfg.bounds.allow_anonymous {
+            let msg = "anonymous allocations (req_id \"\") are disabled on this receiver: send a req_id and total_chunks".to_owned();
+            return self.fail_reply(peer, n, req.seq, ErrorCode::ProtocolViolation, msg, out);
+        }
         if let Err((code, msg)) = self.check_batch_shape(&req) {
             return self.fail_reply(peer, n, req.seq, code, msg, out);
+        }
+        let charge = bounds::ended_cost(peer, "", req.keys.iter().map(String::as_str));
+        if self.record_bytes + charge > self.cfg.bounds.max_ended_bytes {
+            let msg = format!(
+                "receiver overloaded: anonymous allocations and ended-request records hold {} bytes (bound {}); retry later",
+                self.record_bytes, self.cfg.bounds.max_ended_bytes
+            );
+            return self.fail_reply(peer, n, req.seq, ErrorCode::Overloaded, msg, out);
+        }
+        if let Err(msg) = self.peer_state(peer, now) {
+            return self.fail_reply(peer, n, req.seq, ErrorCode::Overloaded, msg, out);
         }
         let fresh: HashSet<&str> = req
             .keys
@@ -817,10 +1181,12 @@ impl ReceiverCore {
         };
         let mut remote = Vec::with_capacity(n);
         let mut already = Vec::new();
+        let mut held = Vec::with_capacity(n);
         for (i, key) in req.keys.iter().enumerate() {
-            if let Some((slot, _)) = self.keys.pin(key) {
+            if let Some((slot, gen)) = self.keys.pin(key) {
                 already.push(i as i64);
                 remote.push(i64::from(slot));
+                held.push((key.clone(), gen, false));
                 continue;
             }
             let slot = match (reservation.allocate(1), self.slots.try_alloc(1)) {
@@ -829,17 +1195,34 @@ impl ReceiverCore {
                     if ok.is_ok() {
                         self.ledger.free(1);
                     }
-                    warn!("anonymous allocation found no slot although reserved");
+                    peer_warn!(
+                        self.log,
+                        now,
+                        "anonymous allocation found no slot although reserved"
+                    );
                     remote.push(-1);
                     continue;
                 }
             };
             let tokens =
                 (i + 1 == n).then(|| req.last_chunk_toks.clamp(0, i64::from(u32::MAX)) as u32);
-            self.keys.insert_new(key, slot, true, tokens);
+            let gen = self.keys.insert_new(key, slot, true, tokens);
+            held.push((key.clone(), gen, true));
             remote.push(i64::from(slot));
         }
         drop(reservation);
+        if !held.is_empty() {
+            self.record_bytes += charge;
+            if let Some(p) = self.peers.get_mut(peer) {
+                p.anonymous += 1;
+            }
+            self.anonymous.push_back(Anonymous {
+                peer: peer.to_vec(),
+                held,
+                until: now + self.cfg.bounds.anonymous_lifetime,
+                charge,
+            });
+        }
         out.push(Output::Send {
             peer: peer.to_vec(),
             message: Message::AllocResponse(AllocResponse::ok(remote, already, req.seq)),
@@ -850,8 +1233,10 @@ impl ReceiverCore {
         // Only a kvferry sender (it said Hello) promises that its writes for
         // the request completed before it cancels; an LMCache sender's
         // cancel is no fence, so its quarantined slots wait for the grace.
-        let fenced = self.peers.contains_key(peer);
-        if let Some(r) = self.requests.remove(&c.req_id) {
+        // Everything below is looked up under (peer, req_id): a cancel only
+        // ever touches the canceller's own requests.
+        let fenced = self.peers.get(peer).is_some_and(PeerState::extended);
+        if let Some(r) = self.requests.remove(peer, &c.req_id) {
             debug!(req_id = %c.req_id, "cancelled by sender");
             self.bump_request("cancelled");
             self.finish_failed(
@@ -864,21 +1249,39 @@ impl ReceiverCore {
             );
             // The sender ended it: nothing later needs the tombstone's error.
             if fenced {
-                self.drop_tombstone(&c.req_id);
+                self.drop_tombstone(peer, &c.req_id);
             }
-        } else if self.tombstones.contains_key(&c.req_id) {
+        } else if self.tombstones.contains(peer, &c.req_id) {
             // The fence for a request the receiver already failed: the
             // sender's in-flight writes are done, quarantined slots are safe.
             if fenced {
-                self.drop_tombstone(&c.req_id);
+                self.drop_tombstone(peer, &c.req_id);
             }
-        } else if !fenced {
+        } else if let Some(d) = self.done_refs.remove(peer, &c.req_id) {
             // An LMCache sender cancelling a request whose tracking already
-            // ended: release the listed keys (one reference each).
-            for key in &c.keys {
-                let u = self.keys.unref(key);
-                self.release(u);
+            // ended: release the references that request held (the keys the
+            // message lists are not trusted).
+            self.record_bytes -= d.charge;
+            let mut freed = false;
+            for (key, gen) in d.held {
+                let u = self.keys.unref_gen(&key, gen);
+                freed |= self.release(u);
             }
+            if freed {
+                self.grant_parked(now, out);
+            }
+        } else if c.req_id.is_empty() {
+            self.cancel_anonymous(peer, &c.keys, now, out);
+        } else if self.requests.owned_by_other(peer, &c.req_id)
+            || self.tombstones.owned_by_other(peer, &c.req_id)
+            || self.done_refs.owned_by_other(peer, &c.req_id)
+        {
+            peer_warn!(self.log, now, req_id = %c.req_id, "CancelNotif for another peer's request: ignored");
+            let msg = format!(
+                "request {} belongs to another peer: this cancel changed nothing",
+                c.req_id
+            );
+            return self.fail_reply(peer, c.keys.len(), c.seq, ErrorCode::NotOwner, msg, out);
         }
         out.push(Output::Send {
             peer: peer.to_vec(),
@@ -886,10 +1289,55 @@ impl ReceiverCore {
         });
     }
 
-    /// Removes a tombstone and ends the quarantine of the copies it kept;
-    /// each slot is freed unless a reference still holds it.
-    fn drop_tombstone(&mut self, req_id: &str) {
-        if let Some(t) = self.tombstones.remove(req_id) {
+    /// A cancel of anonymous allocations: releases the listed keys'
+    /// references held by `peer`'s own anonymous allocations (one per
+    /// listed key), nobody else's.
+    fn cancel_anonymous(
+        &mut self,
+        peer: &[u8],
+        keys: &[String],
+        now: Instant,
+        out: &mut Vec<Output>,
+    ) {
+        if self.peers.get(peer).is_none_or(|p| p.anonymous == 0) {
+            return;
+        }
+        let mut wanted: HashMap<&str, usize> = HashMap::new();
+        for k in keys {
+            *wanted.entry(k.as_str()).or_default() += 1;
+        }
+        let mut released = Vec::new();
+        for a in self.anonymous.iter_mut().filter(|a| a.peer == peer) {
+            a.held
+                .retain(|(key, gen, wrote)| match wanted.get_mut(key.as_str()) {
+                    Some(n) if *n > 0 => {
+                        *n -= 1;
+                        released.push((key.clone(), *gen, *wrote));
+                        false
+                    }
+                    _ => true,
+                });
+        }
+        let mut freed = false;
+        for (key, gen, wrote) in released {
+            let u = if wrote {
+                self.keys.evict(&key, gen, false)
+            } else {
+                self.keys.unref_gen(&key, gen)
+            };
+            freed |= self.release(u);
+        }
+        if freed {
+            self.grant_parked(now, out);
+        }
+    }
+
+    /// Removes `peer`'s tombstone of `req_id` and ends the quarantine of
+    /// the copies it kept; each slot is freed unless a reference still
+    /// holds it.
+    fn drop_tombstone(&mut self, peer: &[u8], req_id: &str) {
+        if let Some(t) = self.tombstones.remove(peer, req_id) {
+            self.record_bytes -= t.charge;
             for (key, gen) in t.quarantined {
                 let u = self.keys.unquarantine(&key, gen);
                 self.release(u);
@@ -897,10 +1345,10 @@ impl ReceiverCore {
         }
     }
 
-    fn on_transfer_done(&mut self, req_id: &str, now: Instant, out: &mut Vec<Output>) {
-        match self.requests.get(req_id).map(|r| &r.phase) {
+    fn on_transfer_done(&mut self, peer: &[u8], req_id: &str, now: Instant, out: &mut Vec<Output>) {
+        match self.requests.get(peer, req_id).map(|r| &r.phase) {
             Some(Phase::AwaitingDone) => {
-                if let Some(r) = self.requests.remove(req_id) {
+                if let Some(r) = self.requests.remove(peer, req_id) {
                     // The copies this request wrote are now in place: from
                     // here on, later requests are told "already sent".
                     for h in r.held.iter().filter(|h| h.wrote) {
@@ -924,22 +1372,48 @@ impl ReceiverCore {
                 }
             }
             Some(_) => {
-                warn!(
+                peer_warn!(
+                    self.log,
+                    now,
                     req_id,
                     "TransferDone before the request's last batch; ignored"
                 );
                 self.bump_error(ErrorCode::ProtocolViolation);
             }
+            None if self.requests.owned_by_other(peer, req_id) => {
+                peer_warn!(
+                    self.log,
+                    now,
+                    req_id,
+                    "TransferDone for another peer's request; ignored"
+                );
+                self.bump_error(ErrorCode::NotOwner);
+            }
             None => debug!(req_id, "TransferDone for an unknown request; ignored"),
         }
     }
 
-    fn on_heartbeat(&mut self, sender_id: &str, now: Instant) {
-        let lease = now + self.cfg.lease;
-        for r in self.requests.values_mut() {
-            if self.peers.get(&r.peer).is_some_and(|s| s == sender_id) {
-                r.lease_deadline = lease;
+    /// O(1): moves the peer's liveness; its requests' leases follow it (see
+    /// [`ReceiverCore::tick`]). Only a peer that said Hello heartbeats, and
+    /// a heartbeat naming a sender id other than its own renews nothing.
+    fn on_heartbeat(&mut self, peer: &[u8], sender_id: &str, now: Instant) {
+        let lease = self.cfg.lease;
+        let Some(p) = self.peers.get_mut(peer) else {
+            return debug!("Heartbeat from a peer without state; ignored");
+        };
+        match p.hello.as_deref() {
+            // A pruned-and-revived peer's sender id is not known again.
+            Some(id) if id == sender_id || id.is_empty() => p.alive_until = now + lease,
+            Some(_) => {
+                peer_warn!(
+                    self.log,
+                    now,
+                    sender_id,
+                    "Heartbeat naming another sender; ignored"
+                );
+                self.bump_error(ErrorCode::NotOwner);
             }
+            None => debug!("Heartbeat from a peer that did not say Hello; ignored"),
         }
     }
 
@@ -975,8 +1449,8 @@ impl ReceiverCore {
         now: Instant,
         out: &mut Vec<Output>,
     ) {
-        warn!(req_id, code = code.as_str(), "{msg}");
-        if let Some(r) = self.requests.remove(req_id) {
+        peer_warn!(self.log, now, req_id, code = code.as_str(), "{msg}");
+        if let Some(r) = self.requests.remove(peer, req_id) {
             self.bump_request("failed");
             self.finish_failed(req_id, r, code, Cause::Unfenced, now, out);
         }
@@ -996,8 +1470,11 @@ impl ReceiverCore {
         out: &mut Vec<Output>,
     ) {
         match r.phase {
-            Phase::Parked { backlog, .. } => {
-                self.queue.remove(&req_id.to_owned());
+            Phase::Parked {
+                backlog, charge, ..
+            } => {
+                self.queue.remove(&(r.peer.clone(), req_id.to_owned()));
+                self.charge_parked(&r.peer, -(charge as isize));
                 for b in backlog {
                     let msg = format!(
                         "request {req_id} ended while waiting for admission: {}",
@@ -1039,14 +1516,40 @@ impl ReceiverCore {
             );
         }
         let until = now + self.cfg.quarantine_grace;
-        self.tombstones.insert(
-            req_id.to_owned(),
-            Tombstone {
-                code,
-                quarantined,
-                until,
-            },
-        );
+        let charge =
+            bounds::ended_cost(&r.peer, req_id, quarantined.iter().map(|(k, _)| k.as_str()));
+        // A tombstone that quarantines nothing only answers late batches;
+        // past the record bound it is not kept (a late batch then starts a
+        // new request of the same peer, which its lease bounds). One that
+        // quarantines is always kept: the slots bound those.
+        if quarantined.is_empty() && self.record_bytes + charge > self.cfg.bounds.max_ended_bytes {
+            peer_warn!(
+                self.log,
+                now,
+                req_id,
+                "ended-request records at their bound: no tombstone kept"
+            );
+        } else {
+            self.record_bytes += charge;
+            if let Some(old) = self.tombstones.insert(
+                &r.peer,
+                req_id,
+                Tombstone {
+                    code,
+                    quarantined,
+                    until,
+                    charge,
+                },
+            ) {
+                // Cannot happen (a request and its tombstone never coexist),
+                // but never leak a quarantine.
+                self.record_bytes -= old.charge;
+                for (key, gen) in old.quarantined {
+                    let u = self.keys.unquarantine(&key, gen);
+                    self.release(u);
+                }
+            }
+        }
         out.push(Output::Finished {
             req_id: req_id.to_owned(),
             outcome: Outcome::Failed(code),
@@ -1061,22 +1564,27 @@ impl ReceiverCore {
             if granted.is_empty() {
                 return;
             }
-            for (req_id, reservation) in granted {
-                let Some(r) = self.requests.get_mut(&req_id) else {
+            for ((peer, req_id), reservation) in granted {
+                let Some(r) = self.requests.get_mut(&peer, &req_id) else {
                     continue;
                 };
                 let phase = std::mem::replace(&mut r.phase, Phase::Admitted { reservation });
-                let Phase::Parked { backlog, since } = phase else {
+                let Phase::Parked {
+                    backlog,
+                    since,
+                    charge,
+                } = phase
+                else {
                     continue;
                 };
                 r.lease_deadline = now + self.cfg.lease;
-                let peer = r.peer.clone();
+                self.charge_parked(&peer, -(charge as isize));
                 self.admission_waits
                     .push(now.saturating_duration_since(since));
                 self.bump_request("admitted");
                 debug!(req_id = %req_id, waited_us = now.saturating_duration_since(since).as_micros() as u64, "admitted after parking");
                 for b in backlog {
-                    match self.requests.get(&req_id).map(|r| &r.phase) {
+                    match self.requests.get(&peer, &req_id).map(|r| &r.phase) {
                         Some(Phase::Admitted { .. }) => self.process_batch(&peer, b, now, out),
                         Some(Phase::AwaitingDone) => {
                             let msg = format!("batch for request {req_id} after its last batch");
@@ -1094,7 +1602,7 @@ impl ReceiverCore {
                             // Rolled back by an earlier batch of the backlog.
                             let code = self
                                 .tombstones
-                                .get(&req_id)
+                                .get(&peer, &req_id)
                                 .map_or(ErrorCode::Cancelled, |t| t.code);
                             let msg =
                                 format!("request {req_id} already ended with {}", code.as_str());
@@ -1171,4 +1679,44 @@ pub(crate) fn identity_stem(identity: &[u8]) -> &[u8] {
 
 fn lease_scan_period(lease: Duration) -> Duration {
     (lease / 4).max(Duration::from_millis(1))
+}
+
+/// Hashes of kvferry peers (they said Hello) whose state was pruned, so a
+/// peer that was only idle keeps kvferry semantics (TransferDone, fenced
+/// cancel) on its next request without a new `Hello`. Bounded: the oldest
+/// of [`PrunedPeers::CAPACITY`] hashes (8 bytes each) is forgotten first.
+/// The hasher is seeded per process, so a peer cannot aim at a collision.
+#[derive(Debug, Default)]
+struct PrunedPeers {
+    hasher: std::collections::hash_map::RandomState,
+    set: HashSet<u64>,
+    order: VecDeque<u64>,
+}
+
+impl PrunedPeers {
+    const CAPACITY: usize = 1 << 16;
+
+    fn hash(&self, peer: &[u8]) -> u64 {
+        use std::hash::BuildHasher;
+        self.hasher.hash_one(peer)
+    }
+
+    fn insert(&mut self, peer: &[u8]) {
+        let h = self.hash(peer);
+        if self.set.insert(h) {
+            self.order.push_back(h);
+            while self.order.len() > Self::CAPACITY {
+                if let Some(old) = self.order.pop_front() {
+                    self.set.remove(&old);
+                }
+            }
+        }
+    }
+
+    /// True (and forgotten) if `peer` was a pruned kvferry peer.
+    fn take(&mut self, peer: &[u8]) -> bool {
+        let h = self.hash(peer);
+        // The order entry stays until it ages out; `set` is the truth.
+        self.set.remove(&h)
+    }
 }

@@ -24,6 +24,7 @@ fn cfg(capacity: usize) -> CoreConfig {
         other_transports: Vec::new(),
         answer_hello: true,
         auto_consume: false,
+        bounds: super::bounds::Bounds::default(),
     }
 }
 

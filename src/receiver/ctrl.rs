@@ -7,6 +7,8 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, debug_span, warn};
 
+use crate::log_budget::LogBudget;
+use crate::peer_warn;
 use crate::protocol::{decode_with_limits, encode_into, peek_reply_hints, Limits};
 use crate::zmq_io::{readable, Reactor};
 
@@ -34,7 +36,13 @@ pub(super) fn run(shared: Arc<Shared>, sock: zmq::Socket, mut reactor: Reactor, 
     let span = debug_span!("receiver_ctrl");
     let _g = span.enter();
     let mut out: Vec<Output> = Vec::new();
-    let mut envelopes: std::collections::HashMap<Vec<u8>, bool> = std::collections::HashMap::new();
+    // Peers that send without the empty delimiter frame (the default is
+    // with). Only peers the core keeps state for stay in it: an entry is
+    // dropped when the core forgets the peer, or after the round if the
+    // core never knew it, so a churn of identities leaves nothing behind.
+    let mut undelimited: std::collections::HashSet<Vec<u8>> = std::collections::HashSet::new();
+    let mut touched: Vec<Vec<u8>> = Vec::new();
+    let mut log = LogBudget::new();
     let mut buf = Vec::with_capacity(256);
     // Acquire: pairs with the Release store in `Receiver::stop_and_join`.
     while !shared.stop.load(Ordering::Acquire) {
@@ -54,10 +62,13 @@ pub(super) fn run(shared: Arc<Shared>, sock: zmq::Socket, mut reactor: Reactor, 
                 debug!(frames = frames.len(), "frame without identity dropped");
                 continue;
             };
-            // One map entry per peer: insert (allocate) only for a new peer
-            // or a changed envelope style, not on every frame.
-            if envelopes.get(env.identity) != Some(&env.delimited) {
-                envelopes.insert(env.identity.to_vec(), env.delimited);
+            // Allocate only for a peer whose envelope style changed, not on
+            // every frame.
+            if env.delimited {
+                undelimited.remove(env.identity);
+            } else if !undelimited.contains(env.identity) {
+                undelimited.insert(env.identity.to_vec());
+                touched.push(env.identity.to_vec());
             }
             let payload = frames.last().map(Vec::as_slice).unwrap_or(&[]);
             let now = Instant::now();
@@ -89,19 +100,37 @@ pub(super) fn run(shared: Arc<Shared>, sock: zmq::Socket, mut reactor: Reactor, 
             out.append(&mut st.outbox);
             st.core.next_deadline()
         };
-        // 3. Send.
+        // 3. Send. Non-blocking: a peer whose reply queue is full (it does
+        // not read) or that is gone loses the reply, counted; nobody else
+        // waits for it.
+        let mut dropped = 0;
         for o in out.drain(..) {
-            if let Output::Send { peer, message } = o {
-                buf.clear();
-                encode_into(&message, &mut buf);
-                let delimited = envelopes.get(&peer).copied().unwrap_or(true);
-                let sent = if delimited {
-                    sock.send_multipart([peer.as_slice(), &[], buf.as_slice()], zmq::DONTWAIT)
-                } else {
-                    sock.send_multipart([peer.as_slice(), buf.as_slice()], zmq::DONTWAIT)
-                };
-                if let Err(e) = sent {
-                    warn!(error = %e, "reply could not be sent");
+            match o {
+                Output::Send { peer, message } => {
+                    buf.clear();
+                    encode_into(&message, &mut buf);
+                    let sent = if undelimited.contains(&peer) {
+                        sock.send_multipart([peer.as_slice(), buf.as_slice()], zmq::DONTWAIT)
+                    } else {
+                        sock.send_multipart([peer.as_slice(), &[], buf.as_slice()], zmq::DONTWAIT)
+                    };
+                    if let Err(e) = sent {
+                        dropped += 1;
+                        peer_warn!(log, Instant::now(), error = %e, "reply dropped: the peer's reply queue is full or it is gone");
+                    }
+                }
+                Output::ForgetPeer { peer } => {
+                    undelimited.remove(&peer);
+                }
+                Output::Finished { .. } => {}
+            }
+        }
+        if dropped > 0 || !touched.is_empty() {
+            let mut st = shared.state.lock();
+            st.replies_dropped += dropped;
+            for id in touched.drain(..) {
+                if !st.core.has_peer(&id) {
+                    undelimited.remove(&id);
                 }
             }
         }

@@ -66,6 +66,36 @@ impl Receiver {
                 *n,
             );
         }
+        w.gauge(
+            "kvferry_receiver_peers",
+            "Peers with state in the receiver (said Hello, or hold requests or records).",
+            s.core.peers as f64,
+        );
+        w.gauge(
+            "kvferry_receiver_parked_bytes",
+            "Bytes charged to parked requests and their queued batches.",
+            s.core.parked_bytes as f64,
+        );
+        w.gauge(
+            "kvferry_receiver_record_bytes",
+            "Bytes charged to ended-request records and anonymous allocations.",
+            s.core.record_bytes as f64,
+        );
+        w.gauge(
+            "kvferry_receiver_peer_bytes",
+            "Bytes charged to per-peer state.",
+            s.core.peer_bytes as f64,
+        );
+        w.gauge(
+            "kvferry_receiver_anonymous_allocations",
+            "Anonymous allocations (req_id \"\") whose lifetime has not ended.",
+            s.core.anonymous_allocations as f64,
+        );
+        w.counter(
+            "kvferry_receiver_replies_dropped_total",
+            "Replies dropped because the peer's reply queue was full or the peer was gone.",
+            s.replies_dropped,
+        );
         w.counter(
             "kvferry_receiver_bad_frames_total",
             "Frames that could not be decoded.",

@@ -11,10 +11,12 @@
 //! through an outbox and its waker.
 
 mod acceptor;
+pub mod bounds;
 pub mod core;
 mod ctrl;
 pub mod keys;
 mod metrics;
+mod owned;
 mod tcp_data;
 
 use std::net::{IpAddr, SocketAddr};
@@ -30,6 +32,7 @@ use crate::protocol::{Descriptor, ErrorCode, Limits};
 use crate::recent::RecentMap;
 use crate::region::{default_region_path, Region, RegionError};
 
+use self::bounds::Bounds;
 use self::core::{CoreConfig, CoreStats, Outcome, Output, ReceiverCore};
 
 pub use acceptor::{AcceptorFactory, HelloAcceptor};
@@ -76,6 +79,14 @@ pub struct ReceiverConfig {
     /// receive buffer at start; a failure (e.g. no RDMA device) fails
     /// [`Receiver::start`] with [`ReceiverError::Transport`]. Default `None`.
     pub acceptor: Option<AcceptorFactory>,
+    /// Bounds in bytes on what peers can make the control plane hold
+    /// (parked requests, records, per-peer state, anonymous allocations).
+    pub bounds: Bounds,
+    /// Replies queued for one peer that is not reading them, at most
+    /// (ZMQ send high-water mark of the ROUTER, per peer; default 64).
+    /// Past it, further replies to that peer are dropped and counted
+    /// (`kvferry_receiver_replies_dropped_total`); nothing blocks.
+    pub reply_queue_per_peer: i32,
 }
 
 impl Default for ReceiverConfig {
@@ -96,6 +107,8 @@ impl Default for ReceiverConfig {
             tcp_data: None,
             tcp_data_advertise: None,
             acceptor: None,
+            bounds: Bounds::default(),
+            reply_queue_per_peer: 64,
         }
     }
 }
@@ -164,10 +177,20 @@ pub struct ReceiverStats {
     pub core: CoreStats,
     /// Messages that could not be decoded.
     pub bad_frames: u64,
+    /// Replies dropped: the peer's reply queue was full (it does not read
+    /// its replies) or the peer was gone.
+    pub replies_dropped: u64,
 }
 
-/// How many finished request ids `wait_ready` remembers.
-const FINISHED_MEMORY: usize = 1 << 16;
+/// Bytes of finished request ids (and outcomes) `wait_ready` remembers:
+/// 65,536 ids of 64 bytes, fewer longer ones.
+const FINISHED_MEMORY_BYTES: usize = 16 << 20;
+
+/// `ZMQ_MAXMSGSIZE` for a socket whose frames are decoded with `limits`:
+/// the frame limit itself (the decoder would refuse anything larger).
+pub(crate) fn max_msg_size(limits: &Limits) -> i64 {
+    i64::try_from(limits.max_frame_bytes).unwrap_or(i64::MAX)
+}
 
 /// State behind the receiver's one lock.
 #[derive(Debug)]
@@ -179,6 +202,9 @@ pub(crate) struct State {
     outbox: Vec<Output>,
     admission_wait_us: hdrhistogram::Histogram<u64>,
     bad_frames: u64,
+    /// Replies dropped because the peer's reply queue was full (it does not
+    /// read) or the peer was gone.
+    replies_dropped: u64,
     shut_down: bool,
 }
 
@@ -193,7 +219,7 @@ impl State {
                 any = true;
                 false
             }
-            Output::Send { .. } => true,
+            Output::Send { .. } | Output::ForgetPeer { .. } => true,
         });
         for w in self.core.take_admission_waits() {
             let _ = self
@@ -280,8 +306,17 @@ impl Receiver {
             source,
         };
         sock.set_linger(0).map_err(bind)?;
+        // Incoming: no frame larger than the decoder accepts is ever
+        // buffered (ZMQ drops the connection of a peer that sends one).
+        sock.set_maxmsgsize(max_msg_size(&cfg.limits))
+            .map_err(bind)?;
         sock.set_rcvhwm(0).map_err(bind)?;
-        sock.set_sndhwm(0).map_err(bind)?;
+        // Outgoing: a bounded queue per peer; with ROUTER_MANDATORY a full
+        // queue is EAGAIN on a non-blocking send (counted, dropped) instead
+        // of a silent drop, and never blocks the ctrl thread.
+        sock.set_sndhwm(cfg.reply_queue_per_peer.max(1))
+            .map_err(bind)?;
+        sock.set_router_mandatory(true).map_err(bind)?;
         sock.bind(&cfg.listen).map_err(bind)?;
         let endpoint = match sock.get_last_endpoint() {
             Ok(Ok(e)) => e,
@@ -316,6 +351,7 @@ impl Receiver {
                     .collect(),
                 answer_hello: cfg.answer_hello,
                 auto_consume: cfg.auto_consume,
+                bounds: cfg.bounds.clone(),
             },
             now,
         );
@@ -327,10 +363,11 @@ impl Receiver {
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 core,
-                finished: RecentMap::new(FINISHED_MEMORY),
+                finished: RecentMap::new(FINISHED_MEMORY_BYTES),
                 outbox: Vec::new(),
                 admission_wait_us,
                 bad_frames: 0,
+                replies_dropped: 0,
                 shut_down: false,
             }),
             finished_cv: Condvar::new(),
@@ -470,6 +507,7 @@ impl Receiver {
             allocated_chunks: l.allocated,
             core: st.core.stats(),
             bad_frames: st.bad_frames,
+            replies_dropped: st.replies_dropped,
         }
     }
 

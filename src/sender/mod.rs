@@ -46,7 +46,8 @@ use self::table::{Batch, BatchData, Req, ReqState, Table};
 /// Sender configuration.
 #[derive(Debug, Clone)]
 pub struct SenderConfig {
-    /// This sender's id (DEALER identities are `"{sender_id}-to-{receiver}"`).
+    /// This sender's id (DEALER identities are `"{sender_id}-to-{receiver}~{nonce}"`,
+    /// the nonce random per process so an identity cannot be squatted).
     pub sender_id: String,
     /// The proxy's PULL endpoint for ProxyNotif (none: no notifications).
     pub proxy: Option<String>,

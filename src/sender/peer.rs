@@ -78,7 +78,8 @@ pub(super) struct Peer {
 }
 
 impl Peer {
-    /// Opens a DEALER to `endpoint` with identity `"{sender_id}-to-{endpoint}"`.
+    /// Opens a DEALER to `endpoint` with identity
+    /// `"{sender_id}-to-{endpoint}~{per-process nonce}"`.
     pub fn connect(sender_id: &str, endpoint: &str, generation: u32) -> Result<Self, zmq::Error> {
         let sock = Self::socket(sender_id, endpoint, generation)?;
         Ok(Self {
@@ -107,12 +108,18 @@ impl Peer {
         generation: u32,
     ) -> Result<zmq::Socket, zmq::Error> {
         let sock = crate::zmq_io::context().socket(zmq::DEALER)?;
+        // A per-process random part, so nobody can squat the identity
+        // (issue 13): `"{sender_id}-to-{endpoint}~{nonce}[#{generation}]"`.
+        static NONCE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+        let nonce = *NONCE.get_or_init(rand::random);
         let identity = if generation == 0 {
-            format!("{sender_id}-to-{endpoint}")
+            format!("{sender_id}-to-{endpoint}~{nonce:016x}")
         } else {
-            format!("{sender_id}-to-{endpoint}#{generation}")
+            format!("{sender_id}-to-{endpoint}~{nonce:016x}#{generation}")
         };
         sock.set_identity(identity.as_bytes())?;
+        // Replies are bounded by the same frame limit as everything else.
+        sock.set_maxmsgsize(crate::protocol::Limits::DEFAULT_MAX_FRAME_BYTES as i64)?;
         sock.set_linger(0)?;
         sock.set_sndhwm(0)?;
         sock.set_rcvhwm(0)?;

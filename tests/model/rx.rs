@@ -90,6 +90,7 @@ fn core_config(cfg: &Cfg) -> CoreConfig {
         descriptor: Descriptor::None,
         answer_hello: true,
         auto_consume: false,
+        bounds: kvferry::receiver::bounds::Bounds::default(),
         other_transports: Vec::new(),
     }
 }
