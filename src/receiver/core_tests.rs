@@ -797,3 +797,447 @@ fn hello_ack_answers_the_offer_the_sender_asked_for() {
     // Not offered: the default offer, whose name differs from the ask.
     assert_eq!(ack(&mut c, "rdma"), ("shm".to_owned(), Descriptor::None));
 }
+
+// ----- ownership (invariant 8) and bounds (invariant 9), issue 13 -----------
+
+fn hello_as(sender_id: &str) -> Message {
+    Message::Hello(Hello {
+        sender_id: sender_id.into(),
+        version: crate::protocol::PROTOCOL_VERSION,
+        transport: "shm".into(),
+        descriptor: Descriptor::None,
+    })
+}
+
+fn heartbeat(sender_id: &str) -> Message {
+    Message::Heartbeat(Heartbeat {
+        sender_id: sender_id.into(),
+    })
+}
+
+fn cancel_keys(req: &str, keys: &[&str]) -> Message {
+    Message::CancelNotif(CancelNotif {
+        req_id: req.into(),
+        keys: keys.iter().map(|k| k.to_string()).collect(),
+        seq: Some(99),
+    })
+}
+
+fn code_of(r: &AllocResponse) -> Option<&str> {
+    r.code.as_deref()
+}
+
+fn not_owner_total(c: &ReceiverCore) -> u64 {
+    c.stats()
+        .errors_total
+        .get("not_owner")
+        .copied()
+        .unwrap_or(0)
+}
+
+/// A stranger's cancel (with or without Hello) neither releases a live
+/// request nor lets the owner's next batch be admitted as a new request:
+/// it gets `not_owner`, counted.
+#[test]
+fn a_strangers_cancel_changes_nothing() {
+    for stranger_hello in [false, true] {
+        let t0 = Instant::now();
+        let mut c = ReceiverCore::new(cfg(4), t0);
+        let mut out = Vec::new();
+        c.handle(P, hello_as("p"), t0, &mut out);
+        if stranger_hello {
+            c.handle(Q, hello_as("q"), t0, &mut out);
+        }
+        out.clear();
+        c.handle(
+            P,
+            batch("A", &["a0", "a1"], 4, false, Some(1)),
+            t0,
+            &mut out,
+        );
+        let first = one_reply(&mut out);
+        c.handle(Q, cancel("A", 7), t0, &mut out);
+        let r = one_reply(&mut out);
+        assert_eq!(code_of(&r), Some("not_owner"), "{r:?}");
+        assert_eq!(r.seq, Some(7));
+        assert_eq!(not_owner_total(&c), 1);
+        assert_eq!(c.stats().tracked_requests, 1, "A still tracked");
+        assert_eq!(c.ledger().stats().committed, 4, "A's reservation intact");
+        // The owner's next batch continues A (not a new request): it gets
+        // the two remaining chunks of A's reservation, distinct slots.
+        c.handle(P, batch("A", &["a2", "a3"], 4, true, Some(2)), t0, &mut out);
+        let second = one_reply(&mut out);
+        assert!(!second.is_failure(), "{second:?}");
+        let mut slots: Vec<i64> = first.remote_indexes.clone();
+        slots.extend(&second.remote_indexes);
+        slots.sort_unstable();
+        slots.dedup();
+        assert_eq!(slots.len(), 4, "no slot granted twice");
+        assert_eq!(c.stats().requests_total.get("admitted"), Some(&1));
+    }
+}
+
+/// A cancel for a made-up req_id listing another request's keys frees
+/// nothing; the LMCache owner's own late cancel releases its references.
+#[test]
+fn a_cancel_releases_only_the_cancellers_own_references() {
+    let t0 = Instant::now();
+    let mut c = ReceiverCore::new(cfg(4), t0);
+    let mut out = Vec::new();
+    // An LMCache peer (no Hello): tracking ends at the last batch.
+    c.handle(P, batch("A", &["k0", "k1"], 2, true, None), t0, &mut out);
+    one_reply(&mut out);
+    assert_eq!(c.stats().slots_in_use, 2);
+    c.handle(Q, cancel_keys("made-up", &["k0", "k1"]), t0, &mut out);
+    assert!(!one_reply(&mut out).is_failure());
+    assert_eq!(
+        c.stats().slots_in_use,
+        2,
+        "a stranger's keys list frees nothing"
+    );
+    c.handle(Q, cancel_keys("A", &["k0", "k1"]), t0, &mut out);
+    assert_eq!(code_of(&one_reply(&mut out)), Some("not_owner"));
+    assert_eq!(c.stats().slots_in_use, 2);
+    // The owner's cancel releases what its request held, whatever it lists.
+    c.handle(P, cancel_keys("A", &["unrelated"]), t0, &mut out);
+    assert!(!one_reply(&mut out).is_failure());
+    assert_eq!(c.stats().slots_in_use, 0);
+    assert_eq!(c.ledger().stats().committed, 0);
+}
+
+/// Only the owner's CancelNotif ends a failed request's quarantine.
+#[test]
+fn only_the_owner_ends_a_quarantine() {
+    let t0 = Instant::now();
+    let mut c = ReceiverCore::new(cfg(4), t0);
+    let mut out = Vec::new();
+    c.handle(P, hello_as("p"), t0, &mut out);
+    c.handle(Q, hello_as("q"), t0, &mut out);
+    out.clear();
+    c.handle(
+        P,
+        batch("A", &["a0", "a1"], 2, false, Some(1)),
+        t0,
+        &mut out,
+    );
+    one_reply(&mut out);
+    // A third chunk breaks total_chunks: rolled back, granted slots fenced.
+    c.handle(P, batch("A", &["a2"], 2, true, Some(2)), t0, &mut out);
+    assert_eq!(code_of(&one_reply(&mut out)), Some("protocol_violation"));
+    assert_eq!(c.stats().quarantined_slots, 2);
+    c.handle(Q, cancel("A", 3), t0, &mut out);
+    assert_eq!(code_of(&one_reply(&mut out)), Some("not_owner"));
+    assert_eq!(c.stats().quarantined_slots, 2, "a stranger is no fence");
+    c.handle(P, cancel("A", 4), t0, &mut out);
+    assert!(!one_reply(&mut out).is_failure());
+    assert_eq!(c.stats().quarantined_slots, 0, "the owner's fence ends it");
+    assert_eq!(c.ledger().stats().committed, 0);
+}
+
+/// Another peer's TransferDone completes nothing; it is counted.
+#[test]
+fn transfer_done_counts_only_from_the_owner() {
+    let t0 = Instant::now();
+    let mut c = ReceiverCore::new(cfg(4), t0);
+    let mut out = Vec::new();
+    c.handle(P, hello_as("p"), t0, &mut out);
+    c.handle(Q, hello_as("q"), t0, &mut out);
+    out.clear();
+    c.handle(P, batch("A", &["a0"], 1, true, Some(1)), t0, &mut out);
+    one_reply(&mut out);
+    c.handle(Q, done("A"), t0, &mut out);
+    assert!(out.is_empty(), "no completion from a stranger: {out:?}");
+    assert!(!c.is_ready("a0"));
+    assert_eq!(c.stats().tracked_requests, 1);
+    assert_eq!(not_owner_total(&c), 1);
+    c.handle(P, done("A"), t0, &mut out);
+    assert!(out.iter().any(|o| matches!(
+        o,
+        Output::Finished { req_id, outcome: Outcome::Ready } if req_id == "A"
+    )));
+    assert!(c.is_ready("a0"));
+}
+
+/// Two peers reusing a req_id are two requests: the second peer's batch is
+/// never granted slots inside the first's request, and its inconsistent
+/// batch fails only itself.
+#[test]
+fn two_peers_reusing_a_req_id_are_two_requests() {
+    let t0 = Instant::now();
+    let mut c = ReceiverCore::new(cfg(8), t0);
+    let mut out = Vec::new();
+    c.handle(
+        P,
+        batch("A", &["p0", "p1"], 4, false, Some(1)),
+        t0,
+        &mut out,
+    );
+    one_reply(&mut out);
+    c.handle(
+        Q,
+        batch("A", &["q0", "q1"], 2, false, Some(1)),
+        t0,
+        &mut out,
+    );
+    assert!(!one_reply(&mut out).is_failure());
+    assert_eq!(c.stats().tracked_requests, 2);
+    assert_eq!(c.ledger().stats().committed, 6, "4 for P's A, 2 for Q's A");
+    // Q changes total_chunks: only Q's request fails.
+    c.handle(Q, batch("A", &["q2"], 3, true, Some(2)), t0, &mut out);
+    assert_eq!(code_of(&one_reply(&mut out)), Some("inconsistent_request"));
+    assert_eq!(c.stats().tracked_requests, 1);
+    c.handle(P, batch("A", &["p2", "p3"], 4, true, Some(2)), t0, &mut out);
+    let r = one_reply(&mut out);
+    assert!(!r.is_failure(), "P's request is untouched: {r:?}");
+    assert!(out.iter().any(|o| matches!(
+        o,
+        Output::Finished { req_id, outcome: Outcome::Ready } if req_id == "A"
+    )));
+}
+
+/// A Heartbeat renews only its own peer's requests (not those of the
+/// sender it names), and costs O(1): a heartbeat naming another sender id
+/// renews nothing and is counted.
+#[test]
+fn heartbeat_renews_only_its_own_peers_requests() {
+    let t0 = Instant::now();
+    let mut c = ReceiverCore::new(cfg(8), t0);
+    let mut out = Vec::new();
+    c.handle(P, hello_as("p"), t0, &mut out);
+    c.handle(Q, hello_as("q"), t0, &mut out);
+    out.clear();
+    c.handle(P, batch("A", &["a0"], 2, false, Some(1)), t0, &mut out);
+    c.handle(Q, batch("B", &["b0"], 2, false, Some(1)), t0, &mut out);
+    out.clear();
+    // Q keeps itself alive, and names P's sender id once.
+    for s in [10, 20, 30, 40, 50] {
+        c.handle(Q, heartbeat("q"), t0 + Duration::from_secs(s), &mut out);
+    }
+    c.handle(Q, heartbeat("p"), t0 + Duration::from_secs(25), &mut out);
+    assert_eq!(not_owner_total(&c), 1);
+    c.tick(t0 + Duration::from_secs(55), &mut out);
+    let expired: Vec<&str> = out
+        .iter()
+        .filter_map(|o| match o {
+            Output::Finished {
+                req_id,
+                outcome: Outcome::Failed(ErrorCode::LeaseExpired),
+            } => Some(req_id.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(expired, vec!["A"], "P is dead, Q is alive");
+    assert_eq!(c.stats().tracked_requests, 1);
+}
+
+/// A dead kvferry sender's parked requests expire with its liveness
+/// instead of being admitted one after another after it died.
+#[test]
+fn a_kvferry_peers_liveness_covers_its_parked_requests() {
+    let t0 = Instant::now();
+    let mut c = ReceiverCore::new(cfg(4), t0);
+    let mut out = Vec::new();
+    c.handle(P, hello_as("p"), t0, &mut out);
+    out.clear();
+    c.handle(P, batch("A", &["a0"], 4, false, Some(1)), t0, &mut out);
+    one_reply(&mut out);
+    for i in 0..5 {
+        let id = format!("W{i}");
+        c.handle(
+            P,
+            batch(&id, &[&format!("w{i}")], 4, false, Some(2 + i)),
+            t0,
+            &mut out,
+        );
+    }
+    assert_eq!(c.stats().parked_requests, 5);
+    // Nothing from P for a lease: every request of P ends at once.
+    c.tick(t0 + Duration::from_secs(31), &mut out);
+    let s = c.stats();
+    assert_eq!((s.tracked_requests, s.parked_requests), (0, 0), "{s:?}");
+    assert_eq!(s.requests_total.get("lease_expired"), Some(&6));
+    assert_eq!(
+        s.requests_total.get("admitted"),
+        Some(&1),
+        "no parked one admitted"
+    );
+    // Only A's granted slot waits for the quarantine.
+    assert_eq!(c.ledger().stats().committed, 1);
+    c.tick(t0 + Duration::from_secs(45), &mut out);
+    assert_eq!(c.ledger().stats().committed, 0);
+}
+
+fn small_bounds(capacity: usize, f: impl FnOnce(&mut super::bounds::Bounds)) -> CoreConfig {
+    let mut c = cfg(capacity);
+    f(&mut c.bounds);
+    c
+}
+
+/// Parked requests and the batches queued behind them are bounded in
+/// bytes: past the bound the peer is answered `overloaded` at once.
+#[test]
+fn parked_work_is_bounded_in_bytes() {
+    let t0 = Instant::now();
+    let mut c = ReceiverCore::new(
+        small_bounds(2, |b| {
+            b.max_parked_bytes = 4096;
+            b.max_peer_parked_bytes = 4096;
+        }),
+        t0,
+    );
+    let mut out = Vec::new();
+    c.handle(P, batch("A", &["a0"], 2, false, None), t0, &mut out);
+    one_reply(&mut out);
+    let mut parked = 0;
+    let mut overloaded = 0;
+    for i in 0..100 {
+        c.handle(
+            Q,
+            batch(&format!("W{i}"), &["w"], 2, false, None),
+            t0,
+            &mut out,
+        );
+        match replies(&mut out).as_slice() {
+            [] => parked += 1,
+            [(_, r)] => {
+                assert_eq!(code_of(r), Some("overloaded"), "{r:?}");
+                overloaded += 1;
+            }
+            more => panic!("one reply at most: {more:?}"),
+        }
+    }
+    assert!(
+        parked > 0 && overloaded > 0,
+        "{parked} parked, {overloaded} refused"
+    );
+    assert!(c.stats().parked_bytes <= 4096, "{:?}", c.stats());
+    // A batch that would push a parked request's backlog past the bound
+    // rolls that request back; each of its queued batches is answered.
+    let big: Vec<String> = keys("long-key-", 64);
+    c.handle(Q, batch("W0", &refs(&big), 2, false, None), t0, &mut out);
+    let r = replies(&mut out);
+    assert_eq!(r.len(), 2, "the queued batch and this one: {r:?}");
+    assert!(r.iter().all(|(_, r)| code_of(r) == Some("overloaded")));
+    // Nothing is left once the rest time out.
+    c.tick(t0 + Duration::from_secs(61), &mut out);
+    let s = c.stats();
+    assert_eq!((s.parked_requests, s.parked_bytes), (0, 0), "{s:?}");
+}
+
+/// Per-peer state is pruned when nothing of the peer is left and it was
+/// silent for a lease; a pruned kvferry peer keeps kvferry semantics.
+#[test]
+fn peer_state_is_pruned_and_kvferry_semantics_survive() {
+    let t0 = Instant::now();
+    let mut c = ReceiverCore::new(cfg(4), t0);
+    let mut out = Vec::new();
+    for i in 0..1000u32 {
+        c.handle(&i.to_be_bytes(), hello_as(&format!("s{i}")), t0, &mut out);
+    }
+    c.handle(P, hello_as("p"), t0, &mut out);
+    out.clear();
+    assert_eq!(c.stats().peers, 1001);
+    assert!(c.stats().peer_bytes > 0);
+    assert!(c.next_deadline().is_some(), "pruning is scheduled");
+    c.tick(t0 + Duration::from_secs(31), &mut out);
+    let forgotten = out
+        .iter()
+        .filter(|o| matches!(o, Output::ForgetPeer { .. }))
+        .count();
+    assert_eq!(forgotten, 1001);
+    let s = c.stats();
+    assert_eq!((s.peers, s.peer_bytes), (0, 0), "{s:?}");
+    assert_eq!(c.next_deadline(), None, "an idle core schedules nothing");
+    // P comes back without a new Hello: its request still waits for
+    // TransferDone (kvferry), not completing at its last batch.
+    let t1 = t0 + Duration::from_secs(40);
+    out.clear();
+    c.handle(P, batch("A", &["a0"], 1, true, Some(1)), t1, &mut out);
+    one_reply(&mut out);
+    assert!(out.is_empty(), "not finished before TransferDone: {out:?}");
+    c.handle(P, done("A"), t1, &mut out);
+    assert!(c.is_ready("a0"));
+}
+
+/// Per-peer state has a byte bound: past it a new peer's Hello or request
+/// is answered `overloaded`; known peers are served.
+#[test]
+fn per_peer_state_is_bounded_in_bytes() {
+    let t0 = Instant::now();
+    let mut c = ReceiverCore::new(small_bounds(4, |b| b.max_peer_bytes = 2048), t0);
+    let mut out = Vec::new();
+    c.handle(P, hello_as("p"), t0, &mut out);
+    assert!(matches!(
+        out.pop(),
+        Some(Output::Send {
+            message: Message::HelloAck(_),
+            ..
+        })
+    ));
+    let mut refused = 0;
+    for i in 0..100u32 {
+        c.handle(&i.to_be_bytes(), hello_as("x"), t0, &mut out);
+        if let Some(Output::Send {
+            message: Message::AllocResponse(r),
+            ..
+        }) = out.pop()
+        {
+            assert_eq!(code_of(&r), Some("overloaded"));
+            refused += 1;
+        }
+    }
+    assert!(refused > 0);
+    assert!(c.stats().peer_bytes <= 2048);
+    c.handle(P, batch("A", &["a0"], 1, true, Some(1)), t0, &mut out);
+    assert!(!one_reply(&mut out).is_failure(), "a known peer is served");
+}
+
+/// Anonymous allocations get a lifetime: unconsumed, their slots come back.
+/// With anonymous allocations off they are refused.
+#[test]
+fn anonymous_allocations_expire_or_are_refused() {
+    let t0 = Instant::now();
+    let mut c = ReceiverCore::new(cfg(4), t0);
+    let mut out = Vec::new();
+    c.handle(
+        P,
+        batch("", &["n0", "n1", "n2", "n3"], 0, false, None),
+        t0,
+        &mut out,
+    );
+    assert!(!one_reply(&mut out).is_failure());
+    assert_eq!(c.stats().slots_in_use, 4);
+    assert_eq!(c.stats().anonymous_allocations, 1);
+    c.tick(t0 + Duration::from_secs(60), &mut out);
+    assert_eq!(c.stats().slots_in_use, 4, "still within its lifetime");
+    c.tick(t0 + Duration::from_secs(121), &mut out);
+    let s = c.stats();
+    assert_eq!(
+        (s.slots_in_use, s.anonymous_allocations, s.record_bytes),
+        (0, 0, 0),
+        "{s:?}"
+    );
+    assert_eq!(c.ledger().stats().committed, 0);
+
+    let mut c = ReceiverCore::new(small_bounds(4, |b| b.allow_anonymous = false), t0);
+    c.handle(P, batch("", &["n0"], 0, false, None), t0, &mut out);
+    assert_eq!(code_of(&one_reply(&mut out)), Some("protocol_violation"));
+    assert_eq!(c.stats().slots_in_use, 0);
+}
+
+/// Tombstones that quarantine nothing are bounded in bytes; quarantining
+/// ones are always kept.
+#[test]
+fn ended_request_records_are_bounded_in_bytes() {
+    let t0 = Instant::now();
+    let mut c = ReceiverCore::new(small_bounds(4, |b| b.max_ended_bytes = 4096), t0);
+    let mut out = Vec::new();
+    for i in 0..1000 {
+        let id = format!("{i:0>200}");
+        c.handle(P, batch(&id, &["x"], 2, false, None), t0, &mut out);
+        c.handle(P, cancel(&id, 1), t0, &mut out);
+    }
+    assert!(c.stats().record_bytes <= 4096, "{:?}", c.stats());
+    c.tick(t0 + Duration::from_secs(11), &mut out);
+    assert_eq!(c.stats().record_bytes, 0);
+}
