@@ -19,17 +19,19 @@ use crate::protocol::{decode_with_limits, Limits, Message};
 use crate::recent::RecentMap;
 use crate::zmq_io::{readable, Reactor};
 
-/// Bytes of notification counts (request ids) the listener remembers:
-/// 65,536 ids of 64 bytes, fewer longer ones.
+/// Default bytes of notification counts (request ids) the listener
+/// remembers — 65,536 ids of 64 bytes, fewer longer ones — and, separately,
+/// of notifications kept for [`ProxyListener::next`] until taken.
 pub const MEMORY_BYTES: usize = 16 << 20;
-
-/// Bytes of notifications kept for [`ProxyListener::next`] until taken.
-pub const HISTORY_BYTES: usize = 16 << 20;
 
 /// Largest frame the listener accepts (`ZMQ_MAXMSGSIZE` of its PULL socket;
 /// a larger frame drops the connection before it is buffered). A
 /// `ProxyNotif` with the longest `req_id` (4 KiB) is under 4.2 KB.
 pub const MAX_FRAME_BYTES: usize = 64 << 10;
+
+/// Frames queued per sender connection before the listener reads them
+/// (`ZMQ_RCVHWM`): at most this many times [`MAX_FRAME_BYTES`] per sender.
+pub const RECV_QUEUE: i32 = 1024;
 
 /// Charge of one kept notification.
 fn notification_cost(n: &Notification) -> usize {
@@ -86,6 +88,8 @@ struct Counts {
     history: VecDeque<Notification>,
     /// Bytes charged for `history`.
     history_bytes: usize,
+    /// Bound of `history_bytes`.
+    max_history_bytes: usize,
     malformed: u64,
     total: u64,
     shut_down: bool,
@@ -118,6 +122,13 @@ impl ProxyListener {
     /// Binds `endpoint` (e.g. `tcp://127.0.0.1:7500`; port 0 picks one) and
     /// starts listening.
     pub fn bind(endpoint: &str) -> Result<Self, ProxyError> {
+        Self::bind_with_memory(endpoint, MEMORY_BYTES)
+    }
+
+    /// [`ProxyListener::bind`] with `memory_bytes` as the bound of the
+    /// notification counts and, separately, of the untaken notifications
+    /// (default [`MEMORY_BYTES`] each): the oldest are forgotten past it.
+    pub fn bind_with_memory(endpoint: &str, memory_bytes: usize) -> Result<Self, ProxyError> {
         let err = |source| ProxyError::Bind {
             endpoint: endpoint.to_owned(),
             source,
@@ -125,7 +136,10 @@ impl ProxyListener {
         let sock = crate::zmq_io::context().socket(zmq::PULL).map_err(err)?;
         sock.set_linger(0).map_err(err)?;
         sock.set_maxmsgsize(MAX_FRAME_BYTES as i64).map_err(err)?;
-        sock.set_rcvhwm(0).map_err(err)?;
+        // At most RECV_QUEUE frames wait per sender connection; past it ZMQ
+        // stops reading that connection and the backlog stays on the
+        // sender's side (kvferry senders never block on their PUSH).
+        sock.set_rcvhwm(RECV_QUEUE).map_err(err)?;
         sock.bind(endpoint).map_err(err)?;
         let bound = match sock.get_last_endpoint() {
             Ok(Ok(e)) => e,
@@ -135,9 +149,10 @@ impl ProxyListener {
         reactor.register(&sock, 0)?;
         let shared = Arc::new(Shared {
             counts: Mutex::new(Counts {
-                map: RecentMap::new(MEMORY_BYTES),
+                map: RecentMap::new(memory_bytes),
                 history: VecDeque::new(),
                 history_bytes: 0,
+                max_history_bytes: memory_bytes,
                 malformed: 0,
                 total: 0,
                 shut_down: false,
@@ -307,7 +322,7 @@ fn listen(shared: Arc<Shared>, sock: zmq::Socket, mut reactor: Reactor) {
                 };
                 c.history_bytes += notification_cost(&n);
                 c.history.push_back(n.clone());
-                while c.history_bytes > HISTORY_BYTES {
+                while c.history_bytes > c.max_history_bytes {
                     c.pop_history();
                 }
                 n

@@ -9,30 +9,60 @@
 //! forgotten 64 times sooner than 64-byte ones instead of costing 64 times
 //! the memory.
 
+use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 /// A map of string keys that forgets the oldest keys (in insertion order)
 /// once their bytes exceed a budget.
+///
+/// Keys are hashed once per call (SipHash, seeded per map, so a peer cannot
+/// aim at collisions) and the table is keyed by that 64-bit hash; the stored
+/// key is compared on every hit. Two keys with the same hash cannot both be
+/// remembered: the newer replaces the older (forgotten early — the only
+/// effect, and with 64-bit hashes practically never).
 #[derive(Debug, Clone)]
 pub struct RecentMap<V> {
-    map: HashMap<Arc<str>, V>,
-    order: VecDeque<Arc<str>>,
+    seed: RandomState,
+    map: HashMap<u64, (Arc<str>, V), BuildHasherDefault<IdentityHasher>>,
+    order: VecDeque<(u64, Arc<str>)>,
     bytes: usize,
     max_bytes: usize,
+}
+
+/// The table's keys are already hashes.
+#[derive(Debug, Default, Clone, Copy)]
+struct IdentityHasher(u64);
+
+impl Hasher for IdentityHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
 }
 
 impl<V> RecentMap<V> {
     /// Bytes charged per entry besides its key: the hash-map slot, the
     /// order slot, the `Arc` header and the value.
     pub const ENTRY_OVERHEAD: usize =
-        64 + 2 * std::mem::size_of::<Arc<str>>() + std::mem::size_of::<V>();
+        64 + 2 * std::mem::size_of::<(u64, Arc<str>)>() + std::mem::size_of::<V>();
 
     /// An empty map holding at most `max_bytes` of entries (it always keeps
     /// the newest one, whatever its size).
     pub fn new(max_bytes: usize) -> Self {
         Self {
-            map: HashMap::new(),
+            seed: RandomState::new(),
+            map: HashMap::default(),
             order: VecDeque::new(),
             bytes: 0,
             max_bytes,
@@ -43,9 +73,16 @@ impl<V> RecentMap<V> {
         key.len() + Self::ENTRY_OVERHEAD
     }
 
+    fn hash(&self, key: &str) -> u64 {
+        self.seed.hash_one(key)
+    }
+
     /// The value of `key`, if remembered.
     pub fn get(&self, key: &str) -> Option<&V> {
-        self.map.get(key)
+        match self.map.get(&self.hash(key)) {
+            Some((k, v)) if &**k == key => Some(v),
+            _ => None,
+        }
     }
 
     /// Keys remembered.
@@ -69,35 +106,41 @@ impl<V> RecentMap<V> {
     /// insertion order (and its charge, since it still holds the key's
     /// bytes) stays until it ages out.
     pub fn remove(&mut self, key: &str) -> Option<V> {
-        self.map.remove(key)
+        let h = self.hash(key);
+        match self.map.get(&h) {
+            Some((k, _)) if &**k == key => self.map.remove(&h).map(|(_, v)| v),
+            _ => None,
+        }
     }
 
     /// The value of `key`, inserting `make()` if absent (forgetting the
     /// oldest keys while the budget would be exceeded).
     pub fn get_or_insert_with(&mut self, key: &str, make: impl FnOnce() -> V) -> &mut V {
-        if !self.map.contains_key(key) {
+        let h = self.hash(key);
+        let present = self.map.get(&h).is_some_and(|(k, _)| &**k == key);
+        if !present {
             let cost = Self::cost(key);
             while self.bytes + cost > self.max_bytes {
-                let Some(old) = self.order.pop_front() else {
+                let Some((oh, old)) = self.order.pop_front() else {
                     break;
                 };
                 self.bytes -= Self::cost(&old);
                 // The entry is this order slot's only if it is the same
                 // allocation: a key removed and added again has a newer slot.
-                if self
-                    .map
-                    .get_key_value(&*old)
-                    .is_some_and(|(k, _)| Arc::ptr_eq(k, &old))
-                {
-                    self.map.remove(&*old);
+                if self.map.get(&oh).is_some_and(|(k, _)| Arc::ptr_eq(k, &old)) {
+                    self.map.remove(&oh);
                 }
             }
             let k: Arc<str> = Arc::from(key);
-            self.order.push_back(Arc::clone(&k));
+            self.order.push_back((h, Arc::clone(&k)));
             self.bytes += cost;
-            self.map.insert(k, make());
+            // A different key with the same hash is replaced (see the type docs).
+            self.map.insert(h, (k, make()));
         }
-        self.map.get_mut(key).unwrap_or_else(|| unreachable!())
+        match self.map.get_mut(&h) {
+            Some((_, v)) => v,
+            None => unreachable!("inserted above"),
+        }
     }
 }
 

@@ -13,12 +13,8 @@ use parking_lot::Mutex;
 use serde::Serialize;
 
 use crate::metrics::{MetricsServer, MetricsWriter};
-use crate::proxy::{Notification, ProxyListener};
+use crate::proxy::{Notification, ProxyListener, MEMORY_BYTES};
 use crate::recent::RecentMap;
-
-/// Bytes of first-arrival times kept for requests that have not yet
-/// reached `--expect` (ids that never do age out, oldest first).
-const FIRST_SEEN_BYTES: usize = 16 << 20;
 
 /// Arguments of `kvferry proxy`.
 #[derive(Debug, Args)]
@@ -38,6 +34,11 @@ pub struct ProxyArgs {
     /// Print the exit report as one JSON object.
     #[arg(long)]
     pub json: bool,
+    /// Bytes of per-request records, for each of: notification counts,
+    /// untaken notifications, first-arrival times of requests not yet at
+    /// `--expect` (the oldest are forgotten past it; docs/security.md).
+    #[arg(long, default_value_t = MEMORY_BYTES)]
+    pub memory_bytes: usize,
 }
 
 /// What the proxy saw, reported at exit.
@@ -93,7 +94,7 @@ pub fn run(a: ProxyArgs) -> ExitCode {
         Ok(t) => t,
         Err(e) => return super::runtime_error(format!("cannot install signal handlers: {e}")),
     };
-    let listener = match ProxyListener::bind(&a.listen) {
+    let listener = match ProxyListener::bind_with_memory(&a.listen, a.memory_bytes) {
         Ok(l) => Arc::new(l),
         Err(e) => return super::runtime_error(e),
     };
@@ -103,7 +104,7 @@ pub fn run(a: ProxyArgs) -> ExitCode {
     };
     let tracker = Arc::new(Mutex::new(Tracker {
         expect: a.expect as usize,
-        first_seen: RecentMap::new(FIRST_SEEN_BYTES),
+        first_seen: RecentMap::new(a.memory_bytes),
         ready: 0,
         spread_us,
         verbose: a.verbose,

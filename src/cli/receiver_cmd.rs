@@ -84,9 +84,13 @@ pub struct ReceiverArgs {
     /// Lifetime of an anonymous allocation no decoder consumed, in milliseconds.
     #[arg(long, default_value_t = Bounds::default().anonymous_lifetime.as_millis() as u64, value_parser = clap::value_parser!(u64).range(1..))]
     pub anonymous_lifetime_ms: u64,
-    /// Replies queued for one peer that does not read them; past it they are
-    /// dropped and counted.
+    /// Incoming frames queued per peer connection; past it that peer's
+    /// connection is not read until the receiver catches up (backpressure).
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(i32).range(1..))]
+    pub recv_queue_per_peer: i32,
+    /// Replies queued per peer connection; past it (the peer does not read
+    /// its replies) further replies to it are dropped and counted.
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(i32).range(1..))]
     pub reply_queue_per_peer: i32,
 }
 
@@ -130,6 +134,7 @@ pub fn run(a: ReceiverArgs) -> ExitCode {
             allow_anonymous: !a.no_anonymous,
             anonymous_lifetime: Duration::from_millis(a.anonymous_lifetime_ms),
         },
+        recv_queue_per_peer: a.recv_queue_per_peer,
         reply_queue_per_peer: a.reply_queue_per_peer,
         ..ReceiverConfig::default()
     };

@@ -467,8 +467,10 @@ impl ReceiverCore {
         }
         if now >= self.next_lease_scan {
             self.next_lease_scan = now + lease_scan_period(self.cfg.lease);
-            self.expire_leases(now, out);
+            // Records first: slots an expired anonymous allocation frees
+            // go to parked requests before their own leases are checked.
             self.expire_records(now, out);
+            self.expire_leases(now, out);
             self.prune_peers(now, out);
         }
         let dead: Vec<(PeerId, String)> = self

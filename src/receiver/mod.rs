@@ -82,10 +82,18 @@ pub struct ReceiverConfig {
     /// Bounds in bytes on what peers can make the control plane hold
     /// (parked requests, records, per-peer state, anonymous allocations).
     pub bounds: Bounds,
-    /// Replies queued for one peer that is not reading them, at most
-    /// (ZMQ send high-water mark of the ROUTER, per peer; default 64).
-    /// Past it, further replies to that peer are dropped and counted
-    /// (`kvferry_receiver_replies_dropped_total`); nothing blocks.
+    /// Incoming frames queued per peer connection, at most (the ROUTER's
+    /// ZMQ receive high-water mark; default 64): past it ZMQ stops reading
+    /// that connection — backpressure on that peer only, nothing is lost —
+    /// so a peer's unread frames hold at most this many times
+    /// `limits.max_frame_bytes`.
+    pub recv_queue_per_peer: i32,
+    /// Replies queued per peer connection, at most (the ROUTER's ZMQ send
+    /// high-water mark; default 1024, well above one round of the ctrl
+    /// loop, so a peer that reads is never affected). Past it — the peer
+    /// does not read its replies — further replies to it are dropped and
+    /// counted (`kvferry_receiver_replies_dropped_total`); nothing blocks,
+    /// and its requests end by their lease or admission timeout.
     pub reply_queue_per_peer: i32,
 }
 
@@ -108,7 +116,8 @@ impl Default for ReceiverConfig {
             tcp_data_advertise: None,
             acceptor: None,
             bounds: Bounds::default(),
-            reply_queue_per_peer: 64,
+            recv_queue_per_peer: 64,
+            reply_queue_per_peer: 1024,
         }
     }
 }
@@ -310,7 +319,8 @@ impl Receiver {
         // buffered (ZMQ drops the connection of a peer that sends one).
         sock.set_maxmsgsize(max_msg_size(&cfg.limits))
             .map_err(bind)?;
-        sock.set_rcvhwm(0).map_err(bind)?;
+        sock.set_rcvhwm(cfg.recv_queue_per_peer.max(1))
+            .map_err(bind)?;
         // Outgoing: a bounded queue per peer; with ROUTER_MANDATORY a full
         // queue is EAGAIN on a non-blocking send (counted, dropped) instead
         // of a silent drop, and never blocks the ctrl thread.
