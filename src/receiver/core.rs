@@ -40,8 +40,8 @@
 //!   request changes nothing and is counted (`not_owner`, answered for a
 //!   cancel); a `Heartbeat` renews only its own peer's requests, in O(1):
 //!   it moves the peer's liveness, and a request's lease is the later of its
-//!   own progress and its peer's liveness. A kvferry peer's liveness covers
-//!   its parked requests too.
+//!   own progress and its peer's liveness. When an admitted request of a
+//!   peer lapses the peer is dead: all its requests end, parked ones too.
 //! - Bounds (invariant 9, [`Bounds`]): parked requests and their backlog,
 //!   ended-request records and per-peer state are charged in bytes; past a
 //!   bound the peer is answered `overloaded` at once. Peer state is dropped
@@ -486,20 +486,30 @@ impl ReceiverCore {
     }
 
     /// Rolls back requests whose lease passed: no batch, `TransferDone` or
-    /// (for kvferry peers) `Heartbeat` for a lease. A kvferry peer's parked
-    /// requests are covered by its liveness too; an LMCache peer's parked
-    /// requests only by the admission timeout (it sends nothing while it
-    /// waits for the reply).
+    /// (for kvferry peers) `Heartbeat` for a lease. A peer one of whose
+    /// admitted requests lapsed is dead: every other request of it ends at
+    /// the same time, parked ones included, so they are not admitted one
+    /// after another after it died. (A parked request alone has no lease: a
+    /// live sender whose requests all wait may be silent for longer than a
+    /// lease; the admission timeout bounds it.)
     fn expire_leases(&mut self, now: Instant, out: &mut Vec<Output>) {
-        let expired: Vec<(PeerId, String)> = self
+        let dead: HashSet<&[u8]> = self
             .requests
             .iter()
             .filter(|(peer, _, r)| {
                 let alive = self.peers.get(*peer).map(|p| p.alive_until);
                 let deadline = alive.map_or(r.lease_deadline, |a| a.max(r.lease_deadline));
-                let parked = matches!(r.phase, Phase::Parked { .. });
-                (!parked || r.extended) && deadline <= now
+                !matches!(r.phase, Phase::Parked { .. }) && deadline <= now
             })
+            .map(|(p, _, _)| p)
+            .collect();
+        if dead.is_empty() {
+            return;
+        }
+        let expired: Vec<(PeerId, String)> = self
+            .requests
+            .iter()
+            .filter(|(p, _, _)| dead.contains(p))
             .map(|(p, id, _)| (p.to_vec(), id.to_owned()))
             .collect();
         for (peer, req_id) in expired {

@@ -129,6 +129,7 @@ impl Pd {
                     st.to_tx[s].push_back(reply);
                 }
                 Output::Send { .. } => {} // HelloAck: the model starts after it.
+                Output::ForgetPeer { .. } => {} // the model's peers never go idle.
                 Output::Finished { req_id, outcome } => {
                     let r: usize = req_id[1..].parse().unwrap_or(usize::MAX);
                     match outcome {
