@@ -829,7 +829,6 @@ impl ReceiverCore {
                         );
                     }
                     *charge += cost;
-                    r.lease_deadline = now + self.cfg.lease;
                     backlog.push_back(req);
                     self.charge_parked(peer, cost as isize);
                 }
