@@ -132,7 +132,7 @@ pub fn run(a: ReceiverArgs) -> ExitCode {
         Err(e @ ReceiverError::Transport(_)) => return super::usage_error(format!("--rdma: {e}")),
         Err(e) => return super::runtime_error(e),
     };
-    let _metrics = match a.metrics {
+    let metrics_server = match a.metrics {
         Some(addr) => {
             // Weak: a scrape still being served must not keep the receiver
             // (and its buffer file) alive past the end of `run`.
@@ -148,6 +148,9 @@ pub fn run(a: ReceiverArgs) -> ExitCode {
     println!("kvferry receiver listening on {}", receiver.endpoint());
     if let Some(addr) = receiver.tcp_data_addr() {
         println!("kvferry receiver tcp data on {addr}");
+    }
+    if let Some(m) = &metrics_server {
+        println!("kvferry receiver metrics on {}", m.local_addr());
     }
     if a.rdma {
         println!("kvferry receiver offers rdma");
