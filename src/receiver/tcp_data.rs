@@ -705,17 +705,24 @@ fn step(c: &mut Conn, ctx: &Ctx, now: Instant, budget: &mut u64) -> Result<bool,
         Phase::Payload { hdr, done } => {
             let chunk = ctx.shared.region.chunk_bytes();
             let dst_offset = hdr.remote_offset + done;
-            // One slot per read, so the grant is held around exactly the
-            // bytes the read can land. `on_header` checked the range, so
-            // the slot index fits in u32.
-            let slot = (dst_offset / chunk) as u32;
-            let slot_end = (u64::from(slot) + 1) * chunk;
+            // The slots this read can touch (at most READ_SLOTS) are claimed
+            // busy around it, so the grants are held around exactly the
+            // bytes it can land. `on_header` checked the range, so every
+            // slot index fits in u32.
+            let first = dst_offset / chunk;
+            let run_end = (first + READ_SLOTS).saturating_mul(chunk);
             let want = (hdr.len - done)
-                .min(slot_end - dst_offset)
                 .min(*budget)
-                .min(isize::MAX as u64) as usize;
-            if !ctx.grants.begin_write(slot, c.token) {
-                tracing::debug!(slot, "tcp write's grant ended mid-write; rejected, closing");
+                .min(run_end - dst_offset)
+                .min(isize::MAX as u64);
+            let last = (dst_offset + want - 1) / chunk;
+            let (first, last) = (first as u32, last as u32);
+            if !claim(ctx, first, last, c.token, now) {
+                tracing::debug!(
+                    first,
+                    last,
+                    "tcp write's grant ended mid-write; rejected, closing"
+                );
                 bump(&ctx.ctl.rejected_not_granted);
                 let a = ack_bytes(hdr.work_id, CompletionStatus::OutOfBounds);
                 reject(c, ctx, now, &a);
@@ -723,29 +730,22 @@ fn step(c: &mut Conn, ctx: &Ctx, now: Instant, budget: &mut u64) -> Result<bool,
             }
             // SAFETY: `on_header` checked remote_offset + len <= data_len
             // without overflow, and done < len, so [dst_offset, dst_offset +
-            // want) lies inside slot `slot` of the region, which `shared`
-            // keeps mapped. `read` writes through the raw pointer; no Rust
-            // reference to those bytes exists on this side. `begin_write`
-            // succeeded: the slot is granted to this connection's sender,
-            // and it cannot be freed or handed to anyone else until
-            // `end_write` below (see `super::grants`), so the bytes land
-            // only in a slot this sender holds.
+            // want) lies inside slots `first..=last` of the region, which
+            // `shared` keeps mapped. `read` writes through the raw pointer;
+            // no Rust reference to those bytes exists on this side. `claim`
+            // succeeded: every one of those slots is granted to this
+            // connection's sender, and none can be freed or handed to anyone
+            // else until `release` below (see `super::grants`), so the bytes
+            // land only in slots this sender holds.
             let r = unsafe {
                 libc::read(
                     c.stream.as_raw_fd(),
                     ctx.shared.region.data_ptr().add(dst_offset as usize).cast(),
-                    want,
+                    want as usize,
                 )
             };
             let err = (r < 0).then(std::io::Error::last_os_error);
-            if ctx.grants.end_write(slot, c.token) == EndWrite::FreeDeferred {
-                // The core freed the slot while the read was landing; it is
-                // ours to hand back now that the read returned.
-                let mut st = ctx.shared.state.lock();
-                let mut out = Vec::new();
-                st.core.free_deferred(slot, now, &mut out);
-                ctx.shared.post(&mut st, out);
-            }
+            release(ctx, first, last, c.token, now);
             if r == 0 {
                 return Err(());
             }
@@ -770,6 +770,40 @@ fn step(c: &mut Conn, ctx: &Ctx, now: Instant, budget: &mut u64) -> Result<bool,
             Ok(true)
         }
         Phase::Closing { .. } => Ok(false),
+    }
+}
+
+/// Slots one payload `read` may span.
+const READ_SLOTS: u64 = 64;
+
+/// Claims slots `first..=last` for one read by `token`: all of them, or
+/// none (false).
+fn claim(ctx: &Ctx, first: u32, last: u32, token: PeerToken, now: Instant) -> bool {
+    for s in first..=last {
+        if !ctx.grants.begin_write(s, token) {
+            if s > first {
+                release(ctx, first, s - 1, token, now);
+            }
+            return false;
+        }
+    }
+    true
+}
+
+/// Ends the claims of [`claim`]; hands back to the core the slots it freed
+/// meanwhile (their free was deferred to us).
+fn release(ctx: &Ctx, first: u32, last: u32, token: PeerToken, now: Instant) {
+    let mut st = None;
+    let mut out = Vec::new();
+    for s in first..=last {
+        if ctx.grants.end_write(s, token) == EndWrite::FreeDeferred {
+            st.get_or_insert_with(|| ctx.shared.state.lock())
+                .core
+                .free_deferred(s, now, &mut out);
+        }
+    }
+    if let Some(mut st) = st {
+        ctx.shared.post(&mut st, out);
     }
 }
 
