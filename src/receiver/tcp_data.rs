@@ -407,7 +407,7 @@ impl DataThread {
                 }
             }
             if accept {
-                self.accept(now, &mut turn);
+                self.accept(now);
             }
             turn.sort_unstable();
             turn.dedup();
@@ -491,10 +491,17 @@ impl DataThread {
         }
     }
 
-    fn accept(&mut self, now: Instant, turn: &mut Vec<usize>) {
+    fn accept(&mut self, now: Instant) {
         for _ in 0..ACCEPT_BATCH {
             match self.listener.accept() {
-                Ok((stream, from)) => self.admit(stream, from, now, turn),
+                Ok((stream, from)) => {
+                    // Served at once: a sender's preamble is usually there
+                    // already, so it authenticates before later arrivals
+                    // could evict it.
+                    if let Some(i) = self.admit(stream, from, now) {
+                        self.serve_one(i, now);
+                    }
+                }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => {
@@ -507,15 +514,9 @@ impl DataThread {
         self.accept_more = true;
     }
 
-    /// Makes room for and registers one accepted connection; it gets a turn
-    /// at once (its preamble is often there already).
-    fn admit(
-        &mut self,
-        mut stream: TcpStream,
-        from: SocketAddr,
-        now: Instant,
-        turn: &mut Vec<usize>,
-    ) {
+    /// Makes room for and registers one accepted connection; returns its
+    /// index.
+    fn admit(&mut self, mut stream: TcpStream, from: SocketAddr, now: Instant) -> Option<usize> {
         // Relaxed: a gauge this thread alone writes.
         let unauthenticated = self.ctx.ctl.unauthenticated.load(Ordering::Relaxed);
         if unauthenticated >= self.ctx.limits.max_unauthenticated || self.open >= self.cap {
@@ -528,7 +529,7 @@ impl DataThread {
                 None => {
                     tracing::debug!(%from, "too many tcp data connections; refused");
                     bump(&self.ctx.ctl.evicted);
-                    return;
+                    return None;
                 }
             }
         }
@@ -546,7 +547,7 @@ impl DataThread {
             Interest::READABLE | Interest::WRITABLE,
         ) {
             tracing::debug!(error = %e, "cannot watch a tcp data connection");
-            return;
+            return None;
         }
         tracing::debug!(%from, "tcp data connection accepted");
         self.conns[i] = Some(Conn {
@@ -566,7 +567,7 @@ impl DataThread {
         // Relaxed: gauges.
         self.ctx.ctl.connections.fetch_add(1, Ordering::Relaxed);
         self.ctx.ctl.unauthenticated.fetch_add(1, Ordering::Relaxed);
-        turn.push(i);
+        Some(i)
     }
 
     fn close(&mut self, i: usize) {
