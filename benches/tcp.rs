@@ -14,7 +14,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kvferry::protocol::{decode, encode, AllocRequest, Descriptor, Message};
+use kvferry::protocol::{
+    decode, encode, AllocRequest, Descriptor, Hello, Message, PROTOCOL_VERSION,
+};
 use kvferry::receiver::{Receiver, ReceiverConfig};
 use kvferry::staging::StagingBuffer;
 use kvferry::transport::{by_name, PollStatus, RemoteBuffer, TransportConfig, WriteOp};
@@ -22,14 +24,29 @@ use kvferry::transport::{by_name, PollStatus, RemoteBuffer, TransportConfig, Wri
 /// Bytes moved per iteration (per chunk size).
 const BYTES_PER_ITER: u64 = 4 << 20;
 
-/// Grants every slot of `r` to one request through the control plane, so
-/// the data thread accepts writes anywhere in the buffer.
-fn grant_all(r: &Receiver, slots: u64, chunk: u64) {
+/// Says Hello for tcp and grants every slot of `r` to one request through
+/// the control plane, so the data thread accepts this sender's writes
+/// anywhere in the buffer. Returns the HelloAck's descriptor (with the
+/// secret).
+fn grant_all(r: &Receiver, slots: u64, chunk: u64) -> Descriptor {
     let sock = kvferry::zmq_io::context()
         .socket(zmq::DEALER)
         .expect("dealer");
     sock.set_linger(0).expect("linger");
     sock.connect(r.endpoint()).expect("connect");
+    let hello = Message::Hello(Hello {
+        sender_id: "bench".into(),
+        version: PROTOCOL_VERSION,
+        transport: "tcp".into(),
+        descriptor: Descriptor::None,
+    });
+    sock.send_multipart([&b""[..], &encode(&hello)], 0)
+        .expect("send hello");
+    let frames = sock.recv_multipart(0).expect("hello ack");
+    let descriptor = match decode(frames.last().expect("payload")) {
+        Ok(Message::HelloAck(a)) => a.descriptor,
+        other => panic!("hello failed: {other:?}"),
+    };
     let keys: Vec<String> = (0..slots).map(|i| format!("k{i}")).collect();
     let req = Message::AllocRequest(AllocRequest {
         keys,
@@ -46,7 +63,7 @@ fn grant_all(r: &Receiver, slots: u64, chunk: u64) {
         .expect("send");
     let frames = sock.recv_multipart(0).expect("reply");
     match decode(frames.last().expect("payload")) {
-        Ok(Message::AllocResponse(a)) if a.remote_indexes.iter().all(|&i| i >= 0) => {}
+        Ok(Message::AllocResponse(a)) if a.remote_indexes.iter().all(|&i| i >= 0) => descriptor,
         other => panic!("grant failed: {other:?}"),
     }
 }
@@ -92,16 +109,14 @@ fn bench(c: &mut Criterion) {
             ..ReceiverConfig::default()
         })
         .expect("receiver");
-        grant_all(&receiver, chunks, chunk);
+        let descriptor = grant_all(&receiver, chunks, chunk);
         let (mut poster, mut comps) = by_name("tcp", &TransportConfig::default())
             .expect("tcp")
             .start(staging.clone())
             .expect("start");
         let peer = poster
             .connect(&RemoteBuffer {
-                descriptor: Descriptor::Tcp {
-                    addr: receiver.tcp_data_addr().expect("tcp addr").to_string(),
-                },
+                descriptor,
                 chunk_bytes: chunk,
                 capacity_chunks: chunks,
             })

@@ -267,30 +267,112 @@ fn idle_client_does_not_block_others() {
     assert_eq!(r.status_line, "HTTP/1.1 200 OK");
 }
 
+/// At the cap, a new scrape displaces the oldest connection still sending
+/// its head (a slow-loris client), which is dropped unanswered.
 #[test]
-fn connection_cap_answers_503_and_recovers() {
+fn at_the_cap_a_scrape_displaces_the_oldest_slow_client() {
     let server = start(MetricsServerConfig {
         head_timeout: Duration::from_secs(30),
         max_connections: 1,
         ..Default::default()
     });
     let addr = server.local_addr();
-    let idle = TcpStream::connect(addr).unwrap(); // takes the only slot
+    let mut slow = TcpStream::connect(addr).unwrap();
+    slow.write_all(b"GET /metr").unwrap();
+    // Let the server take the slow connection first (bounded wait for the
+    // first byte of an answer that must not come).
+    slow.set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let mut b = [0u8; 16];
+    assert!(
+        matches!(slow.read(&mut b), Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut))
+    );
     let r = request(addr, b"GET /metrics HTTP/1.1\r\n\r\n");
+    assert_eq!(r.status_line, "HTTP/1.1 200 OK");
+    assert!(
+        read_until_close(&mut slow, "displaced slow client").is_empty(),
+        "the displaced client gets no answer"
+    );
+}
+
+/// Only when every held connection is being answered (here: a client that
+/// does not read a large response) does a new one get 503, and the slot
+/// comes back once that client's deadline passed.
+#[test]
+fn connection_cap_answers_503_only_while_all_are_being_answered() {
+    let big = "x".repeat(16 << 20);
+    let server = MetricsServer::start_with(
+        localhost(),
+        MetricsServerConfig {
+            head_timeout: Duration::from_millis(500),
+            max_connections: 1,
+            ..Default::default()
+        },
+        move || big.clone(),
+    )
+    .unwrap();
+    let addr = server.local_addr();
+    let mut stuck = TcpStream::connect(addr).unwrap();
+    stuck.write_all(b"GET /metrics HTTP/1.1\r\n\r\n").unwrap();
+    // Its response (16 MiB, never read) fills the socket buffers: the
+    // server is busy answering it until its 500 ms deadline.
+    std::thread::sleep(Duration::from_millis(100));
+    let r = request(addr, b"HEAD /metrics HTTP/1.1\r\n\r\n");
     assert_eq!(r.status_line, "HTTP/1.1 503 Service Unavailable");
-    drop(idle); // its thread sees EOF and frees the slot
     let deadline = Instant::now() + DEADLINE;
     loop {
-        let r = request(addr, b"GET /metrics HTTP/1.1\r\n\r\n");
+        let r = request(addr, b"HEAD /metrics HTTP/1.1\r\n\r\n");
         if r.status_line == "HTTP/1.1 200 OK" {
             break;
         }
         assert_eq!(r.status_line, "HTTP/1.1 503 Service Unavailable");
         assert!(
             Instant::now() < deadline,
-            "connection slot was never released"
+            "the stuck client's connection was never dropped"
         );
-        std::thread::sleep(Duration::from_millis(10));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(stuck);
+}
+
+/// Slow-loris: more trickling clients than the cap, while scrapes run.
+/// Every scrape succeeds, and the server never runs more than its one
+/// thread (it used to spawn one per connection).
+#[test]
+fn slow_loris_clients_never_starve_scrapes_or_grow_threads() {
+    let server = MetricsServer::start_with(
+        localhost(),
+        MetricsServerConfig {
+            head_timeout: Duration::from_secs(30),
+            max_connections: 8,
+            thread_name: "kvf-test-mloris".into(),
+            ..Default::default()
+        },
+        fixed_body,
+    )
+    .unwrap();
+    let addr = server.local_addr();
+    let mut loris: Vec<TcpStream> = Vec::new();
+    let threads = || {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+            .filter(|n| n.starts_with("kvf-test-mloris") || n.starts_with("kvferry-metrics-c"))
+            .count()
+    };
+    for round in 0..50 {
+        // Two more slow clients each round, each sending one more byte.
+        for _ in 0..2 {
+            if let Ok(s) = TcpStream::connect(addr) {
+                loris.push(s);
+            }
+        }
+        for s in &mut loris {
+            let _ = s.write(b"G");
+        }
+        let r = request(addr, b"GET /metrics HTTP/1.1\r\n\r\n");
+        assert_eq!(r.status_line, "HTTP/1.1 200 OK", "scrape {round}");
+        assert_eq!(threads(), 1, "round {round}: one server thread");
     }
 }
 
@@ -401,15 +483,7 @@ fn many_sequential_scrapes() {
     });
     for i in 0..100 {
         let r = request(server.local_addr(), b"GET /metrics HTTP/1.1\r\n\r\n");
-        // The previous connection's thread may not have exited yet when the
-        // next client arrives, so a 503 is legal here; leaked slots are
-        // caught below.
-        assert!(
-            r.status_line == "HTTP/1.1 200 OK"
-                || r.status_line == "HTTP/1.1 503 Service Unavailable",
-            "scrape {i}: {}",
-            r.status_line
-        );
+        assert_eq!(r.status_line, "HTTP/1.1 200 OK", "scrape {i}");
     }
     let deadline = Instant::now() + DEADLINE;
     while request(server.local_addr(), b"GET /metrics HTTP/1.1\r\n\r\n").status_line

@@ -101,7 +101,7 @@ fn descriptor() -> impl Strategy<Value = Descriptor> {
     prop_oneof![
         Just(Descriptor::None),
         (id(), any::<u64>()).prop_map(|(path, len)| Descriptor::Shm { path, len }),
-        id().prop_map(|addr| Descriptor::Tcp { addr }),
+        (id(), prop::option::of(id())).prop_map(|(addr, secret)| Descriptor::Tcp { addr, secret }),
         (
             any::<u32>(),
             any::<u16>(),

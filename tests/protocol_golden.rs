@@ -254,6 +254,28 @@ fn hello_ack_tcp() -> Message {
         transport: "tcp".into(),
         descriptor: Descriptor::Tcp {
             addr: "10.0.0.2:7401".into(),
+            secret: None,
+        },
+        chunk_bytes: 4096,
+        capacity_chunks: 0,
+    })
+}
+
+/// With the data-connection secret (a kvferry extension of the descriptor,
+/// after `addr`).
+const HELLO_ACK_TCP_SECRET: &[u8] = b"\x87\xa4type\xa8HelloAck\xabreceiver_id\xa2d1\xa7version\x01\
+\xa9transport\xa3tcp\xaadescriptor\x83\xa4kind\xa3tcp\xa4addr\xad10.0.0.2:7401\
+\xa6secret\xd9\x2000112233445566778899aabbccddeeff\
+\xabchunk_bytes\xcd\x10\x00\xafcapacity_chunks\x00";
+
+fn hello_ack_tcp_secret() -> Message {
+    Message::HelloAck(HelloAck {
+        receiver_id: "d1".into(),
+        version: 1,
+        transport: "tcp".into(),
+        descriptor: Descriptor::Tcp {
+            addr: "10.0.0.2:7401".into(),
+            secret: Some("00112233445566778899aabbccddeeff".into()),
         },
         chunk_bytes: 4096,
         capacity_chunks: 0,
@@ -312,6 +334,11 @@ fn golden() -> Vec<(&'static str, &'static [u8], Message)> {
         ("Hello (none)", HELLO_NONE, hello_none()),
         ("HelloAck (rdma)", HELLO_ACK_RDMA, hello_ack_rdma()),
         ("HelloAck (tcp)", HELLO_ACK_TCP, hello_ack_tcp()),
+        (
+            "HelloAck (tcp, secret)",
+            HELLO_ACK_TCP_SECRET,
+            hello_ack_tcp_secret(),
+        ),
         ("TransferDone", TRANSFER_DONE, transfer_done()),
         (
             "TransferDone (no seq)",

@@ -359,6 +359,7 @@ fn the_wrapper_passes_connect_errors_and_disconnect_through() {
     let wrong = RemoteBuffer {
         descriptor: Descriptor::Tcp {
             addr: "127.0.0.1:9".into(),
+            secret: None,
         },
         chunk_bytes: CHUNK,
         capacity_chunks: 2,

@@ -281,6 +281,7 @@ fn connect_checks_the_descriptor_and_the_file() {
     let wrong_kind = RemoteBuffer {
         descriptor: Descriptor::Tcp {
             addr: "127.0.0.1:1".into(),
+            secret: None,
         },
         ..good.clone()
     };

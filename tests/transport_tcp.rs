@@ -111,14 +111,40 @@ fn tcp_receiver(capacity: usize) -> Receiver {
     })
 }
 
+/// The receiver's buffer without a secret (its data listener refuses it).
 fn remote_of(r: &Receiver) -> RemoteBuffer {
     RemoteBuffer {
         descriptor: Descriptor::Tcp {
             addr: r.tcp_data_addr().expect("tcp data listener").to_string(),
+            secret: None,
         },
         chunk_bytes: r.region().chunk_bytes(),
         capacity_chunks: r.region().capacity_chunks(),
     }
+}
+
+/// A control-plane client that said Hello for tcp, and the buffer its
+/// HelloAck announced (with the secret that lets it write its grants).
+fn tcp_client(r: &Receiver, name: &str) -> (Client, RemoteBuffer) {
+    let client = Client::connect(r.endpoint(), name);
+    let ack = client.hello_for("tcp");
+    assert_eq!(ack.transport, "tcp");
+    assert!(
+        matches!(
+            &ack.descriptor,
+            Descriptor::Tcp {
+                secret: Some(_),
+                ..
+            }
+        ),
+        "{ack:?}"
+    );
+    let remote = RemoteBuffer {
+        descriptor: ack.descriptor,
+        chunk_bytes: ack.chunk_bytes,
+        capacity_chunks: ack.capacity_chunks,
+    };
+    (client, remote)
 }
 
 fn start(staging: &Arc<StagingBuffer>, ring: usize) -> (Box<dyn Poster>, Box<dyn Completions>) {
@@ -168,7 +194,7 @@ fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
 #[test]
 fn writes_land_in_granted_slots_with_credit_flow() {
     let r = tcp_receiver(8);
-    let client = Client::connect(r.endpoint(), "granter");
+    let (client, remote) = tcp_client(&r, "granter");
     let slots = grant(&r, &client, "req", 4);
     assert_eq!(slots, vec![0, 1, 2, 3], "a fresh buffer grants from slot 0");
     let staging = Arc::new(StagingBuffer::new(8, CHUNK_BYTES).unwrap());
@@ -178,7 +204,7 @@ fn writes_land_in_granted_slots_with_credit_flow() {
     }
     // Ring of 4: posting 40 ops needs credits back many times.
     let (mut poster, mut comps) = start(&staging, 4);
-    let peer = poster.connect(&remote_of(&r)).unwrap();
+    let peer = poster.connect(&remote).unwrap();
     assert_eq!(poster.credits(), 4);
     let ops: Vec<WriteOp> = (0..40u64)
         .map(|w| {
@@ -227,13 +253,13 @@ fn writes_land_in_granted_slots_with_credit_flow() {
 #[test]
 fn a_write_outside_the_granted_slots_is_rejected_and_closes_the_connection() {
     let r = tcp_receiver(8);
-    let client = Client::connect(r.endpoint(), "granter");
+    let (client, remote) = tcp_client(&r, "granter");
     let slots = grant(&r, &client, "req", 2);
     assert_eq!(slots, vec![0, 1]);
     let staging = Arc::new(StagingBuffer::new(4, CHUNK_BYTES).unwrap());
     staging.write_slot(0, &pattern(9, 4096)).unwrap();
     let (mut poster, mut comps) = start(&staging, 16);
-    let peer = poster.connect(&remote_of(&r)).unwrap();
+    let peer = poster.connect(&remote).unwrap();
     wait_until("the data connection is up", || {
         r.tcp_data_connections() == 1
     });
@@ -301,10 +327,19 @@ fn the_receiver_checks_range_and_preamble_on_raw_connections() {
         s.read_exact(&mut ack).unwrap();
         (s, wire::decode_preamble_ack(&ack))
     };
+    let (_client, remote) = tcp_client(&r, "raw");
+    let Descriptor::Tcp {
+        secret: Some(secret),
+        ..
+    } = &remote.descriptor
+    else {
+        unreachable!()
+    };
     let good = Preamble {
         version: wire::VERSION,
         chunk_bytes: CHUNK_BYTES,
         capacity_chunks: 4,
+        secret: wire::decode_secret(secret).unwrap(),
     };
     let expect_eof = |s: &mut TcpStream, what: &str| {
         let mut rest = Vec::new();
@@ -395,7 +430,7 @@ fn connect_checks_the_descriptor_and_reports_typed_errors() {
     let r = tcp_receiver(4);
     let staging = Arc::new(StagingBuffer::new(1, CHUNK_BYTES).unwrap());
     let (mut poster, _comps) = start(&staging, 8);
-    let good = remote_of(&r);
+    let (_client, good) = tcp_client(&r, "granter");
     let shm = RemoteBuffer {
         descriptor: Descriptor::Shm {
             path: "/nonexistent".into(),
@@ -411,7 +446,10 @@ fn connect_checks_the_descriptor_and_reports_typed_errors() {
         })
     ));
     let with_addr = |addr: &str| RemoteBuffer {
-        descriptor: Descriptor::Tcp { addr: addr.into() },
+        descriptor: Descriptor::Tcp {
+            addr: addr.into(),
+            secret: None,
+        },
         ..good.clone()
     };
     assert!(matches!(
@@ -444,6 +482,20 @@ fn connect_checks_the_descriptor_and_reports_typed_errors() {
         Err(TransportError::Io(e)) => assert!(e.to_string().contains(&closed.to_string())),
         other => panic!("expected an I/O error, got {other:?}"),
     }
+    // No secret, or one this receiver never issued: refused, typed.
+    for secret in [None, Some("ab".repeat(wire::SECRET_LEN))] {
+        let stranger = RemoteBuffer {
+            descriptor: Descriptor::Tcp {
+                addr: r.tcp_data_addr().unwrap().to_string(),
+                secret,
+            },
+            ..good.clone()
+        };
+        match poster.connect(&stranger) {
+            Err(TransportError::BadDescriptor(m)) => assert!(m.contains("secret"), "{m}"),
+            other => panic!("expected a secret refusal, got {other:?}"),
+        }
+    }
     // Connecting twice is idempotent; a changed geometry for the same
     // address is refused.
     let a = poster.connect(&good).unwrap();
@@ -475,11 +527,11 @@ fn connect_checks_the_descriptor_and_reports_typed_errors() {
 #[test]
 fn unknown_and_disconnected_peers_complete_with_unknown_peer() {
     let r = tcp_receiver(4);
-    let client = Client::connect(r.endpoint(), "granter");
+    let (client, remote) = tcp_client(&r, "granter");
     grant(&r, &client, "req", 1);
     let staging = Arc::new(StagingBuffer::new(1, CHUNK_BYTES).unwrap());
     let (mut poster, mut comps) = start(&staging, 8);
-    let p = poster.connect(&remote_of(&r)).unwrap();
+    let p = poster.connect(&remote).unwrap();
     let done = post_all(
         &mut *poster,
         &mut *comps,
@@ -507,11 +559,11 @@ fn unknown_and_disconnected_peers_complete_with_unknown_peer() {
 #[test]
 fn post_stops_at_the_credit_limit_and_poll_respects_max_and_deadline() {
     let r = tcp_receiver(4);
-    let client = Client::connect(r.endpoint(), "granter");
+    let (client, remote) = tcp_client(&r, "granter");
     grant(&r, &client, "req", 1);
     let staging = Arc::new(StagingBuffer::new(1, CHUNK_BYTES).unwrap());
     let (mut poster, mut comps) = start(&staging, 4);
-    let p = poster.connect(&remote_of(&r)).unwrap();
+    let p = poster.connect(&remote).unwrap();
     let ops: Vec<WriteOp> = (0..10).map(|w| op(w, 0, 0, 64, p)).collect();
     assert_eq!(poster.post(&ops).unwrap(), 4);
     assert_eq!(poster.in_flight(), 4);
@@ -537,11 +589,11 @@ fn post_stops_at_the_credit_limit_and_poll_respects_max_and_deadline() {
 #[test]
 fn dropping_the_poster_delivers_every_completion_then_closed() {
     let r = tcp_receiver(4);
-    let client = Client::connect(r.endpoint(), "granter");
+    let (client, remote) = tcp_client(&r, "granter");
     grant(&r, &client, "req", 2);
     let staging = Arc::new(StagingBuffer::new(2, CHUNK_BYTES).unwrap());
     let (mut poster, mut comps) = start(&staging, 64);
-    let p = poster.connect(&remote_of(&r)).unwrap();
+    let p = poster.connect(&remote).unwrap();
     let ops: Vec<WriteOp> = (0..50)
         .map(|w| {
             op(
@@ -567,11 +619,11 @@ fn dropping_the_poster_delivers_every_completion_then_closed() {
 #[test]
 fn post_fails_with_closed_once_the_engine_stopped() {
     let r = tcp_receiver(1);
-    let client = Client::connect(r.endpoint(), "granter");
+    let (client, remote) = tcp_client(&r, "granter");
     grant(&r, &client, "req", 1);
     let staging = Arc::new(StagingBuffer::new(1, 64).unwrap());
     let (mut poster, comps) = start(&staging, 8);
-    let p = poster.connect(&remote_of(&r)).unwrap();
+    let p = poster.connect(&remote).unwrap();
     drop(comps);
     let deadline = Instant::now() + WAIT;
     let mut work_id = 0;
@@ -622,6 +674,7 @@ fn fake_remote(addr: SocketAddr) -> RemoteBuffer {
     RemoteBuffer {
         descriptor: Descriptor::Tcp {
             addr: addr.to_string(),
+            secret: None,
         },
         chunk_bytes: 4096,
         capacity_chunks: 4,
@@ -997,11 +1050,11 @@ fn idle_engine_and_data_threads_sleep() {
         .map(|(tid, _)| tid)
         .collect();
     let r = tcp_receiver(2);
-    let client = Client::connect(r.endpoint(), "granter");
+    let (client, remote) = tcp_client(&r, "granter");
     grant(&r, &client, "req", 1);
     let staging = Arc::new(StagingBuffer::new(1, 64).unwrap());
     let (mut poster, mut comps) = start(&staging, 8);
-    let p = poster.connect(&remote_of(&r)).unwrap();
+    let p = poster.connect(&remote).unwrap();
     post_all(&mut *poster, &mut *comps, &[op(1, 0, 0, 64, p)]);
     // comm is truncated to 15 bytes: "kvf-tcp-engine", "kvf-recv-tcp-te".
     let deadline = Instant::now() + WAIT;

@@ -11,7 +11,7 @@ use clap::Args;
 
 use crate::metrics::MetricsServer;
 use crate::receiver::bounds::Bounds;
-use crate::receiver::{AcceptorFactory, Receiver, ReceiverConfig, ReceiverError};
+use crate::receiver::{AcceptorFactory, Receiver, ReceiverConfig, ReceiverError, TcpDataLimits};
 use crate::transport::TransportConfig;
 
 /// Arguments of `kvferry receiver`.
@@ -59,6 +59,22 @@ pub struct ReceiverArgs {
     /// `--tcp-data` binds a wildcard address).
     #[arg(long)]
     pub tcp_advertise: Option<std::net::IpAddr>,
+    /// Time a new TCP data connection gets to present its secret, in
+    /// milliseconds.
+    #[arg(long, default_value_t = 3_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub tcp_auth_timeout_ms: u64,
+    /// Time a started TCP write gets beyond its length at 1 MiB/s, in
+    /// milliseconds.
+    #[arg(long, default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub tcp_io_timeout_ms: u64,
+    /// TCP data connections waiting for their secret at once (a new one
+    /// evicts the oldest).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    pub tcp_max_unauthenticated: u32,
+    /// TCP data connections one sender may hold (a newer one closes its
+    /// oldest).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    pub tcp_max_per_sender: u32,
     /// Also offer the RDMA data plane (one queue pair per sender, set up at
     /// Hello; device from KVFERRY_RDMA_DEVICE / _PORT / _GID_INDEX). Needs
     /// a binary built with the `rdma` cargo feature and an RDMA device.
@@ -125,6 +141,13 @@ pub fn run(a: ReceiverArgs) -> ExitCode {
         auto_consume: a.consume,
         tcp_data: a.tcp_data,
         tcp_data_advertise: a.tcp_advertise,
+        tcp_data_limits: TcpDataLimits {
+            auth_timeout: Duration::from_millis(a.tcp_auth_timeout_ms),
+            io_timeout: Duration::from_millis(a.tcp_io_timeout_ms),
+            max_unauthenticated: a.tcp_max_unauthenticated as usize,
+            max_per_sender: a.tcp_max_per_sender as usize,
+            ..TcpDataLimits::default()
+        },
         acceptor,
         bounds: Bounds {
             max_parked_bytes: a.max_parked_bytes,
@@ -148,7 +171,7 @@ pub fn run(a: ReceiverArgs) -> ExitCode {
         Err(e @ ReceiverError::Transport(_)) => return super::usage_error(format!("--rdma: {e}")),
         Err(e) => return super::runtime_error(e),
     };
-    let _metrics = match a.metrics {
+    let metrics_server = match a.metrics {
         Some(addr) => {
             // Weak: a scrape still being served must not keep the receiver
             // (and its buffer file) alive past the end of `run`.
@@ -164,6 +187,9 @@ pub fn run(a: ReceiverArgs) -> ExitCode {
     println!("kvferry receiver listening on {}", receiver.endpoint());
     if let Some(addr) = receiver.tcp_data_addr() {
         println!("kvferry receiver tcp data on {addr}");
+    }
+    if let Some(m) = &metrics_server {
+        println!("kvferry receiver metrics on {}", m.local_addr());
     }
     if a.rdma {
         println!("kvferry receiver offers rdma");

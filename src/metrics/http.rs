@@ -1,17 +1,10 @@
-//! Minimal HTTP/1.x request-head reading and parsing for the metrics
-//! endpoint. Everything here treats the peer as hostile: sizes and time are
-//! capped, and no input makes it panic.
-
-use std::io::{self, Read, Write};
-use std::net::{Shutdown, TcpStream};
-use std::time::{Duration, Instant};
+//! Minimal HTTP/1.x request-head parsing and response framing for the
+//! metrics endpoint. Everything here treats the peer as hostile: no input
+//! makes it panic (sizes and time are capped by the server).
 
 /// Why a request head could not be read or parsed.
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub(crate) enum RequestError {
-    /// The peer closed the connection without sending anything.
-    #[error("connection closed before any request byte")]
-    Empty,
     /// The peer closed the connection in the middle of the head.
     #[error("connection closed in the middle of the request head")]
     Truncated,
@@ -33,9 +26,6 @@ pub(crate) enum RequestError {
     /// `HTTP/x.y` other than 1.0 or 1.1.
     #[error("unsupported HTTP version")]
     BadVersion,
-    /// A socket error while reading.
-    #[error("socket error while reading: {0:?}")]
-    Io(io::ErrorKind),
 }
 
 /// HTTP version of a parsed request.
@@ -93,16 +83,15 @@ impl Status {
 }
 
 impl RequestError {
-    /// The status to answer with, or `None` if there is nobody to answer.
-    pub(crate) fn status(&self) -> Option<Status> {
+    /// The status to answer with.
+    pub(crate) fn status(&self) -> Status {
         match self {
-            RequestError::Empty | RequestError::Io(_) => None,
             RequestError::Truncated | RequestError::BadRequestLine | RequestError::BadHeader => {
-                Some(Status::BadRequest)
+                Status::BadRequest
             }
-            RequestError::HeadTooLarge { .. } => Some(Status::HeaderTooLarge),
-            RequestError::Timeout => Some(Status::RequestTimeout),
-            RequestError::BadVersion => Some(Status::VersionNotSupported),
+            RequestError::HeadTooLarge { .. } => Status::HeaderTooLarge,
+            RequestError::Timeout => Status::RequestTimeout,
+            RequestError::BadVersion => Status::VersionNotSupported,
         }
     }
 }
@@ -122,49 +111,6 @@ pub(crate) fn find_head_end(buf: &[u8]) -> Option<usize> {
         i += 1;
     }
     None
-}
-
-/// Read bytes until the head is complete, at most `limit` bytes and at most
-/// `timeout` in total (so a client trickling one byte at a time is cut off
-/// too). Returns the buffer and the head length.
-pub(crate) fn read_head(
-    stream: &mut TcpStream,
-    limit: usize,
-    timeout: Duration,
-) -> Result<(Vec<u8>, usize), RequestError> {
-    let deadline = Instant::now() + timeout;
-    let mut buf = vec![0u8; limit];
-    let mut len = 0;
-    loop {
-        if let Some(end) = find_head_end(&buf[..len]) {
-            return Ok((buf, end));
-        }
-        if len >= limit {
-            return Err(RequestError::HeadTooLarge { limit });
-        }
-        let now = Instant::now();
-        if now >= deadline {
-            return Err(RequestError::Timeout);
-        }
-        stream
-            .set_read_timeout(Some(deadline - now))
-            .map_err(|e| RequestError::Io(e.kind()))?;
-        match stream.read(&mut buf[len..]) {
-            Ok(0) if len == 0 => return Err(RequestError::Empty),
-            Ok(0) => return Err(RequestError::Truncated),
-            Ok(n) => len += n,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) =>
-            {
-                return Err(RequestError::Timeout)
-            }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(RequestError::Io(e.kind())),
-        }
-    }
 }
 
 fn is_tchar(b: u8) -> bool {
@@ -220,50 +166,27 @@ pub(crate) fn parse_head(head: &[u8]) -> Result<RequestHead<'_>, RequestError> {
     })
 }
 
-/// Write a complete `Connection: close` response. `body` is omitted (but
-/// its length still announced) when `with_body` is false (HEAD).
-pub(crate) fn write_response(
-    stream: &mut TcpStream,
+/// A complete `Connection: close` response. `body` is omitted (but its
+/// length still announced) when `with_body` is false (HEAD).
+pub(crate) fn response_bytes(
     version: Version,
     status: Status,
     content_type: &str,
     extra_headers: &str,
     body: &[u8],
     with_body: bool,
-) -> io::Result<()> {
-    let head = format!(
+) -> Vec<u8> {
+    let mut out = format!(
         "{} {}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n{extra_headers}\r\n",
         version.as_str(),
         status.line(),
         body.len()
-    );
-    stream.write_all(head.as_bytes())?;
+    )
+    .into_bytes();
     if with_body {
-        stream.write_all(body)?;
+        out.extend_from_slice(body);
     }
-    stream.flush()
-}
-
-/// Half-close our side and discard what the client still sends (bounded by
-/// `max_bytes` and `timeout`), so closing does not reset the connection
-/// before the client has read the response.
-pub(crate) fn close_gracefully(stream: &mut TcpStream, max_bytes: usize, timeout: Duration) {
-    let _ = stream.shutdown(Shutdown::Write);
-    let deadline = Instant::now() + timeout;
-    let mut scratch = [0u8; 1024];
-    let mut drained = 0;
-    while drained < max_bytes {
-        let now = Instant::now();
-        if now >= deadline || stream.set_read_timeout(Some(deadline - now)).is_err() {
-            break;
-        }
-        match stream.read(&mut scratch) {
-            Ok(0) => break,
-            Ok(n) => drained += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(_) => break,
-        }
-    }
+    out
 }
 
 #[cfg(test)]
@@ -332,17 +255,12 @@ mod tests {
     #[test]
     fn error_statuses() {
         use RequestError::*;
-        assert_eq!(Empty.status(), None);
-        assert_eq!(Io(io::ErrorKind::ConnectionReset).status(), None);
-        assert_eq!(Truncated.status(), Some(Status::BadRequest));
-        assert_eq!(BadRequestLine.status(), Some(Status::BadRequest));
-        assert_eq!(BadHeader.status(), Some(Status::BadRequest));
-        assert_eq!(
-            HeadTooLarge { limit: 1 }.status(),
-            Some(Status::HeaderTooLarge)
-        );
-        assert_eq!(Timeout.status(), Some(Status::RequestTimeout));
-        assert_eq!(BadVersion.status(), Some(Status::VersionNotSupported));
+        assert_eq!(Truncated.status(), Status::BadRequest);
+        assert_eq!(BadRequestLine.status(), Status::BadRequest);
+        assert_eq!(BadHeader.status(), Status::BadRequest);
+        assert_eq!(HeadTooLarge { limit: 1 }.status(), Status::HeaderTooLarge);
+        assert_eq!(Timeout.status(), Status::RequestTimeout);
+        assert_eq!(BadVersion.status(), Status::VersionNotSupported);
         assert!(HeadTooLarge { limit: 8192 }.to_string().contains("8192"));
         for s in [
             Status::Ok,
@@ -359,53 +277,21 @@ mod tests {
         }
     }
 
-    /// read_head over a real socket pair: every read outcome.
     #[test]
-    fn read_head_outcomes() {
-        use std::net::TcpListener;
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let run = |send: &'static [u8], close: bool, limit: usize, timeout_ms: u64| {
-            let mut client = TcpStream::connect(addr).unwrap();
-            let (mut server, _) = listener.accept().unwrap();
-            client.write_all(send).unwrap();
-            if close {
-                client.shutdown(Shutdown::Write).unwrap();
-            }
-            let r = read_head(&mut server, limit, Duration::from_millis(timeout_ms));
-            drop(client);
-            r.map(|(buf, end)| buf[..end].to_vec())
-        };
-        assert_eq!(
-            run(b"GET / HTTP/1.1\r\n\r\nextra", false, 64, 10_000).unwrap(),
-            b"GET / HTTP/1.1\r\n\r\n"
-        );
-        assert_eq!(run(b"", true, 64, 10_000), Err(RequestError::Empty));
-        assert_eq!(
-            run(b"GET / HT", true, 64, 10_000),
-            Err(RequestError::Truncated)
+    fn response_head_and_body() {
+        let r = response_bytes(
+            Version::Http10,
+            Status::NotFound,
+            "text/plain",
+            "X: y\r\n",
+            b"nope",
+            true,
         );
         assert_eq!(
-            run(
-                b"GET / HTTP/1.1\r\nX: yyyyyyyyyyyyyyyyyy\r\n",
-                false,
-                16,
-                10_000
-            ),
-            Err(RequestError::HeadTooLarge { limit: 16 })
+            r,
+            b"HTTP/1.0 404 Not Found\r\nContent-Type: text/plain\r\nContent-Length: 4\r\nConnection: close\r\nX: y\r\n\r\nnope"
         );
-        assert_eq!(run(b"GET / HT", false, 64, 50), Err(RequestError::Timeout));
-        assert_eq!(run(b"", false, 64, 0), Err(RequestError::Timeout));
-        // A reset connection: the client closes with unread data in its
-        // receive buffer, so the kernel answers with RST.
-        let client = TcpStream::connect(addr).unwrap();
-        let (mut server, _) = listener.accept().unwrap();
-        server.write_all(b"unread").unwrap();
-        std::thread::sleep(Duration::from_millis(20)); // let the bytes land
-        drop(client);
-        assert_eq!(
-            read_head(&mut server, 64, Duration::from_secs(10)).map(|_| ()),
-            Err(RequestError::Io(io::ErrorKind::ConnectionReset))
-        );
+        let h = response_bytes(Version::Http11, Status::Ok, "t", "", b"abc", false);
+        assert!(h.ends_with(b"Content-Length: 3\r\nConnection: close\r\n\r\n"));
     }
 }

@@ -4,17 +4,15 @@ use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
 
-use super::http::{
-    close_gracefully, parse_head, read_head, write_response, RequestError, Status, Version,
-};
+use super::http::{find_head_end, parse_head, response_bytes, RequestError, Status, Version};
 use crate::threads::spawn_named;
 
 /// Content type of the Prometheus text format 0.0.4.
@@ -29,11 +27,13 @@ pub struct MetricsServerConfig {
     /// Largest accepted request head (request line + headers); larger heads
     /// are answered with 431. Default 8 KiB.
     pub max_head_bytes: usize,
-    /// Total time a client gets to send its request head, and the write
-    /// timeout for the response; slower clients get 408. Default 2 s.
+    /// Total time a client gets to send its request head, and to read its
+    /// response; slower clients get 408 (or are dropped). Default 2 s.
     pub head_timeout: Duration,
-    /// Connections served at the same time (one short-lived thread each);
-    /// more are answered with 503 at once. Default 4.
+    /// Connections held at once, all served by the one server thread. At
+    /// the cap, a new connection displaces the oldest one still sending its
+    /// head (so slow clients cannot starve scrapes); only when every held
+    /// connection is being answered does it get 503. Default 64.
     pub max_connections: usize,
     /// Name of the accept thread. Default `kvferry-metrics`.
     pub thread_name: String,
@@ -44,7 +44,7 @@ impl Default for MetricsServerConfig {
         Self {
             max_head_bytes: 8 * 1024,
             head_timeout: Duration::from_secs(2),
-            max_connections: 4,
+            max_connections: 64,
             thread_name: "kvferry-metrics".to_owned(),
         }
     }
@@ -54,7 +54,6 @@ type Render = dyn Fn() -> String + Send + Sync + 'static;
 
 struct Shared {
     stop: AtomicBool,
-    active: AtomicUsize,
     config: MetricsServerConfig,
     render: Box<Render>,
 }
@@ -62,20 +61,21 @@ struct Shared {
 /// Serves `GET /metrics` (and `HEAD`) with the text returned by a render
 /// closure, for Prometheus to scrape.
 ///
-/// One named accept thread blocks in `mio::Poll` on the listener and a
-/// waker, so an idle server uses no CPU. Each accepted connection is served
-/// on its own short-lived thread (at most
-/// [`MetricsServerConfig::max_connections`] at once, further connections get
-/// 503), so a client that connects and sends nothing delays nobody else; it
-/// is cut off after [`MetricsServerConfig::head_timeout`]. Responses carry
+/// One named thread serves everything: it blocks in `mio::Poll` on the
+/// listener, a waker and its connections (all non-blocking), so an idle
+/// server uses no CPU and the thread count never grows with clients. A
+/// client that connects and sends nothing, or trickles its head, delays
+/// nobody else: it is answered 408 after
+/// [`MetricsServerConfig::head_timeout`], and displaced by a new
+/// connection when [`MetricsServerConfig::max_connections`] are held.
+/// Responses carry
 /// `Connection: close`; no keep-alive. Status codes: 200 for `/metrics`
 /// (query string ignored), 404 other paths, 405 other methods, 400 malformed
 /// requests, 408 too slow, 431 head too large, 505 other HTTP versions, 500
 /// if the render closure panics.
 ///
-/// [`MetricsServer::shutdown`] (or drop) wakes and joins the accept thread;
-/// connection threads still running finish on their own within their
-/// timeouts.
+/// [`MetricsServer::shutdown`] (or drop) wakes and joins the thread, which
+/// closes every connection.
 pub struct MetricsServer {
     local_addr: SocketAddr,
     shared: Arc<Shared>,
@@ -133,7 +133,6 @@ impl MetricsServer {
         let thread_name = config.thread_name.clone();
         let shared = Arc::new(Shared {
             stop: AtomicBool::new(false),
-            active: AtomicUsize::new(0),
             config,
             render: Box::new(render),
         });
@@ -189,154 +188,404 @@ impl Drop for MetricsServer {
     }
 }
 
-fn accept_loop(mut poll: Poll, listener: TcpListener, shared: Arc<Shared>) {
-    let mut events = Events::with_capacity(8);
-    loop {
-        // No timeout: the thread sleeps until a connection or the waker.
-        if let Err(e) = poll.poll(&mut events, None) {
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            tracing::debug!(error = %e, "metrics poll failed; stopping");
-            return;
-        }
-        // Acquire: pairs with the Release store in `MetricsServer::stop`.
-        if shared.stop.load(Ordering::Acquire) {
-            return;
-        }
-        if events.iter().any(|e| e.token() == LISTENER) {
-            accept_pending(&listener, &shared);
-        }
-    }
+/// One client connection of the event loop.
+struct Conn {
+    stream: TcpStream,
+    peer: SocketAddr,
+    phase: Phase,
+    opened: Instant,
+    /// Closed (as too slow) when this passes.
+    deadline: Instant,
 }
 
-/// Accept until the (edge-triggered) listener would block.
-fn accept_pending(listener: &TcpListener, shared: &Arc<Shared>) {
-    loop {
-        match listener.accept() {
-            Ok((stream, peer)) => dispatch(stream, peer, shared),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::Interrupted | io::ErrorKind::ConnectionAborted
-                ) => {}
-            Err(e) => {
-                // E.g. out of file descriptors: wait for the next event
-                // rather than spin on the error.
-                tracing::debug!(error = %e, "metrics accept failed");
+enum Phase {
+    /// Reading the request head: `len` bytes of `buf` so far.
+    Head { buf: Vec<u8>, len: usize },
+    /// Writing the response, `at` bytes of `out` sent.
+    Respond { out: Vec<u8>, at: usize },
+    /// Response sent and write side shut: discarding what the client still
+    /// sends (at most `left` bytes) until it closes, so closing does not
+    /// reset the connection before the client read the response.
+    Drain { left: usize },
+}
+
+/// What a turn decided.
+enum Next {
+    Wait,
+    Close,
+}
+
+/// Bytes discarded from a client after its response.
+const DRAIN_LIMIT: usize = 64 * 1024;
+
+/// Longest the goodbye of a served connection may take.
+const DRAIN_TIME: Duration = Duration::from_secs(1);
+
+/// Connections accepted per turn of the loop (edge-triggered: the rest are
+/// taken at the next turn, after the others got theirs).
+const ACCEPT_BATCH: usize = 32;
+
+const FIRST_CONN: usize = 2;
+
+struct Server {
+    poll: Poll,
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    conns: Vec<Option<Conn>>,
+    open: usize,
+    accept_more: bool,
+}
+
+fn accept_loop(poll: Poll, listener: TcpListener, shared: Arc<Shared>) {
+    Server {
+        poll,
+        listener,
+        shared,
+        conns: Vec::new(),
+        open: 0,
+        accept_more: false,
+    }
+    .run()
+}
+
+impl Server {
+    fn run(mut self) {
+        let mut events = Events::with_capacity(64);
+        let mut turn = Vec::new();
+        loop {
+            // Sleeps until an event or the earliest connection deadline; an
+            // idle server (no connection) sleeps without a timeout.
+            let timeout = if self.accept_more {
+                Some(Duration::ZERO)
+            } else {
+                self.conns
+                    .iter()
+                    .flatten()
+                    .map(|c| c.deadline)
+                    .min()
+                    .map(|d| d.saturating_duration_since(Instant::now()))
+            };
+            if let Err(e) = self.poll.poll(&mut events, timeout) {
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                tracing::debug!(error = %e, "metrics poll failed; stopping");
                 return;
             }
-        }
-    }
-}
-
-/// Decrements the active-connection count when the connection ends.
-struct ActiveGuard(Arc<Shared>);
-
-impl Drop for ActiveGuard {
-    fn drop(&mut self) {
-        // Relaxed: the count only caps concurrency; no data is published
-        // through it and an off-by-one moment only changes a 503 decision.
-        self.0.active.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-fn dispatch(mut stream: TcpStream, peer: SocketAddr, shared: &Arc<Shared>) {
-    // Relaxed: see ActiveGuard; only this thread increments.
-    if shared.active.load(Ordering::Relaxed) >= shared.config.max_connections {
-        tracing::debug!(%peer, "metrics server busy; answering 503");
-        // Never block the accept thread: non-blocking I/O only. Discard what
-        // the client already sent (bounded) so that closing sends FIN, not
-        // RST, and the client gets to read the 503.
-        if stream.set_nonblocking(true).is_ok() {
-            let mut scratch = [0u8; 1024];
-            for _ in 0..8 {
-                match std::io::Read::read(&mut stream, &mut scratch) {
-                    Ok(n) if n > 0 => {}
-                    _ => break,
+            // Acquire: pairs with the Release store in `MetricsServer::stop`.
+            if self.shared.stop.load(Ordering::Acquire) {
+                return;
+            }
+            turn.clear();
+            let mut accept = std::mem::take(&mut self.accept_more);
+            for e in events.iter() {
+                match e.token() {
+                    LISTENER => accept = true,
+                    WAKER => {}
+                    Token(t) => turn.push(t - FIRST_CONN),
                 }
             }
-            let _ = write_response(
-                &mut stream,
-                Version::Http11,
-                Status::Unavailable,
-                "text/plain; charset=utf-8",
-                "",
-                b"busy\n",
-                true,
-            );
-            let _ = stream.shutdown(std::net::Shutdown::Write);
+            if accept {
+                self.accept(&mut turn);
+            }
+            turn.sort_unstable();
+            turn.dedup();
+            for &i in &turn {
+                self.serve(i);
+            }
+            self.expire();
         }
-        return;
     }
-    // Relaxed: see ActiveGuard.
-    shared.active.fetch_add(1, Ordering::Relaxed);
-    let guard = ActiveGuard(shared.clone());
-    if let Err(e) = spawn_named("kvferry-metrics-conn", None, move || {
-        let shared = guard.0.clone();
-        serve_connection(stream, peer, &shared, guard);
-    }) {
-        // The closure (and with it the guard) was dropped: count restored.
-        tracing::debug!(error = %e, %peer, "cannot spawn a metrics connection thread");
+
+    fn accept(&mut self, turn: &mut Vec<usize>) {
+        for _ in 0..ACCEPT_BATCH {
+            match self.listener.accept() {
+                Ok((stream, peer)) => {
+                    if let Some(i) = self.admit(stream, peer) {
+                        turn.push(i);
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::Interrupted | io::ErrorKind::ConnectionAborted
+                    ) => {}
+                Err(e) => {
+                    // E.g. out of file descriptors: wait for the next event
+                    // rather than spin on the error.
+                    tracing::debug!(error = %e, "metrics accept failed");
+                    return;
+                }
+            }
+        }
+        self.accept_more = true;
+    }
+
+    /// Makes room for a new connection and registers it. At the cap, the
+    /// oldest connection still sending its head (a slow or idle client) is
+    /// dropped, else the oldest one saying goodbye; if every connection is
+    /// being answered, the new one gets 503.
+    fn admit(&mut self, stream: TcpStream, peer: SocketAddr) -> Option<usize> {
+        if self.open >= self.shared.config.max_connections {
+            let victim = self
+                .oldest(|p| matches!(p, Phase::Head { .. }))
+                .or_else(|| self.oldest(|p| matches!(p, Phase::Drain { .. })));
+            match victim {
+                Some(v) => {
+                    tracing::debug!(%peer, "metrics connections at the cap; dropping the oldest slow one");
+                    self.close(v);
+                }
+                None => {
+                    busy(stream, peer);
+                    return None;
+                }
+            }
+        }
+        if stream.set_nonblocking(true).is_err() {
+            return None;
+        }
+        let i = match self.conns.iter().position(Option::is_none) {
+            Some(i) => i,
+            None => {
+                self.conns.push(None);
+                self.conns.len() - 1
+            }
+        };
+        if let Err(e) = self.poll.registry().register(
+            &mut SourceFd(&stream.as_raw_fd()),
+            Token(i + FIRST_CONN),
+            Interest::READABLE | Interest::WRITABLE,
+        ) {
+            tracing::debug!(error = %e, "cannot watch a metrics connection");
+            return None;
+        }
+        let now = Instant::now();
+        self.conns[i] = Some(Conn {
+            stream,
+            peer,
+            phase: Phase::Head {
+                buf: vec![0; self.shared.config.max_head_bytes],
+                len: 0,
+            },
+            opened: now,
+            deadline: now + self.shared.config.head_timeout,
+        });
+        self.open += 1;
+        Some(i)
+    }
+
+    fn oldest(&self, pick: impl Fn(&Phase) -> bool) -> Option<usize> {
+        self.conns
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| c.as_ref().filter(|c| pick(&c.phase)).map(|c| (c.opened, i)))
+            .min()
+            .map(|(_, i)| i)
+    }
+
+    fn close(&mut self, i: usize) {
+        if let Some(c) = self.conns.get_mut(i).and_then(Option::take) {
+            let _ = self
+                .poll
+                .registry()
+                .deregister(&mut SourceFd(&c.stream.as_raw_fd()));
+            self.open -= 1;
+        }
+    }
+
+    /// Connections past their deadline: a client still sending its head
+    /// gets 408; one not reading its response or not closing is dropped.
+    fn expire(&mut self) {
+        let now = Instant::now();
+        for i in 0..self.conns.len() {
+            let Some(c) = self.conns[i].as_mut() else {
+                continue;
+            };
+            if c.deadline > now {
+                continue;
+            }
+            if matches!(c.phase, Phase::Head { .. }) {
+                tracing::debug!(peer = %c.peer, "metrics client too slow; answering 408");
+                let (version, status, body, extra, with_body) = error_reply(&RequestError::Timeout);
+                respond(
+                    c,
+                    version,
+                    status,
+                    &body,
+                    extra,
+                    with_body,
+                    now,
+                    &self.shared,
+                );
+                if let Next::Close = advance(c, &self.shared) {
+                    self.close(i);
+                }
+            } else {
+                self.close(i);
+            }
+        }
+    }
+
+    fn serve(&mut self, i: usize) {
+        let Some(Some(c)) = self.conns.get_mut(i) else {
+            return;
+        };
+        if let Next::Close = advance(c, &self.shared) {
+            self.close(i);
+        }
     }
 }
 
-/// Serves one request. `guard` is released as soon as the response is
-/// written, before the close handshake: a client that reads the response to
-/// its end and connects again must not find its old connection still counted
-/// (that made sequential scrapes get 503 on a loaded machine).
-fn serve_connection(mut stream: TcpStream, peer: SocketAddr, shared: &Shared, guard: ActiveGuard) {
-    let cfg = &shared.config;
-    if stream.set_nonblocking(false).is_err()
-        || stream
-            .set_write_timeout(Some(cfg.head_timeout.max(Duration::from_millis(1))))
-            .is_err()
-    {
-        return;
+/// Answers 503 without blocking and drops the connection.
+fn busy(mut stream: TcpStream, peer: SocketAddr) {
+    tracing::debug!(%peer, "metrics server busy answering others; 503");
+    if stream.set_nonblocking(true).is_ok() {
+        // Discard what the client already sent (bounded) so that closing
+        // sends FIN, not RST, and the client gets to read the 503.
+        let mut scratch = [0u8; 1024];
+        for _ in 0..8 {
+            match std::io::Read::read(&mut stream, &mut scratch) {
+                Ok(n) if n > 0 => {}
+                _ => break,
+            }
+        }
+        let out = response_bytes(
+            Version::Http11,
+            Status::Unavailable,
+            "text/plain; charset=utf-8",
+            "",
+            b"busy\n",
+            true,
+        );
+        let _ = std::io::Write::write(&mut stream, &out);
+        let _ = stream.shutdown(std::net::Shutdown::Write);
     }
-    let result = read_head(&mut stream, cfg.max_head_bytes, cfg.head_timeout);
-    let (version, status, body, extra, with_body): (Version, Status, Vec<u8>, &str, bool) =
-        match &result {
-            Ok((buf, end)) => match parse_head(&buf[..*end]) {
-                Ok(head) => route(&head, shared),
-                Err(e) => error_reply(&e),
-            },
-            Err(e) => error_reply(e),
-        };
-    if let Err(RequestError::Empty | RequestError::Io(_)) = &result {
-        tracing::debug!(%peer, "metrics connection closed without a request");
-        return;
-    }
-    tracing::debug!(%peer, status = status.line(), "metrics request");
+}
+
+/// Switches `c` to sending a response.
+#[allow(clippy::too_many_arguments)]
+fn respond(
+    c: &mut Conn,
+    version: Version,
+    status: Status,
+    body: &[u8],
+    extra: &str,
+    with_body: bool,
+    now: Instant,
+    shared: &Shared,
+) {
     let content_type = if status == Status::Ok {
         CONTENT_TYPE
     } else {
         "text/plain; charset=utf-8"
     };
-    let written = write_response(
-        &mut stream,
-        version,
-        status,
-        content_type,
-        extra,
-        &body,
-        with_body,
-    );
-    drop(guard);
-    if written.is_ok() {
-        close_gracefully(
-            &mut stream,
-            64 * 1024,
-            cfg.head_timeout.min(Duration::from_secs(1)),
-        );
+    tracing::debug!(peer = %c.peer, status = status.line(), "metrics request");
+    c.phase = Phase::Respond {
+        out: response_bytes(version, status, content_type, extra, body, with_body),
+        at: 0,
+    };
+    c.deadline = now + shared.config.head_timeout.max(Duration::from_millis(1));
+}
+
+/// Moves a connection on as far as its socket allows.
+fn advance(c: &mut Conn, shared: &Shared) -> Next {
+    use std::io::{Read, Write};
+    loop {
+        match &mut c.phase {
+            Phase::Head { buf, len } => {
+                if let Some(end) = find_head_end(&buf[..*len]) {
+                    let (version, status, body, extra, with_body) = match parse_head(&buf[..end]) {
+                        Ok(head) => route(&head, shared),
+                        Err(e) => error_reply(&e),
+                    };
+                    respond(
+                        c,
+                        version,
+                        status,
+                        &body,
+                        extra,
+                        with_body,
+                        Instant::now(),
+                        shared,
+                    );
+                    continue;
+                }
+                if *len >= buf.len() {
+                    let limit = buf.len();
+                    let (version, status, body, extra, with_body) =
+                        error_reply(&RequestError::HeadTooLarge { limit });
+                    respond(
+                        c,
+                        version,
+                        status,
+                        &body,
+                        extra,
+                        with_body,
+                        Instant::now(),
+                        shared,
+                    );
+                    continue;
+                }
+                match c.stream.read(&mut buf[*len..]) {
+                    Ok(0) if *len == 0 => {
+                        tracing::debug!(peer = %c.peer, "metrics connection closed without a request");
+                        return Next::Close;
+                    }
+                    Ok(0) => {
+                        let (version, status, body, extra, with_body) =
+                            error_reply(&RequestError::Truncated);
+                        respond(
+                            c,
+                            version,
+                            status,
+                            &body,
+                            extra,
+                            with_body,
+                            Instant::now(),
+                            shared,
+                        );
+                    }
+                    Ok(n) => *len += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Next::Wait,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(_) => return Next::Close,
+                }
+            }
+            Phase::Respond { out, at } => {
+                if *at == out.len() {
+                    let _ = c.stream.shutdown(std::net::Shutdown::Write);
+                    c.phase = Phase::Drain { left: DRAIN_LIMIT };
+                    c.deadline = Instant::now() + shared.config.head_timeout.min(DRAIN_TIME);
+                    continue;
+                }
+                match c.stream.write(&out[*at..]) {
+                    Ok(0) => return Next::Close,
+                    Ok(n) => *at += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Next::Wait,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(_) => return Next::Close,
+                }
+            }
+            Phase::Drain { left } => {
+                let mut scratch = [0u8; 1024];
+                match c.stream.read(&mut scratch) {
+                    Ok(0) => return Next::Close,
+                    Ok(n) if n >= *left => return Next::Close,
+                    Ok(n) => *left -= n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Next::Wait,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(_) => return Next::Close,
+                }
+            }
+        }
     }
 }
 
 type Reply = (Version, Status, Vec<u8>, &'static str, bool);
 
 fn error_reply(e: &RequestError) -> Reply {
-    let status = e.status().unwrap_or(Status::BadRequest);
+    let status = e.status();
     (
         Version::Http11,
         status,

@@ -186,7 +186,12 @@ fn check_descriptor(d: &Descriptor, limits: &Limits) -> Result<(), ProtocolError
     match d {
         Descriptor::None => Ok(()),
         Descriptor::Shm { path, .. } => check_id("descriptor.path", path, limits),
-        Descriptor::Tcp { addr } => check_id("descriptor.addr", addr, limits),
+        Descriptor::Tcp { addr, secret } => {
+            check_id("descriptor.addr", addr, limits)?;
+            secret
+                .as_deref()
+                .map_or(Ok(()), |s| check_id("descriptor.secret", s, limits))
+        }
         Descriptor::Rdma { gid, .. } if gid.len() != GID_LEN => Err(ProtocolError::BadDescriptor(
             format!("rdma gid is {} bytes, expected {GID_LEN}", gid.len()),
         )),

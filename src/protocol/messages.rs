@@ -306,6 +306,11 @@ pub enum Descriptor {
     Tcp {
         /// `host:port` of the data listener.
         addr: String,
+        /// kvferry: in a `HelloAck`, the secret (hex) the sender presents
+        /// first on each data connection; it binds the connection to that
+        /// sender. Left out when `None`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        secret: Option<String>,
     },
     /// RDMA RC queue pair and memory region.
     Rdma {

@@ -64,6 +64,7 @@ use crate::slots::SlotAllocator;
 
 use super::acceptor::HelloAcceptor;
 use super::bounds::{self, Bounds};
+use super::grants::{DataKeys, GrantTable, Revoked, Secret, Token};
 use super::keys::{Borrowed, KeyTable, Unref};
 use super::owned::ByRequest;
 
@@ -320,12 +321,17 @@ pub struct ReceiverCore {
     acceptor: Option<Box<dyn HelloAcceptor>>,
     /// Senders the acceptor set up, with the descriptor of their `Hello`.
     accepted: HashMap<PeerId, Descriptor>,
+    /// TCP data plane: the secret of each sender that chose it, and which
+    /// token may write which slot (see `super::grants`).
+    data_keys: DataKeys,
+    grants: std::sync::Arc<GrantTable>,
 }
 
 impl ReceiverCore {
     /// A core with an empty buffer of `cfg.capacity_chunks` slots.
     pub fn new(cfg: CoreConfig, now: Instant) -> Self {
         let ledger = Ledger::new(cfg.capacity_chunks);
+        let cfg_slots = cfg.capacity_chunks;
         let slots = SlotAllocator::new(cfg.capacity_chunks);
         let next_lease_scan = now + lease_scan_period(cfg.lease);
         Self {
@@ -349,6 +355,8 @@ impl ReceiverCore {
             admission_waits: Vec::new(),
             acceptor: None,
             accepted: HashMap::new(),
+            data_keys: DataKeys::default(),
+            grants: std::sync::Arc::new(GrantTable::new(cfg_slots)),
         }
     }
 
@@ -383,6 +391,25 @@ impl ReceiverCore {
     /// the TCP data thread asks it which slots are in use).
     pub fn slot_allocator(&self) -> &crate::slots::SlotAllocator {
         &self.slots
+    }
+
+    /// The per-slot write grants the TCP data thread checks.
+    pub(crate) fn grant_table(&self) -> &std::sync::Arc<GrantTable> {
+        &self.grants
+    }
+
+    /// The token a TCP data connection presenting `secret` acts for.
+    pub(crate) fn data_token(&self, secret: &Secret) -> Option<Token> {
+        self.data_keys.lookup(secret)
+    }
+
+    /// Finishes freeing a slot whose free [`GrantTable::revoke`] deferred
+    /// because a TCP read was landing in it (the data thread calls this
+    /// once that read returned).
+    pub(crate) fn free_deferred(&mut self, slot: u32, now: Instant, out: &mut Vec<Output>) {
+        self.slots.free_one(slot);
+        self.ledger.free(1);
+        self.grant_parked(now, out);
     }
 
     /// The reservation ledger (for lock-free stats readers).
@@ -740,6 +767,21 @@ impl ReceiverCore {
                     |(n, d)| (n.clone(), d.clone()),
                 ),
         };
+        // A TCP sender gets its own secret for its data connections (a new
+        // Hello replaces it); any other transport needs none.
+        let descriptor = match descriptor {
+            Descriptor::Tcp { addr, .. } => {
+                let (_, secret) = self.data_keys.issue(peer);
+                Descriptor::Tcp {
+                    addr,
+                    secret: Some(crate::transport::tcp::wire::encode_secret(&secret)),
+                }
+            }
+            other => {
+                self.data_keys.forget(peer);
+                other
+            }
+        };
         Ok(HelloAck {
             receiver_id: self.cfg.receiver_id.clone(),
             version: PROTOCOL_VERSION,
@@ -1042,6 +1084,9 @@ impl ReceiverCore {
                 break;
             };
             let slot = set.as_slice()[0];
+            if let Some(token) = self.data_keys.token_of(peer) {
+                self.grants.grant(slot, token);
+            }
             // A new key, or one whose copies are all still being written:
             // this request writes its own copy (its reservation counts it).
             let gen = self.keys.insert_new(key, slot, !r.extended, tokens);
@@ -1359,6 +1404,25 @@ impl ReceiverCore {
     fn on_transfer_done(&mut self, peer: &[u8], req_id: &str, now: Instant, out: &mut Vec<Output>) {
         match self.requests.get(peer, req_id).map(|r| &r.phase) {
             Some(Phase::AwaitingDone) => {
+                if !self.seal_grants(peer, req_id) {
+                    let msg = format!(
+                        "TransferDone for request {req_id} while a write into it is still landing"
+                    );
+                    peer_warn!(self.log, now, req_id, "{msg}");
+                    if let Some(r) = self.requests.remove(peer, req_id) {
+                        self.bump_request("failed");
+                        self.bump_error(ErrorCode::ProtocolViolation);
+                        self.finish_failed(
+                            req_id,
+                            r,
+                            ErrorCode::ProtocolViolation,
+                            Cause::Unfenced,
+                            now,
+                            out,
+                        );
+                    }
+                    return;
+                }
                 if let Some(r) = self.requests.remove(peer, req_id) {
                     // The copies this request wrote are now in place: from
                     // here on, later requests are told "already sent".
@@ -1402,6 +1466,22 @@ impl ReceiverCore {
             }
             None => debug!(req_id, "TransferDone for an unknown request; ignored"),
         }
+    }
+
+    /// Ends the TCP write grants of the slots the request `(peer, req_id)`
+    /// wrote (it completed); false if a write is landing in one of them
+    /// right now.
+    fn seal_grants(&self, peer: &[u8], req_id: &str) -> bool {
+        let Some(r) = self.requests.get(peer, req_id) else {
+            return true;
+        };
+        let mut all = true;
+        for h in r.held.iter().filter(|h| h.wrote) {
+            if let Some(e) = self.keys.get_gen(&h.key, h.gen) {
+                all &= self.grants.seal(e.slot);
+            }
+        }
+        all
     }
 
     /// O(1): moves the peer's liveness; its requests' leases follow it (see
@@ -1638,6 +1718,11 @@ impl ReceiverCore {
     }
 
     fn free_slot(&mut self, slot: u32) {
+        if self.grants.revoke(slot) == Revoked::Deferred {
+            // A TCP read is landing in it: the data thread hands it back
+            // (`free_deferred`) once that read returned.
+            return;
+        }
         self.slots.free_one(slot);
         self.ledger.free(1);
     }

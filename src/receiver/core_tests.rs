@@ -765,6 +765,7 @@ fn hello_ack_answers_the_offer_the_sender_asked_for() {
     let t0 = Instant::now();
     let tcp = Descriptor::Tcp {
         addr: "127.0.0.1:9".into(),
+        secret: None,
     };
     let mut c = ReceiverCore::new(
         CoreConfig {
@@ -792,10 +793,149 @@ fn hello_ack_answers_the_offer_the_sender_asked_for() {
             other => panic!("expected a HelloAck, got {other:?}"),
         }
     };
-    assert_eq!(ack(&mut c, "tcp"), ("tcp".to_owned(), tcp));
+    // TCP: the offer plus a secret of this sender's own, new at each Hello.
+    let secret_of = |d: Descriptor| match d {
+        Descriptor::Tcp { addr, secret } => {
+            assert_eq!(addr, "127.0.0.1:9");
+            let s = secret.expect("a tcp HelloAck carries a secret");
+            crate::transport::tcp::wire::decode_secret(&s).expect("hex secret")
+        }
+        other => panic!("expected a tcp descriptor, got {other:?}"),
+    };
+    let (name, d) = ack(&mut c, "tcp");
+    assert_eq!(name, "tcp");
+    let first = secret_of(d);
+    assert!(c.data_token(&first).is_some());
+    let second = secret_of(ack(&mut c, "tcp").1);
+    assert_ne!(first, second);
+    assert!(
+        c.data_token(&first).is_none(),
+        "a new Hello revokes the old secret"
+    );
+    assert!(c.data_token(&second).is_some());
     assert_eq!(ack(&mut c, "shm"), ("shm".to_owned(), Descriptor::None));
+    assert!(
+        c.data_token(&second).is_none(),
+        "a non-tcp Hello needs no secret"
+    );
     // Not offered: the default offer, whose name differs from the ask.
     assert_eq!(ack(&mut c, "rdma"), ("shm".to_owned(), Descriptor::None));
+}
+
+/// A core offering tcp, and the token of sender `peer` after its Hello.
+fn tcp_core(capacity: usize, t0: Instant, peers: &[&[u8]]) -> (ReceiverCore, Vec<u64>) {
+    let mut c = ReceiverCore::new(
+        CoreConfig {
+            other_transports: vec![(
+                "tcp".into(),
+                Descriptor::Tcp {
+                    addr: "127.0.0.1:9".into(),
+                    secret: None,
+                },
+            )],
+            ..cfg(capacity)
+        },
+        t0,
+    );
+    let mut tokens = Vec::new();
+    for &p in peers {
+        let mut out = Vec::new();
+        c.handle(
+            p,
+            Message::Hello(Hello {
+                sender_id: String::from_utf8_lossy(p).into_owned(),
+                version: crate::protocol::PROTOCOL_VERSION,
+                transport: "tcp".into(),
+                descriptor: Descriptor::None,
+            }),
+            t0,
+            &mut out,
+        );
+        let Some(Output::Send {
+            message: Message::HelloAck(a),
+            ..
+        }) = out.pop()
+        else {
+            panic!("no HelloAck")
+        };
+        let Descriptor::Tcp {
+            secret: Some(s), ..
+        } = a.descriptor
+        else {
+            panic!("no secret")
+        };
+        let secret = crate::transport::tcp::wire::decode_secret(&s).unwrap();
+        tokens.push(c.data_token(&secret).unwrap());
+    }
+    (c, tokens)
+}
+
+#[test]
+fn tcp_grants_follow_the_request_from_grant_to_completion() {
+    let t0 = Instant::now();
+    let (mut c, tok) = tcp_core(4, t0, &[P, Q]);
+    let g = std::sync::Arc::clone(c.grant_table());
+    let mut out = Vec::new();
+    c.handle(P, batch("a", &["k0", "k1"], 2, true, None), t0, &mut out);
+    let slots = one_reply(&mut out).remote_indexes;
+    let (s0, s1) = (slots[0] as u32, slots[1] as u32);
+    assert!(g.is_granted_to(s0, tok[0]) && g.is_granted_to(s1, tok[0]));
+    assert!(
+        !g.is_granted_to(s0, tok[1]),
+        "granted to its own sender only"
+    );
+    assert!(
+        !g.is_granted_to(2, tok[0]),
+        "free slots are granted to nobody"
+    );
+    c.handle(P, done("a"), t0, &mut out);
+    assert!(
+        !g.is_granted_to(s0, tok[0]) && !g.is_granted_to(s1, tok[0]),
+        "a complete request's slots take no more writes"
+    );
+    // Consumed and regranted to Q: Q's grant, not P's.
+    consume(&mut c, &keys("k", 2), t0, &mut out);
+    c.handle(Q, batch("b", &["x"], 1, true, None), t0, &mut out);
+    let s = one_reply(&mut out).remote_indexes[0] as u32;
+    assert!(g.is_granted_to(s, tok[1]) && !g.is_granted_to(s, tok[0]));
+}
+
+#[test]
+fn freeing_a_slot_mid_read_is_deferred_until_the_read_returns() {
+    let t0 = Instant::now();
+    let (mut c, tok) = tcp_core(1, t0, &[P]);
+    let g = std::sync::Arc::clone(c.grant_table());
+    let mut out = Vec::new();
+    c.handle(P, batch("a", &["k0"], 1, true, None), t0, &mut out);
+    let s = one_reply(&mut out).remote_indexes[0] as u32;
+    // The data thread is inside a read into the slot...
+    assert!(g.begin_write(s, tok[0]));
+    // ... when the sender claims completion: refused, the request fails.
+    c.handle(P, done("a"), t0, &mut out);
+    assert!(
+        out.iter().any(|o| matches!(
+            o,
+            Output::Finished {
+                outcome: Outcome::Failed(ErrorCode::ProtocolViolation),
+                ..
+            }
+        )),
+        "{out:?}"
+    );
+    out.clear();
+    // Its quarantine ends while the read still lands: the slot stays held.
+    c.tick(t0 + Duration::from_secs(11), &mut out);
+    assert_eq!(c.stats().slots_in_use, 1, "not freed under a landing read");
+    // A second request cannot get it until the data thread hands it back.
+    c.handle(P, batch("b", &["k1"], 1, true, None), t0, &mut out);
+    assert!(replies(&mut out).is_empty(), "b waits for the slot");
+    assert_eq!(
+        g.end_write(s, tok[0]),
+        super::grants::EndWrite::FreeDeferred
+    );
+    c.free_deferred(s, t0, &mut out);
+    assert_eq!(one_reply(&mut out).remote_indexes, vec![i64::from(s)]);
+    assert!(g.is_granted_to(s, tok[0]));
 }
 
 // ----- ownership (invariant 8) and bounds (invariant 9), issue 13 -----------

@@ -101,6 +101,30 @@ impl Receiver {
             "Frames that could not be decoded.",
             s.bad_frames,
         );
+        let t = self.tcp_data_stats();
+        w.gauge(
+            "kvferry_receiver_tcp_data_connections",
+            "TCP data connections open.",
+            t.connections as f64,
+        );
+        w.gauge(
+            "kvferry_receiver_tcp_data_unauthenticated_connections",
+            "TCP data connections still waiting for their preamble.",
+            t.unauthenticated as f64,
+        );
+        for (reason, n) in [
+            ("unauthenticated", t.rejected_unauthenticated),
+            ("not_granted", t.rejected_not_granted),
+            ("timed_out", t.timed_out),
+            ("evicted", t.evicted),
+        ] {
+            w.counter_with_labels(
+                "kvferry_receiver_tcp_data_rejected_total",
+                "TCP data connections closed by the receiver, by reason.",
+                &[("reason", reason)],
+                n,
+            );
+        }
         w.histogram(
             "kvferry_receiver_admission_wait_us",
             "Time from a request's first batch to its admission, microseconds.",

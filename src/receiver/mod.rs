@@ -14,6 +14,7 @@ mod acceptor;
 pub mod bounds;
 pub mod core;
 mod ctrl;
+mod grants;
 pub mod keys;
 mod metrics;
 mod owned;
@@ -36,6 +37,7 @@ use self::bounds::Bounds;
 use self::core::{CoreConfig, CoreStats, Outcome, Output, ReceiverCore};
 
 pub use acceptor::{AcceptorFactory, HelloAcceptor};
+pub use tcp_data::{TcpDataLimits, TcpDataStats};
 
 /// Receiver configuration.
 #[derive(Debug, Clone)]
@@ -74,6 +76,8 @@ pub struct ReceiverConfig {
     /// from the bound one (required when `tcp_data` binds a wildcard
     /// address such as `0.0.0.0`).
     pub tcp_data_advertise: Option<IpAddr>,
+    /// Budgets and deadlines of the TCP data listener (see `docs/security.md`).
+    pub tcp_data_limits: TcpDataLimits,
     /// Also offer a data plane set up per sender during `Hello` (RDMA:
     /// [`AcceptorFactory::rdma`] with the `rdma` feature). Built over the
     /// receive buffer at start; a failure (e.g. no RDMA device) fails
@@ -114,6 +118,7 @@ impl Default for ReceiverConfig {
             auto_consume: false,
             tcp_data: None,
             tcp_data_advertise: None,
+            tcp_data_limits: TcpDataLimits::default(),
             acceptor: None,
             bounds: Bounds::default(),
             recv_queue_per_peer: 64,
@@ -279,6 +284,9 @@ impl Receiver {
         if cfg.chunk_bytes == 0 {
             return Err(ReceiverError::Config("chunk_bytes must be positive".into()));
         }
+        cfg.tcp_data_limits
+            .validate()
+            .map_err(ReceiverError::Config)?;
         let tcp_listener = match cfg.tcp_data {
             Some(at) => {
                 let tcp_error = |source| ReceiverError::TcpData { addr: at, source };
@@ -355,6 +363,8 @@ impl Receiver {
                             "tcp".to_owned(),
                             Descriptor::Tcp {
                                 addr: addr.to_string(),
+                                // Issued per sender at Hello.
+                                secret: None,
                             },
                         )
                     })
@@ -387,11 +397,18 @@ impl Receiver {
         });
         let tcp = match tcp_listener {
             Some((listener, addr)) => {
-                let slots = shared.state.lock().core.slot_allocator().clone();
+                let grants = Arc::clone(shared.state.lock().core.grant_table());
                 let name = format!("kvf-recv-tcp-{}", cfg.receiver_id);
                 Some(
-                    tcp_data::TcpData::start(listener, addr, Arc::clone(&shared), slots, name)
-                        .map_err(|source| ReceiverError::TcpData { addr, source })?,
+                    tcp_data::TcpData::start(
+                        listener,
+                        addr,
+                        Arc::clone(&shared),
+                        grants,
+                        cfg.tcp_data_limits.clone(),
+                        name,
+                    )
+                    .map_err(|source| ReceiverError::TcpData { addr, source })?,
                 )
             }
             None => None,
@@ -421,6 +438,12 @@ impl Receiver {
     /// TCP data connections open now (0 without `tcp_data`).
     pub fn tcp_data_connections(&self) -> usize {
         self.tcp.as_ref().map_or(0, |t| t.connections())
+    }
+
+    /// Counters and gauges of the TCP data listener (all zero without
+    /// `tcp_data`).
+    pub fn tcp_data_stats(&self) -> TcpDataStats {
+        self.tcp.as_ref().map(|t| t.stats()).unwrap_or_default()
     }
 
     /// Closes every TCP data connection at once, as a network failure

@@ -3,21 +3,35 @@
 //! write in the receive buffer and acking it (wire format in
 //! [`crate::transport::tcp::wire`]). Idle, it sleeps in `epoll_wait`.
 //!
-//! Bounds check: a write must lie inside the slot area, and every slot it
-//! touches (`[i * chunk_bytes, (i + 1) * chunk_bytes)`, a run of slots for a
-//! coalesced write) must be in use in the receiver's slot allocator right
-//! now. Otherwise it is answered with `OutOfBounds` and the connection is
-//! closed (the sender's other writes on it fail with `ConnectionLost`).
+//! Every peer is untrusted:
 //!
-//! This is weaker than per-request ownership — a buggy sender could still
-//! write a slot granted to someone else — but it is what the data thread can
-//! check without the receiver's lock, and it is enough for the engine's own
-//! guarantees: a slot is in use from its grant until the decoder releases it
-//! (or, for a failed request, until the fence: quarantine ends only after
-//! the sender's `CancelNotif`, which it sends once every write of the
-//! request completed, or after `quarantine_grace`), so a well-behaved
-//! sender's writes always pass, and a write to a free slot — a late write
-//! after the grace, or garbage — can never land in a slot nobody holds.
+//! - **Authentication.** A connection's preamble must carry a secret the
+//!   receiver issued in a `HelloAck` ([`super::grants::DataKeys`]); it then
+//!   acts for that sender's token. Anything else is answered
+//!   `PREAMBLE_UNAUTHENTICATED` and closed.
+//! - **Grants.** A write must lie inside the slot area and every slot it
+//!   touches (`[i * chunk_bytes, (i + 1) * chunk_bytes)`, a run of slots for
+//!   a coalesced write) must be granted to the connection's token and not
+//!   yet complete ([`super::grants::GrantTable`]); the grant is checked again
+//!   around every `read` into a slot, so a slot freed mid-write stops the
+//!   write. A rejected write is answered with `OutOfBounds` and the
+//!   connection is closed (the sender's other writes on it fail with
+//!   `ConnectionLost`).
+//! - **Budgets.** At most [`TcpDataLimits::max_unauthenticated`] connections
+//!   may be waiting for their preamble; a new one evicts the oldest of them,
+//!   so a flood of idle connections never locks a sender out. A token may
+//!   hold [`TcpDataLimits::max_per_sender`] connections (a newer one closes
+//!   its oldest), and the listener holds at most
+//!   [`TcpDataLimits::max_connections`], never more than half of
+//!   `RLIMIT_NOFILE`, so the control plane and metrics keep descriptors.
+//! - **Deadlines.** The preamble must arrive within
+//!   [`TcpDataLimits::auth_timeout`]; once a write has started (a header
+//!   byte arrived), it must be complete within
+//!   [`TcpDataLimits::io_timeout`] plus its length at
+//!   [`TcpDataLimits::min_rate`]; a rejected connection's goodbye is bounded
+//!   by the auth timeout too. An authenticated connection between writes
+//!   has no deadline (a sender keeps one per receiver).
+//!
 //! Payload bytes are read from the socket straight into the slot.
 
 use std::io::{ErrorKind, Read, Write};
@@ -26,20 +40,21 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token, Waker};
 
-use crate::slots::SlotAllocator;
 use crate::transport::tcp::wire::{
     encode_preamble_ack, Ack, Header, Preamble, HEADER_LEN, PREAMBLE_BAD_GEOMETRY,
-    PREAMBLE_BAD_VERSION, PREAMBLE_LEN, PREAMBLE_OK, VERSION,
+    PREAMBLE_BAD_VERSION, PREAMBLE_LEN, PREAMBLE_OK, PREAMBLE_UNAUTHENTICATED, VERSION,
 };
 use crate::transport::CompletionStatus;
 
+use super::grants::{EndWrite, GrantTable, Token as PeerToken};
 use super::Shared;
 
-/// Most data connections served at once; more are accepted and closed.
+/// Default of [`TcpDataLimits::max_connections`].
 pub const MAX_DATA_CONNECTIONS: usize = 1024;
 
 /// Bytes read from one connection before the others get a turn.
@@ -49,11 +64,101 @@ const TURN_BUDGET: u64 = 4 << 20;
 /// from it pauses (backpressure).
 const OUT_LIMIT: usize = 64 * 1024;
 
+/// Connections accepted per turn of the loop (the others' events get a
+/// turn in between; the rest are accepted at the next turn).
+const ACCEPT_BATCH: usize = 32;
+
 const LISTENER: Token = Token(0);
 const WAKER: Token = Token(1);
 const FIRST_CONN: usize = 2;
 
-/// Requests to the data thread.
+/// Limits of the TCP data listener (see the module docs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TcpDataLimits {
+    /// Time a new connection gets to present its preamble. Default 3 s.
+    pub auth_timeout: Duration,
+    /// Time a started write gets, beyond its length at `min_rate`.
+    /// Default 30 s (the sender's own I/O timeout).
+    pub io_timeout: Duration,
+    /// Slowest rate a started write may average, bytes per second, beyond
+    /// `io_timeout`. Default 1 MiB/s.
+    pub min_rate: u64,
+    /// Connections waiting for their preamble at once; a new one evicts the
+    /// oldest. Default 64.
+    pub max_unauthenticated: usize,
+    /// Connections one sender (token) may hold; a newer one closes its
+    /// oldest. Default 4.
+    pub max_per_sender: usize,
+    /// Connections held at once (further capped at half the soft
+    /// `RLIMIT_NOFILE`). Default [`MAX_DATA_CONNECTIONS`].
+    pub max_connections: usize,
+}
+
+impl Default for TcpDataLimits {
+    fn default() -> Self {
+        Self {
+            auth_timeout: Duration::from_secs(3),
+            io_timeout: Duration::from_secs(30),
+            min_rate: 1 << 20,
+            max_unauthenticated: 64,
+            max_per_sender: 4,
+            max_connections: MAX_DATA_CONNECTIONS,
+        }
+    }
+}
+
+impl TcpDataLimits {
+    /// Checks every limit is positive.
+    pub(super) fn validate(&self) -> Result<(), String> {
+        if self.auth_timeout.is_zero() || self.io_timeout.is_zero() {
+            return Err("tcp data timeouts must be positive".into());
+        }
+        if self.min_rate == 0
+            || self.max_unauthenticated == 0
+            || self.max_per_sender == 0
+            || self.max_connections == 0
+        {
+            return Err("tcp data rate and connection limits must be positive".into());
+        }
+        Ok(())
+    }
+
+    /// `max_connections`, capped at half the soft descriptor limit.
+    fn connection_cap(&self) -> usize {
+        let mut rl = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit writes one `rlimit` through a valid pointer.
+        let nofile = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) } == 0 {
+            usize::try_from(rl.rlim_cur).unwrap_or(usize::MAX)
+        } else {
+            1024
+        };
+        self.max_connections.min((nofile / 2).max(1))
+    }
+}
+
+/// Counters and gauges of the TCP data listener.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TcpDataStats {
+    /// Connections open now.
+    pub connections: usize,
+    /// Of those, waiting for their preamble.
+    pub unauthenticated: usize,
+    /// Connections refused for a missing, wrong or revoked secret.
+    pub rejected_unauthenticated: u64,
+    /// Writes refused because a slot was not granted to the writer (or the
+    /// range was outside the buffer, or the grant ended mid-write).
+    pub rejected_not_granted: u64,
+    /// Connections closed for missing a deadline.
+    pub timed_out: u64,
+    /// Connections closed to make room (oldest unauthenticated, or a
+    /// sender's oldest beyond its share), or refused at the cap.
+    pub evicted: u64,
+}
+
+/// Requests to the data thread, and its counters.
 #[derive(Debug, Default)]
 struct Ctl {
     stop: AtomicBool,
@@ -61,6 +166,16 @@ struct Ctl {
     cut: AtomicU64,
     /// Connections open now.
     connections: AtomicUsize,
+    unauthenticated: AtomicUsize,
+    rejected_unauthenticated: AtomicU64,
+    rejected_not_granted: AtomicU64,
+    timed_out: AtomicU64,
+    evicted: AtomicU64,
+}
+
+/// Relaxed: counters and gauges, read for metrics only.
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
 }
 
 /// The running data listener, owned by the [`super::Receiver`].
@@ -80,12 +195,14 @@ impl TcpData {
     }
 
     /// Starts the data thread on `listener`, landing writes in `shared`'s
-    /// region; `addr` is the address announced to senders.
+    /// region where `grants` allow; `addr` is the address announced to
+    /// senders.
     pub(super) fn start(
         listener: StdListener,
         addr: SocketAddr,
         shared: Arc<Shared>,
-        slots: SlotAllocator,
+        grants: Arc<GrantTable>,
+        limits: TcpDataLimits,
         name: String,
     ) -> std::io::Result<Self> {
         let poll = Poll::new()?;
@@ -100,11 +217,17 @@ impl TcpData {
                 DataThread {
                     poll,
                     listener,
-                    shared,
-                    slots,
-                    ctl,
+                    ctx: Ctx {
+                        shared,
+                        grants,
+                        limits: limits.clone(),
+                        ctl,
+                    },
+                    cap: limits.connection_cap(),
                     conns: Vec::new(),
+                    open: 0,
                     ready: Vec::new(),
+                    accept_more: false,
                 }
                 .run()
             })?
@@ -126,6 +249,20 @@ impl TcpData {
     pub(super) fn connections(&self) -> usize {
         // Relaxed: a gauge.
         self.ctl.connections.load(Ordering::Relaxed)
+    }
+
+    /// A snapshot of the counters.
+    pub(super) fn stats(&self) -> TcpDataStats {
+        // Relaxed: counters and gauges.
+        let c = &self.ctl;
+        TcpDataStats {
+            connections: c.connections.load(Ordering::Relaxed),
+            unauthenticated: c.unauthenticated.load(Ordering::Relaxed),
+            rejected_unauthenticated: c.rejected_unauthenticated.load(Ordering::Relaxed),
+            rejected_not_granted: c.rejected_not_granted.load(Ordering::Relaxed),
+            timed_out: c.timed_out.load(Ordering::Relaxed),
+            evicted: c.evicted.load(Ordering::Relaxed),
+        }
     }
 
     /// Asks the thread to close every data connection (asynchronous).
@@ -157,7 +294,7 @@ impl Drop for TcpData {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
-    /// Reading the 32-byte preamble.
+    /// Reading the preamble.
     Preamble,
     /// Reading a write header.
     Header,
@@ -165,7 +302,7 @@ enum Phase {
     Payload { hdr: Header, done: u64 },
     /// Rejected: flush the answer, shut the write side, then discard what
     /// the sender still sends until it closes (so the answer is not lost to
-    /// a reset), at most [`DISCARD_LIMIT`] bytes.
+    /// a reset), at most [`DISCARD_LIMIT`] bytes and the auth timeout.
     Closing { discarded: u64 },
 }
 
@@ -181,6 +318,14 @@ struct Conn {
     out: Vec<u8>,
     readable: bool,
     writable: bool,
+    /// The sender this connection acts for; 0 until the preamble passed.
+    token: PeerToken,
+    /// Set when the preamble passed, until the thread applied the
+    /// per-sender share.
+    just_authenticated: bool,
+    opened: Instant,
+    /// When the connection is closed unless it moves on (see the module docs).
+    deadline: Option<Instant>,
 }
 
 enum Turn {
@@ -192,44 +337,64 @@ enum Turn {
     Close,
 }
 
+/// What every turn needs besides the connection.
+struct Ctx {
+    shared: Arc<Shared>,
+    grants: Arc<GrantTable>,
+    limits: TcpDataLimits,
+    ctl: Arc<Ctl>,
+}
+
 struct DataThread {
     poll: Poll,
     listener: TcpListener,
-    shared: Arc<Shared>,
-    slots: SlotAllocator,
-    ctl: Arc<Ctl>,
+    ctx: Ctx,
+    /// Most connections held at once.
+    cap: usize,
     conns: Vec<Option<Conn>>,
+    /// Connections in `conns`.
+    open: usize,
     /// Connections with work left after their last turn.
     ready: Vec<usize>,
+    /// The listener may hold more connections than the last turn took.
+    accept_more: bool,
 }
 
 impl DataThread {
     fn run(mut self) {
         let mut events = Events::with_capacity(256);
         // Relaxed: compared only (see `TcpData::cut`).
-        let mut seen_cut = self.ctl.cut.load(Ordering::Relaxed);
+        let mut seen_cut = self.ctx.ctl.cut.load(Ordering::Relaxed);
         let mut turn: Vec<usize> = Vec::new();
-        tracing::debug!("tcp data thread started");
+        tracing::debug!(cap = self.cap, "tcp data thread started");
         // Acquire: pairs with the Release store in `TcpData::stop`.
-        while !self.ctl.stop.load(Ordering::Acquire) {
-            let timeout = (!self.ready.is_empty()).then_some(std::time::Duration::ZERO);
+        while !self.ctx.ctl.stop.load(Ordering::Acquire) {
+            let now = Instant::now();
+            let timeout = if !self.ready.is_empty() || self.accept_more {
+                Some(Duration::ZERO)
+            } else {
+                self.next_deadline()
+                    .map(|d| d.saturating_duration_since(now))
+            };
             if let Err(e) = self.poll.poll(&mut events, timeout) {
                 if e.kind() != ErrorKind::Interrupted {
                     tracing::debug!(error = %e, "tcp data poll failed; retrying");
-                    std::thread::sleep(std::time::Duration::from_millis(10));
+                    std::thread::sleep(Duration::from_millis(10));
                 }
                 continue;
             }
-            let cut = self.ctl.cut.load(Ordering::Relaxed);
+            let cut = self.ctx.ctl.cut.load(Ordering::Relaxed);
             if cut != seen_cut {
                 seen_cut = cut;
                 self.close_all();
             }
+            let now = Instant::now();
             turn.clear();
             turn.append(&mut self.ready);
+            let mut accept = std::mem::take(&mut self.accept_more);
             for ev in events.iter() {
                 match ev.token() {
-                    LISTENER => self.accept(),
+                    LISTENER => accept = true,
                     WAKER => {}
                     Token(t) => {
                         let i = t - FIRST_CONN;
@@ -241,60 +406,101 @@ impl DataThread {
                     }
                 }
             }
+            if accept {
+                self.accept(now);
+            }
             turn.sort_unstable();
             turn.dedup();
             for &i in &turn {
-                let Some(Some(c)) = self.conns.get_mut(i) else {
-                    continue;
-                };
-                match serve(c, &self.shared, &self.slots) {
-                    Turn::Wait => {}
-                    Turn::More => self.ready.push(i),
-                    Turn::Close => self.close(i),
-                }
+                self.serve_one(i, now);
             }
+            self.expire(now);
         }
         self.close_all();
         tracing::debug!("tcp data thread stopped");
     }
 
-    fn accept(&mut self) {
-        loop {
+    /// One turn of connection `i`, then the bookkeeping it calls for.
+    fn serve_one(&mut self, i: usize, now: Instant) {
+        let Some(Some(c)) = self.conns.get_mut(i) else {
+            return;
+        };
+        let was_unauthenticated = c.phase == Phase::Preamble;
+        let turn = serve(c, &self.ctx, now);
+        let authenticated = std::mem::take(&mut c.just_authenticated).then_some(c.token);
+        if was_unauthenticated && c.phase != Phase::Preamble {
+            // Relaxed: a gauge.
+            self.ctx.ctl.unauthenticated.fetch_sub(1, Ordering::Relaxed);
+        }
+        match turn {
+            Turn::Wait => {}
+            Turn::More => self.ready.push(i),
+            Turn::Close => self.close(i),
+        }
+        if let Some(token) = authenticated {
+            self.enforce_sender_share(token);
+        }
+    }
+
+    /// The earliest connection deadline.
+    fn next_deadline(&self) -> Option<Instant> {
+        self.conns.iter().flatten().filter_map(|c| c.deadline).min()
+    }
+
+    /// Closes the connections past their deadline.
+    fn expire(&mut self, now: Instant) {
+        for i in 0..self.conns.len() {
+            let late = self.conns[i]
+                .as_ref()
+                .and_then(|c| c.deadline)
+                .is_some_and(|d| d <= now);
+            if late {
+                if let Some(c) = &self.conns[i] {
+                    tracing::debug!(phase = ?c.phase, "tcp data connection missed its deadline; closing");
+                }
+                bump(&self.ctx.ctl.timed_out);
+                self.close(i);
+            }
+        }
+    }
+
+    /// The oldest connection satisfying `pick`.
+    fn oldest(&self, pick: impl Fn(&Conn) -> bool) -> Option<usize> {
+        self.conns
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| c.as_ref().filter(|c| pick(c)).map(|c| (c.opened, i)))
+            .min()
+            .map(|(_, i)| i)
+    }
+
+    /// A sender beyond its share of connections loses its oldest.
+    fn enforce_sender_share(&mut self, token: PeerToken) {
+        let held = self
+            .conns
+            .iter()
+            .flatten()
+            .filter(|c| c.token == token)
+            .count();
+        if held > self.ctx.limits.max_per_sender {
+            if let Some(i) = self.oldest(|c| c.token == token) {
+                tracing::debug!("a sender beyond its tcp data connections; closing its oldest");
+                bump(&self.ctx.ctl.evicted);
+                self.close(i);
+            }
+        }
+    }
+
+    fn accept(&mut self, now: Instant) {
+        for _ in 0..ACCEPT_BATCH {
             match self.listener.accept() {
-                Ok((mut stream, from)) => {
-                    let open = self.conns.iter().flatten().count();
-                    if open >= MAX_DATA_CONNECTIONS {
-                        tracing::debug!(%from, "too many tcp data connections; refused");
-                        continue;
+                Ok((stream, from)) => {
+                    // Served at once: a sender's preamble is usually there
+                    // already, so it authenticates before later arrivals
+                    // could evict it.
+                    if let Some(i) = self.admit(stream, from, now) {
+                        self.serve_one(i, now);
                     }
-                    let _ = stream.set_nodelay(true);
-                    let i = match self.conns.iter().position(Option::is_none) {
-                        Some(i) => i,
-                        None => {
-                            self.conns.push(None);
-                            self.conns.len() - 1
-                        }
-                    };
-                    if let Err(e) = self.poll.registry().register(
-                        &mut stream,
-                        Token(i + FIRST_CONN),
-                        Interest::READABLE | Interest::WRITABLE,
-                    ) {
-                        tracing::debug!(error = %e, "cannot watch a tcp data connection");
-                        continue;
-                    }
-                    tracing::debug!(%from, "tcp data connection accepted");
-                    self.conns[i] = Some(Conn {
-                        stream,
-                        phase: Phase::Preamble,
-                        buf: [0; PREAMBLE_LEN],
-                        got: 0,
-                        out: Vec::new(),
-                        readable: false,
-                        writable: false,
-                    });
-                    // Relaxed: a gauge.
-                    self.ctl.connections.fetch_add(1, Ordering::Relaxed);
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
@@ -305,14 +511,75 @@ impl DataThread {
                 }
             }
         }
+        self.accept_more = true;
+    }
+
+    /// Makes room for and registers one accepted connection; returns its
+    /// index.
+    fn admit(&mut self, mut stream: TcpStream, from: SocketAddr, now: Instant) -> Option<usize> {
+        // Relaxed: a gauge this thread alone writes.
+        let unauthenticated = self.ctx.ctl.unauthenticated.load(Ordering::Relaxed);
+        if unauthenticated >= self.ctx.limits.max_unauthenticated || self.open >= self.cap {
+            match self.oldest(|c| c.phase == Phase::Preamble) {
+                Some(i) => {
+                    tracing::debug!(%from, "unauthenticated tcp data connections at their budget; evicting the oldest");
+                    bump(&self.ctx.ctl.evicted);
+                    self.close(i);
+                }
+                None => {
+                    tracing::debug!(%from, "too many tcp data connections; refused");
+                    bump(&self.ctx.ctl.evicted);
+                    return None;
+                }
+            }
+        }
+        let _ = stream.set_nodelay(true);
+        let i = match self.conns.iter().position(Option::is_none) {
+            Some(i) => i,
+            None => {
+                self.conns.push(None);
+                self.conns.len() - 1
+            }
+        };
+        if let Err(e) = self.poll.registry().register(
+            &mut stream,
+            Token(i + FIRST_CONN),
+            Interest::READABLE | Interest::WRITABLE,
+        ) {
+            tracing::debug!(error = %e, "cannot watch a tcp data connection");
+            return None;
+        }
+        tracing::debug!(%from, "tcp data connection accepted");
+        self.conns[i] = Some(Conn {
+            stream,
+            phase: Phase::Preamble,
+            buf: [0; PREAMBLE_LEN],
+            got: 0,
+            out: Vec::new(),
+            readable: true,
+            writable: false,
+            token: 0,
+            just_authenticated: false,
+            opened: now,
+            deadline: Some(now + self.ctx.limits.auth_timeout),
+        });
+        self.open += 1;
+        // Relaxed: gauges.
+        self.ctx.ctl.connections.fetch_add(1, Ordering::Relaxed);
+        self.ctx.ctl.unauthenticated.fetch_add(1, Ordering::Relaxed);
+        Some(i)
     }
 
     fn close(&mut self, i: usize) {
         if let Some(mut c) = self.conns.get_mut(i).and_then(Option::take) {
             let _ = self.poll.registry().deregister(&mut c.stream);
             let _ = c.stream.shutdown(std::net::Shutdown::Both);
-            // Relaxed: a gauge.
-            self.ctl.connections.fetch_sub(1, Ordering::Relaxed);
+            self.open -= 1;
+            // Relaxed: gauges.
+            self.ctx.ctl.connections.fetch_sub(1, Ordering::Relaxed);
+            if c.phase == Phase::Preamble {
+                self.ctx.ctl.unauthenticated.fetch_sub(1, Ordering::Relaxed);
+            }
             tracing::debug!(phase = ?c.phase, "tcp data connection closed");
         }
     }
@@ -327,7 +594,7 @@ impl DataThread {
 
 /// One turn of a connection: flush answers, read and land as much as the
 /// socket and the turn budget allow.
-fn serve(c: &mut Conn, shared: &Shared, slots: &SlotAllocator) -> Turn {
+fn serve(c: &mut Conn, ctx: &Ctx, now: Instant) -> Turn {
     let mut budget = TURN_BUDGET;
     loop {
         if !c.out.is_empty() && c.writable {
@@ -357,7 +624,7 @@ fn serve(c: &mut Conn, shared: &Shared, slots: &SlotAllocator) -> Turn {
         if budget == 0 {
             return Turn::More;
         }
-        match step(c, shared, slots, &mut budget) {
+        match step(c, ctx, now, &mut budget) {
             Ok(true) => {}
             Ok(false) => c.readable = false,
             Err(()) => return Turn::Close,
@@ -393,14 +660,17 @@ fn discard(c: &mut Conn, mut discarded: u64) -> Turn {
     }
 }
 
+/// Rejects the connection: `answer` is its last word, then it closes
+/// (within the auth timeout).
+fn reject(c: &mut Conn, ctx: &Ctx, now: Instant, answer: &[u8]) {
+    c.out.extend_from_slice(answer);
+    c.phase = Phase::Closing { discarded: 0 };
+    c.deadline = Some(now + ctx.limits.auth_timeout);
+}
+
 /// Reads once in the current phase. `Ok(false)` = would block; `Err` = the
 /// connection is finished (EOF or error).
-fn step(
-    c: &mut Conn,
-    shared: &Shared,
-    slots: &SlotAllocator,
-    budget: &mut u64,
-) -> Result<bool, ()> {
+fn step(c: &mut Conn, ctx: &Ctx, now: Instant, budget: &mut u64) -> Result<bool, ()> {
     match c.phase {
         Phase::Preamble | Phase::Header => {
             let want = if c.phase == Phase::Preamble {
@@ -415,43 +685,72 @@ fn step(
                 Err(e) if e.kind() == ErrorKind::Interrupted => return Ok(true),
                 Err(_) => return Err(()),
             };
+            if c.phase == Phase::Header && c.got == 0 {
+                // A write starts: from here on it must keep moving.
+                c.deadline = Some(now + ctx.limits.io_timeout);
+            }
             c.got += n;
             if c.got < want {
                 return Ok(true);
             }
             c.got = 0;
             if c.phase == Phase::Preamble {
-                on_preamble(c, shared);
+                on_preamble(c, ctx, now);
             } else {
                 let mut b = [0u8; HEADER_LEN];
                 b.copy_from_slice(&c.buf[..HEADER_LEN]);
-                on_header(c, Header::decode(&b), shared, slots);
+                on_header(c, Header::decode(&b), ctx, now);
             }
             Ok(true)
         }
         Phase::Payload { hdr, done } => {
-            let want = (hdr.len - done).min(*budget).min(isize::MAX as u64) as usize;
+            let chunk = ctx.shared.region.chunk_bytes();
             let dst_offset = hdr.remote_offset + done;
+            // The slots this read can touch (at most READ_SLOTS) are claimed
+            // busy around it, so the grants are held around exactly the
+            // bytes it can land. `on_header` checked the range, so every
+            // slot index fits in u32.
+            let first = dst_offset / chunk;
+            let run_end = (first + READ_SLOTS).saturating_mul(chunk);
+            let want = (hdr.len - done)
+                .min(*budget)
+                .min(run_end - dst_offset)
+                .min(isize::MAX as u64);
+            let last = (dst_offset + want - 1) / chunk;
+            let (first, last) = (first as u32, last as u32);
+            if !claim(ctx, first, last, c.token, now) {
+                tracing::debug!(
+                    first,
+                    last,
+                    "tcp write's grant ended mid-write; rejected, closing"
+                );
+                bump(&ctx.ctl.rejected_not_granted);
+                let a = ack_bytes(hdr.work_id, CompletionStatus::OutOfBounds);
+                reject(c, ctx, now, &a);
+                return Ok(true);
+            }
             // SAFETY: `on_header` checked remote_offset + len <= data_len
             // without overflow, and done < len, so [dst_offset, dst_offset +
-            // want) lies inside the slot area of the region, which `shared`
-            // keeps mapped. `read` writes through the raw pointer; no Rust
-            // reference to those bytes exists on this side. Every slot of the
-            // range was in use when the header arrived, i.e. granted to a
-            // request whose sender is writing it (see the module docs for
-            // why that is enough).
+            // want) lies inside slots `first..=last` of the region, which
+            // `shared` keeps mapped. `read` writes through the raw pointer;
+            // no Rust reference to those bytes exists on this side. `claim`
+            // succeeded: every one of those slots is granted to this
+            // connection's sender, and none can be freed or handed to anyone
+            // else until `release` below (see `super::grants`), so the bytes
+            // land only in slots this sender holds.
             let r = unsafe {
                 libc::read(
                     c.stream.as_raw_fd(),
-                    shared.region.data_ptr().add(dst_offset as usize).cast(),
-                    want,
+                    ctx.shared.region.data_ptr().add(dst_offset as usize).cast(),
+                    want as usize,
                 )
             };
+            let err = (r < 0).then(std::io::Error::last_os_error);
+            release(ctx, first, last, c.token, now);
             if r == 0 {
                 return Err(());
             }
-            if r < 0 {
-                let e = std::io::Error::last_os_error();
+            if let Some(e) = err {
                 return match e.kind() {
                     ErrorKind::WouldBlock => Ok(false),
                     ErrorKind::Interrupted => Ok(true),
@@ -462,8 +761,10 @@ fn step(
             *budget = budget.saturating_sub(n);
             let done = done + n;
             if done == hdr.len {
-                ack(c, hdr.work_id, CompletionStatus::Ok);
+                c.out
+                    .extend_from_slice(&ack_bytes(hdr.work_id, CompletionStatus::Ok));
                 c.phase = Phase::Header;
+                c.deadline = None;
             } else {
                 c.phase = Phase::Payload { hdr, done };
             }
@@ -473,19 +774,52 @@ fn step(
     }
 }
 
-fn ack(c: &mut Conn, work_id: u64, status: CompletionStatus) {
-    c.out.extend_from_slice(
-        &Ack {
-            work_id,
-            status: status as u32,
+/// Slots one payload `read` may span.
+const READ_SLOTS: u64 = 64;
+
+/// Claims slots `first..=last` for one read by `token`: all of them, or
+/// none (false).
+fn claim(ctx: &Ctx, first: u32, last: u32, token: PeerToken, now: Instant) -> bool {
+    for s in first..=last {
+        if !ctx.grants.begin_write(s, token) {
+            if s > first {
+                release(ctx, first, s - 1, token, now);
+            }
+            return false;
         }
-        .encode(),
-    );
+    }
+    true
 }
 
-fn on_preamble(c: &mut Conn, shared: &Shared) {
-    let region = &shared.region;
-    let status = match Preamble::decode(&c.buf) {
+/// Ends the claims of [`claim`]; hands back to the core the slots it freed
+/// meanwhile (their free was deferred to us).
+fn release(ctx: &Ctx, first: u32, last: u32, token: PeerToken, now: Instant) {
+    let mut st = None;
+    let mut out = Vec::new();
+    for s in first..=last {
+        if ctx.grants.end_write(s, token) == EndWrite::FreeDeferred {
+            st.get_or_insert_with(|| ctx.shared.state.lock())
+                .core
+                .free_deferred(s, now, &mut out);
+        }
+    }
+    if let Some(mut st) = st {
+        ctx.shared.post(&mut st, out);
+    }
+}
+
+fn ack_bytes(work_id: u64, status: CompletionStatus) -> [u8; crate::transport::tcp::wire::ACK_LEN] {
+    Ack {
+        work_id,
+        status: status as u32,
+    }
+    .encode()
+}
+
+fn on_preamble(c: &mut Conn, ctx: &Ctx, now: Instant) {
+    let region = &ctx.shared.region;
+    let p = Preamble::decode(&c.buf);
+    let status = match p {
         Some(p) if p.version != VERSION => PREAMBLE_BAD_VERSION,
         Some(p)
             if (p.chunk_bytes, p.capacity_chunks)
@@ -493,45 +827,74 @@ fn on_preamble(c: &mut Conn, shared: &Shared) {
         {
             PREAMBLE_BAD_GEOMETRY
         }
-        Some(_) => PREAMBLE_OK,
+        Some(p) => match ctx.shared.state.lock().core.data_token(&p.secret) {
+            Some(token) => {
+                c.token = token;
+                PREAMBLE_OK
+            }
+            None => PREAMBLE_UNAUTHENTICATED,
+        },
         None => PREAMBLE_BAD_VERSION,
     };
-    c.out.extend_from_slice(&encode_preamble_ack(status));
-    c.phase = if status == PREAMBLE_OK {
-        Phase::Header
+    if status == PREAMBLE_OK {
+        c.out.extend_from_slice(&encode_preamble_ack(status));
+        c.phase = Phase::Header;
+        c.deadline = None;
+        c.just_authenticated = true;
     } else {
         tracing::debug!(status, "tcp data preamble refused");
-        Phase::Closing { discarded: 0 }
-    };
+        bump(&ctx.ctl.rejected_unauthenticated);
+        reject(c, ctx, now, &encode_preamble_ack(status));
+    }
 }
 
-fn on_header(c: &mut Conn, hdr: Header, shared: &Shared, slots: &SlotAllocator) {
+fn on_header(c: &mut Conn, hdr: Header, ctx: &Ctx, now: Instant) {
+    let region = &ctx.shared.region;
     if !write_allowed(
         &hdr,
-        shared.region.chunk_bytes(),
-        shared.region.data_len(),
-        slots,
+        region.chunk_bytes(),
+        region.data_len(),
+        &ctx.grants,
+        c.token,
     ) {
         tracing::debug!(
             offset = hdr.remote_offset,
             len = hdr.len,
             work_id = hdr.work_id,
-            "tcp write outside the slots in use; rejected, closing"
+            "tcp write outside the slots granted to its sender; rejected, closing"
         );
-        ack(c, hdr.work_id, CompletionStatus::OutOfBounds);
-        c.phase = Phase::Closing { discarded: 0 };
+        bump(&ctx.ctl.rejected_not_granted);
+        reject(
+            c,
+            ctx,
+            now,
+            &ack_bytes(hdr.work_id, CompletionStatus::OutOfBounds),
+        );
         return;
     }
     if hdr.len == 0 {
-        ack(c, hdr.work_id, CompletionStatus::Ok);
+        c.out
+            .extend_from_slice(&ack_bytes(hdr.work_id, CompletionStatus::Ok));
         c.phase = Phase::Header;
+        c.deadline = None;
     } else {
+        // The whole write within io_timeout plus its length at min_rate,
+        // counted from its first header byte.
+        let allowance = Duration::from_secs(hdr.len / ctx.limits.min_rate.max(1));
+        c.deadline = c.deadline.map(|d| d + allowance);
         c.phase = Phase::Payload { hdr, done: 0 };
     }
 }
 
-/// The bounds rule of the module docs.
-fn write_allowed(hdr: &Header, chunk_bytes: u64, data_len: u64, slots: &SlotAllocator) -> bool {
+/// The write rule of the module docs: inside the buffer, and every slot
+/// touched granted to `token` now.
+fn write_allowed(
+    hdr: &Header,
+    chunk_bytes: u64,
+    data_len: u64,
+    grants: &GrantTable,
+    token: PeerToken,
+) -> bool {
     let Some(end) = hdr.remote_offset.checked_add(hdr.len) else {
         return false;
     };
@@ -543,7 +906,7 @@ fn write_allowed(hdr: &Header, chunk_bytes: u64, data_len: u64, slots: &SlotAllo
     }
     let first = hdr.remote_offset / chunk_bytes;
     let last = (end - 1) / chunk_bytes;
-    (first..=last).all(|s| u32::try_from(s).is_ok_and(|s| slots.is_in_use(s)))
+    (first..=last).all(|s| u32::try_from(s).is_ok_and(|s| grants.is_granted_to(s, token)))
 }
 
 #[cfg(test)]
@@ -551,23 +914,62 @@ mod tests {
     use super::*;
 
     #[test]
-    fn write_rule_checks_range_and_every_slot() {
-        let slots = SlotAllocator::new(4);
-        let held = slots.try_alloc(2).unwrap(); // slots 0 and 1
-        assert_eq!(held.as_slice(), &[0, 1]);
+    fn write_rule_checks_range_and_every_slot_grant() {
+        let g = GrantTable::new(4);
+        g.grant(0, 1);
+        g.grant(1, 1);
+        g.grant(2, 2);
         let h = |off: u64, len: u64| Header {
             remote_offset: off,
             len,
             work_id: 1,
         };
-        let ok = |hdr: Header| write_allowed(&hdr, 100, 400, &slots);
+        let ok = |hdr: Header| write_allowed(&hdr, 100, 400, &g, 1);
         assert!(ok(h(0, 100)));
         assert!(ok(h(50, 150))); // a coalesced run over slots 0 and 1
-        assert!(!ok(h(150, 100))); // reaches into free slot 2
-        assert!(!ok(h(200, 1))); // free slot
+        assert!(!ok(h(150, 100))); // reaches into slot 2, another sender's
+        assert!(!ok(h(200, 1))); // another sender's slot
+        assert!(!ok(h(300, 1))); // ungranted slot
         assert!(!ok(h(390, 20))); // past the end
         assert!(!ok(h(u64::MAX, 2))); // overflow
         assert!(ok(h(400, 0))); // empty write at the end
         assert!(!ok(h(401, 0)));
+        assert!(write_allowed(&h(200, 100), 100, 400, &g, 2));
+        assert!(!write_allowed(&h(0, 1), 100, 400, &g, 0), "no token");
+    }
+
+    #[test]
+    fn limits_validate_and_cap_at_half_the_descriptors() {
+        assert!(TcpDataLimits::default().validate().is_ok());
+        for bad in [
+            TcpDataLimits {
+                auth_timeout: Duration::ZERO,
+                ..TcpDataLimits::default()
+            },
+            TcpDataLimits {
+                max_unauthenticated: 0,
+                ..TcpDataLimits::default()
+            },
+            TcpDataLimits {
+                min_rate: 0,
+                ..TcpDataLimits::default()
+            },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
+        let huge = TcpDataLimits {
+            max_connections: usize::MAX,
+            ..TcpDataLimits::default()
+        };
+        let mut rl = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit writes one `rlimit` through a valid pointer.
+        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) }, 0);
+        assert_eq!(
+            huge.connection_cap(),
+            (usize::try_from(rl.rlim_cur).unwrap_or(usize::MAX) / 2).max(1)
+        );
     }
 }

@@ -267,10 +267,15 @@ impl Client {
 
     /// Says Hello (kvferry mode) and returns the HelloAck.
     pub fn hello(&self) -> HelloAck {
+        self.hello_for("shm")
+    }
+
+    /// Says Hello asking for the `transport` data plane; returns the HelloAck.
+    pub fn hello_for(&self, transport: &str) -> HelloAck {
         self.send(&Message::Hello(Hello {
             sender_id: self.name.clone(),
             version: PROTOCOL_VERSION,
-            transport: "shm".into(),
+            transport: transport.into(),
             descriptor: Descriptor::None,
         }));
         match self.recv_msg(deadline(), "HelloAck") {

@@ -31,6 +31,7 @@ use super::engine::ConnectResult;
 use super::wire::{
     decode_preamble_ack, Ack, Header, Preamble, ACK_LEN, HEADER_LEN, PREAMBLE_ACK_LEN,
     PREAMBLE_BAD_GEOMETRY, PREAMBLE_BAD_VERSION, PREAMBLE_LEN, PREAMBLE_OK,
+    PREAMBLE_UNAUTHENTICATED,
 };
 
 /// Ops gathered into one `writev`.
@@ -374,6 +375,9 @@ impl Link {
                             Some(PREAMBLE_BAD_VERSION) => "wire version not supported".to_owned(),
                             Some(PREAMBLE_BAD_GEOMETRY) => {
                                 "buffer geometry differs from the HelloAck".to_owned()
+                            }
+                            Some(PREAMBLE_UNAUTHENTICATED) => {
+                                "secret not accepted (no HelloAck secret, or replaced by a later Hello)".to_owned()
                             }
                             Some(s) => format!("status {s}"),
                         };

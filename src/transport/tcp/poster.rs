@@ -12,7 +12,7 @@ use crate::protocol::Descriptor;
 use crate::transport::{descriptor_kind, PeerIndex, Poster, RemoteBuffer, TransportError, WriteOp};
 
 use super::engine::{Cmd, ConnectResult, Shared};
-use super::wire::{Preamble, VERSION};
+use super::wire::{decode_secret, Preamble, SECRET_LEN, VERSION};
 
 /// Owns the submission ring's producer; talks to the engine through
 /// commands for connect and disconnect.
@@ -21,9 +21,9 @@ pub(super) struct TcpPoster {
     sq: Option<Producer<WriteOp>>,
     shared: Arc<Shared>,
     waker: Arc<mio::Waker>,
-    /// Address → (index, chunk_bytes, capacity) of connected peers, so
-    /// connecting twice is idempotent.
-    by_addr: HashMap<SocketAddr, (PeerIndex, u64, u64)>,
+    /// Address → (index, chunk_bytes, capacity, secret) of connected
+    /// peers, so connecting twice is idempotent.
+    by_addr: HashMap<SocketAddr, (PeerIndex, u64, u64, [u8; SECRET_LEN])>,
     next_peer: PeerIndex,
     posted: u64,
     credits: usize,
@@ -76,8 +76,21 @@ fn resolve(addr: &str) -> Result<SocketAddr, TransportError> {
 
 impl Poster for TcpPoster {
     fn connect(&mut self, remote: &RemoteBuffer) -> Result<PeerIndex, TransportError> {
-        let addr = match &remote.descriptor {
-            Descriptor::Tcp { addr } => resolve(addr)?,
+        let (addr, secret) = match &remote.descriptor {
+            // No secret: the receiver will refuse the connection, which
+            // `connect` reports as a typed error.
+            Descriptor::Tcp { addr, secret } => (
+                resolve(addr)?,
+                match secret {
+                    None => [0; SECRET_LEN],
+                    Some(hex) => decode_secret(hex).ok_or_else(|| {
+                        TransportError::BadDescriptor(format!(
+                            "tcp peer {addr}: secret is not {} hex digits",
+                            2 * SECRET_LEN
+                        ))
+                    })?,
+                },
+            ),
             other => {
                 return Err(TransportError::Unsupported {
                     transport: "tcp",
@@ -91,9 +104,15 @@ impl Poster for TcpPoster {
                 "tcp peer {addr} announces {cap} slots of {cb} bytes"
             ))
         })?;
-        if let Some(&(index, pcb, pcap)) = self.by_addr.get(&addr) {
-            if (pcb, pcap) == (cb, cap) {
+        if let Some(&(index, pcb, pcap, psecret)) = self.by_addr.get(&addr) {
+            if (pcb, pcap, psecret) == (cb, cap, secret) {
                 return Ok(index);
+            }
+            if (pcb, pcap) == (cb, cap) {
+                // A new secret (the sender said Hello again): the old
+                // connection's is revoked, so start over with a new peer.
+                self.disconnect(index);
+                return self.connect(remote);
             }
             return Err(TransportError::BadDescriptor(format!(
                 "{addr} is already connected as peer {index} with {pcap} slots of {pcb} bytes, now announced as {cap} of {cb}"
@@ -112,6 +131,7 @@ impl Poster for TcpPoster {
             version: VERSION,
             chunk_bytes: cb,
             capacity_chunks: cap,
+            secret,
         };
         self.command(Cmd::Connect {
             peer: index,
@@ -130,7 +150,7 @@ impl Poster for TcpPoster {
         match result {
             ConnectResult::Ready => {
                 tracing::debug!(%addr, index, "tcp peer connected");
-                self.by_addr.insert(addr, (index, cb, cap));
+                self.by_addr.insert(addr, (index, cb, cap, secret));
                 Ok(index)
             }
             ConnectResult::Rejected(reason) => {
@@ -150,7 +170,7 @@ impl Poster for TcpPoster {
 
     fn disconnect(&mut self, peer: PeerIndex) {
         let before = self.by_addr.len();
-        self.by_addr.retain(|_, (index, _, _)| *index != peer);
+        self.by_addr.retain(|_, (index, _, _, _)| *index != peer);
         if self.by_addr.len() != before {
             tracing::debug!(peer, "tcp peer disconnected");
             self.command(Cmd::Disconnect(peer));

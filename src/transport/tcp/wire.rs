@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! sender → receiver, once:  Preamble   magic "KVFTCP\0\x01" | version u32 | flags u32 (0)
-//!                                      | chunk_bytes u64 | capacity_chunks u64      (32 bytes)
+//!                                      | chunk_bytes u64 | capacity_chunks u64
+//!                                      | secret [u8; 16]                            (48 bytes)
 //! receiver → sender, once:  PreambleAck magic | status u32 | reserved u32           (16 bytes)
 //! sender → receiver, per write: Header remote_offset u64 | len u64 | work_id u64     (24 bytes)
 //!                                      followed by `len` payload bytes
@@ -12,13 +13,20 @@
 //! Acks come back in the order the writes were sent. A non-zero preamble
 //! status, or an ack with a non-zero status for a rejected write, is
 //! followed by the receiver closing the connection.
+//!
+//! The secret binds the connection to one sender: the receiver issued it to
+//! that sender in its `HelloAck` (the `secret` of the TCP descriptor, as
+//! hex, over the control channel), and accepts a write only into slots it
+//! granted to that sender (see `docs/security.md`, "Data plane").
 
 /// Magic bytes opening a data connection.
 pub const MAGIC: [u8; 8] = *b"KVFTCP\0\x01";
-/// Version of this wire format.
-pub const VERSION: u32 = 1;
+/// Version of this wire format (2: the preamble carries the secret).
+pub const VERSION: u32 = 2;
 /// Bytes of [`Preamble`].
-pub const PREAMBLE_LEN: usize = 32;
+pub const PREAMBLE_LEN: usize = 48;
+/// Bytes of the data-connection secret.
+pub const SECRET_LEN: usize = 16;
 /// Bytes of the preamble answer.
 pub const PREAMBLE_ACK_LEN: usize = 16;
 /// Bytes of a write [`Header`].
@@ -32,6 +40,29 @@ pub const PREAMBLE_OK: u32 = 0;
 pub const PREAMBLE_BAD_VERSION: u32 = 1;
 /// Preamble answer: the geometry the sender expects is not the buffer's.
 pub const PREAMBLE_BAD_GEOMETRY: u32 = 2;
+/// Preamble answer: the secret is not one this receiver issued (or it was
+/// replaced by a later `Hello` of the same sender).
+pub const PREAMBLE_UNAUTHENTICATED: u32 = 3;
+
+/// The secret as it travels in the TCP descriptor: lowercase hex.
+pub fn encode_secret(secret: &[u8; SECRET_LEN]) -> String {
+    secret.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Parses [`encode_secret`]'s hex; `None` unless exactly
+/// `2 * SECRET_LEN` hex digits.
+pub fn decode_secret(hex: &str) -> Option<[u8; SECRET_LEN]> {
+    let b = hex.as_bytes();
+    if b.len() != 2 * SECRET_LEN {
+        return None;
+    }
+    let digit = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+    let mut out = [0u8; SECRET_LEN];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = digit(b[2 * i])? << 4 | digit(b[2 * i + 1])?;
+    }
+    Some(out)
+}
 
 fn u64_at(b: &[u8], at: usize) -> u64 {
     let mut w = [0u8; 8];
@@ -55,6 +86,8 @@ pub struct Preamble {
     pub chunk_bytes: u64,
     /// Number of slots.
     pub capacity_chunks: u64,
+    /// The secret from the receiver's `HelloAck` (all zero: none, refused).
+    pub secret: [u8; SECRET_LEN],
 }
 
 impl Preamble {
@@ -65,6 +98,7 @@ impl Preamble {
         b[8..12].copy_from_slice(&self.version.to_le_bytes());
         b[16..24].copy_from_slice(&self.chunk_bytes.to_le_bytes());
         b[24..32].copy_from_slice(&self.capacity_chunks.to_le_bytes());
+        b[32..48].copy_from_slice(&self.secret);
         b
     }
 
@@ -77,6 +111,11 @@ impl Preamble {
             version: u32_at(b, 8),
             chunk_bytes: u64_at(b, 16),
             capacity_chunks: u64_at(b, 24),
+            secret: {
+                let mut s = [0u8; SECRET_LEN];
+                s.copy_from_slice(&b[32..48]);
+                s
+            },
         })
     }
 }
@@ -162,8 +201,17 @@ mod tests {
             version: VERSION,
             chunk_bytes: 4096,
             capacity_chunks: 7,
+            secret: [0xA5; SECRET_LEN],
         };
         assert_eq!(Preamble::decode(&p.encode()), Some(p));
+        let secret: [u8; SECRET_LEN] = std::array::from_fn(|i| i as u8 * 17);
+        assert_eq!(decode_secret(&encode_secret(&secret)), Some(secret));
+        assert_eq!(
+            decode_secret(&encode_secret(&secret).to_uppercase()),
+            Some(secret)
+        );
+        assert_eq!(decode_secret("00"), None);
+        assert_eq!(decode_secret(&"g".repeat(2 * SECRET_LEN)), None);
         let mut bad = p.encode();
         bad[0] = b'X';
         assert_eq!(Preamble::decode(&bad), None);
