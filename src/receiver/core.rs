@@ -698,7 +698,7 @@ impl ReceiverCore {
             // Dedup only against a written copy (`pin` skips copies still
             // being written): "already sent" then means the bytes are in
             // place, so the sender may count the chunk complete at once.
-            if let Some((slot, gen)) = self.keys.pin(key) {
+            if let Some((_slot, gen)) = self.keys.pin(key) {
                 // The chunk needs no slot, so its share of the reservation
                 // goes back at once (allocate it, then free it).
                 if reservation.allocate(1).is_ok() {
@@ -710,8 +710,10 @@ impl ReceiverCore {
                     wrote: false,
                     granted: false,
                 });
+                // LMCache's reply shape: `remote_indexes` lists only the
+                // keys to write, so a dedup hit gets no entry there
+                // (`len(remote) == len(keys) - len(already)`).
                 already.push(i as i64);
-                remote.push(i64::from(slot));
                 continue;
             }
             if reservation.allocate(1).is_err() {
@@ -818,9 +820,9 @@ impl ReceiverCore {
         let mut remote = Vec::with_capacity(n);
         let mut already = Vec::new();
         for (i, key) in req.keys.iter().enumerate() {
-            if let Some((slot, _)) = self.keys.pin(key) {
+            if self.keys.pin(key).is_some() {
+                // Written already: no slot to write (see `process_batch`).
                 already.push(i as i64);
-                remote.push(i64::from(slot));
                 continue;
             }
             let slot = match (reservation.allocate(1), self.slots.try_alloc(1)) {

@@ -65,6 +65,24 @@ fn one_reply(out: &mut Vec<Output>) -> AllocResponse {
         .unwrap_or_else(|| unreachable!())
 }
 
+/// LMCache 0.5.6's sender checks on a reply to a batch of `n_keys` keys
+/// (`PDBackendAsync._async_transfer_task`), written out independently of
+/// `protocol::placement`: every `already_sent_indexes` entry in
+/// `0..n_keys`, and `len(remote_indexes) == n_keys - len(set(already_sent))`.
+#[track_caller]
+fn assert_lmcache_accepts(n_keys: usize, r: &AllocResponse) {
+    let already: std::collections::HashSet<i64> = r.already_sent_indexes.iter().copied().collect();
+    assert!(
+        already.iter().all(|&i| i >= 0 && (i as usize) < n_keys),
+        "invalid already_sent_indexes for {n_keys} keys: {r:?}"
+    );
+    assert_eq!(
+        r.remote_indexes.len(),
+        n_keys - already.len(),
+        "AllocResponse inconsistency for {n_keys} keys: {r:?}"
+    );
+}
+
 fn keys(prefix: &str, n: usize) -> Vec<String> {
     (0..n).map(|i| format!("{prefix}{i}")).collect()
 }
@@ -242,9 +260,13 @@ fn dedup_pins_and_reports_already_sent() {
     c.handle(Q, batch("B", &["y", "z"], 2, true, None), t0, &mut out);
     let rb = one_reply(&mut out);
     assert_eq!(rb.already_sent_indexes, vec![0]);
-    assert_eq!(
-        rb.remote_indexes[0], ra.remote_indexes[1],
-        "dedup names the existing slot"
+    // One slot per key to write, skipping the already-sent one (issue 12:
+    // `[y's slot, z's slot]` made LMCache's sender abort the request).
+    assert_lmcache_accepts(2, &rb);
+    assert_eq!(rb.remote_indexes.len(), 1, "only z is written: {rb:?}");
+    assert!(
+        !ra.remote_indexes.contains(&rb.remote_indexes[0]),
+        "z gets its own slot"
     );
     // y has two references: one remove keeps it, the second frees it.
     assert!(c.remove_key("y", t0, &mut out));
@@ -318,7 +340,8 @@ fn dedup_only_against_written_keys() {
     c.handle(Q, batch("C", &["k"], 1, true, Some(2)), t0, &mut out);
     let rc = one_reply(&mut out);
     assert_eq!(rc.already_sent_indexes, vec![0]);
-    assert_eq!(rc.remote_indexes[0], ra.remote_indexes[0], "A's copy");
+    assert_lmcache_accepts(1, &rc);
+    assert!(rc.remote_indexes.is_empty(), "nothing to write: {rc:?}");
     // B's copy is not readable until B's TransferDone; A's is.
     let first = c.borrow("k").expect("A's copy is ready");
     assert_eq!(i64::from(first.slot), ra.remote_indexes[0]);
@@ -353,8 +376,11 @@ fn anonymous_batches_do_not_pin_a_key_being_written() {
     assert_ne!(rn.remote_indexes[0], ra.remote_indexes[0]);
     assert_eq!(c.ledger().stats().allocated, 2, "two copies, two slots");
     c.handle(P, done("A"), t0, &mut out);
-    c.handle(Q, batch("", &["k"], 0, false, None), t0, &mut out);
-    assert_eq!(one_reply(&mut out).already_sent_indexes, vec![0]);
+    c.handle(Q, batch("", &["j", "k"], 0, false, None), t0, &mut out);
+    let rd = one_reply(&mut out);
+    assert_eq!(rd.already_sent_indexes, vec![1]);
+    assert_lmcache_accepts(2, &rd);
+    assert_eq!(rd.remote_indexes.len(), 1, "only j is written: {rd:?}");
 }
 
 /// Finding 3 of docs/model-check.md: a writer that aborts only releases its
