@@ -75,6 +75,7 @@ fn cfg() -> CoreConfig {
         other_transports: Vec::new(),
         answer_hello: true,
         auto_consume: false,
+        consume_grace: Duration::from_secs(1),
     }
 }
 

@@ -49,6 +49,7 @@ use crate::protocol::{
 use crate::slots::SlotAllocator;
 
 use super::acceptor::HelloAcceptor;
+use super::consume_later::ConsumeLater;
 use super::keys::{Borrowed, KeyTable, Unref};
 
 /// Routing identity of a sender (the ZMQ identity frame).
@@ -85,7 +86,15 @@ pub struct CoreConfig {
     pub answer_hello: bool,
     /// Release each request's chunks as soon as its `TransferDone` arrives,
     /// like a decoder that only counts (load tests and benchmarks).
+    /// Allocations that never get a `TransferDone` (an LMCache peer's
+    /// requests, anonymous batches) are released `consume_grace` after
+    /// their last reply instead.
     pub auto_consume: bool,
+    /// With `auto_consume`: how long after its last batch was answered an
+    /// allocation without `TransferDone` counts as delivered (its writes
+    /// cannot be observed). Must exceed the time the sender takes to write
+    /// a batch; a shorter grace lets a slot be reused under a late write.
+    pub consume_grace: Duration,
 }
 
 /// Something the control thread must do after a step of the core.
@@ -219,6 +228,9 @@ pub struct ReceiverCore {
     acceptor: Option<Box<dyn HelloAcceptor>>,
     /// Senders the acceptor set up, with the descriptor of their `Hello`.
     accepted: HashMap<PeerId, Descriptor>,
+    /// `auto_consume` of allocations without `TransferDone`: the
+    /// references `(key, gen)` each holds, released after `consume_grace`.
+    consume_later: ConsumeLater<Vec<(String, u64)>>,
 }
 
 impl ReceiverCore {
@@ -241,6 +253,7 @@ impl ReceiverCore {
             admission_waits: Vec::new(),
             acceptor: None,
             accepted: HashMap::new(),
+            consume_later: ConsumeLater::default(),
         }
     }
 
@@ -377,6 +390,9 @@ impl ReceiverCore {
                 }
             }
         }
+        while let Some(held) = self.consume_later.pop_due(now) {
+            self.consume_refs(&held);
+        }
         let dead: Vec<String> = self
             .tombstones
             .iter()
@@ -402,6 +418,9 @@ impl ReceiverCore {
         }
         for t in self.tombstones.values() {
             consider(t.until);
+        }
+        if let Some(t) = self.consume_later.next_due() {
+            consider(t);
         }
         next
     }
@@ -528,7 +547,7 @@ impl ReceiverCore {
 
     fn on_alloc(&mut self, peer: &[u8], req: AllocRequest, now: Instant, out: &mut Vec<Output>) {
         if req.req_id.is_empty() {
-            return self.on_anonymous(peer, req, out);
+            return self.on_anonymous(peer, req, now, out);
         }
         if let Some(t) = self.tombstones.get(&req.req_id) {
             let code = t.code;
@@ -775,7 +794,12 @@ impl ReceiverCore {
             } else {
                 // LMCache semantics: tracking ends with the last batch; the
                 // keys stay for the decoder, which learns of them from the
-                // proxy.
+                // proxy. A counting decoder takes them after the grace.
+                if self.cfg.auto_consume && !r.held.is_empty() {
+                    let held = r.held.iter().map(|h| (h.key.clone(), h.gen)).collect();
+                    self.consume_later
+                        .push(now + self.cfg.consume_grace, peer, &req_id, held);
+                }
                 self.bump_request("completed");
                 out.push(Output::Finished {
                     req_id,
@@ -790,7 +814,13 @@ impl ReceiverCore {
     /// Allocation for `req_id == ""`: no admission wait, no tracking, but the
     /// chunks are still counted in the ledger so admitted requests keep their
     /// guarantee.
-    fn on_anonymous(&mut self, peer: &[u8], req: AllocRequest, out: &mut Vec<Output>) {
+    fn on_anonymous(
+        &mut self,
+        peer: &[u8],
+        req: AllocRequest,
+        now: Instant,
+        out: &mut Vec<Output>,
+    ) {
         let n = req.keys.len();
         if let Err((code, msg)) = self.check_batch_shape(&req) {
             return self.fail_reply(peer, n, req.seq, code, msg, out);
@@ -819,10 +849,12 @@ impl ReceiverCore {
         };
         let mut remote = Vec::with_capacity(n);
         let mut already = Vec::new();
+        let mut held = Vec::new();
         for (i, key) in req.keys.iter().enumerate() {
-            if self.keys.pin(key).is_some() {
+            if let Some((_, gen)) = self.keys.pin(key) {
                 // Written already: no slot to write (see `process_batch`).
                 already.push(i as i64);
+                held.push((key.clone(), gen));
                 continue;
             }
             let slot = match (reservation.allocate(1), self.slots.try_alloc(1)) {
@@ -838,10 +870,15 @@ impl ReceiverCore {
             };
             let tokens =
                 (i + 1 == n).then(|| req.last_chunk_toks.clamp(0, i64::from(u32::MAX)) as u32);
-            self.keys.insert_new(key, slot, true, tokens);
+            held.push((key.clone(), self.keys.insert_new(key, slot, true, tokens)));
             remote.push(i64::from(slot));
         }
         drop(reservation);
+        if self.cfg.auto_consume && !held.is_empty() {
+            // No TransferDone will come: delivered after the grace.
+            self.consume_later
+                .push(now + self.cfg.consume_grace, peer, "", held);
+        }
         out.push(Output::Send {
             peer: peer.to_vec(),
             message: Message::AllocResponse(AllocResponse::ok(remote, already, req.seq)),
@@ -876,16 +913,31 @@ impl ReceiverCore {
             }
         } else if !fenced {
             // An LMCache sender cancelling a request whose tracking already
-            // ended: release the listed keys (one reference each).
-            for key in &c.keys {
-                let u = self.keys.unref(key);
-                self.release(u);
+            // ended: release its references — exactly those it holds if a
+            // counting decoder was about to take them, else one reference
+            // of each listed key.
+            if let Some(held) = self.consume_later.take(peer, &c.req_id) {
+                self.consume_refs(&held);
+            } else {
+                for key in &c.keys {
+                    let u = self.keys.unref(key);
+                    self.release(u);
+                }
             }
         }
         out.push(Output::Send {
             peer: peer.to_vec(),
             message: Message::AllocResponse(AllocResponse::ok(Vec::new(), Vec::new(), c.seq)),
         });
+    }
+
+    /// Drops the references `(key, gen)` of a delivered allocation, as a
+    /// counting decoder would (parked requests are granted by the caller).
+    fn consume_refs(&mut self, held: &[(String, u64)]) {
+        for (key, gen) in held {
+            let u = self.keys.unref_gen(key, *gen);
+            self.release(u);
+        }
     }
 
     /// Removes a tombstone and ends the quarantine of the copies it kept;

@@ -24,6 +24,7 @@ fn cfg(capacity: usize) -> CoreConfig {
         other_transports: Vec::new(),
         answer_hello: true,
         auto_consume: false,
+        consume_grace: Duration::from_secs(1),
     }
 }
 
@@ -783,6 +784,97 @@ fn auto_consume_releases_on_transfer_done() {
         2,
         "B admitted by the release"
     );
+}
+
+/// Issue 12: an LMCache peer sends no TransferDone, so with `auto_consume`
+/// its request counts as delivered `consume_grace` after its last batch
+/// was answered; the request parked behind it is admitted then (before,
+/// it waited for `admission_timeout`).
+#[test]
+fn auto_consume_releases_an_lmcache_request_after_the_grace() {
+    let t0 = Instant::now();
+    let grace = Duration::from_millis(200);
+    let mut c = ReceiverCore::new(
+        CoreConfig {
+            auto_consume: true,
+            consume_grace: grace,
+            ..cfg(4)
+        },
+        t0,
+    );
+    let mut out = Vec::new();
+    // P and Q never say Hello: LMCache senders.
+    c.handle(P, batch("A", &["a0", "a1"], 3, false, None), t0, &mut out);
+    let t1 = t0 + Duration::from_millis(50);
+    c.handle(P, batch("A", &["a2"], 3, true, None), t1, &mut out);
+    assert_eq!(replies(&mut out).len(), 2);
+    assert!(out.contains(&Output::Finished {
+        req_id: "A".into(),
+        outcome: Outcome::Ready
+    }));
+    out.clear();
+    c.handle(Q, batch("B", &["b0", "b1"], 2, true, None), t1, &mut out);
+    assert!(replies(&mut out).is_empty(), "B parked behind A");
+    assert_eq!(c.stats().parked_requests, 1);
+    assert_eq!(c.next_deadline(), Some(t1 + grace), "the core wakes for A");
+    // The grace counts from A's *last* reply.
+    c.tick(t0 + grace, &mut out);
+    assert!(replies(&mut out).is_empty(), "A's last batch was at t1");
+    assert_eq!(c.stats().keys, 3);
+    c.tick(t1 + grace, &mut out);
+    assert_eq!(c.stats().keys, 2, "A's chunks are gone, B's are allocated");
+    let rb = one_reply(&mut out);
+    assert_eq!(rb.remote_indexes.len(), 2, "B admitted by the release");
+    c.tick(t1 + grace * 3, &mut out);
+    assert_eq!(c.stats().slots_in_use, 0, "B consumed after its own grace");
+    assert_eq!(c.ledger().stats().committed, 0);
+}
+
+/// Anonymous batches get no TransferDone either: same rule. An LMCache
+/// cancel after the last batch drops exactly the request's references, at
+/// once, and the grace does not drop them a second time.
+#[test]
+fn auto_consume_grace_covers_anonymous_batches_and_late_cancels() {
+    let t0 = Instant::now();
+    let grace = Duration::from_millis(100);
+    let mut c = ReceiverCore::new(
+        CoreConfig {
+            auto_consume: true,
+            consume_grace: grace,
+            ..cfg(4)
+        },
+        t0,
+    );
+    let mut out = Vec::new();
+    c.handle(P, batch("", &["n0", "n1"], 0, false, None), t0, &mut out);
+    assert_lmcache_accepts(2, &one_reply(&mut out));
+    c.handle(Q, batch("A", &["n0", "a1"], 2, true, None), t0, &mut out);
+    let ra = one_reply(&mut out);
+    assert_eq!(ra.already_sent_indexes, vec![0], "n0 is ready at once");
+    assert_lmcache_accepts(2, &ra);
+    out.clear();
+    assert_eq!(c.stats().slots_in_use, 3);
+    // A's sender gives up after its last reply (e.g. its write failed).
+    c.handle(
+        Q,
+        Message::CancelNotif(CancelNotif {
+            req_id: "A".into(),
+            keys: vec!["n0".into(), "a1".into()],
+            seq: None,
+        }),
+        t0,
+        &mut out,
+    );
+    assert_eq!(
+        c.stats().slots_in_use,
+        2,
+        "a1 freed; n0 still held by the batch"
+    );
+    assert!(c.is_ready("n0"));
+    c.tick(t0 + grace, &mut out);
+    assert_eq!(c.stats().slots_in_use, 0, "the anonymous batch consumed");
+    assert_eq!(c.ledger().stats().committed, 0);
+    assert_eq!(c.next_deadline(), None, "nothing left to wake for");
 }
 
 #[test]

@@ -90,6 +90,7 @@ fn core_config(cfg: &Cfg) -> CoreConfig {
         descriptor: Descriptor::None,
         answer_hello: true,
         auto_consume: false,
+        consume_grace: Duration::from_secs(1),
         other_transports: Vec::new(),
     }
 }
