@@ -444,8 +444,10 @@ impl Ctrl {
         self.discard_prepared(peer);
         let Some(remote) = self.static_peers.get(&peer.endpoint).cloned() else {
             peer.mode = Mode::Failed(format!(
-                "receiver at {} did not answer Hello and no static buffer descriptor is configured for it",
-                peer.endpoint
+                "receiver at {} did not answer Hello (an LMCache receiver?) and no static buffer descriptor is configured for it: \
+                 give it a kvferry shm buffer file (`kvferry sender --static-buffer {}=PATH`, TOML static_buffers, \
+                 or SenderConfig::static_peers); kvferry cannot write into an LMCache receiver's own buffer (NIXL)",
+                peer.endpoint, peer.endpoint
             ));
             return;
         };
