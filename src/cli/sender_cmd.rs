@@ -35,6 +35,11 @@ pub struct SenderArgs {
     /// receiver's own (NIXL) buffer.
     #[arg(long, value_name = "ENDPOINT=PATH")]
     pub static_buffer: Vec<String>,
+    /// Chunk keys: kvferry (`req/index/total`) or lmcache (CacheEngineKey
+    /// strings, required by an LMCache receiver) [default: kvferry; TOML
+    /// `key_format`].
+    #[arg(long)]
+    pub key_format: Option<String>,
     /// The load to generate (same options as `kvferry run`; `--prefillers`
     /// is the number of senders in this process).
     #[command(flatten)]
@@ -57,6 +62,9 @@ pub fn run(a: SenderArgs) -> ExitCode {
         cfg.prefillers = 1;
     }
     cfg.static_buffers.extend(a.static_buffer.iter().cloned());
+    if let Some(f) = &a.key_format {
+        cfg.key_format = f.clone();
+    }
     if let Err(e) = cfg.validate().and_then(|()| cfg.static_peers().map(drop)) {
         return super::usage_error(e);
     }

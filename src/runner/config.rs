@@ -104,6 +104,10 @@ pub struct RunConfig {
     /// into the kvferry buffer file at `PATH` (shm; slot size and count
     /// read from its header). See [`static_peer`].
     pub static_buffers: Vec<String>,
+    /// Chunk keys: `"kvferry"` (`req/index/total`, default) or `"lmcache"`
+    /// (LMCache's `CacheEngineKey` strings, which an LMCache receiver
+    /// parses and refuses otherwise).
+    pub key_format: String,
 }
 
 impl Default for RunConfig {
@@ -127,6 +131,7 @@ impl Default for RunConfig {
             stall_timeout_s: 10.0,
             max_pending_bytes: 64 << 20,
             static_buffers: Vec::new(),
+            key_format: "kvferry".into(),
         }
     }
 }
@@ -195,6 +200,12 @@ impl RunConfig {
         if !self.stall_timeout_s.is_finite() || self.stall_timeout_s <= 0.0 {
             return Err("--stall-timeout must be a positive number of seconds".into());
         }
+        if !matches!(self.key_format.as_str(), "kvferry" | "lmcache") {
+            return Err(format!(
+                "--key-format must be kvferry or lmcache, got {:?}",
+                self.key_format
+            ));
+        }
         for spec in &self.static_buffers {
             split_static_buffer(spec)?;
         }
@@ -209,6 +220,15 @@ impl RunConfig {
             other => Err(format!(
                 "--transport must be shm, tcp or rdma, got {other:?}"
             )),
+        }
+    }
+
+    /// The key of chunk `id` of `req_id` in [`RunConfig::key_format`].
+    pub fn chunk_key(&self, id: &super::payload::ChunkId, req_id: &str) -> String {
+        if self.key_format == "lmcache" {
+            id.lmcache_key(req_id)
+        } else {
+            id.key(req_id)
         }
     }
 
