@@ -205,3 +205,79 @@ fn proxy_counts_ready_requests_and_reports_as_json() {
     );
     assert_eq!(v["malformed_frames"], 1, "{v}");
 }
+
+/// Issue 12, part 3: `kvferry sender` facing a receiver that does not
+/// answer `Hello` (an in-process kvferry receiver emulating LMCache's).
+/// Without a static buffer every request fails with a message saying what
+/// is missing; with `--static-buffer ENDPOINT=PATH` (the receiver's buffer
+/// file) the run completes, in LMCache mode (no TransferDone, so the
+/// receiver's `--consume` grace releases the chunks).
+#[test]
+fn sender_addresses_a_receiver_without_hello_through_a_static_buffer() {
+    let receiver = kvferry::receiver::Receiver::start(kvferry::receiver::ReceiverConfig {
+        listen: "tcp://127.0.0.1:0".into(),
+        capacity_chunks: 16,
+        chunk_bytes: 4096,
+        answer_hello: false,
+        auto_consume: true,
+        consume_grace: Duration::from_millis(20),
+        ..Default::default()
+    })
+    .expect("receiver starts");
+    let ep = receiver.endpoint().to_owned();
+    let load = [
+        "--requests",
+        "12",
+        "--chunks",
+        "1..6",
+        "--batch",
+        "2",
+        "--chunk-bytes",
+        "4096",
+        "--capacity-chunks",
+        "16",
+        "--json",
+        "--quiet",
+    ];
+    let mut args = vec!["sender", "--connect", &ep];
+    args.extend(load);
+    let out = run(&args, Duration::from_secs(60));
+    assert!(!out.status.success(), "no static buffer: the run fails");
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        all.contains("did not answer Hello") && all.contains("--static-buffer"),
+        "the failure says what is missing:\n{all}"
+    );
+
+    let spec = format!("{ep}={}", receiver.shm_path().display());
+    let mut args = vec!["sender", "--connect", &ep, "--static-buffer", &spec];
+    args.extend(load);
+    let out = run(&args, Duration::from_secs(60));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "JSON report ({e}); stderr:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    assert!(out.status.success(), "{v}");
+    assert_eq!(v["completed"], 12, "{v}");
+    let st = receiver.stats();
+    assert_eq!(
+        st.core.requests_total.get("completed").copied(),
+        Some(12),
+        "{st:?}"
+    );
+
+    // A path that is no kvferry buffer file is refused up front (exit 2).
+    let bad = format!("{ep}=/nonexistent/kvferry.buf");
+    let mut args = vec!["sender", "--connect", &ep, "--static-buffer", &bad];
+    args.extend(load);
+    let out = run(&args, Duration::from_secs(60));
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("NIXL"), "{err}");
+}

@@ -135,12 +135,23 @@ fn alloc_request_full() -> Message {
     })
 }
 
-/// LMCache-shaped success reply (no extensions).
+/// LMCache-shaped success reply (no extensions): the answer to a 3-key
+/// batch whose key 1 the receiver already holds — one slot per key to
+/// write (keys 0 and 2), none for the already-sent key.
 const ALLOC_RESPONSE_OK: &[u8] = b"\x83\xa4type\xadAllocResponse\xaeremote_indexes\x92\x00\x05\
 \xb4already_sent_indexes\x91\x01";
 
 fn alloc_response_ok() -> Message {
     Message::AllocResponse(AllocResponse::ok(vec![0, 5], vec![1], None))
+}
+
+/// Issue 12's case, as LMCache's own receiver answers it: 2 keys, key 0
+/// held → `AllocResponse(remote_indexes=[2], already_sent_indexes=[0])`.
+const ALLOC_RESPONSE_DEDUP: &[u8] = b"\x83\xa4type\xadAllocResponse\xaeremote_indexes\x91\x02\
+\xb4already_sent_indexes\x91\x00";
+
+fn alloc_response_dedup() -> Message {
+    Message::AllocResponse(AllocResponse::ok(vec![2], vec![0], None))
 }
 
 /// kvferry failure reply: -1 indexes plus seq, error and code.
@@ -323,6 +334,11 @@ fn golden() -> Vec<(&'static str, &'static [u8], Message)> {
         ),
         ("AllocResponse (ok)", ALLOC_RESPONSE_OK, alloc_response_ok()),
         (
+            "AllocResponse (dedup)",
+            ALLOC_RESPONSE_DEDUP,
+            alloc_response_dedup(),
+        ),
+        (
             "AllocResponse (failure)",
             ALLOC_RESPONSE_FAIL,
             alloc_response_fail(),
@@ -366,6 +382,53 @@ fn golden_frames_decode_and_encode_byte_exact() {
         assert_eq!(encode(&msg), bytes, "{name}: encode is not byte-identical");
         assert_eq!(decode(&encode(&msg)).unwrap(), msg, "{name}: round trip");
     }
+}
+
+/// LMCache 0.5.6's sender checks on a reply to `n_keys` keys, written out
+/// as its `_async_transfer_task` does (independent of `placement`).
+fn lmcache_accepts(n_keys: usize, r: &AllocResponse) -> Result<(), String> {
+    let already: std::collections::BTreeSet<i64> = r.already_sent_indexes.iter().copied().collect();
+    if already.iter().any(|&i| i < 0 || i as usize >= n_keys) {
+        return Err(format!(
+            "Invalid already_sent_indexes from receiver: {already:?}"
+        ));
+    }
+    let expected = n_keys - already.len();
+    if r.remote_indexes.len() != expected {
+        return Err(format!(
+            "AllocResponse inconsistency: total_keys={n_keys}, already_sent={}, remote_indexes={}, expected={expected}",
+            already.len(),
+            r.remote_indexes.len()
+        ));
+    }
+    Ok(())
+}
+
+/// Every golden reply passes LMCache's sender check for the batch it
+/// answers, and `placement` reads it the same way.
+#[test]
+fn golden_replies_pass_lmcaches_consistency_check() {
+    type Case = (&'static [u8], usize, &'static [(usize, i64)]);
+    let cases: [Case; 3] = [
+        (ALLOC_RESPONSE_OK, 3, &[(0, 0), (2, 5)]),
+        (ALLOC_RESPONSE_DEDUP, 2, &[(1, 2)]),
+        (ALLOC_RESPONSE_FAIL, 2, &[(0, -1), (1, -1)]),
+    ];
+    for (bytes, n_keys, writes) in cases {
+        let Message::AllocResponse(r) = decode(bytes).unwrap() else {
+            panic!("not an AllocResponse");
+        };
+        assert_eq!(lmcache_accepts(n_keys, &r), Ok(()), "{r:?}");
+        let p = placement(n_keys, &r).unwrap();
+        assert_eq!(p.writes.as_slice(), writes, "{r:?}");
+    }
+    // The reply kvferry's receiver used to send for issue 12's case.
+    let old = AllocResponse::ok(vec![0, 2], vec![0], None);
+    assert_eq!(
+        lmcache_accepts(2, &old),
+        Err("AllocResponse inconsistency: total_keys=2, already_sent=1, remote_indexes=2, expected=1".into())
+    );
+    assert!(placement(2, &old).is_err());
 }
 
 #[test]

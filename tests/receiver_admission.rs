@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::*;
 use kvferry::protocol::ErrorCode;
-use kvferry::receiver::WaitError;
+use kvferry::receiver::{ReceiverConfig, WaitError};
 
 /// Consumes `ks` like a decoder: borrow each key and drop the borrow.
 fn consume(r: &kvferry::receiver::Receiver, ks: &[String]) {
@@ -333,5 +333,53 @@ fn lease_expiry_capacity_returns_after_the_quarantine_grace() {
     // The whole buffer is usable again.
     assert_ok(&c.call(&alloc("E", &keys("e", 4), 4, true, None), "E"), 4);
     consume(&r, &keys("e", 4));
+    assert_idle(&r);
+}
+
+/// Issue 12: `--consume` with LMCache senders (no Hello, so no
+/// TransferDone). Two senders alternate requests that each take most of
+/// the buffer, so every other request parks behind the previous one; each
+/// is admitted once its predecessor's grace has passed, and none ends in
+/// `admission_timeout` — although that timeout is far shorter than the run.
+#[test]
+fn consume_with_lmcache_senders_never_times_out() {
+    const ROUNDS: usize = 20;
+    let r = start(ReceiverConfig {
+        auto_consume: true,
+        consume_grace: Duration::from_millis(20),
+        admission_timeout: Duration::from_secs(5),
+        ..config(4)
+    });
+    let senders = [
+        Client::connect(r.endpoint(), "lmc-consume-a"),
+        Client::connect(r.endpoint(), "lmc-consume-b"),
+    ];
+    for round in 0..ROUNDS {
+        // Both first batches go out before either is answered: the second
+        // one parks (3 + 3 > 4).
+        let ids = [format!("c{round}-a"), format!("c{round}-b")];
+        for (s, id) in senders.iter().zip(&ids) {
+            s.send(&alloc(id, &keys(&format!("{id}-"), 3), 3, true, None));
+        }
+        for (s, id) in senders.iter().zip(&ids) {
+            let rep = s.recv_reply(deadline(), &format!("{id}'s only batch"));
+            assert_lmcache_accepts(3, &rep);
+            assert_ok(&rep, 3);
+        }
+    }
+    let s = r.stats();
+    assert_eq!(
+        s.core.requests_total.get("completed").copied(),
+        Some(2 * ROUNDS as u64),
+        "{s:?}"
+    );
+    assert!(
+        s.core.requests_total.get("parked").copied().unwrap_or(0) >= ROUNDS as u64,
+        "the second request of each round parked: {s:?}"
+    );
+    assert_eq!(s.core.requests_total.get("admission_timeout"), None);
+    wait_stats(&r, "the last requests consumed", |s| {
+        s.allocated_chunks == 0
+    });
     assert_idle(&r);
 }

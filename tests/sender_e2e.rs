@@ -392,3 +392,69 @@ fn batches_stored_before_and_after_admission_do_not_deadlock_on_staging() {
     wait_sender_empty(&sender, "after the mixed request");
     wait_receiver_empty(&receiver, "after the mixed request");
 }
+
+/// Stores `keys` (with the payload of chunk `ids[i]`) as one last batch of
+/// a request of `keys.len()` chunks.
+fn store_keys(s: &kvferry::sender::Sender, ep: &str, req_id: &str, keys: &[String], ids: &[u32]) {
+    let spec = kvferry::sender::TransferSpec::new(req_id, ep, keys.len(), true);
+    let bufs: Vec<Vec<u8>> = ids
+        .iter()
+        .map(|&i| {
+            let mut b = Vec::new();
+            payloads().fill(chunk_id(7_000, i, 16), &mut b);
+            b
+        })
+        .collect();
+    let chunks: Vec<&[u8]> = bufs.iter().map(Vec::as_slice).collect();
+    s.store(&spec, keys, &chunks)
+        .unwrap_or_else(|e| panic!("store of {req_id}: {e}"));
+}
+
+/// Issue 12: a shared prefix. The second request's reply lists a slot only
+/// for the keys it must write (skipping the already-sent ones, LMCache's
+/// shape); the sender maps them back to their keys, writes those alone
+/// and completes. The dedup'd keys sit between written ones, so a sender
+/// pairing slots with keys by position would write the wrong chunk.
+#[test]
+fn shared_prefix_dedup_writes_only_the_new_keys_to_the_right_slots() {
+    let proxy = proxy();
+    let receiver = receiver(16);
+    let ep = receiver.endpoint().to_owned();
+    let s = sender(sender_cfg(16, Some(&proxy)));
+    let k = |name: &str| format!("dedup-{name}");
+    let a_keys = [k("p0"), k("p1"), k("a")];
+    store_keys(&s, &ep, "dedup-a", &a_keys, &[0, 1, 2]);
+    assert_eq!(terminal(&s, "dedup-a"), RequestStatus::Completed);
+    receiver.wait_ready("dedup-a", deadline()).expect("A ready");
+    // B: new, shared, new, shared.
+    let b_keys = [k("b0"), k("p0"), k("b2"), k("p1")];
+    store_keys(&s, &ep, "dedup-b", &b_keys, &[10, 0, 12, 1]);
+    assert_eq!(terminal(&s, "dedup-b"), RequestStatus::Completed);
+    receiver.wait_ready("dedup-b", deadline()).expect("B ready");
+    let st = receiver.stats();
+    assert_eq!(st.allocated_chunks, 5, "p0 and p1 are stored once: {st:?}");
+    for (key, id) in [("b0", 10), ("b2", 12), ("a", 2), ("p0", 0), ("p1", 1)] {
+        let c = receiver
+            .get(&k(key))
+            .unwrap_or_else(|| panic!("{key} held and ready"));
+        assert!(
+            payloads().verify(chunk_id(7_000, id, 16), c.bytes()),
+            "{key} (slot {}) holds the bytes stored for it",
+            c.slot()
+        );
+    }
+    // p0 and p1 carry a second reference (B's pin).
+    for key in ["p0", "p1"] {
+        assert!(receiver.remove(&k(key)), "B's reference on {key}");
+    }
+    proxy
+        .wait_ready("dedup-a", 1, deadline())
+        .expect("A's ProxyNotif");
+    proxy
+        .wait_ready("dedup-b", 1, deadline())
+        .expect("B's ProxyNotif");
+    assert_eq!(s.close(deadline()), 0);
+    assert_eq!(proxy.count("dedup-a"), 1);
+    assert_eq!(proxy.count("dedup-b"), 1);
+    wait_receiver_empty(&receiver, "after both dedup requests were consumed");
+}

@@ -48,9 +48,16 @@ pub struct ReceiverArgs {
     #[arg(long)]
     pub pin_cpu: Option<usize>,
     /// Release each request's chunks as soon as it is complete, like a
-    /// decoder that only counts (for load tests).
+    /// decoder that only counts (for load tests): on its TransferDone
+    /// (kvferry senders), or --consume-grace-ms after its last batch was
+    /// answered (LMCache senders and anonymous batches, which send none).
     #[arg(long)]
     pub consume: bool,
+    /// With --consume: milliseconds after its last reply an allocation
+    /// without TransferDone counts as delivered. Must exceed the time the
+    /// sender takes to write a batch (a slot may be reused after it).
+    #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub consume_grace_ms: u64,
     /// Also offer the TCP data plane: bind its listener here (e.g.
     /// `10.0.0.2:7401`; port 0 picks one).
     #[arg(long)]
@@ -139,6 +146,7 @@ pub fn run(a: ReceiverArgs) -> ExitCode {
         shm_path: a.shm_path,
         pin_cpu: a.pin_cpu,
         auto_consume: a.consume,
+        consume_grace: Duration::from_millis(a.consume_grace_ms),
         tcp_data: a.tcp_data,
         tcp_data_advertise: a.tcp_advertise,
         tcp_data_limits: TcpDataLimits {

@@ -28,6 +28,18 @@ pub struct SenderArgs {
     /// Serve Prometheus metrics at http://ADDR/metrics.
     #[arg(long)]
     pub metrics: Option<SocketAddr>,
+    /// ENDPOINT=PATH (repeatable; TOML `static_buffers`): the receiver at
+    /// ENDPOINT does not answer Hello (an LMCache receiver); write its
+    /// chunks into the kvferry shm buffer file PATH on this host (slot size
+    /// and count from its header). kvferry cannot reach an LMCache
+    /// receiver's own (NIXL) buffer.
+    #[arg(long, value_name = "ENDPOINT=PATH")]
+    pub static_buffer: Vec<String>,
+    /// Chunk keys: kvferry (`req/index/total`) or lmcache (CacheEngineKey
+    /// strings, required by an LMCache receiver) [default: kvferry; TOML
+    /// `key_format`].
+    #[arg(long)]
+    pub key_format: Option<String>,
     /// The load to generate (same options as `kvferry run`; `--prefillers`
     /// is the number of senders in this process).
     #[command(flatten)]
@@ -48,6 +60,13 @@ pub fn run(a: SenderArgs) -> ExitCode {
     };
     if a.load.prefillers.is_none() {
         cfg.prefillers = 1;
+    }
+    cfg.static_buffers.extend(a.static_buffer.iter().cloned());
+    if let Some(f) = &a.key_format {
+        cfg.key_format = f.clone();
+    }
+    if let Err(e) = cfg.validate().and_then(|()| cfg.static_peers().map(drop)) {
+        return super::usage_error(e);
     }
     if a.connect.iter().any(|c| c.trim().is_empty()) {
         return super::usage_error("--connect has an empty endpoint");

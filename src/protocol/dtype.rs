@@ -40,6 +40,11 @@ const DTYPES: &[(&str, u64)] = &[
     ("float8_e8m0fnu", 1),
     ("fp8_e4m3", 1),
     ("fp8_e5m2", 1),
+    // LMCache's own names (`lmcache.utils.TORCH_DTYPE_TO_STR_DTYPE`, 0.5.6),
+    // which its sender puts in `AllocRequest.dtype`.
+    ("fp8_e4m3fn", 1),
+    ("fp8_e4m3fnuz", 1),
+    ("fp8_e5m2fnuz", 1),
 ];
 
 /// Size in bytes of one element of `dtype`, or `None` for an unknown name.
@@ -87,6 +92,29 @@ mod tests {
             ("fp8", 1),
             ("int32", 4),
             ("int64", 8),
+        ] {
+            assert_eq!(dtype_size(name), Some(size), "{name}");
+        }
+    }
+
+    /// Every name LMCache 0.5.6's sender writes (`TORCH_DTYPE_TO_STR_DTYPE`).
+    #[test]
+    fn lmcache_dtype_names() {
+        for (name, size) in [
+            ("half", 2),
+            ("bfloat16", 2),
+            ("float", 4),
+            ("double", 8),
+            ("int8", 1),
+            ("uint8", 1),
+            ("int16", 2),
+            ("int32", 4),
+            ("int64", 8),
+            ("bool", 1),
+            ("fp8_e4m3fn", 1),
+            ("fp8_e4m3fnuz", 1),
+            ("fp8_e5m2", 1),
+            ("fp8_e5m2fnuz", 1),
         ] {
             assert_eq!(dtype_size(name), Some(size), "{name}");
         }

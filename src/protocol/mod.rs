@@ -46,6 +46,7 @@ mod error;
 mod error_code;
 mod limits;
 mod messages;
+mod placement;
 mod scan;
 
 pub use codec::{decode, decode_with_limits, encode, encode_into, validate};
@@ -57,6 +58,7 @@ pub use messages::{
     AllocRequest, AllocResponse, CancelNotif, Descriptor, Heartbeat, Hello, HelloAck, Message,
     ProxyNotif, TransferDone, GID_LEN,
 };
+pub use placement::{placement, Placement, PlacementError};
 pub use scan::{peek_reply_hints, ReplyHints};
 
 /// Version of kvferry's protocol extensions, exchanged in `Hello`/`HelloAck`.

@@ -76,6 +76,7 @@ fn cfg() -> CoreConfig {
         answer_hello: true,
         auto_consume: false,
         bounds: super::bounds::Bounds::default(),
+        consume_grace: Duration::from_secs(1),
     }
 }
 

@@ -104,9 +104,17 @@ pub struct CoreConfig {
     pub answer_hello: bool,
     /// Release each request's chunks as soon as its `TransferDone` arrives,
     /// like a decoder that only counts (load tests and benchmarks).
+    /// Allocations that never get a `TransferDone` (an LMCache peer's
+    /// requests, anonymous batches) are released `consume_grace` after
+    /// their last reply instead.
     pub auto_consume: bool,
     /// Bounds on what peers can make the core hold.
     pub bounds: Bounds,
+    /// With `auto_consume`: how long after its last batch was answered an
+    /// allocation without `TransferDone` counts as delivered (its writes
+    /// cannot be observed). Must exceed the time the sender takes to write
+    /// a batch; a shorter grace lets a slot be reused under a late write.
+    pub consume_grace: Duration,
 }
 
 /// Something the control thread must do after a step of the core.
@@ -300,6 +308,11 @@ pub struct ReceiverCore {
     tombstones: ByRequest<Tombstone>,
     /// LMCache requests whose tracking ended, with the references they hold.
     done_refs: ByRequest<DoneRefs>,
+    /// When each record of `done_refs` ends, in that order (the deadline is
+    /// a constant after insertion, so this FIFO is sorted): O(1) to find
+    /// the next one. An entry whose record was cancelled or replaced since
+    /// is skipped.
+    done_due: VecDeque<(Instant, PeerId, String)>,
     /// Anonymous allocations, oldest first (all have the same lifetime).
     anonymous: VecDeque<Anonymous>,
     /// Per-peer state, pruned when nothing of the peer is left.
@@ -343,6 +356,7 @@ impl ReceiverCore {
             requests: ByRequest::default(),
             tombstones: ByRequest::default(),
             done_refs: ByRequest::default(),
+            done_due: VecDeque::new(),
             anonymous: VecDeque::new(),
             peers: HashMap::new(),
             pruned_hello: PrunedPeers::default(),
@@ -492,11 +506,12 @@ impl ReceiverCore {
                 );
             }
         }
+        // Records first: slots an expired anonymous allocation (or, with
+        // `auto_consume`, a consumed record) frees go to parked requests
+        // before their own leases are checked.
+        self.expire_records(now, out);
         if now >= self.next_lease_scan {
             self.next_lease_scan = now + lease_scan_period(self.cfg.lease);
-            // Records first: slots an expired anonymous allocation frees
-            // go to parked requests before their own leases are checked.
-            self.expire_records(now, out);
             self.expire_leases(now, out);
             self.prune_peers(now, out);
         }
@@ -562,18 +577,21 @@ impl ReceiverCore {
     /// its reference (like each pin's) dropped, so the slot is freed once
     /// no borrow holds it.
     fn expire_records(&mut self, now: Instant, out: &mut Vec<Output>) {
-        let old: Vec<(PeerId, String)> = self
-            .done_refs
-            .iter()
-            .filter(|(_, _, d)| d.until <= now)
-            .map(|(p, id, _)| (p.to_vec(), id.to_owned()))
-            .collect();
-        for (peer, req_id) in old {
+        let mut freed = false;
+        while self.done_due.front().is_some_and(|(t, _, _)| *t <= now) {
+            let Some((until, peer, req_id)) = self.done_due.pop_front() else {
+                break;
+            };
+            if self.done_refs.get(&peer, &req_id).is_none_or(|d| d.until != until) {
+                continue; // cancelled or replaced since
+            }
             if let Some(d) = self.done_refs.remove(&peer, &req_id) {
                 self.record_bytes -= d.charge;
+                if self.cfg.auto_consume {
+                    freed |= self.consume_refs(d.held);
+                }
             }
         }
-        let mut freed = false;
         while self.anonymous.front().is_some_and(|a| a.until <= now) {
             let Some(a) = self.anonymous.pop_front() else {
                 break;
@@ -640,6 +658,12 @@ impl ReceiverCore {
         }
         for t in self.tombstones.values() {
             consider(t.until);
+        }
+        if let Some((t, _, _)) = self.done_due.front() {
+            consider(*t);
+        }
+        if let Some(a) = self.anonymous.front() {
+            consider(a.until);
         }
         next
     }
@@ -1054,7 +1078,7 @@ impl ReceiverCore {
             // Dedup only against a written copy (`pin` skips copies still
             // being written): "already sent" then means the bytes are in
             // place, so the sender may count the chunk complete at once.
-            if let Some((slot, gen)) = self.keys.pin(key) {
+            if let Some((_slot, gen)) = self.keys.pin(key) {
                 // The chunk needs no slot, so its share of the reservation
                 // goes back at once (allocate it, then free it).
                 if reservation.allocate(1).is_ok() {
@@ -1066,8 +1090,10 @@ impl ReceiverCore {
                     wrote: false,
                     granted: false,
                 });
+                // LMCache's reply shape: `remote_indexes` lists only the
+                // keys to write, so a dedup hit gets no entry there
+                // (`len(remote) == len(keys) - len(already)`).
                 already.push(i as i64);
-                remote.push(i64::from(slot));
                 continue;
             }
             if reservation.allocate(1).is_err() {
@@ -1153,11 +1179,27 @@ impl ReceiverCore {
         let held: Vec<(String, u64)> = held.into_iter().map(|h| (h.key, h.gen)).collect();
         let charge = bounds::ended_cost(peer, req_id, held.iter().map(|(k, _)| k.as_str()));
         if self.record_bytes + charge > self.cfg.bounds.max_ended_bytes {
-            peer_warn!(self.log, now, req_id, "ended-request records at their bound: a later cancel of this request will release nothing");
+            if self.cfg.auto_consume {
+                // A counting decoder must still take these, or they leak.
+                peer_warn!(self.log, now, req_id, "ended-request records at their bound: consuming this request's chunks without the grace");
+                self.consume_refs(held);
+            } else {
+                peer_warn!(self.log, now, req_id, "ended-request records at their bound: a later cancel of this request will release nothing");
+            }
             return;
         }
         self.record_bytes += charge;
-        let until = now + self.cfg.lease;
+        // Kept for the peer's late cancel for a lease; with `auto_consume`,
+        // until the grace after which the chunks count as delivered (an
+        // LMCache sender's writes cannot be observed; it sends no
+        // TransferDone) and are released.
+        let until = now
+            + if self.cfg.auto_consume {
+                self.cfg.consume_grace
+            } else {
+                self.cfg.lease
+            };
+        self.done_due.push_back((until, peer.to_vec(), req_id.to_owned()));
         if let Some(old) = self.done_refs.insert(
             peer,
             req_id,
@@ -1168,6 +1210,29 @@ impl ReceiverCore {
             },
         ) {
             self.record_bytes -= old.charge;
+        }
+    }
+
+    /// Drops one reference of each copy in `held` (a consuming decoder's
+    /// release); true if capacity was freed.
+    fn consume_refs(&mut self, held: Vec<(String, u64)>) -> bool {
+        let mut freed = false;
+        for (key, gen) in held {
+            let u = self.keys.unref_gen(&key, gen);
+            freed |= self.release(u);
+        }
+        freed
+    }
+
+    /// How long an anonymous allocation is kept: its lifetime, or with
+    /// `auto_consume` the consume grace if shorter (no TransferDone comes
+    /// for it either).
+    fn anonymous_lifetime(&self) -> Duration {
+        let life = self.cfg.bounds.anonymous_lifetime;
+        if self.cfg.auto_consume {
+            life.min(self.cfg.consume_grace)
+        } else {
+            life
         }
     }
 
@@ -1239,9 +1304,9 @@ impl ReceiverCore {
         let mut already = Vec::new();
         let mut held = Vec::with_capacity(n);
         for (i, key) in req.keys.iter().enumerate() {
-            if let Some((slot, gen)) = self.keys.pin(key) {
+            if let Some((_, gen)) = self.keys.pin(key) {
+                // Written already: no slot to write (see `process_batch`).
                 already.push(i as i64);
-                remote.push(i64::from(slot));
                 held.push((key.clone(), gen, false));
                 continue;
             }
@@ -1275,7 +1340,7 @@ impl ReceiverCore {
             self.anonymous.push_back(Anonymous {
                 peer: peer.to_vec(),
                 held,
-                until: now + self.cfg.bounds.anonymous_lifetime,
+                until: now + self.anonymous_lifetime(),
                 charge,
             });
         }

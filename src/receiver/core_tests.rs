@@ -25,6 +25,7 @@ fn cfg(capacity: usize) -> CoreConfig {
         answer_hello: true,
         auto_consume: false,
         bounds: super::bounds::Bounds::default(),
+        consume_grace: Duration::from_secs(1),
     }
 }
 
@@ -64,6 +65,24 @@ fn one_reply(out: &mut Vec<Output>) -> AllocResponse {
         .next()
         .map(|(_, r)| r)
         .unwrap_or_else(|| unreachable!())
+}
+
+/// LMCache 0.5.6's sender checks on a reply to a batch of `n_keys` keys
+/// (`PDBackendAsync._async_transfer_task`), written out independently of
+/// `protocol::placement`: every `already_sent_indexes` entry in
+/// `0..n_keys`, and `len(remote_indexes) == n_keys - len(set(already_sent))`.
+#[track_caller]
+fn assert_lmcache_accepts(n_keys: usize, r: &AllocResponse) {
+    let already: std::collections::HashSet<i64> = r.already_sent_indexes.iter().copied().collect();
+    assert!(
+        already.iter().all(|&i| i >= 0 && (i as usize) < n_keys),
+        "invalid already_sent_indexes for {n_keys} keys: {r:?}"
+    );
+    assert_eq!(
+        r.remote_indexes.len(),
+        n_keys - already.len(),
+        "AllocResponse inconsistency for {n_keys} keys: {r:?}"
+    );
 }
 
 fn keys(prefix: &str, n: usize) -> Vec<String> {
@@ -243,9 +262,13 @@ fn dedup_pins_and_reports_already_sent() {
     c.handle(Q, batch("B", &["y", "z"], 2, true, None), t0, &mut out);
     let rb = one_reply(&mut out);
     assert_eq!(rb.already_sent_indexes, vec![0]);
-    assert_eq!(
-        rb.remote_indexes[0], ra.remote_indexes[1],
-        "dedup names the existing slot"
+    // One slot per key to write, skipping the already-sent one (issue 12:
+    // `[y's slot, z's slot]` made LMCache's sender abort the request).
+    assert_lmcache_accepts(2, &rb);
+    assert_eq!(rb.remote_indexes.len(), 1, "only z is written: {rb:?}");
+    assert!(
+        !ra.remote_indexes.contains(&rb.remote_indexes[0]),
+        "z gets its own slot"
     );
     // y has two references: one remove keeps it, the second frees it.
     assert!(c.remove_key("y", t0, &mut out));
@@ -319,7 +342,8 @@ fn dedup_only_against_written_keys() {
     c.handle(Q, batch("C", &["k"], 1, true, Some(2)), t0, &mut out);
     let rc = one_reply(&mut out);
     assert_eq!(rc.already_sent_indexes, vec![0]);
-    assert_eq!(rc.remote_indexes[0], ra.remote_indexes[0], "A's copy");
+    assert_lmcache_accepts(1, &rc);
+    assert!(rc.remote_indexes.is_empty(), "nothing to write: {rc:?}");
     // B's copy is not readable until B's TransferDone; A's is.
     let first = c.borrow("k").expect("A's copy is ready");
     assert_eq!(i64::from(first.slot), ra.remote_indexes[0]);
@@ -354,8 +378,11 @@ fn anonymous_batches_do_not_pin_a_key_being_written() {
     assert_ne!(rn.remote_indexes[0], ra.remote_indexes[0]);
     assert_eq!(c.ledger().stats().allocated, 2, "two copies, two slots");
     c.handle(P, done("A"), t0, &mut out);
-    c.handle(Q, batch("", &["k"], 0, false, None), t0, &mut out);
-    assert_eq!(one_reply(&mut out).already_sent_indexes, vec![0]);
+    c.handle(Q, batch("", &["j", "k"], 0, false, None), t0, &mut out);
+    let rd = one_reply(&mut out);
+    assert_eq!(rd.already_sent_indexes, vec![1]);
+    assert_lmcache_accepts(2, &rd);
+    assert_eq!(rd.remote_indexes.len(), 1, "only j is written: {rd:?}");
 }
 
 /// Finding 3 of docs/model-check.md: a writer that aborts only releases its
@@ -758,6 +785,97 @@ fn auto_consume_releases_on_transfer_done() {
         2,
         "B admitted by the release"
     );
+}
+
+/// Issue 12: an LMCache peer sends no TransferDone, so with `auto_consume`
+/// its request counts as delivered `consume_grace` after its last batch
+/// was answered; the request parked behind it is admitted then (before,
+/// it waited for `admission_timeout`).
+#[test]
+fn auto_consume_releases_an_lmcache_request_after_the_grace() {
+    let t0 = Instant::now();
+    let grace = Duration::from_millis(200);
+    let mut c = ReceiverCore::new(
+        CoreConfig {
+            auto_consume: true,
+            consume_grace: grace,
+            ..cfg(4)
+        },
+        t0,
+    );
+    let mut out = Vec::new();
+    // P and Q never say Hello: LMCache senders.
+    c.handle(P, batch("A", &["a0", "a1"], 3, false, None), t0, &mut out);
+    let t1 = t0 + Duration::from_millis(50);
+    c.handle(P, batch("A", &["a2"], 3, true, None), t1, &mut out);
+    assert_eq!(replies(&mut out).len(), 2);
+    assert!(out.contains(&Output::Finished {
+        req_id: "A".into(),
+        outcome: Outcome::Ready
+    }));
+    out.clear();
+    c.handle(Q, batch("B", &["b0", "b1"], 2, true, None), t1, &mut out);
+    assert!(replies(&mut out).is_empty(), "B parked behind A");
+    assert_eq!(c.stats().parked_requests, 1);
+    assert_eq!(c.next_deadline(), Some(t1 + grace), "the core wakes for A");
+    // The grace counts from A's *last* reply.
+    c.tick(t0 + grace, &mut out);
+    assert!(replies(&mut out).is_empty(), "A's last batch was at t1");
+    assert_eq!(c.stats().keys, 3);
+    c.tick(t1 + grace, &mut out);
+    assert_eq!(c.stats().keys, 2, "A's chunks are gone, B's are allocated");
+    let rb = one_reply(&mut out);
+    assert_eq!(rb.remote_indexes.len(), 2, "B admitted by the release");
+    c.tick(t1 + grace * 3, &mut out);
+    assert_eq!(c.stats().slots_in_use, 0, "B consumed after its own grace");
+    assert_eq!(c.ledger().stats().committed, 0);
+}
+
+/// Anonymous batches get no TransferDone either: same rule. An LMCache
+/// cancel after the last batch drops exactly the request's references, at
+/// once, and the grace does not drop them a second time.
+#[test]
+fn auto_consume_grace_covers_anonymous_batches_and_late_cancels() {
+    let t0 = Instant::now();
+    let grace = Duration::from_millis(100);
+    let mut c = ReceiverCore::new(
+        CoreConfig {
+            auto_consume: true,
+            consume_grace: grace,
+            ..cfg(4)
+        },
+        t0,
+    );
+    let mut out = Vec::new();
+    c.handle(P, batch("", &["n0", "n1"], 0, false, None), t0, &mut out);
+    assert_lmcache_accepts(2, &one_reply(&mut out));
+    c.handle(Q, batch("A", &["n0", "a1"], 2, true, None), t0, &mut out);
+    let ra = one_reply(&mut out);
+    assert_eq!(ra.already_sent_indexes, vec![0], "n0 is ready at once");
+    assert_lmcache_accepts(2, &ra);
+    out.clear();
+    assert_eq!(c.stats().slots_in_use, 3);
+    // A's sender gives up after its last reply (e.g. its write failed).
+    c.handle(
+        Q,
+        Message::CancelNotif(CancelNotif {
+            req_id: "A".into(),
+            keys: vec!["n0".into(), "a1".into()],
+            seq: None,
+        }),
+        t0,
+        &mut out,
+    );
+    assert_eq!(
+        c.stats().slots_in_use,
+        2,
+        "a1 freed; n0 still held by the batch"
+    );
+    assert!(c.is_ready("n0"));
+    c.tick(t0 + grace, &mut out);
+    assert_eq!(c.stats().slots_in_use, 0, "the anonymous batch consumed");
+    assert_eq!(c.ledger().stats().committed, 0);
+    assert_eq!(c.next_deadline(), None, "nothing left to wake for");
 }
 
 #[test]

@@ -67,8 +67,15 @@ pub struct ReceiverConfig {
     /// receiver, for tests and mixed deployments.
     pub answer_hello: bool,
     /// Release each request's chunks as soon as it is complete (a decoder
-    /// that only counts; for load tests). Default `false`.
+    /// that only counts; for load tests). Default `false`. Complete means
+    /// its `TransferDone` arrived (kvferry senders), or `consume_grace`
+    /// passed since its last batch was answered (LMCache senders and
+    /// anonymous batches, which send no `TransferDone`).
     pub auto_consume: bool,
+    /// With `auto_consume`: the grace after which an allocation without
+    /// `TransferDone` counts as delivered (default 1 s; see
+    /// `docs/protocol.md`, "Consuming without TransferDone").
+    pub consume_grace: Duration,
     /// Also offer the TCP data plane: bind its listener here (port 0 picks
     /// one; see [`Receiver::tcp_data_addr`]). Default `None`: shm only.
     pub tcp_data: Option<SocketAddr>,
@@ -116,6 +123,7 @@ impl Default for ReceiverConfig {
             pin_cpu: None,
             answer_hello: true,
             auto_consume: false,
+            consume_grace: Duration::from_secs(1),
             tcp_data: None,
             tcp_data_advertise: None,
             tcp_data_limits: TcpDataLimits::default(),
@@ -372,6 +380,7 @@ impl Receiver {
                 answer_hello: cfg.answer_hello,
                 auto_consume: cfg.auto_consume,
                 bounds: cfg.bounds.clone(),
+                consume_grace: cfg.consume_grace,
             },
             now,
         );

@@ -6,6 +6,10 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::protocol::Descriptor;
+use crate::region::Region;
+use crate::transport::RemoteBuffer;
+
 /// An inclusive range of chunk counts, written `MIN..MAX` (or one number).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]
@@ -95,6 +99,15 @@ pub struct RunConfig {
     pub stall_timeout_s: f64,
     /// Pending-area bound per prefiller, bytes.
     pub max_pending_bytes: usize,
+    /// `kvferry sender` only: receivers that do not answer `Hello` (LMCache
+    /// receivers), each as `"ENDPOINT=PATH"` — write that receiver's chunks
+    /// into the kvferry buffer file at `PATH` (shm; slot size and count
+    /// read from its header). See [`static_peer`].
+    pub static_buffers: Vec<String>,
+    /// Chunk keys: `"kvferry"` (`req/index/total`, default) or `"lmcache"`
+    /// (LMCache's `CacheEngineKey` strings, which an LMCache receiver
+    /// parses and refuses otherwise).
+    pub key_format: String,
 }
 
 impl Default for RunConfig {
@@ -117,6 +130,8 @@ impl Default for RunConfig {
             transport: "shm".into(),
             stall_timeout_s: 10.0,
             max_pending_bytes: 64 << 20,
+            static_buffers: Vec::new(),
+            key_format: "kvferry".into(),
         }
     }
 }
@@ -185,6 +200,21 @@ impl RunConfig {
         if !self.stall_timeout_s.is_finite() || self.stall_timeout_s <= 0.0 {
             return Err("--stall-timeout must be a positive number of seconds".into());
         }
+        if !matches!(self.key_format.as_str(), "kvferry" | "lmcache") {
+            return Err(format!(
+                "--key-format must be kvferry or lmcache, got {:?}",
+                self.key_format
+            ));
+        }
+        for spec in &self.static_buffers {
+            split_static_buffer(spec)?;
+        }
+        if !self.static_buffers.is_empty() && self.transport != "shm" {
+            return Err(format!(
+                "--static-buffer needs --transport shm (a static buffer is a shm buffer file), got {:?}",
+                self.transport
+            ));
+        }
         match self.transport.as_str() {
             "shm" | "tcp" | "rdma" => Ok(()),
             other => Err(format!(
@@ -192,6 +222,58 @@ impl RunConfig {
             )),
         }
     }
+
+    /// The key of chunk `id` of `req_id` in [`RunConfig::key_format`].
+    pub fn chunk_key(&self, id: &super::payload::ChunkId, req_id: &str) -> String {
+        if self.key_format == "lmcache" {
+            id.lmcache_key(req_id)
+        } else {
+            id.key(req_id)
+        }
+    }
+
+    /// The receive buffers of [`RunConfig::static_buffers`], by endpoint.
+    pub fn static_peers(&self) -> Result<Vec<(String, RemoteBuffer)>, String> {
+        self.static_buffers
+            .iter()
+            .map(|spec| {
+                let (endpoint, path) = split_static_buffer(spec)?;
+                Ok((endpoint.to_owned(), static_peer(Path::new(path))?))
+            })
+            .collect()
+    }
+}
+
+/// Splits `"ENDPOINT=PATH"` (at the first `=`; ZMQ endpoints have none).
+fn split_static_buffer(spec: &str) -> Result<(&str, &str), String> {
+    match spec.split_once('=') {
+        Some((e, p)) if !e.trim().is_empty() && !p.trim().is_empty() => Ok((e.trim(), p.trim())),
+        _ => Err(format!(
+            "--static-buffer {spec:?}: expected ENDPOINT=PATH, e.g. tcp://10.0.0.2:7400=/dev/shm/kvferry.buf"
+        )),
+    }
+}
+
+/// The static descriptor of the kvferry buffer file at `path`, for a
+/// receiver that does not answer `Hello`: its geometry comes from the
+/// file's header. Only a shm buffer file can be addressed this way: the
+/// TCP and RDMA data planes are set up by `Hello`/`HelloAck`, and an
+/// LMCache receiver's own buffer is reachable only over NIXL, which kvferry
+/// does not speak (docs/protocol.md, "Interoperating with LMCache").
+pub fn static_peer(path: &Path) -> Result<RemoteBuffer, String> {
+    let region = Region::open(path, None).map_err(|e| {
+        format!(
+            "--static-buffer: {e} (a receiver that does not answer Hello is addressed through a kvferry shm buffer file on this host; kvferry has no NIXL transport to reach an LMCache receiver's own buffer)"
+        )
+    })?;
+    Ok(RemoteBuffer {
+        descriptor: Descriptor::Shm {
+            path: path.to_string_lossy().into_owned(),
+            len: region.data_len(),
+        },
+        chunk_bytes: region.chunk_bytes(),
+        capacity_chunks: region.capacity_chunks(),
+    })
 }
 
 #[cfg(test)]
@@ -222,6 +304,57 @@ mod tests {
         assert_eq!(c.chunks, ChunkRange { min: 2, max: 4 });
         assert_eq!(c.prefillers, 2, "missing keys keep their defaults");
         assert!(toml::from_str::<RunConfig>("requets = 10\n").is_err());
+    }
+
+    #[test]
+    fn static_buffers_parse_resolve_and_refuse() {
+        let dir = std::env::temp_dir().join(format!("kvferry-static-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("buf");
+        let region = Region::create(&path, 4096, 3).unwrap();
+        let c: RunConfig = toml::from_str(&format!(
+            "static_buffers = [\"tcp://127.0.0.1:7400={}\"]\n",
+            path.display()
+        ))
+        .unwrap();
+        assert_eq!(c.validate(), Ok(()));
+        let peers = c.static_peers().unwrap();
+        assert_eq!(peers.len(), 1);
+        assert_eq!(peers[0].0, "tcp://127.0.0.1:7400");
+        assert_eq!(peers[0].1.chunk_bytes, 4096);
+        assert_eq!(peers[0].1.capacity_chunks, 3);
+        assert_eq!(
+            peers[0].1.descriptor,
+            Descriptor::Shm {
+                path: path.to_string_lossy().into_owned(),
+                len: region.data_len()
+            }
+        );
+        for bad in ["tcp://127.0.0.1:7400", "=/dev/shm/x", "tcp://h:1= "] {
+            let c = RunConfig {
+                static_buffers: vec![bad.into()],
+                ..RunConfig::default()
+            };
+            assert!(c.validate().unwrap_err().contains("ENDPOINT=PATH"), "{bad}");
+        }
+        let c = RunConfig {
+            static_buffers: vec![format!("tcp://h:1={}", path.display())],
+            transport: "tcp".into(),
+            ..RunConfig::default()
+        };
+        assert!(c.validate().unwrap_err().contains("--transport shm"));
+        // No buffer file there: the message says what is missing.
+        let c = RunConfig {
+            static_buffers: vec![format!("tcp://h:1={}", dir.join("none").display())],
+            ..RunConfig::default()
+        };
+        let e = c.static_peers().unwrap_err();
+        assert!(
+            e.contains("kvferry shm buffer file") && e.contains("NIXL"),
+            "{e}"
+        );
+        drop(region);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

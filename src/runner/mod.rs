@@ -140,6 +140,11 @@ pub fn run_with(
     on_start: impl FnOnce(&[String], &[Arc<Sender>]),
 ) -> Result<RunReport, RunError> {
     cfg.validate().map_err(RunError::Config)?;
+    if !cfg.static_buffers.is_empty() {
+        return Err(RunError::Config(
+            "static_buffers address receivers outside this process: use `kvferry sender`".into(),
+        ));
+    }
     // rdma: every receiver also sets up a queue pair per sender at Hello.
     let acceptor = AcceptorFactory::for_transport(&cfg.transport, &TransportConfig::default())
         .map_err(|e| RunError::Unavailable(e.to_string()))?;
@@ -226,6 +231,7 @@ fn execute(
     on_start: impl FnOnce(&[String], &[Arc<Sender>]),
 ) -> Result<RunReport, RunError> {
     let started = Instant::now();
+    let static_peers = cfg.static_peers().map_err(RunError::Config)?;
     let mut senders = Vec::new();
     for p in 0..cfg.prefillers {
         let fault = (cfg.fail_rate > 0.0).then(|| FaultConfig {
@@ -245,6 +251,7 @@ fn execute(
                 ..TransportConfig::default()
             },
             staging_timeout: cfg.stall_timeout() * 3,
+            static_peers: static_peers.clone(),
             ..SenderConfig::default()
         });
         match s {

@@ -38,6 +38,13 @@ impl ChunkId {
     pub fn key(&self, req_id: &str) -> String {
         format!("{req_id}/{}/{}", self.index, self.total)
     }
+
+    /// The key naming this chunk in LMCache's `CacheEngineKey` string form
+    /// (`model@world_size@worker_id@chunk_hash_hex@dtype`), which an LMCache
+    /// receiver requires of every key: `"{req_id}@1@0@{index:x}@uint8"`.
+    pub fn lmcache_key(&self, req_id: &str) -> String {
+        format!("{req_id}@1@0@{:x}@uint8", self.index)
+    }
 }
 
 fn mix(a: u64, b: u64) -> u64 {
@@ -133,5 +140,6 @@ mod tests {
             "a short slot is caught"
         );
         assert_eq!(last.key("p0-r3"), "p0-r3/3/4");
+        assert_eq!(last.lmcache_key("p0-r3"), "p0-r3@1@0@3@uint8");
     }
 }

@@ -192,12 +192,14 @@ fn prefill_loop(
             let last = a.next + n == a.total;
             let keys: Vec<String> = (a.next..a.next + n)
                 .map(|index| {
-                    ChunkId {
-                        request: a.id,
-                        index,
-                        total: a.total,
-                    }
-                    .key(&a.req_id)
+                    cfg.chunk_key(
+                        &ChunkId {
+                            request: a.id,
+                            index,
+                            total: a.total,
+                        },
+                        &a.req_id,
+                    )
                 })
                 .collect();
             for (k, index) in (a.next..a.next + n).enumerate() {
@@ -286,7 +288,7 @@ fn decode_loop(run: &Arc<Run>, d: usize, rx: &Rx<String>) {
                 index,
                 total: plan.total,
             };
-            match receiver.get(&id.key(&req_id)) {
+            match receiver.get(&run.cfg.chunk_key(&id, &req_id)) {
                 Some(chunk) => {
                     if !run.payloads.verify(id, chunk.bytes()) {
                         bad += 1;

@@ -13,8 +13,8 @@ use smallvec::SmallVec;
 use tracing::{debug, debug_span, warn};
 
 use crate::protocol::{
-    decode, encode_into, AllocRequest, AllocResponse, CancelNotif, ErrorCode, Heartbeat, Hello,
-    Message, ProxyNotif, TransferDone, PROTOCOL_VERSION,
+    decode, encode_into, placement, AllocRequest, AllocResponse, CancelNotif, ErrorCode, Heartbeat,
+    Hello, Message, ProxyNotif, TransferDone, PROTOCOL_VERSION,
 };
 use crate::stats::{Counter, Stage};
 use crate::transport::{PeerIndex, Poster, RemoteBuffer, WriteOp};
@@ -444,8 +444,10 @@ impl Ctrl {
         self.discard_prepared(peer);
         let Some(remote) = self.static_peers.get(&peer.endpoint).cloned() else {
             peer.mode = Mode::Failed(format!(
-                "receiver at {} did not answer Hello and no static buffer descriptor is configured for it",
-                peer.endpoint
+                "receiver at {} did not answer Hello (an LMCache receiver?) and no static buffer descriptor is configured for it: \
+                 give it a kvferry shm buffer file (`kvferry sender --static-buffer {}=PATH`, TOML static_buffers, \
+                 or SenderConfig::static_peers); kvferry cannot write into an LMCache receiver's own buffer (NIXL)",
+                peer.endpoint, peer.endpoint
             ));
             return;
         };
@@ -642,9 +644,7 @@ impl Ctrl {
             .remote
             .as_ref()
             .map_or(0, |rb| rb.capacity_chunks) as i64;
-        let bad_shape =
-            resp.remote_indexes.len() != n.max(1) && !(n == 0 && resp.remote_indexes.is_empty());
-        let failure = if resp.is_failure() || bad_shape {
+        let placed = if resp.is_failure() {
             let code = resp
                 .code
                 .as_deref()
@@ -654,29 +654,34 @@ impl Ctrl {
                 .error
                 .clone()
                 .unwrap_or_else(|| "the receiver could not allocate the batch".into());
-            Some((code, reason))
-        } else if resp.remote_indexes.iter().any(|&x| x < 0 || x >= capacity)
-            || resp
-                .already_sent_indexes
-                .iter()
-                .any(|&x| x < 0 || x as usize >= n)
-        {
-            Some((
-                ErrorCode::BadMessage,
-                format!("reply names slots outside the receiver's {capacity}"),
-            ))
+            Err((code, reason))
         } else {
-            None
-        };
-        if let Some((code, reason)) = failure {
-            if matches!(r.state, ReqState::Pending | ReqState::Admitted) {
-                debug!(req_id = %req_id, code = code.as_str(), %reason, "batch refused; aborting the request");
-                r.state = ReqState::Aborting(RequestStatus::Failed { code, reason });
-                r.cancel.cancel();
+            // LMCache's reply shape: one slot per key to write, skipping the
+            // already-sent ones (`protocol::placement`).
+            match placement(n, &resp) {
+                Err(e) => Err((
+                    ErrorCode::BadMessage,
+                    format!("the receiver's reply does not fit the batch: {e}"),
+                )),
+                Ok(p) if p.writes.iter().any(|&(_, x)| x < 0 || x >= capacity) => Err((
+                    ErrorCode::BadMessage,
+                    format!("reply names slots outside the receiver's {capacity}"),
+                )),
+                Ok(p) => Ok(p),
             }
-            drop(t);
-            return self.release_data(b.data, b.bytes);
-        }
+        };
+        let placement = match placed {
+            Ok(p) => p,
+            Err((code, reason)) => {
+                if matches!(r.state, ReqState::Pending | ReqState::Admitted) {
+                    debug!(req_id = %req_id, code = code.as_str(), %reason, "batch refused; aborting the request");
+                    r.state = ReqState::Aborting(RequestStatus::Failed { code, reason });
+                    r.cancel.cancel();
+                }
+                drop(t);
+                return self.release_data(b.data, b.bytes);
+            }
+        };
         if !matches!(r.state, ReqState::Pending | ReqState::Admitted) {
             // Aborting: the receiver's slots go back with the CancelNotif.
             drop(t);
@@ -691,10 +696,12 @@ impl Ctrl {
             }
             self.shared.stats.inc(Counter::Admitted);
         }
-        let dedup: SmallVec<[usize; 16]> = resp
-            .already_sent_indexes
-            .iter()
-            .map(|&x| x as usize)
+        let dedup = &placement.already_sent;
+        // Slot per chunk position (-1 at the dedup'd ones, never read).
+        let remote_by_key: Vec<i64> = placement
+            .slot_by_key(n)
+            .into_iter()
+            .map(|s| s.unwrap_or(-1))
             .collect();
         r.completed_chunks += dedup.len();
         if b.is_last {
@@ -718,19 +725,16 @@ impl Ctrl {
                 *set = kept;
                 let lens: SmallVec<[u32; 16]> =
                     writes.iter().map(|&j| b.lens[j as usize]).collect();
-                let remote: Vec<i64> = writes
-                    .iter()
-                    .map(|&j| resp.remote_indexes[j as usize])
-                    .collect();
+                let remote: Vec<i64> = writes.iter().map(|&j| remote_by_key[j as usize]).collect();
                 b.lens = lens;
                 b.remote = remote;
                 b.writes = (0..writes.len() as u32).collect();
             } else {
-                b.remote = resp.remote_indexes.clone();
+                b.remote = remote_by_key;
                 b.writes = writes;
             }
         } else {
-            b.remote = resp.remote_indexes.clone();
+            b.remote = remote_by_key;
             b.writes = writes;
         }
         r.unstaged.push_back(id);

@@ -148,6 +148,31 @@ pub fn assert_failure(r: &AllocResponse, code: ErrorCode, n_keys: usize) {
     assert!(r.already_sent_indexes.is_empty(), "{r:?}");
 }
 
+/// LMCache 0.5.6's sender checks on the reply to a batch of `n_keys` keys
+/// (`PDBackendAsync._async_transfer_task`), written out independently of
+/// `protocol::placement`: every `already_sent_indexes` entry in
+/// `0..n_keys`, and `len(remote_indexes) == n_keys - len(set(already_sent))`.
+/// The one reply allowed to fail the count check is a failure to an empty
+/// batch (`[-1] * max(0, 1)`, PROTOCOL.md's failure shape, which LMCache's
+/// own receiver sends too): LMCache's sender aborts the request on it, as
+/// it does on any `-1`.
+#[track_caller]
+pub fn assert_lmcache_accepts(n_keys: usize, r: &AllocResponse) {
+    let already: std::collections::HashSet<i64> = r.already_sent_indexes.iter().copied().collect();
+    assert!(
+        already.iter().all(|&i| i >= 0 && (i as usize) < n_keys),
+        "LMCache refuses already_sent_indexes for {n_keys} keys: {r:?}"
+    );
+    if n_keys == 0 && r.remote_indexes == [-1] {
+        return;
+    }
+    assert_eq!(
+        r.remote_indexes.len(),
+        n_keys - already.len(),
+        "LMCache's AllocResponse consistency check fails for {n_keys} keys: {r:?}"
+    );
+}
+
 /// Asserts a reply is a success with `n` slot indexes and returns them.
 #[track_caller]
 pub fn assert_ok(r: &AllocResponse, n: usize) -> Vec<u32> {
@@ -259,10 +284,16 @@ impl Client {
         zmq::poll(&mut items, 0).expect("poll") > 0
     }
 
-    /// Sends `msg` and waits for its AllocResponse.
+    /// Sends `msg` and waits for its AllocResponse; the reply to an
+    /// AllocRequest must pass LMCache's sender checks
+    /// ([`assert_lmcache_accepts`]).
     pub fn call(&self, msg: &Message, what: &str) -> AllocResponse {
         self.send(msg);
-        self.recv_reply(deadline(), what)
+        let r = self.recv_reply(deadline(), what);
+        if let Message::AllocRequest(req) = msg {
+            assert_lmcache_accepts(req.keys.len(), &r);
+        }
+        r
     }
 
     /// Says Hello (kvferry mode) and returns the HelloAck.

@@ -91,6 +91,7 @@ fn core_config(cfg: &Cfg) -> CoreConfig {
         answer_hello: true,
         auto_consume: false,
         bounds: kvferry::receiver::bounds::Bounds::default(),
+        consume_grace: Duration::from_secs(1),
         other_transports: Vec::new(),
     }
 }
