@@ -13,7 +13,7 @@
 //! pointers, so a ring can live in memory two processes map.
 //!
 //! Batching follows io_uring: [`WriteBatch`] (from `reserve(n)`) is filled in
-//! place and published with one Release store; [`ReadBatch`] (from `peek()`)
+//! place and published with one swap; [`ReadBatch`] (from `peek()`)
 //! is read in place and released with one store.
 //!
 //! # Doorbell
@@ -25,16 +25,17 @@
 //! only when it sees the flag, because a wake with no waiter still costs a
 //! syscall (~170 ns on the project machine).
 //!
-//! Why no wakeup is lost: the consumer stores the flag, runs a full
-//! barrier, loads the bell counter and re-checks the ring; the producer
-//! publishes, runs a barrier and loads the flag. Full barriers on both sides
-//! order this store→load (Dekker) pattern, so either the producer sees the
-//! flag (and bumps the bell, then wakes) or the consumer's re-check sees the
-//! entry. Both barriers are SeqCst fences (module `barrier` says why the
-//! cheaper membarrier-based asymmetric barrier was removed). The futex itself sleeps only if the bell
-//! still holds the value read after the barrier, so a bump between the
-//! re-check and the sleep makes the wait return at once. See `docs/ring.md`
-//! for the full argument.
+//! Why no wakeup is lost, without a fence: the flag is bit 63 of the very
+//! word the producer publishes into (the SPSC tail, the MPSC stamp of the
+//! consumer's head). The consumer reads the bell counter, then sets the bit
+//! with a CAS that expects the "nothing there" value; the producer publishes
+//! with a swap, which returns the bit. Two RMWs on one word are totally
+//! ordered: either the producer's swap comes first (the consumer's CAS fails
+//! and it re-checks) or the CAS does (the swap sees the bit, bumps the bell
+//! and wakes). The futex sleeps only if the bell still holds the value read
+//! before the CAS, so a bump between the CAS and the sleep makes the wait
+//! return at once. `docs/ring.md` has the full argument; `tests/loom.rs`
+//! model-checks it and shows that the fence-less store variant fails.
 //!
 //! # Closing
 //! Dropping the last producer (SPSC: the producer; MPSC: the last clone or
@@ -51,7 +52,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 
-mod barrier;
+pub mod backoff;
 mod batch;
 mod error;
 #[cfg(not(loom))]
@@ -65,6 +66,7 @@ mod shm;
 pub mod spsc;
 mod sync;
 
+pub use backoff::{Backoff, Step};
 pub use batch::{ReadBatch, WriteBatch};
 pub use error::{CapacityError, ShmError, Side};
 pub use layout::{LAYOUT_VERSION, MAX_CAPACITY};
