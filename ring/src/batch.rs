@@ -108,11 +108,19 @@ impl<'a, T: Plain> WriteBatch<'a, T> {
         match &mut self.publish {
             Publish::Tail(tail) => {
                 **tail = end;
-                // One AcqRel swap of the tail (see `Ring::publish`).
-                self.ring.publish(self.ring.tail(), end);
+                // Release: pairs with the consumer's Acquire load of the tail
+                // before it reads these slots.
+                self.ring.tail().store(end, Ordering::Release);
             }
-            Publish::Stamps => self.ring.publish_stamps(self.start, self.len),
+            Publish::Stamps => {
+                for pos in self.start..end {
+                    // Release: pairs with the consumer's Acquire load of the
+                    // stamp before it reads this slot.
+                    self.ring.stamp(pos).store(pos + 1, Ordering::Release);
+                }
+            }
         }
+        self.ring.notify();
     }
 }
 

@@ -7,10 +7,8 @@ use crate::sync::{AtomicU32, AtomicU64, Bell};
 /// `b"KVFRING1"` read as a little-endian u64.
 #[cfg_attr(loom, allow(dead_code))] // only shared rings use it
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"KVFRING1");
-/// Layout version written in the header; bump on any layout or protocol
-/// change. 2: the consumer's need-wakeup flag moved from the sync line into
-/// bit 63 of the published word (SPSC tail, MPSC stamp).
-pub const LAYOUT_VERSION: u32 = 2;
+/// Layout version written in the header; bump on any layout change.
+pub const LAYOUT_VERSION: u32 = 1;
 /// Cache-line padding unit: 128 bytes, because x86 prefetches lines in pairs.
 pub(crate) const LINE: usize = 128;
 /// Largest capacity a ring accepts (entries).
@@ -54,12 +52,13 @@ pub(crate) struct Header {
 /// Bit of [`SyncWords::producers`] set once the last producer detached.
 pub(crate) const PRODUCERS_GONE: u32 = 1 << 31;
 
-/// Rarely written words: doorbell, close and attach state. (The consumer's
-/// "wake me" flag is bit 63 of the word it waits on, see `ring::WAITING`.)
+/// Rarely written words: doorbell, wakeup flag, close and attach state.
 #[repr(C)]
 pub(crate) struct SyncWords {
     /// Futex word the consumer sleeps on; bumped by a waking producer.
     pub(crate) bell: Bell,
+    /// 1 while the consumer is (about to be) asleep on `bell`.
+    pub(crate) need_wakeup: AtomicU32,
     /// Live producer count, plus [`PRODUCERS_GONE`] once it reached zero.
     pub(crate) producers: AtomicU32,
     /// 1 once the consumer dropped.
@@ -174,6 +173,7 @@ impl Control {
             head: Line(AtomicU64::new(0)),
             sync: Line(SyncWords {
                 bell: Bell::new(),
+                need_wakeup: AtomicU32::new(0),
                 producers: AtomicU32::new(producers),
                 consumer_gone: AtomicU32::new(0),
                 producer_taken: AtomicU32::new(0),

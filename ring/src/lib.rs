@@ -13,7 +13,7 @@
 //! pointers, so a ring can live in memory two processes map.
 //!
 //! Batching follows io_uring: [`WriteBatch`] (from `reserve(n)`) is filled in
-//! place and published with one swap; [`ReadBatch`] (from `peek()`)
+//! place and published with one Release store; [`ReadBatch`] (from `peek()`)
 //! is read in place and released with one store.
 //!
 //! # Doorbell
@@ -25,17 +25,18 @@
 //! only when it sees the flag, because a wake with no waiter still costs a
 //! syscall (~170 ns on the project machine).
 //!
-//! Why no wakeup is lost, without a fence: the flag is bit 63 of the very
-//! word the producer publishes into (the SPSC tail, the MPSC stamp of the
-//! consumer's head). The consumer reads the bell counter, then sets the bit
-//! with a CAS that expects the "nothing there" value; the producer publishes
-//! with a swap, which returns the bit. Two RMWs on one word are totally
-//! ordered: either the producer's swap comes first (the consumer's CAS fails
-//! and it re-checks) or the CAS does (the swap sees the bit, bumps the bell
-//! and wakes). The futex sleeps only if the bell still holds the value read
-//! before the CAS, so a bump between the CAS and the sleep makes the wait
-//! return at once. `docs/ring.md` has the full argument; `tests/loom.rs`
-//! model-checks it and shows that the fence-less store variant fails.
+//! Why no wakeup is lost: the consumer stores the flag, runs a full
+//! store→load barrier, loads the bell counter and re-checks the ring; the
+//! producer publishes, runs the same barrier and loads the flag. Full
+//! barriers on both sides order this store→load (Dekker) pattern, so either
+//! the producer sees the flag (and bumps the bell, then wakes) or the
+//! consumer's re-check sees the entry. The barrier is a SeqCst fence (module
+//! `barrier` says why neither a `lock xchg` publish nor a membarrier-based
+//! asymmetric barrier replaced it). The futex itself sleeps only if the bell
+//! still holds the value read after the barrier, so a bump between the
+//! re-check and the sleep makes the wait return at once. See `docs/ring.md`
+//! for the full argument; `tests/loom.rs` model-checks it and shows that the
+//! variant without the producer's fence loses wakeups.
 //!
 //! # Closing
 //! Dropping the last producer (SPSC: the producer; MPSC: the last clone or
@@ -53,6 +54,7 @@
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 
 pub mod backoff;
+mod barrier;
 mod batch;
 mod error;
 #[cfg(not(loom))]

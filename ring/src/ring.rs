@@ -6,16 +6,10 @@ use std::ptr::NonNull;
 use std::time::Instant;
 
 use crate::backoff::{Backoff, Step};
+use crate::barrier;
 use crate::layout::{fingerprint, Control, Geometry, Kind, SyncWords, PRODUCERS_GONE};
 use crate::sync::{AtomicU64, Ordering, SlotCell};
 use crate::{Plain, WaitStatus};
-
-/// Bit 63 of a published word (the SPSC tail, an MPSC stamp): set by a
-/// consumer on its way to sleep, so that the producer's publishing swap sees
-/// it and rings the bell (see [`Ring::publish`] and [`Ring::wait_until`]).
-/// Positions never reach 2^63, so the bit is free; readers of the tail mask
-/// it, and an MPSC stamp with the bit set never equals `pos + 1`.
-pub(crate) const WAITING: u64 = 1 << 63;
 
 /// Who owns the memory the ring's pointers point into.
 enum Backing<T> {
@@ -295,9 +289,9 @@ impl<T: Plain> Ring<T> {
             match producers.compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Relaxed) {
                 Ok(_) => {
                     if new == PRODUCERS_GONE {
-                        // Unconditional wake: closing is rare, and the
-                        // consumer may be asleep with any word armed. The
-                        // bump alone is enough: see `seen` in `wait_until`.
+                        // Unconditional wake: closing is rare. The bump is
+                        // enough for correctness even without the Dekker
+                        // fence: see `wait_until`.
                         self.sync().bell.ring();
                     }
                     return;
@@ -314,140 +308,94 @@ impl<T: Plain> Ring<T> {
         self.sync().consumer_gone.store(1, Ordering::Release);
     }
 
-    /// Producer side of the doorbell: store `value` into `word` (the SPSC
-    /// tail, or the MPSC stamp of the batch's first position) and wake the
-    /// consumer if it armed that word on its way to sleep. One RMW, no fence,
-    /// and a syscall only when the consumer sleeps.
+    /// Producer side of the doorbell, called after publishing entries.
+    /// Issues the wake syscall only if the consumer asked for it.
     #[inline]
-    pub(crate) fn publish(&self, word: &AtomicU64, value: u64) {
-        // AcqRel swap: Release publishes the slots written before it (pairs
-        // with the consumer's Acquire loads of `word`). Acquire pairs with the
-        // consumer's Release arming CAS in `wait_until`, so its bell load
-        // (sequenced before the CAS) happens before our bump below and cannot
-        // read it. Being an RMW, the swap reads the latest value of `word`:
-        // either the consumer armed before it (we see WAITING and wake) or
-        // after it (its CAS fails or its re-check sees `value`). That is the
-        // whole no-lost-wakeup argument; loom checks it (`tests/loom.rs`).
-        if word.swap(value, Ordering::AcqRel) & WAITING != 0 {
-            self.sync().bell.ring();
+    pub(crate) fn notify(&self) {
+        let sync = self.sync();
+        // Barrier (P): Dekker pairing with the consumer's barrier (C) in
+        // `wait_until`. The publish store before (P) and the consumer's
+        // `need_wakeup = 1` store before (C) cannot both be missed by the
+        // loads after the other barrier: either we see the flag here, or the
+        // consumer's re-check sees our entry. (P) is a SeqCst fence; see
+        // `barrier.rs` for why it is not cheaper.
+        barrier::store_load();
+        // Relaxed: ordered by the barrier pair above. The swap makes only one
+        // producer pay for the wake when several see the flag.
+        if sync.need_wakeup.load(Ordering::Relaxed) != 0
+            && sync.need_wakeup.swap(0, Ordering::Relaxed) != 0
+        {
+            sync.bell.ring();
         }
     }
 
-    /// MPSC: publish the `n` claimed positions from `start`. The later stamps
-    /// are plain Release stores; the first goes last, through
-    /// [`publish`](Self::publish). The consumer cannot pass `start` before
-    /// its stamp, so the first position is the only one of the batch it can
-    /// be asleep on, and one swap per batch is enough.
-    #[inline]
-    pub(crate) fn publish_stamps(&self, start: u64, n: u64) {
-        if n == 0 {
-            return;
-        }
-        for pos in start + 1..start + n {
-            // Release: pairs with the consumer's Acquire load of this stamp
-            // before it reads the slot. (It is also sequenced before the
-            // swap below, so a consumer that saw the first stamp sees these.)
-            self.stamp(pos).store(pos + 1, Ordering::Release);
-        }
-        self.publish(self.stamp(start), start + 1);
-    }
-
-    /// Consumer side of the doorbell: return once `ready(word)` is true
+    /// Consumer side of the doorbell: return once `available()` is true
     /// (Ready), the producers are gone and nothing is left (Closed), or the
-    /// deadline passed (TimedOut). `word` is what the producer publishes into
-    /// (the SPSC tail, the MPSC stamp of the consumer's head), and `ready`
-    /// gets its value without the [`WAITING`] bit. Backs off (spin, yield),
-    /// then arms `word` and futex-waits on the bell.
+    /// deadline passed (TimedOut). Backs off with [`Backoff`] (spin, yield),
+    /// then futex-waits.
     pub(crate) fn wait_until(
         &self,
         deadline: Option<Instant>,
-        word: &AtomicU64,
-        ready: impl Fn(u64) -> bool,
+        mut available: impl FnMut() -> bool,
     ) -> WaitStatus {
-        // Ok(status) to return, or Err(current value of `word`).
-        let check = || {
-            // Acquire: pairs with the Release part of the producer's swap in
-            // `publish`, so the published slots are visible.
-            let cur = word.load(Ordering::Acquire);
-            if ready(cur & !WAITING) {
-                return Ok(WaitStatus::Ready);
+        let mut check = || {
+            if available() {
+                return Some(WaitStatus::Ready);
             }
             if self.producers_gone() {
                 // GONE was read with Acquire, so every entry published before
                 // the close is visible now: re-check before saying Closed.
-                // Acquire: as above.
-                let cur = word.load(Ordering::Acquire);
-                return Ok(if ready(cur & !WAITING) {
+                return Some(if available() {
                     WaitStatus::Ready
                 } else {
                     WaitStatus::Closed
                 });
             }
-            Err(cur)
+            None
         };
-        if let Ok(s) = check() {
+        if let Some(s) = check() {
             return s;
         }
-        let bell = &self.sync().bell;
         let mut backoff = Backoff::new();
-        loop {
-            if backoff.snooze() != Step::ShouldPark {
-                match check() {
-                    Ok(s) => return s,
-                    Err(_) => continue,
-                }
+        while backoff.snooze() != Step::ShouldPark {
+            if let Some(s) = check() {
+                return s;
             }
-            // Acquire: pairs with the Release bump in `Bell::ring`. Read
-            // before `word` is armed (below) or re-checked: if this read sees
-            // a producer's bump, the entry published before that bump is
-            // visible to `check`; if it reads an older value, FUTEX_WAIT
-            // returns at once on a later bump (EAGAIN), or the bump's wake
-            // finds us queued.
-            let seen = bell.load(Ordering::Acquire);
-            let cur = match check() {
-                Ok(s) => return s,
-                Err(cur) => cur,
-            };
-            let timeout = match deadline {
-                Some(d) => {
+        }
+        let words = self.sync();
+        loop {
+            // Relaxed: ordered by the barrier below.
+            words.need_wakeup.store(1, Ordering::Relaxed);
+            // Barrier (C): a SeqCst fence that pairs with the producer's (P)
+            // in `notify` (store->load Dekker; see there and `barrier.rs`).
+            barrier::store_load();
+            // Acquire: pairs with the Release bump in `Bell::ring`. If we read
+            // a bumped value, the entries (or close) published before that
+            // bump are visible to `check` below; if we read the old value, a
+            // later bump makes FUTEX_WAIT return at once or wakes us.
+            let seen = words.bell.load(Ordering::Acquire);
+            let status = check();
+            let timeout = match (status, deadline) {
+                (Some(_), _) => None,
+                (None, Some(d)) => {
                     let left = d.saturating_duration_since(Instant::now());
                     if left.is_zero() {
-                        if cur & WAITING != 0 {
-                            // Disarm, so no producer pays for a wake nobody
-                            // waits for. Relaxed: the bit orders nothing
-                            // here; if the CAS fails, a producer's swap
-                            // already cleared it.
-                            let _ = word.compare_exchange(
-                                cur,
-                                cur & !WAITING,
-                                Ordering::Relaxed,
-                                Ordering::Relaxed,
-                            );
-                        }
+                        words.need_wakeup.store(0, Ordering::Relaxed);
                         return WaitStatus::TimedOut;
                     }
                     Some(left)
                 }
-                None => None,
+                (None, None) => None,
             };
-            // Arm: ask the next publish into `word` to ring the bell.
-            // Release: pairs with the Acquire part of the producer's swap (see
-            // `publish`). Acquire on failure: the word changed, so `check`
-            // must see what was published (it re-loads with Acquire anyway).
-            // An already armed word (a wakeup that found nothing, e.g. EINTR)
-            // stays armed: that CAS happened before this round's `seen` load,
-            // and a producer swap after it is either visible to `check`
-            // above or made `seen` stale.
-            if cur & WAITING == 0
-                && word
-                    .compare_exchange(cur, cur | WAITING, Ordering::Release, Ordering::Acquire)
-                    .is_err()
-            {
-                continue;
+            if let Some(s) = status {
+                // Relaxed: the flag is a hint; a stale 1 only costs a
+                // producer one spare wake.
+                words.need_wakeup.store(0, Ordering::Relaxed);
+                return s;
             }
             // EINTR, EAGAIN, ETIMEDOUT and wakeups all loop back to the
             // re-check (and the deadline check).
-            let _ = bell.wait(seen, timeout);
+            let _ = words.bell.wait(seen, timeout);
         }
     }
 }

@@ -131,8 +131,8 @@ fn wait_times_out() {
     );
 }
 
-/// A wait that parked (setting the need-wakeup bit in the head's stamp)
-/// and timed out leaves the ring usable, and so does one woken by a close.
+/// A wait that parked (setting the need-wakeup flag) and timed out leaves
+/// the ring usable, and so does one woken by a close.
 #[test]
 fn ring_works_after_a_parked_wait_timed_out_or_closed() {
     let (mut p, mut c) = mpsc::channel::<u32>(4);

@@ -175,9 +175,10 @@ fn wait_times_out_on_open_empty_ring() {
     assert_eq!(c.wait(Some(start)), WaitStatus::TimedOut);
 }
 
-/// A consumer that parked (its wait set the need-wakeup bit in the tail)
-/// and was woken by the close still sees an empty ring: every reader of the
-/// tail masks the bit. Without the mask, `len` reads 4 and `pop` a stale slot.
+/// A consumer that parked (its wait set the need-wakeup flag) and was woken
+/// by the close still sees an empty ring. (It caught a missing mask of the
+/// flag bit in the RMW protocol variant that was measured and dropped, see
+/// `docs/ring.md`: `len` read 4 and `pop` a stale slot.)
 #[test]
 fn close_after_a_parked_wait_leaves_the_ring_empty() {
     let (p, mut c) = spsc::channel::<u32>(4);

@@ -36,9 +36,8 @@ impl<T: Plain> Consumer<T> {
 
     #[inline]
     fn stamped(&self, pos: u64) -> bool {
-        // Acquire: pairs with the producer's Release stamp store (or
-        // publishing swap) after it wrote the slot. A stamp armed by our own
-        // `wait` has the WAITING bit and never equals pos + 1.
+        // Acquire: pairs with the producer's Release stamp store after it
+        // wrote the slot.
         self.ring.stamp(pos).load(Ordering::Acquire) == pos + 1
     }
 
@@ -107,11 +106,11 @@ impl<T: Plain> Consumer<T> {
             return WaitStatus::Ready;
         }
         let head = self.head;
-        // The next entry is published once its stamp reads head + 1; only
-        // the producer of position `head` can publish it, so only that
-        // producer's swap sees the armed stamp and wakes us.
-        self.ring
-            .wait_until(deadline, self.ring.stamp(head), |stamp| stamp == head + 1)
+        let ring = &*self.ring;
+        // Acquire: pairs with the producer's Release stamp store.
+        ring.wait_until(deadline, || {
+            ring.stamp(head).load(Ordering::Acquire) == head + 1
+        })
     }
 
     /// Entries claimed by producers and not yet consumed (some may still be

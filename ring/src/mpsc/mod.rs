@@ -8,10 +8,8 @@
 //! - fullness is checked against the consumer's `head`, cached per producer
 //!   handle and reloaded with Acquire only when the ring looks full;
 //! - each slot carries a sequence stamp: a producer writes the entry, then
-//!   stores `stamp = pos + 1` with Release (the first position of each push
-//!   or batch last, with an AcqRel swap that also reads the consumer's
-//!   need-wakeup bit: the doorbell); the consumer reads position `pos` only
-//!   after an Acquire load of the stamp returns `pos + 1`.
+//!   stores `stamp = pos + 1` with Release; the consumer reads position
+//!   `pos` only after an Acquire load of the stamp returns `pos + 1`.
 //!
 //! A producer that is slow (or preempted) between claiming and stamping only
 //! delays the consumer at its own position; it cannot corrupt other

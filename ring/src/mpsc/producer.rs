@@ -87,6 +87,16 @@ impl<T: Plain> Producer<T> {
         }
     }
 
+    #[inline]
+    fn stamp(&self, start: u64, n: u64) {
+        for pos in start..start + n {
+            // Release: pairs with the consumer's Acquire load of this stamp
+            // before it reads the slot.
+            self.ring.stamp(pos).store(pos + 1, Ordering::Release);
+        }
+        self.ring.notify();
+    }
+
     /// Push one entry. Gives it back if the ring is full or closed (the
     /// consumer dropped). Never waits for other producers.
     #[inline]
@@ -98,7 +108,7 @@ impl<T: Plain> Producer<T> {
         // pos - capacity (checked against an Acquire-loaded head), so the
         // consumer is done with the slot and cannot read it before the stamp.
         unsafe { self.ring.slot(pos).write(value) };
-        self.ring.publish_stamps(pos, 1);
+        self.stamp(pos, 1);
         Ok(())
     }
 
@@ -113,7 +123,7 @@ impl<T: Plain> Producer<T> {
             // alone and are free (see `push`).
             unsafe { self.ring.slot(start + i as u64).write(*v) };
         }
-        self.ring.publish_stamps(start, n);
+        self.stamp(start, n);
         n as usize
     }
 

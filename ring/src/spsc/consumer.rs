@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::batch::ReadBatch;
-use crate::ring::{Ring, WAITING};
+use crate::ring::Ring;
 use crate::sync::Ordering;
 use crate::{Plain, WaitStatus};
 
@@ -25,7 +25,7 @@ impl<T: Plain> Consumer<T> {
     pub(crate) fn attach(ring: Arc<Ring<T>>) -> Self {
         // Acquire (both): start from the indices peers published.
         let head = ring.head().load(Ordering::Acquire);
-        let cached_tail = ring.tail().load(Ordering::Acquire) & !WAITING;
+        let cached_tail = ring.tail().load(Ordering::Acquire);
         Self {
             ring,
             head,
@@ -42,9 +42,9 @@ impl<T: Plain> Consumer<T> {
         if avail >= want {
             return avail;
         }
-        // Acquire: pairs with the Release part of the producer's publishing
-        // swap of tail after it wrote the slots. The WAITING bit is ours.
-        self.cached_tail = self.ring.tail().load(Ordering::Acquire) & !WAITING;
+        // Acquire: pairs with the producer's Release store of tail after it
+        // wrote the slots.
+        self.cached_tail = self.ring.tail().load(Ordering::Acquire);
         self.cached_tail.wrapping_sub(self.head)
     }
 
@@ -97,15 +97,15 @@ impl<T: Plain> Consumer<T> {
     /// Spins briefly, yields, then sleeps on the ring's futex doorbell.
     pub fn wait(&self, deadline: Option<Instant>) -> WaitStatus {
         let head = self.head;
-        // The ring is empty while the tail equals our head.
-        self.ring
-            .wait_until(deadline, self.ring.tail(), |tail| tail != head)
+        let ring = &*self.ring;
+        // Acquire: pairs with the producer's Release store of tail.
+        ring.wait_until(deadline, || ring.tail().load(Ordering::Acquire) != head)
     }
 
     /// Entries currently in the ring.
     pub fn len(&self) -> usize {
         // Relaxed: a snapshot for statistics only.
-        let tail = self.ring.tail().load(Ordering::Relaxed) & !WAITING;
+        let tail = self.ring.tail().load(Ordering::Relaxed);
         tail.wrapping_sub(self.head).min(self.ring.capacity()) as usize
     }
 

@@ -5,16 +5,15 @@
 //! `SPSCQueue`, `rtrb` and io_uring's user-side ring copies: each side keeps
 //! a private copy of the other side's index and reloads the shared one (with
 //! Acquire) only when the ring looks full (producer) or empty (consumer).
-//! In the steady state an operation is one slot access plus one publish of
-//! the own index, and batches (`push_slice`, `reserve`/`commit`, `pop_into`,
-//! `peek`/`release`) publish many entries with that one write.
+//! In the steady state an operation is one slot access plus one Release
+//! store of the own index, and batches (`push_slice`, `reserve`/`commit`,
+//! `pop_into`, `peek`/`release`) publish many entries with that one store.
 //!
-//! Ordering: the producer writes the slot, then publishes `tail` with one
-//! AcqRel swap (its Release half; the swap also reads the consumer's
-//! need-wakeup bit, bit 63 of the tail: the doorbell); the consumer loads
-//! `tail` with Acquire, then reads the slot. The consumer reads the slot, then
-//! stores `head` with Release; the producer loads `head` with Acquire before
-//! reusing the slot. See the crate docs and `docs/ring.md`.
+//! Ordering: the producer writes the slot, then stores `tail` with Release;
+//! the consumer loads `tail` with Acquire, then reads the slot. The consumer
+//! reads the slot, then stores `head` with Release; the producer loads `head`
+//! with Acquire before reusing the slot. The doorbell adds a SeqCst fence on
+//! each side (see the crate docs and `docs/ring.md`).
 
 mod consumer;
 mod producer;

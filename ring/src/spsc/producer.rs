@@ -5,7 +5,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use crate::batch::{Publish, WriteBatch};
-use crate::ring::{Ring, WAITING};
+use crate::ring::Ring;
 use crate::sync::Ordering;
 use crate::Plain;
 
@@ -25,9 +25,8 @@ pub struct Producer<T: Plain> {
 impl<T: Plain> Producer<T> {
     pub(crate) fn attach(ring: Arc<Ring<T>>) -> Self {
         // Acquire (both): a handle attaching to an existing (shared) ring
-        // starts from the indices its peers published (the tail without a
-        // sleeping consumer's WAITING bit).
-        let tail = ring.tail().load(Ordering::Acquire) & !WAITING;
+        // starts from the indices its peers published.
+        let tail = ring.tail().load(Ordering::Acquire);
         let cached_head = ring.head().load(Ordering::Acquire);
         Self {
             ring,
@@ -55,9 +54,10 @@ impl<T: Plain> Producer<T> {
     #[inline]
     fn publish(&mut self, n: u64) {
         self.tail = self.tail.wrapping_add(n);
-        // One AcqRel swap: publishes the slots to the consumer's Acquire
-        // load of tail and rings the bell if it sleeps (see `Ring::publish`).
-        self.ring.publish(self.ring.tail(), self.tail);
+        // Release: pairs with the consumer's Acquire load of tail before it
+        // reads the slots we just wrote.
+        self.ring.tail().store(self.tail, Ordering::Release);
+        self.ring.notify();
     }
 
     /// Push one entry. Gives it back if the ring is full or closed (the
