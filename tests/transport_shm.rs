@@ -47,7 +47,7 @@ fn region(chunk: u64, cap: u64) -> Region {
 
 fn all_region_bytes(r: &Region) -> Vec<u8> {
     (0..r.capacity_chunks() as u32)
-        .flat_map(|s| read_slot(&r, s, r.chunk_bytes() as usize))
+        .flat_map(|s| read_slot(r, s, r.chunk_bytes() as usize))
         .collect()
 }
 
@@ -113,7 +113,7 @@ fn many_ops_across_two_peers_with_credit_flow() {
     for s in 0..128u32 {
         let r = if s % 2 == 0 { &r0 } else { &r1 };
         assert_eq!(
-            read_slot(&r, 63 - s / 2, CHUNK as usize),
+            read_slot(r, 63 - s / 2, CHUNK as usize),
             pattern(u64::from(s), CHUNK as usize),
             "staging slot {s}"
         );

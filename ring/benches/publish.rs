@@ -29,8 +29,11 @@ struct Words {
     flag: Line,
 }
 
+/// One publish of a value; true if it would ring the doorbell.
+type Publish = fn(&Words, u64) -> bool;
+
 /// The four publish variants, by name.
-const VARIANTS: [(&str, fn(&Words, u64) -> bool); 4] = [
+const VARIANTS: [(&str, Publish); 4] = [
     ("swap_acqrel", |w, v| {
         w.word.0.swap(v, Ordering::AcqRel) & (1 << 63) != 0
     }),
@@ -50,7 +53,7 @@ const VARIANTS: [(&str, fn(&Words, u64) -> bool); 4] = [
 ];
 
 /// Time `n` publishes with `publish` on this thread alone.
-fn run_alone(n: u64, publish: fn(&Words, u64) -> bool) -> Duration {
+fn run_alone(n: u64, publish: Publish) -> Duration {
     let w = Words {
         word: Line(AtomicU64::new(0)),
         flag: Line(AtomicU64::new(0)),
@@ -66,7 +69,7 @@ fn run_alone(n: u64, publish: fn(&Words, u64) -> bool) -> Duration {
 }
 
 /// Time `n` publishes with `publish` against a reading consumer.
-fn run(n: u64, publish: fn(&Words, u64) -> bool) -> Duration {
+fn run(n: u64, publish: Publish) -> Duration {
     let w = Arc::new(Words {
         word: Line(AtomicU64::new(0)),
         flag: Line(AtomicU64::new(0)),
