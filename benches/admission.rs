@@ -8,7 +8,11 @@
 //! - the same, two threads contending (capacity 64: counter contention;
 //!   capacity 1: every admit waits for the other's release);
 //! - slot alloc+free of 1 and 16 slots vs a `Mutex<Vec<u32>>` free list;
-//! - park -> wake -> run latency of a blocked admit vs a Condvar waiter.
+//! - park -> wake -> run latency of a blocked waiter vs a Condvar waiter.
+//!
+//! The blocking cases use `SlotAllocator::alloc`: the ledger itself only
+//! admits without blocking (`try_admit`, `AdmissionQueue`), and the blocking
+//! wait is the FIFO semaphore both share.
 
 use std::hint::black_box;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -186,13 +190,13 @@ fn two_threads(iters: u64, op: Arc<dyn Fn() + Send + Sync>) -> Duration {
 fn ledger_contended(c: &mut Criterion) {
     let mut g = c.benchmark_group("ledger_2thread_admit1_release");
     for cap in [64u64, 1] {
-        let l = Ledger::new(cap as usize);
-        g.bench_with_input(BenchmarkId::new("kvferry_ledger", cap), &cap, |b, _| {
-            let l = l.clone();
+        let a = SlotAllocator::new(cap as usize);
+        g.bench_with_input(BenchmarkId::new("kvferry_fifo_alloc", cap), &cap, |b, _| {
+            let a = a.clone();
             let token = CancelToken::new();
             let op: Arc<dyn Fn() + Send + Sync> = Arc::new(move || {
-                let r = l.admit(1, None, &token).unwrap();
-                drop(black_box(r));
+                let s = a.alloc(1, None, &token).unwrap();
+                a.free(black_box(s));
             });
             b.iter_custom(|iters| two_threads(iters, op.clone()))
         });
@@ -255,22 +259,22 @@ fn stamp(base: Instant) -> u64 {
 fn wake_latency(c: &mut Criterion) {
     let mut g = c.benchmark_group("blocked_admit_release_to_running");
     g.sample_size(20);
-    // kvferry: the helper blocks in admit(1) while main holds the capacity.
-    g.bench_function("kvferry_ledger", |b| {
+    // kvferry: the helper blocks in alloc(1) while main holds the slot.
+    g.bench_function("kvferry_fifo_alloc", |b| {
         b.iter_custom(|iters| {
-            let l = Ledger::new(1);
+            let l = SlotAllocator::new(1);
             let base = Instant::now();
             let woke = Arc::new(AtomicU64::new(0));
             let next = Arc::new(AtomicBool::new(false));
-            let mut hold = Some(l.try_admit(1).unwrap());
+            let mut hold = Some(l.try_alloc(1).unwrap());
             let helper = {
                 let (l, woke, next) = (l.clone(), woke.clone(), next.clone());
                 thread::spawn(move || {
                     let token = CancelToken::new();
                     for _ in 0..iters {
-                        let r = l.admit(1, None, &token).unwrap();
+                        let s = l.alloc(1, None, &token).unwrap();
                         woke.store(stamp(base), Ordering::Release);
-                        drop(r);
+                        l.free(s);
                         while !next.swap(false, Ordering::AcqRel) {
                             thread::yield_now();
                         }
@@ -279,13 +283,15 @@ fn wake_latency(c: &mut Criterion) {
             };
             let mut total = Duration::ZERO;
             for _ in 0..iters {
-                while l.stats().waiters == 0 {
+                while l.waiters() == 0 {
                     thread::yield_now();
                 }
                 // let the waiter get past its spin/yield phase into park
                 thread::sleep(Duration::from_micros(200));
                 let t0 = stamp(base);
-                drop(hold.take());
+                if let Some(s) = hold.take() {
+                    l.free(s);
+                }
                 let t1 = loop {
                     let v = woke.swap(0, Ordering::AcqRel);
                     if v != 0 {
@@ -295,8 +301,8 @@ fn wake_latency(c: &mut Criterion) {
                 };
                 total += Duration::from_nanos(t1.saturating_sub(t0));
                 hold = loop {
-                    if let Ok(r) = l.try_admit(1) {
-                        break Some(r);
+                    if let Some(s) = l.try_alloc(1) {
+                        break Some(s);
                     }
                     thread::yield_now();
                 };

@@ -8,9 +8,8 @@ use crate::sync::{lock, Arc, AtomicBool, Mutex, Ordering, Thread};
 /// A cloneable cancellation flag. Clones share one flag.
 ///
 /// [`cancel`](Self::cancel) sets the flag and unparks every thread that is
-/// blocked in [`Ledger::admit`](crate::ledger::Ledger::admit) or
-/// [`SlotAllocator::alloc`](crate::slots::SlotAllocator::alloc) with a clone of
-/// this token; those calls then return their `Cancelled` error. The sender's
+/// blocked in [`SlotAllocator::alloc`](crate::slots::SlotAllocator::alloc)
+/// with a clone of this token; the call then returns its `Cancelled` error. The sender's
 /// abort path uses this to unblock a caller waiting for staging slots.
 /// Cancellation is permanent: a cancelled token stays cancelled.
 #[derive(Clone, Default)]

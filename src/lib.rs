@@ -2,7 +2,9 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 
-pub mod backoff;
+/// The one spin → yield → park policy (it lives in the ring crate, which
+/// depends on nothing else in kvferry).
+pub use kvferry_ring::backoff;
 pub mod cancel;
 pub mod cli;
 pub mod ledger;

@@ -32,34 +32,21 @@ pub(crate) use shuttle::thread::{
 pub(crate) use std::sync::atomic::Ordering;
 pub(crate) use std::sync::Arc;
 
-/// Spin iterations (with `spin_loop` hints) before a waiter starts yielding.
-/// Kept tiny under shuttle: each spin is a scheduling point there.
-#[cfg(not(feature = "shuttle-model"))]
-pub(crate) const SPIN_LIMIT: u32 = 6; // 1+2+..+32 = 63 pause instructions
-#[cfg(feature = "shuttle-model")]
-pub(crate) const SPIN_LIMIT: u32 = 1; // one single pause
-
-/// `yield_now` calls after spinning and before parking.
-#[cfg(not(feature = "shuttle-model"))]
-pub(crate) const YIELD_LIMIT: u32 = 2;
-#[cfg(feature = "shuttle-model")]
-pub(crate) const YIELD_LIMIT: u32 = 1;
+/// The project's one spin → yield → park policy ([`kvferry_ring::Backoff`]).
+/// Under shuttle, one spin and one yield round: every re-check of the
+/// condition is a scheduling point there, and the model explores the parking
+/// path, where a lost wakeup would show.
+pub(crate) fn backoff() -> kvferry_ring::Backoff {
+    if cfg!(feature = "shuttle-model") {
+        kvferry_ring::Backoff::with_limits(1, 1)
+    } else {
+        kvferry_ring::Backoff::new()
+    }
+}
 
 /// Locks `m`, recovering from poisoning: the critical sections in this crate
 /// never panic half-way through an update, so the data is consistent even if
 /// some unrelated panic poisoned the lock.
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-/// Bounded exponential spin: `step` 0,1,2.. spins 1,2,4.. times. Returns
-/// false once the spin budget is used up.
-pub(crate) fn spin(step: u32) -> bool {
-    if step >= SPIN_LIMIT {
-        return false;
-    }
-    for _ in 0..(1u32 << step) {
-        std::hint::spin_loop();
-    }
-    true
 }

@@ -7,19 +7,9 @@ use std::sync::{mpsc, Arc};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvferry::cancel::CancelToken;
 use kvferry::ledger::{AdmissionQueue, AdmitError, Ledger, LedgerStats, OverAllocate};
 
 const HANG: Duration = Duration::from_secs(10);
-
-/// Polls `cond` until it holds; fails the test naming `what` after 10 s.
-fn wait_until(what: &str, cond: impl Fn() -> bool) {
-    let end = Instant::now() + HANG;
-    while !cond() {
-        assert!(Instant::now() < end, "hung waiting for: {what}");
-        thread::sleep(Duration::from_millis(1));
-    }
-}
 
 /// Runs `f` on a thread; `join` fails the test naming `what` if it hangs.
 struct Spawned<T>(mpsc::Receiver<T>, &'static str);
@@ -107,14 +97,6 @@ fn too_large_is_refused_at_once_and_never_parked() {
         }
     );
     assert!(e.to_string().contains("needs 11 chunks") && e.to_string().contains("only 10"));
-    let t = CancelToken::new();
-    assert_eq!(
-        l.admit(11, None, &t).unwrap_err(),
-        AdmitError::TooLarge {
-            requested: 11,
-            capacity: 10
-        }
-    );
     assert_eq!(l.stats().waiters, 0);
     let mut q = AdmissionQueue::new();
     assert_eq!(
@@ -146,52 +128,62 @@ fn zero_chunks_admits_an_empty_reservation() {
     let l = Ledger::new(0);
     let r = l.try_admit(0).unwrap();
     assert_eq!(r.remaining(), 0);
-    assert_eq!(l.admit(0, None, &CancelToken::new()).unwrap().release(), 0);
+    let mut q = AdmissionQueue::new();
+    let r = q.admit_or_park(&l, (), 0, Instant::now() + HANG).unwrap();
+    assert_eq!(r.map(|r| r.release()), Some(0));
     assert!(matches!(l.try_admit(1), Err(AdmitError::TooLarge { .. })));
 }
 
 #[test]
-fn blocked_admit_is_granted_when_capacity_is_freed() {
+fn parked_admission_is_granted_when_capacity_is_freed_on_another_thread() {
     let l = Ledger::new(10);
     let mut a = l.try_admit(8).unwrap();
     a.allocate(8).unwrap();
-    let l2 = l.clone();
-    let b = spawn("blocked admit(8)", move || {
-        let r = l2.admit(8, Some(Instant::now() + HANG), &CancelToken::new());
-        r.map(|r| r.remaining())
-    });
-    wait_until("admit(8) to queue", || l.stats().waiters == 1);
-    l.free(4);
-    // 6 free, not enough for 8: still waiting
+    let me = thread::current();
+    let mut q = AdmissionQueue::with_waker(move || me.unpark());
+    assert!(q
+        .admit_or_park(&l, "b", 8, Instant::now() + HANG)
+        .unwrap()
+        .is_none());
     assert_eq!(l.stats().waiters, 1);
     l.free(4);
-    assert_eq!(b.join(), Ok(8));
-    assert_eq!(l.stats().committed, 0, "reservation dropped in the thread");
+    // 6 free, not enough for 8: still parked
+    assert!(q.grant_ready(&l).is_empty());
+    assert_eq!(l.stats().waiters, 1);
+    let l2 = l.clone();
+    spawn("free(4) on another thread", move || l2.free(4)).join();
+    let end = Instant::now() + HANG;
+    let got = loop {
+        let mut g = q.grant_ready(&l);
+        if let Some((k, r)) = g.pop() {
+            break (k, r.release());
+        }
+        assert!(Instant::now() < end, "hung waiting for the grant");
+        thread::park_timeout(Duration::from_millis(10));
+    };
+    assert_eq!(got, ("b", 8));
+    assert_eq!(l.stats().committed, 0);
 }
 
 #[test]
-fn fifo_large_waiter_is_not_starved_by_small_requests() {
+fn fifo_large_request_is_not_starved_by_small_requests() {
     let l = Ledger::new(10);
     let held = l.try_admit(5).unwrap();
-    let l2 = l.clone();
-    let big = spawn("big admit(10)", move || {
-        l2.admit(10, Some(Instant::now() + HANG), &CancelToken::new())
-            .map(|r| r.release())
-    });
-    wait_until("admit(10) to queue", || l.stats().waiters == 1);
+    let mut q = AdmissionQueue::new();
+    let far = Instant::now() + HANG;
+    assert!(q.admit_or_park(&l, "big", 10, far).unwrap().is_none());
     // 5 chunks are free but the big request is queued: no jumping.
     assert_eq!(l.try_admit(1).unwrap_err(), AdmitError::WouldBlock);
-    let mut q = AdmissionQueue::new();
-    assert_eq!(
-        q.admit_or_park(&l, "small", 1, Instant::now() + HANG)
-            .unwrap()
-            .map(|r| r.remaining()),
-        None
-    );
+    assert!(q.admit_or_park(&l, "small", 1, far).unwrap().is_none());
     assert_eq!(l.stats().waiters, 2);
     drop(held);
-    assert_eq!(big.join(), Ok(10));
-    // the big one released, so the parked small one was granted behind it
+    // the big one is granted first; the small one does not fit behind it
+    let granted = q.grant_ready(&l);
+    assert_eq!(granted.len(), 1);
+    assert_eq!(granted[0].0, "big");
+    assert_eq!(l.stats().waiters, 1);
+    drop(granted);
+    // the big one released, so the small one was granted behind it
     let granted = q.grant_ready(&l);
     assert_eq!(granted.len(), 1);
     assert_eq!(granted[0].0, "small");
@@ -199,78 +191,23 @@ fn fifo_large_waiter_is_not_starved_by_small_requests() {
 }
 
 #[test]
-fn blocked_admit_times_out_and_leaves_no_trace() {
-    let l = Ledger::new(4);
-    let held = l.try_admit(4).unwrap();
-    let e = l
-        .admit(
-            1,
-            Some(Instant::now() + Duration::from_millis(20)),
-            &CancelToken::new(),
-        )
-        .unwrap_err();
-    assert_eq!(e, AdmitError::Timeout);
-    assert!(e.to_string().contains("timed out"));
-    assert_eq!(l.stats().waiters, 0);
-    // a deadline already past: Timeout without queueing
-    assert_eq!(
-        l.admit(1, Some(Instant::now()), &CancelToken::new())
-            .unwrap_err(),
-        AdmitError::Timeout
-    );
-    drop(held);
-    assert_eq!(l.stats().committed, 0);
-}
-
-#[test]
-fn cancel_wakes_a_blocked_admit() {
-    let l = Ledger::new(4);
-    let held = l.try_admit(4).unwrap();
-    let token = CancelToken::new();
-    let (l2, t2) = (l.clone(), token.clone());
-    let waiter = spawn("cancelled admit", move || {
-        l2.admit(2, None, &t2).map(|r| r.remaining())
-    });
-    wait_until("admit(2) to queue", || l.stats().waiters == 1);
-    token.cancel();
-    let e = waiter.join().unwrap_err();
-    assert_eq!(e, AdmitError::Cancelled);
-    assert!(e.to_string().contains("cancelled"));
-    assert_eq!(
-        l.stats(),
-        LedgerStats {
-            capacity: 4,
-            committed: 4,
-            reserved: 4,
-            allocated: 0,
-            waiters: 0
-        }
-    );
-    // already-cancelled token: at once, even though it would fit later
-    drop(held);
-    assert_eq!(l.admit(1, None, &token).unwrap_err(), AdmitError::Cancelled);
-    assert_eq!(l.stats().committed, 0);
-}
-
-#[test]
 fn withdrawn_head_lets_smaller_waiters_behind_it_in() {
     let l = Ledger::new(4);
     let held = l.try_admit(3).unwrap();
-    let token = CancelToken::new();
-    let (l2, t2) = (l.clone(), token.clone());
-    let big = spawn("big admit(4)", move || {
-        l2.admit(4, None, &t2).map(|r| r.remaining())
-    });
-    wait_until("admit(4) to queue", || l.stats().waiters == 1);
-    let l3 = l.clone();
-    let small = spawn("small admit(1)", move || {
-        l3.admit(1, Some(Instant::now() + HANG), &CancelToken::new())
-            .map(|r| r.remaining())
-    });
-    wait_until("admit(1) to queue", || l.stats().waiters == 2);
-    token.cancel();
-    assert_eq!(big.join(), Err(AdmitError::Cancelled));
-    assert_eq!(small.join(), Ok(1));
+    let mut q = AdmissionQueue::new();
+    let far = Instant::now() + HANG;
+    assert!(q.admit_or_park(&l, "big", 4, far).unwrap().is_none());
+    assert!(q.admit_or_park(&l, "small", 1, far).unwrap().is_none());
+    assert_eq!(l.stats().waiters, 2);
+    // 1 chunk free: the small request fits but waits behind the big one
+    assert!(q.grant_ready(&l).is_empty());
+    assert!(q.remove(&"big"));
+    let granted: Vec<_> = q
+        .grant_ready(&l)
+        .into_iter()
+        .map(|(k, r)| (k, r.remaining()))
+        .collect();
+    assert_eq!(granted, vec![("small", 1)]);
     drop(held);
     assert_eq!(l.stats().committed, 0);
 }
@@ -366,29 +303,6 @@ fn admission_queue_expire_remove_and_drop_leave_no_capacity_held() {
 }
 
 #[test]
-fn admission_queue_and_blocking_waiters_share_one_fifo() {
-    let l = Ledger::new(4);
-    let held = l.try_admit(4).unwrap();
-    let mut q = AdmissionQueue::new();
-    assert!(q
-        .admit_or_park(&l, 1, 3, Instant::now() + HANG)
-        .unwrap()
-        .is_none());
-    let l2 = l.clone();
-    let blocked = spawn("blocking admit(1) behind a parked entry", move || {
-        l2.admit(1, Some(Instant::now() + HANG), &CancelToken::new())
-            .map(|r| r.release())
-    });
-    wait_until("admit(1) to queue", || l.stats().waiters == 2);
-    drop(held);
-    // parked 3 first, then the blocking 1: both fit (4).
-    assert_eq!(blocked.join(), Ok(1));
-    let g = q.grant_ready(&l);
-    assert_eq!(g.len(), 1);
-    assert_eq!(g[0].1.remaining(), 3);
-}
-
-#[test]
 fn error_messages_are_readable() {
     assert!(AdmitError::WouldBlock
         .to_string()
@@ -401,6 +315,6 @@ fn error_messages_are_readable() {
         o.to_string(),
         "tried to allocate 3 chunks from a reservation that has only 1 left"
     );
-    let e: Box<dyn std::error::Error> = Box::new(AdmitError::Cancelled);
-    assert!(!e.to_string().is_empty());
+    let e: Box<dyn std::error::Error> = Box::new(AdmitError::Timeout);
+    assert!(e.to_string().contains("timed out"));
 }

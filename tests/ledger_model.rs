@@ -4,14 +4,15 @@
 //! Run (about 20 s warm on the 2-vCPU VM, ~5 s of it recompiling kvferry):
 //! `cargo test -p kvferry --features shuttle-model --test ledger_model --test slots_model`
 //!
-//! A lost wakeup shows up as a shuttle deadlock (every thread parked), since
-//! shuttle treats `park_timeout` like `park`; the tests pass no deadlines.
+//! A lost wakeup shows up as a shuttle deadlock (every thread parked). The
+//! ledger never blocks: a thread that waits for admission parks its request
+//! in an `AdmissionQueue` whose waker unparks it (`admit_blocking`), as a
+//! library user would.
 #![cfg(feature = "shuttle-model")]
 
 use std::sync::Arc;
 
-use kvferry::cancel::CancelToken;
-use kvferry::ledger::{AdmissionQueue, Ledger};
+use kvferry::ledger::{AdmissionQueue, Ledger, Reservation};
 use shuttle::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use shuttle::thread;
 
@@ -35,18 +36,46 @@ fn assert_invariant(l: &Ledger) {
     );
 }
 
-/// Three threads admit, allocate, free, release and cancel on a ledger of 3:
-/// committed never exceeds capacity, nobody is left parked (no lost wakeup),
-/// and at the end nothing is held and nothing is queued.
+/// Admits `n` chunks, parking this thread until the grant (no deadline: a
+/// lost wakeup is a shuttle deadlock).
+fn admit_blocking(l: &Ledger, n: usize) -> Reservation {
+    let me = thread::current();
+    let mut q = AdmissionQueue::with_waker(move || me.unpark());
+    if let Some(r) = q.admit_or_park(l, (), n, far()).expect("admit") {
+        return r;
+    }
+    loop {
+        if let Some((_, r)) = q.grant_ready(l).pop() {
+            return r;
+        }
+        thread::park();
+    }
+}
+
+/// Parks a request for `n` chunks and withdraws it again (a cancelled
+/// request): granted in between or not, it leaves no trace.
+fn park_then_withdraw(l: &Ledger, n: usize) {
+    let mut q = AdmissionQueue::new();
+    match q.admit_or_park(l, 0u8, n, far()) {
+        Ok(Some(r)) => drop(r),
+        Ok(None) => {
+            assert!(q.remove(&0), "the parked entry is there until removed");
+        }
+        Err(e) => panic!("unexpected {e}"),
+    }
+}
+
+/// Three threads admit, allocate, free, release and withdraw on a ledger
+/// of 3: committed never exceeds capacity, nobody is left parked (no lost
+/// wakeup), and at the end nothing is held and nothing is queued.
 #[test]
-fn admit_free_cancel_keeps_the_invariant_and_loses_no_wakeup() {
-    check("admit_free_cancel", || {
+fn admit_free_withdraw_keeps_the_invariant_and_loses_no_wakeup() {
+    check("admit_free_withdraw", || {
         let l = Ledger::new(3);
-        let token = CancelToken::new();
         let allocator = {
             let l = l.clone();
             thread::spawn(move || {
-                let mut r = l.admit(2, None, &CancelToken::new()).expect("admit 2");
+                let mut r = admit_blocking(&l, 2);
                 assert_invariant(&l);
                 r.allocate(1).expect("allocate within reservation");
                 r.allocate(1).expect("allocate within reservation");
@@ -58,31 +87,27 @@ fn admit_free_cancel_keeps_the_invariant_and_loses_no_wakeup() {
         let releaser = {
             let l = l.clone();
             thread::spawn(move || {
-                let r = l.admit(2, None, &CancelToken::new()).expect("admit 2");
+                let r = admit_blocking(&l, 2);
                 assert_invariant(&l);
                 assert_eq!(r.release(), 2);
             })
         };
-        let cancelled = {
-            let (l, t) = (l.clone(), token.clone());
+        let withdrawn = {
+            let l = l.clone();
             thread::spawn(move || {
-                // Either granted before the cancel or cancelled; both fine.
-                if let Ok(r) = l.admit(3, None, &t) {
-                    assert_invariant(&l);
-                    drop(r);
-                }
+                park_then_withdraw(&l, 3);
+                assert_invariant(&l);
             })
         };
-        token.cancel();
         allocator.join().unwrap();
         releaser.join().unwrap();
-        cancelled.join().unwrap();
+        withdrawn.join().unwrap();
         let s = l.stats();
         assert_eq!((s.committed, s.allocated, s.waiters), (0, 0, 0), "{s:?}");
     });
 }
 
-/// A releaser racing a thread that is about to queue: the waiter is always
+/// A releaser racing threads that are about to park: they are always
 /// granted (the Dekker pair on `committed`/`waiters`).
 #[test]
 fn release_racing_a_new_waiter_never_loses_the_wakeup() {
@@ -92,10 +117,7 @@ fn release_racing_a_new_waiter_never_loses_the_wakeup() {
         let waiters: Vec<_> = (0..2)
             .map(|_| {
                 let l = l.clone();
-                thread::spawn(move || {
-                    let r = l.admit(1, None, &CancelToken::new()).expect("admit 1");
-                    drop(r);
-                })
+                thread::spawn(move || drop(admit_blocking(&l, 1)))
             })
             .collect();
         drop(held);
@@ -118,7 +140,7 @@ fn fifo_among_waiters() {
         let small_done = Arc::new(AtomicBool::new(false));
         let big = {
             let l = l.clone();
-            thread::spawn(move || drop(l.admit(3, None, &CancelToken::new()).expect("admit 3")))
+            thread::spawn(move || drop(admit_blocking(&l, 3)))
         };
         while l.stats().waiters < 1 {
             thread::yield_now();
@@ -126,7 +148,7 @@ fn fifo_among_waiters() {
         let small = {
             let (l, d) = (l.clone(), small_done.clone());
             thread::spawn(move || {
-                let r = l.admit(1, None, &CancelToken::new()).expect("admit 1");
+                let r = admit_blocking(&l, 1);
                 d.store(true, Ordering::SeqCst);
                 drop(r);
             })
@@ -148,28 +170,22 @@ fn fifo_among_waiters() {
     });
 }
 
-/// A cancelled waiter at the head leaves no trace: the waiter behind it is
+/// A withdrawn request at the head leaves no trace: the waiter behind it is
 /// granted and the counts return to zero.
 #[test]
-fn cancelled_head_leaves_no_trace() {
-    check("cancelled_head", || {
+fn withdrawn_head_leaves_no_trace() {
+    check("withdrawn_head", || {
         let l = Ledger::new(2);
         let held = l.try_admit(1).unwrap();
-        let token = CancelToken::new();
         let head = {
-            let (l, t) = (l.clone(), token.clone());
-            thread::spawn(move || l.admit(2, None, &t).map(drop))
+            let l = l.clone();
+            thread::spawn(move || park_then_withdraw(&l, 2))
         };
         let tail = {
             let l = l.clone();
-            thread::spawn(move || drop(l.admit(1, None, &CancelToken::new()).expect("admit 1")))
+            thread::spawn(move || drop(admit_blocking(&l, 1)))
         };
-        token.cancel();
-        let head_result = head.join().unwrap();
-        // If the head got in before the cancel, the tail waited for it.
-        if head_result.is_err() {
-            assert_eq!(head_result, Err(kvferry::ledger::AdmitError::Cancelled));
-        }
+        head.join().unwrap();
         drop(held);
         tail.join().unwrap();
         let s = l.stats();

@@ -1,15 +1,18 @@
 //! Bounded thread stress of the ledger: 8 threads with random admit sizes,
-//! hold times, partial allocations, releases, timeouts and cancels, plus a
-//! control thread driving an AdmissionQueue. At the end nothing is held and
+//! hold times, partial allocations, releases and timeouts (each thread waits
+//! through its own AdmissionQueue), plus a control thread driving a shared
+//! AdmissionQueue. At the end nothing is held and
 //! nobody is left queued.
 #![cfg(not(feature = "shuttle-model"))]
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+mod common_ledger;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvferry::cancel::CancelToken;
+use common_ledger::admit_blocking;
 use kvferry::ledger::{AdmissionQueue, AdmitError, Ledger};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -20,29 +23,23 @@ const OPS: usize = 3000;
 const HANG: Duration = Duration::from_secs(20);
 
 #[test]
-fn eight_threads_random_admit_hold_release_cancel() {
+fn eight_threads_random_admit_hold_release_timeout() {
     let l = Ledger::new(CAP);
-    let tokens: Arc<Mutex<Vec<CancelToken>>> = Arc::default();
-    let stop = Arc::new(AtomicBool::new(false));
     let (tx, rx) = mpsc::channel::<(&'static str, usize, usize)>();
     let max_seen = Arc::new(AtomicUsize::new(0));
 
     for t in 0..THREADS {
-        let (l, tokens, tx, max_seen) = (l.clone(), tokens.clone(), tx.clone(), max_seen.clone());
+        let (l, tx, max_seen) = (l.clone(), tx.clone(), max_seen.clone());
         thread::spawn(move || {
             let mut rng = StdRng::seed_from_u64(0x5eed + t as u64);
             let (mut ok, mut failed) = (0, 0);
             for _ in 0..OPS {
                 let n = rng.random_range(1..=CAP);
-                let token = CancelToken::new();
-                if rng.random_bool(0.2) {
-                    tokens.lock().unwrap().push(token.clone());
-                }
                 let deadline = Instant::now() + Duration::from_millis(rng.random_range(1..20));
                 let r = if rng.random_bool(0.3) {
                     l.try_admit(n)
                 } else {
-                    l.admit(n, Some(deadline), &token)
+                    admit_blocking(&l, n, deadline)
                 };
                 match r {
                     Ok(mut res) => {
@@ -63,27 +60,13 @@ fn eight_threads_random_admit_hold_release_cancel() {
                         }
                         l.free(k);
                     }
-                    Err(AdmitError::Timeout | AdmitError::Cancelled | AdmitError::WouldBlock) => {
-                        failed += 1
-                    }
+                    Err(AdmitError::Timeout | AdmitError::WouldBlock) => failed += 1,
                     Err(e) => panic!("unexpected {e}"),
                 }
             }
             let _ = tx.send(("worker", ok, failed));
         });
     }
-    // Canceller: cancels registered tokens now and then.
-    let canceller = {
-        let (tokens, stop) = (tokens.clone(), stop.clone());
-        thread::spawn(move || {
-            while !stop.load(Ordering::SeqCst) {
-                for t in tokens.lock().unwrap().drain(..) {
-                    t.cancel();
-                }
-                thread::sleep(Duration::from_micros(300));
-            }
-        })
-    };
     // Control thread: parks requests in an AdmissionQueue and collects grants.
     {
         let (l, tx) = (l.clone(), tx.clone());
@@ -134,8 +117,6 @@ fn eight_threads_random_admit_hold_release_cancel() {
         }
     }
     assert_eq!(workers, THREADS);
-    stop.store(true, Ordering::SeqCst);
-    canceller.join().unwrap();
     let s = l.stats();
     assert_eq!(
         (s.committed, s.reserved, s.allocated, s.waiters),

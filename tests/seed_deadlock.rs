@@ -8,7 +8,9 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvferry::cancel::CancelToken;
+mod common_ledger;
+
+use common_ledger::admit_blocking;
 use kvferry::ledger::Ledger;
 use kvferry::slots::SlotAllocator;
 
@@ -46,8 +48,7 @@ fn run_request(
     log: Arc<Mutex<Vec<Ev>>>,
     after_first_batch: impl Fn(),
 ) -> Result<(), String> {
-    let mut res = ledger
-        .admit(8, Some(Instant::now() + HANG), &CancelToken::new())
+    let mut res = admit_blocking(&ledger, 8, Instant::now() + HANG)
         .map_err(|e| format!("{name}: admission failed: {e}"))?;
     log.lock().unwrap().push(Ev::Admitted(name));
     let mut sets = Vec::new();

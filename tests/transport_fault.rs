@@ -1,9 +1,12 @@
 //! Black-box tests of the fault-injection transport wrapper (over shm).
 
+mod common_transport;
+
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common_transport::read_slot;
 use kvferry::protocol::Descriptor;
 use kvferry::region::{default_region_path, Region};
 use kvferry::staging::StagingBuffer;
@@ -103,7 +106,7 @@ impl Rig {
     }
 
     fn slot_written(&self, s: u32) -> bool {
-        let bytes = self.region.read_slot(s, CHUNK as usize).unwrap();
+        let bytes = read_slot(&self.region, s, CHUNK as usize);
         if bytes == vec![s as u8 + 1; CHUNK as usize] {
             true
         } else {

@@ -6,7 +6,7 @@
 mod common;
 
 mod common_transport;
-use common_transport::{collect, op, pattern, post_all, WAIT};
+use common_transport::{collect, op, pattern, post_all, read_slot, WAIT};
 
 use std::collections::HashSet;
 use std::io::{Read, Write};
@@ -228,7 +228,7 @@ fn writes_land_in_granted_slots_with_credit_flow() {
     // The last writes to each slot were ops 36..40: locals 4..8.
     for (k, &slot) in slots.iter().enumerate() {
         assert_eq!(
-            r.region().read_slot(slot, CHUNK_BYTES as usize).unwrap(),
+            read_slot(r.region(), slot, CHUNK_BYTES as usize),
             datas[4 + k],
             "slot {slot}"
         );
@@ -245,8 +245,8 @@ fn writes_land_in_granted_slots_with_credit_flow() {
         ],
     );
     assert!(done.iter().all(Completion::ok), "{done:?}");
-    assert_eq!(r.region().read_slot(1, 4096).unwrap(), datas[6]);
-    assert_eq!(r.region().read_slot(2, 4096).unwrap(), datas[7]);
+    assert_eq!(read_slot(r.region(), 1, 4096), datas[6]);
+    assert_eq!(read_slot(r.region(), 2, 4096), datas[7]);
     assert_eq!(r.tcp_data_connections(), 1, "one connection per receiver");
 }
 
@@ -279,7 +279,7 @@ fn a_write_outside_the_granted_slots_is_rejected_and_closes_the_connection() {
             Completion::new(2, CompletionStatus::ConnectionLost),
         ]
     );
-    assert_eq!(r.region().read_slot(5, 4096).unwrap(), vec![0; 4096]);
+    assert_eq!(read_slot(r.region(), 5, 4096), vec![0; 4096]);
     wait_until("the receiver closed the connection", || {
         r.tcp_data_connections() == 0
     });
@@ -312,7 +312,7 @@ fn a_write_outside_the_granted_slots_is_rejected_and_closes_the_connection() {
     // The next good write reconnects and lands.
     let done = post_all(&mut *poster, &mut *comps, &[op(6, 0, 0, CHUNK_BYTES, peer)]);
     assert_eq!(done, vec![Completion::new(6, CompletionStatus::Ok)]);
-    assert_eq!(r.region().read_slot(0, 4096).unwrap(), pattern(9, 4096));
+    assert_eq!(read_slot(r.region(), 0, 4096), pattern(9, 4096));
 }
 
 #[test]

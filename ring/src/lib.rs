@@ -26,15 +26,17 @@
 //! syscall (~170 ns on the project machine).
 //!
 //! Why no wakeup is lost: the consumer stores the flag, runs a full
-//! barrier, loads the bell counter and re-checks the ring; the producer
-//! publishes, runs a barrier and loads the flag. Full barriers on both sides
-//! order this store→load (Dekker) pattern, so either the producer sees the
-//! flag (and bumps the bell, then wakes) or the consumer's re-check sees the
-//! entry. Both barriers are SeqCst fences (module `barrier` says why the
-//! cheaper membarrier-based asymmetric barrier was removed). The futex itself sleeps only if the bell
+//! store→load barrier, loads the bell counter and re-checks the ring; the
+//! producer publishes, runs the same barrier and loads the flag. Full
+//! barriers on both sides order this store→load (Dekker) pattern, so either
+//! the producer sees the flag (and bumps the bell, then wakes) or the
+//! consumer's re-check sees the entry. The barrier is a SeqCst fence (module
+//! `barrier` says why neither a `lock xchg` publish nor a membarrier-based
+//! asymmetric barrier replaced it). The futex itself sleeps only if the bell
 //! still holds the value read after the barrier, so a bump between the
 //! re-check and the sleep makes the wait return at once. See `docs/ring.md`
-//! for the full argument.
+//! for the full argument; `tests/loom.rs` model-checks it and shows that the
+//! variant without the producer's fence loses wakeups.
 //!
 //! # Closing
 //! Dropping the last producer (SPSC: the producer; MPSC: the last clone or
@@ -51,6 +53,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 
+pub mod backoff;
 mod barrier;
 mod batch;
 mod error;
@@ -65,6 +68,7 @@ mod shm;
 pub mod spsc;
 mod sync;
 
+pub use backoff::{Backoff, Step};
 pub use batch::{ReadBatch, WriteBatch};
 pub use error::{CapacityError, ShmError, Side};
 pub use layout::{LAYOUT_VERSION, MAX_CAPACITY};

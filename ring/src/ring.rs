@@ -5,9 +5,10 @@
 use std::ptr::NonNull;
 use std::time::Instant;
 
+use crate::backoff::{Backoff, Step};
 use crate::barrier;
 use crate::layout::{fingerprint, Control, Geometry, Kind, SyncWords, PRODUCERS_GONE};
-use crate::sync::{self, AtomicU64, Ordering, SlotCell};
+use crate::sync::{AtomicU64, Ordering, SlotCell};
 use crate::{Plain, WaitStatus};
 
 /// Who owns the memory the ring's pointers point into.
@@ -318,7 +319,7 @@ impl<T: Plain> Ring<T> {
         // loads after the other barrier: either we see the flag here, or the
         // consumer's re-check sees our entry. (P) is a SeqCst fence; see
         // `barrier.rs` for why it is not cheaper.
-        barrier::light();
+        barrier::store_load();
         // Relaxed: ordered by the barrier pair above. The swap makes only one
         // producer pay for the wake when several see the flag.
         if sync.need_wakeup.load(Ordering::Relaxed) != 0
@@ -330,7 +331,8 @@ impl<T: Plain> Ring<T> {
 
     /// Consumer side of the doorbell: return once `available()` is true
     /// (Ready), the producers are gone and nothing is left (Closed), or the
-    /// deadline passed (TimedOut). Spins briefly, yields, then futex-waits.
+    /// deadline passed (TimedOut). Backs off with [`Backoff`] (spin, yield),
+    /// then futex-waits.
     pub(crate) fn wait_until(
         &self,
         deadline: Option<Instant>,
@@ -354,14 +356,8 @@ impl<T: Plain> Ring<T> {
         if let Some(s) = check() {
             return s;
         }
-        for _ in 0..sync::SPIN_LIMIT {
-            sync::spin_hint();
-            if let Some(s) = check() {
-                return s;
-            }
-        }
-        for _ in 0..sync::YIELD_LIMIT {
-            sync::yield_now();
+        let mut backoff = Backoff::new();
+        while backoff.snooze() != Step::ShouldPark {
             if let Some(s) = check() {
                 return s;
             }
@@ -372,7 +368,7 @@ impl<T: Plain> Ring<T> {
             words.need_wakeup.store(1, Ordering::Relaxed);
             // Barrier (C): a SeqCst fence that pairs with the producer's (P)
             // in `notify` (store->load Dekker; see there and `barrier.rs`).
-            barrier::heavy();
+            barrier::store_load();
             // Acquire: pairs with the Release bump in `Bell::ring`. If we read
             // a bumped value, the entries (or close) published before that
             // bump are visible to `check` below; if we read the old value, a

@@ -14,12 +14,7 @@ pub(crate) use loom::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 #[cfg(not(loom))]
 pub(crate) use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
-/// Busy-wait iterations before a waiting consumer starts yielding.
-pub(crate) const SPIN_LIMIT: u32 = if cfg!(loom) { 0 } else { 64 };
-/// `yield_now` calls before a waiting consumer parks on the futex.
-pub(crate) const YIELD_LIMIT: u32 = if cfg!(loom) { 0 } else { 8 };
-
-/// One busy-wait step.
+/// One busy-wait step (of [`crate::backoff::Backoff`]).
 #[inline]
 pub(crate) fn spin_hint() {
     #[cfg(loom)]
@@ -28,7 +23,7 @@ pub(crate) fn spin_hint() {
     std::hint::spin_loop();
 }
 
-/// Give the CPU away once.
+/// Give the CPU away once (a [`crate::backoff::Backoff`] yield round).
 #[inline]
 pub(crate) fn yield_now() {
     #[cfg(loom)]

@@ -131,6 +131,31 @@ fn wait_times_out() {
     );
 }
 
+/// A wait that parked (setting the need-wakeup flag) and timed out leaves
+/// the ring usable, and so does one woken by a close.
+#[test]
+fn ring_works_after_a_parked_wait_timed_out_or_closed() {
+    let (mut p, mut c) = mpsc::channel::<u32>(4);
+    let start = Instant::now();
+    assert_eq!(
+        c.wait(Some(start + Duration::from_millis(20))),
+        WaitStatus::TimedOut
+    );
+    p.push(7).unwrap();
+    assert_eq!(c.wait(soon()), WaitStatus::Ready);
+    assert_eq!(c.pop(), Some(7));
+    let h = thread::spawn(move || {
+        let s = c.wait(soon());
+        (s, c.pop(), c.is_empty())
+    });
+    thread::sleep(Duration::from_millis(50));
+    drop(p);
+    assert_eq!(
+        join_within(h, "mpsc consumer parked on close"),
+        (WaitStatus::Closed, None, true)
+    );
+}
+
 #[test]
 fn last_producer_drop_wakes_parked_consumer() {
     let (p, c) = mpsc::channel::<u32>(4);

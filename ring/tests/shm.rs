@@ -427,7 +427,7 @@ fn corrupt_version() {
             err,
             ShmError::VersionMismatch {
                 found: 99,
-                expected: 1
+                expected: kvferry_ring::LAYOUT_VERSION
             }
         ),
         "{err:?}"

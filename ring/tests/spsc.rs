@@ -175,6 +175,42 @@ fn wait_times_out_on_open_empty_ring() {
     assert_eq!(c.wait(Some(start)), WaitStatus::TimedOut);
 }
 
+/// A consumer that parked (its wait set the need-wakeup flag) and was woken
+/// by the close still sees an empty ring. (It caught a missing mask of the
+/// flag bit in the RMW protocol variant that was measured and dropped, see
+/// `docs/ring.md`: `len` read 4 and `pop` a stale slot.)
+#[test]
+fn close_after_a_parked_wait_leaves_the_ring_empty() {
+    let (p, mut c) = spsc::channel::<u32>(4);
+    let h = thread::spawn(move || {
+        let s = c.wait(soon());
+        let r = (s, c.len(), c.pop(), c.is_empty());
+        (r, c)
+    });
+    // Give the consumer time to get past spinning and park on the futex.
+    thread::sleep(Duration::from_millis(50));
+    drop(p);
+    let (r, _c) = join_within(h, "consumer parked on close");
+    assert_eq!(r, (WaitStatus::Closed, 0, None, true));
+}
+
+/// A wait that parked and timed out leaves the ring fully usable: the next
+/// push is seen by `len`, `pop` and a later `wait`.
+#[test]
+fn ring_works_after_a_parked_wait_timed_out() {
+    let (mut p, mut c) = spsc::channel::<u32>(4);
+    let start = Instant::now();
+    assert_eq!(
+        c.wait(Some(start + Duration::from_millis(20))),
+        WaitStatus::TimedOut
+    );
+    p.push(7).unwrap();
+    assert_eq!(c.len(), 1);
+    assert_eq!(c.wait(soon()), WaitStatus::Ready);
+    assert_eq!(c.pop(), Some(7));
+    assert_eq!((c.len(), c.pop()), (0, None));
+}
+
 #[test]
 fn push_wakes_parked_consumer() {
     let (mut p, mut c) = spsc::channel::<u32>(4);

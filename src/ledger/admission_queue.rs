@@ -11,11 +11,10 @@ use crate::sync::Arc;
 
 /// Requests parked until the ledger has room for them, in FIFO order.
 ///
-/// Parked entries are queued in the ledger's *own* wait queue, behind any
-/// thread already blocked in [`Ledger::admit`] and ahead of any that blocks
-/// later: one FIFO order for both kinds of waiter, so neither can starve the
-/// other. They count in [`LedgerStats::waiters`](super::LedgerStats) until
-/// granted.
+/// Parked entries are queued in the ledger's *own* wait queue (the FIFO
+/// semaphore the slot allocator uses too), so admission stays first-come
+/// first-served: [`Ledger::try_admit`] never jumps ahead of them. They count
+/// in [`LedgerStats::waiters`](super::LedgerStats) until granted.
 ///
 /// Capacity is handed to a parked entry by whichever thread frees it (direct
 /// hand-off, the same as for blocked threads); the owner collects granted

@@ -18,9 +18,6 @@ pub enum AdmitError {
     /// The deadline passed before enough capacity was free for this request.
     #[error("timed out waiting for receive-buffer capacity")]
     Timeout,
-    /// The caller's cancel token was cancelled while the request waited.
-    #[error("admission was cancelled while waiting for receive-buffer capacity")]
-    Cancelled,
     /// Not enough free capacity right now, or earlier requests are queued
     /// ahead (admission is first-come first-served).
     #[error(

@@ -24,9 +24,10 @@ use smallvec::SmallVec;
 
 use crate::cancel::CancelToken;
 use crate::sync::{
-    current_thread, lock, park, park_timeout, spin, yield_now, Arc, AtomicBool, AtomicUsize, Mutex,
-    Ordering, Thread, YIELD_LIMIT,
+    backoff, current_thread, lock, park, park_timeout, Arc, AtomicBool, AtomicUsize, Mutex,
+    Ordering, Thread,
 };
+use kvferry_ring::Step;
 
 /// How a granted waiter is told.
 pub(crate) enum Wake {
@@ -264,7 +265,7 @@ impl FifoSemaphore {
             return Err(AcquireError::Cancelled);
         }
         // Fast path plus a short spin/yield while nobody is queued.
-        let mut step = 0;
+        let mut wait = backoff();
         loop {
             match self.try_acquire(n) {
                 Ok(()) => return Ok(()),
@@ -274,13 +275,9 @@ impl FifoSemaphore {
             if self.waiters.load(Ordering::SeqCst) != 0 || cancel.is_cancelled() {
                 break; // FIFO: queue behind them; spinning cannot help.
             }
-            if !spin(step) {
-                if step >= crate::sync::SPIN_LIMIT + YIELD_LIMIT {
-                    break;
-                }
-                yield_now();
+            if wait.snooze() == Step::ShouldPark {
+                break;
             }
-            step += 1;
         }
         if cancel.is_cancelled() {
             return Err(AcquireError::Cancelled);
@@ -295,7 +292,7 @@ impl FifoSemaphore {
             return Ok(());
         }
         let _registration = cancel.register_current(me);
-        let mut step = 0;
+        let mut wait = backoff();
         loop {
             if w.is_granted() {
                 return Ok(());
@@ -320,16 +317,12 @@ impl FifoSemaphore {
                 None => None,
             };
             // spin -> yield -> park (spurious wake-ups just loop).
-            if spin(step) {
-            } else if step < crate::sync::SPIN_LIMIT + YIELD_LIMIT {
-                yield_now();
-            } else {
+            if wait.snooze() == Step::ShouldPark {
                 match timeout {
                     Some(t) => park_timeout(t),
                     None => park(),
                 }
             }
-            step = step.saturating_add(1);
         }
     }
 }

@@ -7,10 +7,9 @@
 //! One atomic counter `committed` never exceeds the capacity.
 //!
 //! - [`Ledger::try_admit`]: lock-free CAS, never blocks.
-//! - [`Ledger::admit`]: blocks in a FIFO wait queue (spin, yield, park) with
-//!   a deadline and a [`CancelToken`].
-//! - [`AdmissionQueue`]: the non-blocking form for the receiver's control
-//!   thread: requests that do not fit are parked in the *same* FIFO queue.
+//! - [`AdmissionQueue`]: for the receiver's control thread, which must never
+//!   block: requests that do not fit are parked in the ledger's FIFO queue,
+//!   granted by whoever frees capacity, and collected without blocking.
 //!
 //! Admission is first-come first-served: while anyone is queued,
 //! `try_admit` does not jump the queue, so a large request is not starved by
@@ -22,15 +21,13 @@ pub(crate) mod fifo_semaphore;
 mod reservation;
 
 use std::fmt;
-use std::time::Instant;
 
 pub use admission_queue::AdmissionQueue;
 pub use error::{AdmitError, OverAllocate};
 pub use reservation::Reservation;
 
-use crate::cancel::CancelToken;
 use crate::sync::{Arc, AtomicUsize, Ordering};
-use fifo_semaphore::{AcquireError, FifoSemaphore, TryAcquireError};
+use fifo_semaphore::{FifoSemaphore, TryAcquireError};
 
 /// The receiver's reservation ledger. A cheap, cloneable handle (an `Arc`
 /// inside); clones share one ledger.
@@ -61,8 +58,7 @@ pub struct LedgerStats {
     pub reserved: usize,
     /// Chunks allocated to slots and not yet freed.
     pub allocated: usize,
-    /// Queued requests: threads blocked in [`Ledger::admit`] plus entries
-    /// parked by an [`AdmissionQueue`] and not yet granted.
+    /// Requests parked by an [`AdmissionQueue`] and not yet granted.
     pub waiters: usize,
 }
 
@@ -97,31 +93,6 @@ impl Ledger {
             Ok(()) => Ok(Reservation::new(self.clone(), n)),
             Err(TryAcquireError::TooLarge) => Err(self.too_large(n)),
             Err(TryAcquireError::WouldBlock) => Err(AdmitError::WouldBlock),
-        }
-    }
-
-    /// Admits `n` chunks, waiting in FIFO order until they fit, `deadline`
-    /// passes (`Timeout`) or `cancel` is cancelled (`Cancelled`).
-    /// `n > capacity` fails at once with `TooLarge` (never parked).
-    ///
-    /// Waiting spins briefly, yields, then parks; the thread that frees
-    /// capacity hands it to the waiters at the head of the queue and wakes
-    /// only those. If a grant races with the deadline the grant wins; if it
-    /// races with a cancel, the cancel wins and the grant is given back.
-    pub fn admit(
-        &self,
-        n: usize,
-        deadline: Option<Instant>,
-        cancel: &CancelToken,
-    ) -> Result<Reservation, AdmitError> {
-        match self.inner.sem.acquire(n, deadline, cancel) {
-            Ok(()) => {
-                tracing::trace!(n, "ledger admitted");
-                Ok(Reservation::new(self.clone(), n))
-            }
-            Err(AcquireError::TooLarge) => Err(self.too_large(n)),
-            Err(AcquireError::Timeout) => Err(AdmitError::Timeout),
-            Err(AcquireError::Cancelled) => Err(AdmitError::Cancelled),
         }
     }
 

@@ -5,7 +5,22 @@
 
 use std::time::{Duration, Instant};
 
+use kvferry::region::Region;
 use kvferry::transport::{Completion, Completions, PollStatus, Poster, WriteOp};
+
+/// Copies the first `len` bytes (at most the chunk size) of receive-buffer
+/// slot `slot` out of `region`. Call it only once the writes to that slot
+/// have completed (the tests collect their completions first).
+pub fn read_slot(region: &Region, slot: u32, len: usize) -> Vec<u8> {
+    let ptr = region
+        .slot_ptr(slot)
+        .unwrap_or_else(|| panic!("slot {slot} is outside the region"));
+    let len = len.min(region.chunk_bytes() as usize);
+    // SAFETY: `ptr..ptr + len` lies inside the slot (len <= chunk_bytes) of
+    // a live mapping; every transfer into it has completed, so nothing
+    // writes these bytes while we copy them.
+    unsafe { std::slice::from_raw_parts(ptr, len) }.to_vec()
+}
 
 /// How long any single wait in these tests may take.
 pub const WAIT: Duration = Duration::from_secs(10);

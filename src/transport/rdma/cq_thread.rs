@@ -4,8 +4,9 @@
 //! [`Completions`](crate::transport::Completions) half reads, like the shm
 //! copy engine does.
 //!
-//! Waiting: after an empty poll it spins briefly, then yields a few times,
-//! then arms the CQ (`ibv_req_notify_cq`), polls once more (a completion
+//! Waiting: after an empty poll it backs off with the project's one policy
+//! ([`kvferry_ring::Backoff`]: spin briefly, then yield a few times), then
+//! arms the CQ (`ibv_req_notify_cq`), polls once more (a completion
 //! may have arrived before arming) and sleeps in `poll(2)` on the completion
 //! channel's fd and the poster's eventfd.
 
@@ -14,16 +15,13 @@ use std::time::Duration;
 
 use ibverbs_sys as ffi;
 use kvferry_ring::spsc::Producer;
+use kvferry_ring::{Backoff, Step};
 
 use crate::transport::{Completion, CompletionStatus};
 
 use super::peers::Shared;
 use super::verbs::{Channel, Cq};
 
-/// Empty polls before yielding.
-const SPIN_POLLS: u32 = 256;
-/// Yields before sleeping.
-const YIELDS: u32 = 8;
 /// Work completions taken per poll.
 const WC_BATCH: usize = 64;
 /// Longest sleep without a wakeup (a safety net; wakeups are event-driven).
@@ -43,7 +41,7 @@ impl CqThread {
     pub(super) fn run(mut self) {
         let mut wcs = vec![ffi::ibv_wc::default(); WC_BATCH];
         let mut done: Vec<Completion> = Vec::with_capacity(WC_BATCH);
-        let mut idle: u32 = 0;
+        let mut idle = Backoff::new();
         tracing::debug!("rdma cq thread started");
         loop {
             done.clear();
@@ -53,7 +51,7 @@ impl CqThread {
                 self.fail_everything(&mut done);
             }
             if !done.is_empty() {
-                idle = 0;
+                idle.reset();
                 // Credits guarantee room; fewer pushed means nobody listens.
                 if self.out.push_slice(&done) < done.len() {
                     tracing::debug!("rdma cq thread: completion half gone, stopping");
@@ -64,16 +62,10 @@ impl CqThread {
             if self.shared.is_closing() && self.shared.all_idle() {
                 break;
             }
-            idle += 1;
-            if idle <= SPIN_POLLS {
-                std::hint::spin_loop();
+            if idle.snooze() != Step::ShouldPark {
                 continue;
             }
-            if idle <= SPIN_POLLS + YIELDS {
-                std::thread::yield_now();
-                continue;
-            }
-            idle = 0;
+            idle.reset();
             if let Err(e) = self.cq.arm() {
                 tracing::debug!(error = %e, "arming the CQ failed; sleeping with a timeout");
             }

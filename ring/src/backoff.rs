@@ -1,18 +1,24 @@
-//! Bounded spin → yield → park backoff for threads that wait on a condition.
+//! The one spin → yield → park policy of kvferry: every thread that waits
+//! for a condition (a ring consumer, the admission and slot queues, the RDMA
+//! completion poller, a producer facing a full ring) backs off with
+//! [`Backoff`].
 //!
-//! A waiting thread calls [`Backoff::snooze`] each time its condition is not
-//! yet true. The first few calls spin on the CPU with
-//! [`std::hint::spin_loop`] (doubling the number of pause instructions each
-//! time), the next few give the core away with [`std::thread::yield_now`],
-//! and after that `snooze` returns [`Step::ShouldPark`]: the caller must then
-//! block (futex wait, `thread::park`, `mio::Poll::poll`, …) until another
-//! thread wakes it. `Backoff` never blocks on its own, so it never hides an
-//! unbounded wait: the caller owns the parking and the wake-up protocol.
+//! The first calls to [`Backoff::snooze`] spin on the CPU with
+//! [`std::hint::spin_loop`], doubling the number of pause instructions each
+//! round; the next few give the core away with [`std::thread::yield_now`];
+//! after that `snooze` returns [`Step::ShouldPark`] and the caller blocks on
+//! its own wait queue (a futex, `thread::park_timeout`, `poll(2)`, …) with a
+//! deadline, until another thread wakes it. `Backoff` never blocks on its
+//! own, so it never hides an unbounded wait: the caller owns the parking and
+//! the wake-up protocol.
 //!
-//! The defaults are tuned for a 2-core machine: a short spin (31 pause
-//! instructions in total, well under a microsecond to a few microseconds
-//! depending on the CPU's pause latency) and three yields, so that a waiter
-//! never holds a core the thread it waits for needs.
+//! The defaults suit the 2-core target: 6 spin rounds (63 pause
+//! instructions, a few microseconds at most) and 4 yields, so a waiter never
+//! holds a core for long that the thread it waits for needs. Under
+//! `--cfg loom` every step is a loom yield and the default limits are zero
+//! (loom explores the parking path, where the interesting interleavings are).
+
+use crate::sync;
 
 /// What [`Backoff::snooze`] did, or what the caller must do next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,10 +33,10 @@ pub enum Step {
     ShouldPark,
 }
 
-/// Default number of spin rounds; round `i` spins `2^i` times (1, 2, 4, 8, 16).
-pub const DEFAULT_SPIN_ROUNDS: u32 = 5;
+/// Default number of spin rounds; round `i` spins `2^i` times (1, 2, 4, .., 32).
+pub const DEFAULT_SPIN_ROUNDS: u32 = if cfg!(loom) { 0 } else { 6 };
 /// Default number of `yield_now` rounds after the spin rounds.
-pub const DEFAULT_YIELD_ROUNDS: u32 = 3;
+pub const DEFAULT_YIELD_ROUNDS: u32 = if cfg!(loom) { 0 } else { 4 };
 /// Spin rounds are capped at this value so that one round never exceeds
 /// `2^MAX_SPIN_ROUNDS` pause instructions, whatever the caller asks for.
 pub const MAX_SPIN_ROUNDS: u32 = 10;
@@ -38,15 +44,17 @@ pub const MAX_SPIN_ROUNDS: u32 = 10;
 /// The spin → yield → park discipline as a small state machine.
 ///
 /// ```
-/// use kvferry::backoff::{Backoff, Step};
+/// use kvferry_ring::backoff::{Backoff, Step};
 /// use std::sync::atomic::{AtomicBool, Ordering};
+/// use std::time::Duration;
 ///
 /// let ready = AtomicBool::new(true);
 /// let mut backoff = Backoff::new();
-/// // SeqCst: example only.
-/// while !ready.load(Ordering::SeqCst) {
+/// // Acquire: pairs with the Release store of whoever sets the flag.
+/// while !ready.load(Ordering::Acquire) {
 ///     if backoff.snooze() == Step::ShouldPark {
-///         std::thread::park(); // the real code parks on its own wait queue
+///         // The real code parks on its own wait queue, with a deadline.
+///         std::thread::park_timeout(Duration::from_millis(1));
 ///     }
 /// }
 /// ```
@@ -72,7 +80,9 @@ impl Backoff {
 
     /// A backoff with `spin_rounds` spin rounds (capped at
     /// [`MAX_SPIN_ROUNDS`]) followed by `yield_rounds` yields. With both zero
-    /// the first `snooze` already returns [`Step::ShouldPark`].
+    /// the first `snooze` already returns [`Step::ShouldPark`]. For model
+    /// checkers, which must keep every wait short; production code uses
+    /// [`Backoff::new`].
     pub const fn with_limits(spin_rounds: u32, yield_rounds: u32) -> Self {
         let spin_rounds = if spin_rounds > MAX_SPIN_ROUNDS {
             MAX_SPIN_ROUNDS
@@ -87,15 +97,16 @@ impl Backoff {
     }
 
     /// Back off once: spin, yield, or report that the caller should park.
+    #[inline]
     pub fn snooze(&mut self) -> Step {
         if self.step < self.spin_rounds {
             for _ in 0..(1u32 << self.step) {
-                std::hint::spin_loop();
+                sync::spin_hint();
             }
             self.step += 1;
             Step::Spun
         } else if self.step < self.spin_rounds.saturating_add(self.yield_rounds) {
-            std::thread::yield_now();
+            sync::yield_now();
             self.step += 1;
             Step::Yielded
         } else {
@@ -116,7 +127,7 @@ impl Backoff {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicBool, Ordering};
@@ -130,7 +141,7 @@ mod tests {
     #[test]
     fn default_sequence_spins_then_yields_then_parks() {
         let mut b = Backoff::new();
-        let s = steps(&mut b, 12);
+        let s = steps(&mut b, 14);
         let spins = DEFAULT_SPIN_ROUNDS as usize;
         let yields = DEFAULT_YIELD_ROUNDS as usize;
         assert!(s[..spins].iter().all(|&x| x == Step::Spun), "{s:?}");
