@@ -38,7 +38,7 @@ step "rdma unit tests (transport::rdma)"
 bounded 300 "$lib" --quiet transport::rdma
 
 step "tests/transport_rdma.rs (all but the link flap)"
-bounded 900 "$itest" --skip a_link_flap
+KVFERRY_RDMA_RUN_REQUESTS=${KVFERRY_RDMA_RUN_REQUESTS:-250} bounded 900 "$itest" --skip a_link_flap
 
 step "tests/transport_rdma.rs: link flap (ip link set veth0 down/up)"
 KVFERRY_RDMA_FLAP_NETDEV=veth0 bounded 300 "$itest" a_link_flap --nocapture
