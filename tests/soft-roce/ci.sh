@@ -35,13 +35,13 @@ step "rdma device"
 ibv_devinfo -d "${KVFERRY_RDMA_DEVICE:-rxe0}" | grep -E 'hca_id|state|active_mtu'
 
 step "rdma unit tests (transport::rdma)"
-bounded 300 "$lib" --quiet transport::rdma
+bounded 300 "$lib" --quiet --color never transport::rdma
 
 step "tests/transport_rdma.rs (all but the link flap)"
-KVFERRY_RDMA_RUN_REQUESTS=${KVFERRY_RDMA_RUN_REQUESTS:-250} bounded 900 "$itest" --skip a_link_flap
+KVFERRY_RDMA_RUN_REQUESTS=${KVFERRY_RDMA_RUN_REQUESTS:-250} bounded 900 "$itest" --color never --skip a_link_flap
 
 step "tests/transport_rdma.rs: link flap (ip link set veth0 down/up)"
-KVFERRY_RDMA_FLAP_NETDEV=veth0 bounded 300 "$itest" a_link_flap --nocapture
+KVFERRY_RDMA_FLAP_NETDEV=veth0 bounded 300 "$itest" --color never a_link_flap --nocapture
 
 step "fault run: kvferry run --transport rdma, 5 % aborts, 2 % write failures"
 bounded 300 "$bin" run --transport rdma --prefillers 2 --decoders 2 \

@@ -24,9 +24,9 @@ use kvferry_ring::spsc::Producer;
 use crate::transport::{Completion, CompletionStatus};
 
 use super::events::{action, EventAction};
-use super::inflight::Stall;
+use super::inflight::{Inflight, Stall};
 use super::peers::{PeerQp, Shared};
-use super::verbs::{Channel, Context, Cq, Mr};
+use super::verbs::{Channel, Context, Cq, Mr, Qp};
 
 /// Empty polls before yielding.
 const SPIN_POLLS: u32 = 256;
@@ -185,10 +185,7 @@ impl CqThread {
                         timeout = ?self.stall_timeout,
                         "rdma queue pair made no progress: fencing it"
                     );
-                    if let Err(e) = p.qp.fence() {
-                        tracing::debug!(error = %e, "fencing a stalled queue pair failed");
-                    }
-                    inflight.fenced(now);
+                    fence_locked(&p.qp, &mut inflight, now);
                 }
                 Stall::GiveUp => {
                     tracing::warn!(
@@ -246,8 +243,12 @@ impl CqThread {
 /// it fenced, under its in-flight lock so a concurrent post either is
 /// flushed or sees the failed state.
 fn fence(p: &PeerQp, now: Instant) {
-    let mut inflight = p.inflight.lock();
-    if let Err(e) = p.qp.fence() {
+    fence_locked(&p.qp, &mut p.inflight.lock(), now);
+}
+
+/// [`fence`] with the in-flight lock of `qp` already held.
+fn fence_locked(qp: &Qp, inflight: &mut Inflight, now: Instant) {
+    if let Err(e) = qp.fence() {
         tracing::debug!(error = %e, "fencing a queue pair failed");
     }
     inflight.fenced(now);
