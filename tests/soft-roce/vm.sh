@@ -289,14 +289,18 @@ cleanup() {
 trap cleanup EXIT
 trap 'say "interrupted"; exit 130' INT TERM
 
+# POSIX single-quoting (the guest runs the command file with dash, which
+# does not read bash's $'...' from printf %q).
+shq() { printf "'%s'" "$(printf '%s' "$1" | sed "s/'/'\\\\''/g")"; }
+
 # The command, with the caller's KVFERRY_* / RUST_* environment.
 {
     echo "export KVFERRY_RDMA_DEVICE=rxe0 KVFERRY_RDMA_GID_INDEX=1 KVFERRY_RDMA_REQUIRE_DEVICE=1"
     while IFS= read -r name; do
-        printf 'export %s=%q\n' "$name" "${!name}"
+        printf 'export %s=%s\n' "$name" "$(shq "${!name}")"
     done < <(compgen -e | grep -E '^(KVFERRY_|RUST_)' | grep -vE '^KVFERRY_VM_')
     if (($#)); then
-        printf 'exec sh -c %q\n' "$*"
+        printf 'exec sh -c %s\n' "$(shq "$*")"
     else
         echo "exec ibv_devinfo -d rxe0"
     fi
