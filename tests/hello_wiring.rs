@@ -274,6 +274,8 @@ struct ShmAcceptor {
     log: Log,
     refuse: Arc<Mutex<Option<String>>>,
     kill: Kill,
+    /// `accept` takes this long (a receiver slow to set up its side).
+    slow: Duration,
 }
 
 impl HelloAcceptor for ShmAcceptor {
@@ -283,6 +285,7 @@ impl HelloAcceptor for ShmAcceptor {
 
     fn accept(&mut self, sender: &Descriptor) -> Result<Descriptor, String> {
         self.log.lock().push(Event::Accept(sender.clone()));
+        std::thread::sleep(self.slow);
         match &*self.refuse.lock() {
             Some(e) => Err(e.clone()),
             None => Ok(self.shm.clone()),
@@ -299,6 +302,16 @@ impl HelloAcceptor for ShmAcceptor {
 }
 
 fn acceptor(log: &Log, refuse: Arc<Mutex<Option<String>>>, kill: &Kill) -> AcceptorFactory {
+    slow_acceptor(log, refuse, kill, Duration::ZERO)
+}
+
+/// An acceptor whose `accept` takes `slow`.
+fn slow_acceptor(
+    log: &Log,
+    refuse: Arc<Mutex<Option<String>>>,
+    kill: &Kill,
+    slow: Duration,
+) -> AcceptorFactory {
     let (log, kill) = (log.clone(), kill.clone());
     AcceptorFactory::new(move |region| {
         Ok(Box::new(ShmAcceptor {
@@ -309,6 +322,7 @@ fn acceptor(log: &Log, refuse: Arc<Mutex<Option<String>>>, kill: &Kill) -> Accep
             log: log.clone(),
             refuse: refuse.clone(),
             kill: kill.clone(),
+            slow,
         }))
     })
 }
@@ -442,6 +456,55 @@ fn a_refused_accept_fails_the_request_with_the_receivers_reason() {
     );
     let _ = sender.close(deadline());
     wait_receiver_empty(&receiver, "after the refused Hello");
+}
+
+/// Bug 2 of issue 14: a `HelloAck` later than `hello_timeout` (a receiver
+/// slow to set up its data plane, as when registering memory under load)
+/// made the sender take the kvferry receiver for an LMCache one for good;
+/// with no static descriptor configured, every request to it failed ("did
+/// not answer Hello"). Only a receiver with a static descriptor falls back;
+/// this one is waited for and connected by its late `HelloAck`.
+#[test]
+fn a_hello_ack_later_than_hello_timeout_still_connects_the_receiver() {
+    let log = Log::default();
+    let receiver = Receiver::start(kvferry::receiver::ReceiverConfig {
+        acceptor: Some(slow_acceptor(
+            &log,
+            Arc::default(),
+            &Kill::default(),
+            Duration::from_millis(600),
+        )),
+        ..receiver_cfg(16)
+    })
+    .expect("receiver starts");
+    let transport = Box::new(recording(&log, None));
+    let sender = Sender::with_transport(
+        kvferry::sender::SenderConfig {
+            transport: "rdma".into(),
+            hello_timeout: Duration::from_millis(100),
+            ..sender_cfg(8, None)
+        },
+        transport,
+    )
+    .expect("sender starts");
+    for _ in 0..3 {
+        assert_eq!(
+            run_one(&sender, &receiver, &unique("late-ack")),
+            RequestStatus::Completed
+        );
+    }
+    let shm = remote_buffer(&receiver).descriptor;
+    assert_eq!(
+        *log.lock(),
+        vec![
+            Event::Prepare(qp(0x101)),
+            Event::Accept(qp(0x101)),
+            Event::ConnectPrepared(qp(0x101), shm),
+        ],
+        "one handshake, nothing discarded"
+    );
+    assert_eq!(sender.close(deadline()), 0);
+    wait_receiver_empty(&receiver, "after the late-HelloAck requests");
 }
 
 #[test]

@@ -11,6 +11,7 @@
 #![cfg(not(feature = "shuttle-model"))]
 
 mod common;
+mod common_transport;
 
 use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -135,7 +136,7 @@ impl Rx {
     }
 
     fn slot(&self, slot: u32) -> Vec<u8> {
-        self.region().read_slot(slot, CHUNK as usize).unwrap()
+        common_transport::read_slot(&self.region(), slot, CHUNK as usize)
     }
 
     fn metric(&self, name: &str) -> f64 {

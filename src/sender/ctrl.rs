@@ -1279,7 +1279,11 @@ impl Ctrl {
             (cfg.hello_timeout, cfg.reply_timeout, cfg.heartbeat_interval);
         for i in 0..self.peers.len() {
             if let Mode::Handshaking(since) = self.peers[i].mode {
-                if now.saturating_duration_since(since) >= hello_timeout {
+                let waited = now.saturating_duration_since(since);
+                let lmcache_fallback = self.static_peers.contains_key(&self.peers[i].endpoint);
+                if !lmcache_fallback && waited >= reply_timeout {
+                    self.hello_unanswered(i, now, reply_timeout);
+                } else if lmcache_fallback && waited >= hello_timeout {
                     let mut p = self.peers.swap_remove(i);
                     self.become_legacy(&mut p);
                     self.peers.push(p);
@@ -1316,6 +1320,29 @@ impl Ctrl {
                 }
             }
         }
+    }
+
+    /// A receiver with no LMCache fallback (no static descriptor) left its
+    /// `Hello` unanswered for `limit` (`reply_timeout`, as any unanswered
+    /// message; `hello_timeout` only decides when a receiver that *has* a
+    /// fallback is taken for an LMCache one, so a slow kvferry receiver,
+    /// e.g. one still registering memory, is waited for and its late
+    /// `HelloAck` connects it). Its waiting requests fail; a request after
+    /// `rehello_backoff` tries a new `Hello`.
+    fn hello_unanswered(&mut self, i: usize, now: Instant, limit: Duration) {
+        let mut p = self.peers.swap_remove(i);
+        self.discard_prepared(&mut p);
+        p.mode = Mode::Failed(format!(
+            "receiver at {} did not answer Hello within {limit:?} and no static buffer descriptor is configured for it",
+            p.endpoint
+        ));
+        p.retry_hello = true;
+        p.last_hello = Some(now);
+        self.peers.push(p);
+        let last = self.peers.len() - 1;
+        self.peers.swap(i, last);
+        self.renew_socket(i);
+        self.dirty_peer(i);
     }
 
     /// Fails the requests whose messages went unanswered too long.
@@ -1372,7 +1399,12 @@ impl Ctrl {
         let mut consider = |t: Instant| next = Some(next.map_or(t, |n: Instant| n.min(t)));
         for p in &self.peers {
             if let Mode::Handshaking(since) = p.mode {
-                consider(since + cfg.hello_timeout);
+                // The LMCache fallback, or (none configured) giving up.
+                consider(if self.static_peers.contains_key(&p.endpoint) {
+                    since + cfg.hello_timeout
+                } else {
+                    since + cfg.reply_timeout
+                });
             }
             if let Some(t) = p.oldest() {
                 consider(t + cfg.reply_timeout);

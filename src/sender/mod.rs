@@ -63,7 +63,9 @@ pub struct SenderConfig {
     /// Data-plane options (ring sizes, fault injection).
     pub transport_config: TransportConfig,
     /// How long to wait for a receiver's `HelloAck` before treating it as
-    /// an LMCache receiver (one request at a time, no extensions).
+    /// an LMCache receiver (one request at a time, no extensions). Applies
+    /// only to receivers with a static descriptor in `static_peers`; any
+    /// other receiver's `Hello` is waited for up to `reply_timeout`.
     pub hello_timeout: Duration,
     /// How long an AllocRequest may stay unanswered before its request
     /// fails (must exceed the receiver's admission timeout).

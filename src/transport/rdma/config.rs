@@ -2,9 +2,17 @@
 //! batches, from a [`TransportConfig`] plus `KVFERRY_RDMA_*` environment
 //! variables (the shared transport config has no RDMA fields).
 
+use std::time::Duration;
+
 use crate::transport::{TransportConfig, TransportError, MAX_RING_CAPACITY};
 
 use super::plan::DEFAULT_SIGNAL_EVERY;
+use super::qp_state::RETRY_COUNT;
+
+/// Default for [`RdmaConfig::stall_timeout`]: about ten times the RC retry
+/// budget (`RETRY_COUNT + 1` tries of the ~67 ms ACK timeout), so a queue
+/// pair is only fenced by the watchdog when the NIC itself failed to give up.
+pub const DEFAULT_STALL_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Environment variable naming the RDMA device (`mlx5_0`, `rxe0`); unset =
 /// the first device.
@@ -30,6 +38,15 @@ pub struct RdmaConfig {
     pub signal_every: u32,
     /// Pin the CQ-poll thread to this CPU (best effort).
     pub pin_cpu: Option<usize>,
+    /// RC transport retries of the sender's queue pairs (`retry_cnt`,
+    /// 0..=7). Keep it at most 6: rxe treats 7 as "retry forever", which
+    /// only the stall watchdog then ends.
+    pub retry_count: u8,
+    /// A queue pair with writes in flight and no completion for this long is
+    /// moved to the error state, so its writes flush (`ConnectionLost`); if
+    /// even the flushes do not come within another `stall_timeout`, its ops
+    /// fail without them (`TransportError`). Also bounds dropping the poster.
+    pub stall_timeout: Duration,
 }
 
 impl Default for RdmaConfig {
@@ -41,6 +58,8 @@ impl Default for RdmaConfig {
             credits: crate::transport::DEFAULT_RING_CAPACITY,
             signal_every: DEFAULT_SIGNAL_EVERY,
             pin_cpu: None,
+            retry_count: RETRY_COUNT,
+            stall_timeout: DEFAULT_STALL_TIMEOUT,
         }
     }
 }
@@ -80,13 +99,15 @@ impl RdmaConfig {
             credits: cfg.ring_capacity,
             signal_every: DEFAULT_SIGNAL_EVERY,
             pin_cpu: cfg.pin_cpu,
+            ..Self::default()
         };
         c.validate()?;
         Ok(c)
     }
 
     /// Checks the ranges: credits in `1..=MAX_RING_CAPACITY`, port at least
-    /// 1, `signal_every` at least 1.
+    /// 1, `signal_every` at least 1, `retry_count` at most 7, a non-zero
+    /// `stall_timeout`.
     pub fn validate(&self) -> Result<(), TransportError> {
         if self.credits == 0 || self.credits > MAX_RING_CAPACITY {
             return Err(TransportError::Config(format!(
@@ -102,6 +123,17 @@ impl RdmaConfig {
         if self.signal_every == 0 {
             return Err(TransportError::Config(
                 "rdma signal_every must be at least 1".into(),
+            ));
+        }
+        if self.retry_count > 7 {
+            return Err(TransportError::Config(format!(
+                "rdma retry_count {} must be in 0..=7 (a 3-bit field)",
+                self.retry_count
+            )));
+        }
+        if self.stall_timeout.is_zero() {
+            return Err(TransportError::Config(
+                "rdma stall_timeout must be positive".into(),
             ));
         }
         Ok(())
@@ -139,5 +171,15 @@ mod tests {
             ..RdmaConfig::default()
         };
         assert!(bad(c.validate().map(|()| c.clone())).contains("signal_every"));
+        let c = RdmaConfig {
+            retry_count: 8,
+            ..RdmaConfig::default()
+        };
+        assert!(bad(c.validate().map(|()| c.clone())).contains("retry_count"));
+        let c = RdmaConfig {
+            stall_timeout: Duration::ZERO,
+            ..RdmaConfig::default()
+        };
+        assert!(bad(c.validate().map(|()| c.clone())).contains("stall_timeout"));
     }
 }

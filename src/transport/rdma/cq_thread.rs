@@ -8,10 +8,16 @@
 //! ([`kvferry_ring::Backoff`]: spin briefly, then yield a few times), then
 //! arms the CQ (`ibv_req_notify_cq`), polls once more (a completion
 //! may have arrived before arming) and sleeps in `poll(2)` on the completion
-//! channel's fd and the poster's eventfd.
+//! channel's fd, the poster's eventfd and the device's async event fd.
+//!
+//! Housekeeping (after every sleep, and every [`HOUSEKEEP_EVERY`] passes
+//! while busy): asynchronous events are handled (see `events`) and the
+//! stall watchdog fences a queue pair whose writes made no progress for the
+//! stall timeout (see `inflight::Stall`), so every write ends even if the
+//! NIC never gives up on its own.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ibverbs_sys as ffi;
 use kvferry_ring::spsc::Producer;
@@ -19,13 +25,18 @@ use kvferry_ring::{Backoff, Step};
 
 use crate::transport::{Completion, CompletionStatus};
 
-use super::peers::Shared;
-use super::verbs::{Channel, Cq};
+use super::events::{action, EventAction};
+use super::inflight::{Inflight, Stall};
+use super::peers::{PeerQp, Shared};
+use super::verbs::{Channel, Context, Cq, Mr, Qp};
 
 /// Work completions taken per poll.
 const WC_BATCH: usize = 64;
-/// Longest sleep without a wakeup (a safety net; wakeups are event-driven).
+/// Longest sleep without a wakeup (a safety net; wakeups are event-driven,
+/// and it bounds how late the stall watchdog looks).
 const SLEEP_MS: i32 = 1000;
+/// Busy passes between two housekeeping rounds.
+const HOUSEKEEP_EVERY: u32 = 1024;
 
 /// Everything the thread owns.
 pub(super) struct CqThread {
@@ -33,6 +44,13 @@ pub(super) struct CqThread {
     pub(super) channel: Arc<Channel>,
     pub(super) shared: Arc<Shared>,
     pub(super) out: Producer<Completion>,
+    /// The device context (its async events).
+    pub(super) ctx: Arc<Context>,
+    /// The staging region, kept registered (and its memory alive) until
+    /// this thread is gone, even if the poster's drop stopped waiting.
+    pub(super) _mr: Arc<Mr>,
+    /// See [`RdmaConfig::stall_timeout`](super::RdmaConfig::stall_timeout).
+    pub(super) stall_timeout: Duration,
 }
 
 impl CqThread {
@@ -42,9 +60,14 @@ impl CqThread {
         let mut wcs = vec![ffi::ibv_wc::default(); WC_BATCH];
         let mut done: Vec<Completion> = Vec::with_capacity(WC_BATCH);
         let mut idle = Backoff::new();
+        let mut passes: u32 = 0;
         tracing::debug!("rdma cq thread started");
         loop {
             done.clear();
+            passes = passes.wrapping_add(1);
+            if passes % HOUSEKEEP_EVERY == 0 {
+                self.housekeep(&mut done);
+            }
             done.append(&mut self.shared.immediate.lock());
             if let Err(e) = self.take(&mut wcs, &mut done) {
                 tracing::debug!(error = %e, "rdma cq poll failed: failing every queue pair");
@@ -82,6 +105,10 @@ impl CqThread {
                 continue;
             }
             self.sleep();
+            self.housekeep(&mut done);
+            if !done.is_empty() && self.out.push_slice(&done) < done.len() {
+                break;
+            }
         }
         tracing::debug!("rdma cq thread stopped");
     }
@@ -116,6 +143,53 @@ impl CqThread {
         Ok(())
     }
 
+    /// Handles pending asynchronous events and runs the stall watchdog;
+    /// ops it fails go to `done`.
+    fn housekeep(&self, done: &mut Vec<Completion>) {
+        let now = Instant::now();
+        while let Some(ev) = self.ctx.take_async_event() {
+            let by_qpn = self.shared.by_qpn.read();
+            match action(&ev, self.ctx.port) {
+                EventAction::FenceQp(qp_num) => {
+                    tracing::warn!(?ev, "rdma queue pair error event: fencing it");
+                    if let Some(p) = by_qpn.get(&qp_num) {
+                        fence(p, now);
+                    }
+                }
+                EventAction::FenceAll => {
+                    tracing::warn!(
+                        ?ev,
+                        "rdma port or device error event: fencing every queue pair"
+                    );
+                    by_qpn.values().for_each(|p| fence(p, now));
+                }
+                EventAction::Note => tracing::debug!(?ev, "rdma async event"),
+            }
+        }
+        for p in self.shared.by_qpn.read().values() {
+            let mut inflight = p.inflight.lock();
+            match inflight.stall(now, self.stall_timeout) {
+                Stall::No => {}
+                Stall::Fence => {
+                    tracing::warn!(
+                        qp_num = p.qp.qp_num(),
+                        in_flight = inflight.len(),
+                        timeout = ?self.stall_timeout,
+                        "rdma queue pair made no progress: fencing it"
+                    );
+                    fence_locked(&p.qp, &mut inflight, now);
+                }
+                Stall::GiveUp => {
+                    tracing::warn!(
+                        qp_num = p.qp.qp_num(),
+                        "no flush completions from a fenced rdma queue pair: failing its writes"
+                    );
+                    inflight.fail_all(CompletionStatus::TransportError, done);
+                }
+            }
+        }
+    }
+
     /// The CQ itself broke: every op in flight fails.
     fn fail_everything(&self, done: &mut Vec<Completion>) {
         for peer in self.shared.by_qpn.read().values() {
@@ -130,6 +204,11 @@ impl CqThread {
     fn sleep(&self) {
         let mut fds = [
             libc::pollfd {
+                fd: self.ctx.async_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
                 fd: self.channel.fd(),
                 events: libc::POLLIN,
                 revents: 0,
@@ -140,9 +219,9 @@ impl CqThread {
                 revents: 0,
             },
         ];
-        // SAFETY: `fds` is a live array of two pollfds; both fds stay open
-        // while `self` holds the channel and the shared state.
-        let rc = unsafe { libc::poll(fds.as_mut_ptr(), 2, SLEEP_MS) };
+        // SAFETY: `fds` is a live array of three pollfds; the fds stay open
+        // while `self` holds the context, the channel and the shared state.
+        let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, SLEEP_MS) };
         if rc < 0 {
             // EINTR or similar: back off briefly rather than spin.
             std::thread::sleep(Duration::from_millis(1));
@@ -150,4 +229,19 @@ impl CqThread {
         self.cq.drain_events();
         self.shared.wake.clear();
     }
+}
+
+/// Moves `p`'s queue pair to the error state (its writes flush) and marks
+/// it fenced, under its in-flight lock so a concurrent post either is
+/// flushed or sees the failed state.
+fn fence(p: &PeerQp, now: Instant) {
+    fence_locked(&p.qp, &mut p.inflight.lock(), now);
+}
+
+/// [`fence`] with the in-flight lock of `qp` already held.
+fn fence_locked(qp: &Qp, inflight: &mut Inflight, now: Instant) {
+    if let Err(e) = qp.fence() {
+        tracing::debug!(error = %e, "fencing a queue pair failed");
+    }
+    inflight.fenced(now);
 }

@@ -13,8 +13,15 @@
 //!   the error state: every later op fails with `ConnectionLost` at once and
 //!   later posts to it fail too (the flush completions the NIC still
 //!   delivers for them are ignored).
+//!
+//! Stalls: a queue pair with ops in flight and no completion for the stall
+//! timeout is [`Stall::Fence`]d (moved to the error state by the caller, so
+//! the NIC flushes its requests and their completions arrive fenced); if
+//! the flushes do not come within another timeout, [`Stall::GiveUp`] fails
+//! its ops without them.
 
 use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
 use ibverbs_sys::ibv_wc_status as wc;
 
@@ -42,6 +49,20 @@ pub fn map_wc_status(status: u32) -> CompletionStatus {
     }
 }
 
+/// What the stall watchdog should do with a queue pair
+/// ([`Inflight::stall`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stall {
+    /// Nothing in flight, or it is progressing (or its flush is awaited).
+    No,
+    /// Ops in flight and no completion for the timeout: move the queue pair
+    /// to the error state and call [`Inflight::fenced`].
+    Fence,
+    /// Fenced a timeout ago and the flushes never came: fail the ops with
+    /// [`Inflight::fail_all`].
+    GiveUp,
+}
+
 /// The ops in flight on one queue pair.
 #[derive(Debug, Default)]
 pub struct Inflight {
@@ -49,12 +70,19 @@ pub struct Inflight {
     entries: VecDeque<(u64, u64)>,
     next_seq: u64,
     failed: bool,
+    /// When the oldest op in flight was posted or last completed one.
+    progress_at: Option<Instant>,
+    /// When the queue pair was fenced (moved to the error state).
+    fenced_at: Option<Instant>,
 }
 
 impl Inflight {
     /// Records an op about to be posted; returns the sequence number to use
     /// as the work request's `wr_id`.
     pub fn push(&mut self, work_id: u64) -> u64 {
+        if self.entries.is_empty() {
+            self.progress_at = Some(Instant::now());
+        }
         let seq = self.next_seq;
         self.next_seq += 1;
         self.entries.push_back((seq, work_id));
@@ -92,6 +120,7 @@ impl Inflight {
             return;
         }
         let mapped = map_wc_status(status);
+        self.progress_at = Some(Instant::now());
         while let Some(&(s, work_id)) = self.entries.front() {
             if s > seq {
                 break;
@@ -107,6 +136,29 @@ impl Inflight {
         if mapped != CompletionStatus::Ok {
             self.fail_all(CompletionStatus::ConnectionLost, out);
         }
+    }
+
+    /// The watchdog's verdict at `now` with stall timeout `limit`.
+    pub fn stall(&self, now: Instant, limit: Duration) -> Stall {
+        if self.entries.is_empty() {
+            return Stall::No;
+        }
+        let waited =
+            |t: Option<Instant>| t.is_some_and(|t| now.saturating_duration_since(t) >= limit);
+        match self.fenced_at {
+            Some(_) if waited(self.fenced_at) => Stall::GiveUp,
+            Some(_) => Stall::No,
+            None if waited(self.progress_at) => Stall::Fence,
+            None => Stall::No,
+        }
+    }
+
+    /// Records that the queue pair was moved to the error state at `now`
+    /// (by the watchdog or an asynchronous event): later posts fail at once,
+    /// the ops in flight end with their flush completions.
+    pub fn fenced(&mut self, now: Instant) {
+        self.failed = true;
+        self.fenced_at.get_or_insert(now);
     }
 
     /// Fails every op in flight with `status` and marks the queue pair failed.
@@ -184,6 +236,44 @@ mod tests {
         out.clear();
         q.on_wc(4, wc::IBV_WC_WR_FLUSH_ERR, &mut out);
         assert!(out.is_empty());
+    }
+
+    #[test]
+    fn a_queue_pair_without_progress_is_fenced_then_given_up() {
+        let limit = Duration::from_secs(5);
+        let mut q = Inflight::default();
+        let t0 = Instant::now();
+        assert_eq!(q.stall(t0 + limit * 10, limit), Stall::No, "idle");
+        for w in 0..3 {
+            q.push(w);
+        }
+        let later = Instant::now() + limit;
+        assert_eq!(q.stall(Instant::now(), limit), Stall::No);
+        assert_eq!(q.stall(later, limit), Stall::Fence);
+        // A completion is progress: the clock restarts.
+        let mut out = Vec::new();
+        q.on_wc(0, wc::IBV_WC_SUCCESS, &mut out);
+        assert_eq!(out.len(), 1);
+        let restarted = Instant::now();
+        assert_eq!(q.stall(restarted + limit / 2, limit), Stall::No);
+        assert_eq!(q.stall(restarted + limit * 2, limit), Stall::Fence);
+        // Fenced: new posts fail; the flushes are awaited, then given up.
+        let fenced = restarted + limit * 2;
+        q.fenced(fenced);
+        assert!(q.failed());
+        assert_eq!(q.stall(fenced + limit / 2, limit), Stall::No);
+        assert_eq!(q.stall(fenced + limit, limit), Stall::GiveUp);
+        // The flush of the oldest op ends them all, fenced.
+        out.clear();
+        q.on_wc(1, wc::IBV_WC_WR_FLUSH_ERR, &mut out);
+        assert_eq!(
+            ids(&out),
+            vec![
+                (1, CompletionStatus::ConnectionLost),
+                (2, CompletionStatus::ConnectionLost)
+            ]
+        );
+        assert_eq!(q.stall(fenced + limit * 9, limit), Stall::No);
     }
 
     #[test]

@@ -11,13 +11,15 @@
 //! `Hello`/`HelloAck`), [`plan`] (which ops become which work requests,
 //! signalling), [`inflight`] (mapping work completions back to ops),
 //! [`qp_state`] (the INIT/RTR/RTS attributes), [`device`] (finding a
-//! device), `verbs` (owned wrappers over the raw verbs objects),
-//! `cq_thread`, `sender` and `receiver`. The first five work without a
+//! device), [`events`] (what an asynchronous event such as port down or
+//! QP fatal does), `verbs` (owned wrappers over the raw verbs objects),
+//! `cq_thread`, `sender` and `receiver`. The first six work without a
 //! device and are unit-tested everywhere; the rest needs one.
 
 mod config;
 mod cq_thread;
 pub mod device;
+pub mod events;
 pub mod inflight;
 pub mod info;
 mod peers;

@@ -9,8 +9,11 @@ use super::info::{initial_psn, QpInfo};
 
 /// Local-ACK timeout exponent: 4.096 µs * 2^14 ≈ 67 ms per try.
 pub const ACK_TIMEOUT: u8 = 14;
-/// Transport retries before a write fails with `RETRY_EXC_ERR`.
-pub const RETRY_COUNT: u8 = 7;
+/// Transport retries before a write fails with `RETRY_EXC_ERR` (the
+/// default of [`QpParams::retry_count`]). Not 7: rxe's completer never
+/// decrements a retry count of 7, so a write to a vanished peer would be
+/// retried forever (issue 14); with 6 it fails after about 0.5 s.
+pub const RETRY_COUNT: u8 = 6;
 /// RNR retries (7 would mean "forever"; 6 keeps every write finite).
 pub const RNR_RETRY: u8 = 6;
 /// Minimal RNR NAK timer (12 = 0.64 ms).
@@ -27,6 +30,8 @@ pub struct QpParams {
     pub path_mtu: u32,
     /// Remote access the queue pair allows (`ibv_access_flags` bits).
     pub access: u32,
+    /// Transport retries (`retry_cnt`), normally [`RETRY_COUNT`].
+    pub retry_count: u8,
 }
 
 /// One step of the state machine.
@@ -91,7 +96,7 @@ pub fn attrs(
             a.qp_state = ffi::ibv_qp_state::IBV_QPS_RTS;
             a.sq_psn = initial_psn(own_qp_num);
             a.timeout = ACK_TIMEOUT;
-            a.retry_cnt = RETRY_COUNT;
+            a.retry_cnt = p.retry_count;
             a.rnr_retry = RNR_RETRY;
             a.max_rd_atomic = 1;
             let m = mask::IBV_QP_STATE
@@ -119,6 +124,7 @@ mod tests {
             gid_index: 1,
             path_mtu: ffi::IBV_MTU_1024,
             access: ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
+            retry_count: RETRY_COUNT,
         }
     }
 
@@ -174,6 +180,7 @@ mod tests {
         assert_eq!(a.qp_state, ffi::ibv_qp_state::IBV_QPS_RTS);
         assert_eq!(a.sq_psn, initial_psn(0x17));
         assert!(a.rnr_retry < 7, "rnr_retry 7 would retry forever");
+        assert!(a.retry_cnt < 7, "rxe retries a retry_cnt of 7 forever");
         assert_eq!((a.timeout, a.retry_cnt), (ACK_TIMEOUT, RETRY_COUNT));
         assert!(m.0 & mask::IBV_QP_SQ_PSN.0 != 0 && m.0 & mask::IBV_QP_RNR_RETRY.0 != 0);
         let (a, m) = attrs(&QpStep::Err, &params(), 0x17);

@@ -76,7 +76,11 @@ impl RdmaReceiverSide {
     pub fn accept(&mut self, sender: &Descriptor) -> Result<Descriptor, TransportError> {
         let peer = QpInfo::from_descriptor(sender)?;
         self.qps.remove(&peer.qp_num);
-        let params = self.pd.ctx.qp_params(remote_write());
+        // Nothing is posted on this side, so its retry count never applies.
+        let params = self
+            .pd
+            .ctx
+            .qp_params(remote_write(), super::qp_state::RETRY_COUNT);
         let qp = Qp::new(self.pd.clone(), self.cq.clone(), 1)?;
         qp.modify(&QpStep::Init, &params)?;
         connect(&qp, &params, &peer)?;

@@ -10,9 +10,10 @@
 //! only the receiver's side), see docs/rdma.md.
 
 use std::collections::HashMap;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvferry_ring::spsc::Consumer;
 use parking_lot::Mutex;
@@ -101,8 +102,12 @@ impl RdmaTransport {
             channel,
             shared: shared.clone(),
             out: tx,
+            ctx: self.ctx.clone(),
+            _mr: mr.clone(),
+            stall_timeout: self.cfg.stall_timeout,
         };
         let pin = self.cfg.pin_cpu;
+        let (exited_tx, exited) = std::sync::mpsc::sync_channel::<()>(1);
         let handle = std::thread::Builder::new()
             .name(CQ_THREAD_NAME.into())
             .spawn(move || {
@@ -112,6 +117,7 @@ impl RdmaTransport {
                     }
                 }
                 thread.run();
+                let _ = exited_tx.send(());
             })?;
         let credits = rx.capacity().min(credits);
         let poster = RdmaPoster {
@@ -127,6 +133,7 @@ impl RdmaTransport {
             max_wr,
             steps: Vec::new(),
             thread: Some(handle),
+            exited,
         };
         Ok((poster, RdmaCompletions { rx, shared }))
     }
@@ -165,6 +172,9 @@ pub struct RdmaPoster {
     max_wr: u32,
     steps: Vec<Step>,
     thread: Option<JoinHandle<()>>,
+    /// Signalled by the CQ thread as it exits (the drop waits on it with a
+    /// deadline; `JoinHandle::join` has none).
+    exited: Receiver<()>,
 }
 
 impl std::fmt::Debug for RdmaPoster {
@@ -226,7 +236,7 @@ impl RdmaPoster {
             // Part of the chain may be posted without a signalled request
             // at its end: fail the queue pair and everything on it.
             tracing::debug!(peer, error = %e, "ibv_post_send failed: failing the queue pair");
-            let _ = pq.qp.modify(&QpStep::Err, &self.pd.ctx.qp_params(0));
+            let _ = pq.qp.fence();
             let mut failed = Vec::new();
             inflight.fail_all(CompletionStatus::ConnectionLost, &mut failed);
             now.extend(failed.iter().map(|c| (c.work_id, c.status())));
@@ -241,7 +251,10 @@ impl Poster for RdmaPoster {
     /// accesses it).
     fn prepare(&mut self) -> Result<Descriptor, TransportError> {
         let qp = Qp::new(self.pd.clone(), self.cq.clone(), self.max_wr)?;
-        qp.modify(&QpStep::Init, &self.pd.ctx.qp_params(0))?;
+        qp.modify(
+            &QpStep::Init,
+            &self.pd.ctx.qp_params(0, self.cfg.retry_count),
+        )?;
         let ctx = &self.pd.ctx;
         let info = QpInfo {
             qp_num: qp.qp_num(),
@@ -273,7 +286,7 @@ impl Poster for RdmaPoster {
                 own.qp_num
             ))
         })?;
-        connect(&qp, &self.pd.ctx.qp_params(0), &peer)?;
+        connect(&qp, &self.pd.ctx.qp_params(0, self.cfg.retry_count), &peer)?;
         let pq = Arc::new(PeerQp {
             qp,
             remote: peer,
@@ -333,7 +346,7 @@ impl Poster for RdmaPoster {
             // Flush it: its in-flight ops complete (as ConnectionLost through
             // the flush completions, or Ok if already done) before the CQ
             // thread drops its last reference.
-            let _ = pq.qp.modify(&QpStep::Err, &self.pd.ctx.qp_params(0));
+            let _ = pq.qp.fence();
             let mut done = Vec::new();
             pq.inflight
                 .lock()
@@ -395,14 +408,38 @@ impl Poster for RdmaPoster {
     }
 }
 
+impl RdmaPoster {
+    /// How long the drop waits for the CQ thread: a stalled queue pair is
+    /// fenced after one stall timeout and its ops given up after another,
+    /// so the thread is done by then unless the device itself hangs.
+    fn drop_deadline(&self) -> Duration {
+        self.cfg.stall_timeout * 2 + Duration::from_secs(2)
+    }
+}
+
 impl Drop for RdmaPoster {
     fn drop(&mut self) {
         // The CQ thread delivers what is in flight (RC retries are finite,
-        // so every write completes), then exits and closes the ring.
+        // and the stall watchdog fences a queue pair the NIC does not give
+        // up on), then exits and closes the ring.
         self.shared.close();
-        if let Some(t) = self.thread.take() {
-            if t.join().is_err() {
-                tracing::debug!("rdma cq thread panicked");
+        let Some(t) = self.thread.take() else { return };
+        let limit = self.drop_deadline();
+        match self.exited.recv_timeout(limit) {
+            Ok(()) | Err(RecvTimeoutError::Disconnected) => {
+                if t.join().is_err() {
+                    tracing::debug!("rdma cq thread panicked");
+                }
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                // It keeps the CQ, the queue pairs and the staging region
+                // (registered, memory alive) until it ends, so leaving it
+                // is safe; waiting longer would hang the caller.
+                tracing::warn!(
+                    ?limit,
+                    in_flight = self.in_flight(),
+                    "the rdma cq thread did not finish within the drop deadline; leaving it"
+                );
             }
         }
     }

@@ -17,6 +17,7 @@ use std::sync::Arc;
 use ibverbs_sys as ffi;
 
 use super::device::{no_device, pick_device};
+use super::events::{is_port_event, is_qp_event, AsyncEvent};
 use super::qp_state::{attrs, QpParams, QpStep};
 use super::QpInfo;
 use crate::protocol::GID_LEN;
@@ -145,16 +146,73 @@ impl Context {
         }
         // SAFETY: `raw` covers the whole union; every bit pattern is valid.
         this.gid = unsafe { gid.raw };
+        // Asynchronous events are read without blocking (the CQ thread
+        // polls the fd next to the completion channel's).
+        let fd = this.async_fd();
+        // SAFETY: fd is the context's open async descriptor; F_GETFL/F_SETFL
+        // take no pointers.
+        let ok = unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFL);
+            flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) == 0
+        };
+        if !ok {
+            return Err(verbs_error(
+                "fcntl(O_NONBLOCK) on the async event fd",
+                io::Error::last_os_error(),
+            ));
+        }
         Ok(Arc::new(this))
     }
 
+    /// The descriptor that is readable when an asynchronous event is pending.
+    pub(super) fn async_fd(&self) -> RawFd {
+        // SAFETY: ctx is open (closed only in Drop).
+        unsafe { (*self.ctx).async_fd }
+    }
+
+    /// Takes one pending asynchronous event, copies what identifies its
+    /// element and acknowledges it; `None` when none is pending (the fd is
+    /// non-blocking).
+    pub(super) fn take_async_event(&self) -> Option<AsyncEvent> {
+        let mut ev = std::mem::MaybeUninit::<ffi::ibv_async_event>::zeroed();
+        // SAFETY: ctx is open; `ev` is a writable ibv_async_event; the fd is
+        // non-blocking, so this returns -1 at once when nothing is pending.
+        if unsafe { ffi::ibv_get_async_event(self.ctx, ev.as_mut_ptr()) } != 0 {
+            return None;
+        }
+        // SAFETY: ibv_get_async_event returned 0, so it filled `ev`.
+        let mut ev = unsafe { ev.assume_init() };
+        let kind = ev.event_type;
+        let qp_num = if is_qp_event(kind) {
+            // SAFETY: for QP events `element.qp` is the QP, which stays
+            // valid at least until the event is acknowledged (below).
+            unsafe {
+                let qp = ev.element.qp;
+                (!qp.is_null()).then(|| (*qp).qp_num)
+            }
+        } else {
+            None
+        };
+        let port = if is_port_event(kind) {
+            // SAFETY: for port events `element.port_num` is the union's
+            // active field (an int).
+            u8::try_from(unsafe { ev.element.port_num }).ok()
+        } else {
+            None
+        };
+        // SAFETY: `ev` came from ibv_get_async_event and is acked once.
+        unsafe { ffi::ibv_ack_async_event(&mut ev) };
+        Some(AsyncEvent { kind, qp_num, port })
+    }
+
     /// Connection parameters for queue pairs of this context.
-    pub(super) fn qp_params(&self, access: u32) -> QpParams {
+    pub(super) fn qp_params(&self, access: u32, retry_count: u8) -> QpParams {
         QpParams {
             port: self.port,
             gid_index: self.gid_index,
             path_mtu: self.active_mtu,
             access,
+            retry_count,
         }
     }
 }
@@ -524,6 +582,33 @@ impl Qp {
         if rc != 0 {
             return Err(verbs_error(
                 &format!("ibv_modify_qp({step:?}) of QP {:#x}", self.qp_num()),
+                io::Error::from_raw_os_error(rc),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Moves the queue pair to the error state: the NIC stops executing its
+    /// work requests and completes each one still outstanding with a flush
+    /// error, so the completions of its writes are fenced (the NIC is done
+    /// with their memory when they arrive).
+    pub(super) fn fence(&self) -> Result<(), TransportError> {
+        let (mut attr, mask) = attrs(
+            &QpStep::Err,
+            &QpParams {
+                port: 1,
+                gid_index: 0,
+                path_mtu: 0,
+                access: 0,
+                retry_count: 0,
+            },
+            self.qp_num(),
+        );
+        // SAFETY: qp is live; the ERR step sets the one field its mask names.
+        let rc = unsafe { ffi::ibv_modify_qp(self.qp, &mut attr, mask.0 as i32) };
+        if rc != 0 {
+            return Err(verbs_error(
+                &format!("ibv_modify_qp(Err) of QP {:#x}", self.qp_num()),
                 io::Error::from_raw_os_error(rc),
             ));
         }
