@@ -95,7 +95,14 @@ fn pair(credits: usize) -> Pair {
         ..RdmaConfig::default()
     };
     let mut rx = RdmaReceiverSide::new(region.clone(), &cfg).unwrap();
-    let staging = Arc::new(StagingBuffer::new(SLOTS as usize, CHUNK).unwrap());
+    // Staging slot `i` holds `i + 1` (filled before the transport shares it).
+    let mut staging = StagingBuffer::new(SLOTS as usize, CHUNK).unwrap();
+    for i in 0..SLOTS {
+        staging
+            .write_slot(i as u32, &vec![i as u8 + 1; CHUNK as usize])
+            .unwrap();
+    }
+    let staging = Arc::new(staging);
     let (mut poster, completions) = RdmaTransport::new(cfg)
         .unwrap()
         .start_rdma(staging.clone())
@@ -138,9 +145,6 @@ fn writes_land_in_the_receivers_slots() {
     let mut p = pair(64);
     let mut ops = Vec::new();
     for i in 0..SLOTS {
-        p.staging
-            .write_slot(i as u32, &vec![i as u8 + 1; CHUNK as usize])
-            .unwrap();
         ops.push(op(100 + i, p.peer, i, SLOTS - 1 - i, CHUNK));
     }
     assert_eq!(p.poster.post(&ops).unwrap(), ops.len());

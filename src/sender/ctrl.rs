@@ -63,10 +63,12 @@ impl Ctrl {
     ) -> Result<Self, super::SenderError> {
         let proxy = match &shared.cfg.proxy {
             Some(ep) => {
-                let s = crate::zmq_io::context().socket(zmq::PUSH)?;
-                s.set_linger(1000)?;
-                s.set_sndhwm(0)?;
-                s.connect(ep)?;
+                let s = crate::zmq_io::context()
+                    .socket(zmq::PUSH)
+                    .map_err(super::SenderError::socket)?;
+                s.set_linger(1000).map_err(super::SenderError::socket)?;
+                s.set_sndhwm(0).map_err(super::SenderError::socket)?;
+                s.connect(ep).map_err(super::SenderError::socket)?;
                 Some(s)
             }
             None => None,
@@ -368,14 +370,7 @@ impl Ctrl {
     }
 
     fn release_data(&self, data: BatchData, bytes: usize) {
-        match data {
-            BatchData::Staged(set) => self.free_staging(set),
-            BatchData::Pending(_) => {
-                // AcqRel: pending-area accounting only (see `Sender::store`).
-                self.shared.pending_bytes.fetch_sub(bytes, Ordering::AcqRel);
-            }
-            BatchData::Empty => {}
-        }
+        self.shared.release_data(data, bytes);
     }
 
     /// The peer for `endpoint`, connecting (and saying Hello) on first use.
@@ -641,49 +636,26 @@ impl Ctrl {
         let capacity = self.peers[i]
             .remote
             .as_ref()
-            .map_or(0, |rb| rb.capacity_chunks) as i64;
-        let bad_shape =
-            resp.remote_indexes.len() != n.max(1) && !(n == 0 && resp.remote_indexes.is_empty());
-        let failure = if resp.is_failure() || bad_shape {
-            let code = resp
-                .code
-                .as_deref()
-                .and_then(ErrorCode::parse)
-                .unwrap_or(ErrorCode::AllocationFailed);
-            let reason = resp
-                .error
-                .clone()
-                .unwrap_or_else(|| "the receiver could not allocate the batch".into());
-            Some((code, reason))
-        } else if resp.remote_indexes.iter().any(|&x| x < 0 || x >= capacity)
-            || resp
-                .already_sent_indexes
-                .iter()
-                .any(|&x| x < 0 || x as usize >= n)
-        {
-            Some((
-                ErrorCode::BadMessage,
-                format!("reply names slots outside the receiver's {capacity}"),
-            ))
-        } else {
-            None
-        };
-        if let Some((code, reason)) = failure {
-            if matches!(r.state, ReqState::Pending | ReqState::Admitted) {
+            .map_or(0, |rb| rb.capacity_chunks);
+        let super::reply::Mapped {
+            remote: remote_pos,
+            already_sent: dedup,
+        } = match super::reply::map_reply(n, capacity, &resp) {
+            Ok(m) => m,
+            Err((code, reason)) => {
                 debug!(req_id = %req_id, code = code.as_str(), %reason, "batch refused; aborting the request");
-                r.state = ReqState::Aborting(RequestStatus::Failed { code, reason });
-                r.cancel.cancel();
+                r.abort_with(RequestStatus::Failed { code, reason });
+                drop(t);
+                return self.release_data(b.data, b.bytes);
             }
-            drop(t);
-            return self.release_data(b.data, b.bytes);
-        }
+        };
         if !matches!(r.state, ReqState::Pending | ReqState::Admitted) {
             // Aborting: the receiver's slots go back with the CancelNotif.
             drop(t);
             return self.release_data(b.data, b.bytes);
         }
         if r.state == ReqState::Pending {
-            r.state = ReqState::Admitted;
+            r.admit();
             if let Some(sent) = r.first_sent_at {
                 self.shared
                     .stats
@@ -691,11 +663,6 @@ impl Ctrl {
             }
             self.shared.stats.inc(Counter::Admitted);
         }
-        let dedup: SmallVec<[usize; 16]> = resp
-            .already_sent_indexes
-            .iter()
-            .map(|&x| x as usize)
-            .collect();
         r.completed_chunks += dedup.len();
         if b.is_last {
             r.last_replied = true;
@@ -718,19 +685,16 @@ impl Ctrl {
                 *set = kept;
                 let lens: SmallVec<[u32; 16]> =
                     writes.iter().map(|&j| b.lens[j as usize]).collect();
-                let remote: Vec<i64> = writes
-                    .iter()
-                    .map(|&j| resp.remote_indexes[j as usize])
-                    .collect();
+                let remote: Vec<i64> = writes.iter().map(|&j| remote_pos[j as usize]).collect();
                 b.lens = lens;
                 b.remote = remote;
                 b.writes = (0..writes.len() as u32).collect();
             } else {
-                b.remote = resp.remote_indexes.clone();
+                b.remote = remote_pos;
                 b.writes = writes;
             }
         } else {
-            b.remote = resp.remote_indexes.clone();
+            b.remote = remote_pos;
             b.writes = writes;
         }
         r.unstaged.push_back(id);
@@ -789,11 +753,9 @@ impl Ctrl {
             let Some(r) = t.reqs.get_mut(req_id) else {
                 return;
             };
-            if !matches!(r.state, ReqState::Pending | ReqState::Admitted) {
+            if !r.abort_with(RequestStatus::Failed { code, reason }) {
                 return;
             }
-            r.state = ReqState::Aborting(RequestStatus::Failed { code, reason });
-            r.cancel.cancel();
         }
         self.dirty.insert(req_id.to_owned());
     }
@@ -961,12 +923,11 @@ impl Ctrl {
                 offsets.push(off);
                 off += l as usize;
             }
-            for (slot, &j) in set.iter().zip(&b.writes) {
+            let chunks = b.writes.iter().map(|&j| {
                 let (o, l) = (offsets[j as usize], b.lens[j as usize] as usize);
-                if let Err(e) = self.shared.staging.write_slot(slot, &bytes[o..o + l]) {
-                    warn!(error = %e, "staging copy failed");
-                }
-            }
+                &bytes[o..o + l]
+            });
+            self.shared.copy_into(&set, chunks);
             let lens: SmallVec<[u32; 16]> = b.writes.iter().map(|&j| b.lens[j as usize]).collect();
             let remote: Vec<i64> = b.writes.iter().map(|&j| b.remote[j as usize]).collect();
             let pending = b.bytes;
@@ -1066,13 +1027,10 @@ impl Ctrl {
                             self.free_staging(w.slots);
                             if let Some(r) = t.reqs.get_mut(&w.req_id) {
                                 r.in_flight_ops = r.in_flight_ops.saturating_sub(1);
-                                if matches!(r.state, ReqState::Pending | ReqState::Admitted) {
-                                    r.state = ReqState::Aborting(RequestStatus::Failed {
-                                        code: ErrorCode::WriteFailed,
-                                        reason: format!("transport error: {e}"),
-                                    });
-                                    r.cancel.cancel();
-                                }
+                                r.abort_with(RequestStatus::Failed {
+                                    code: ErrorCode::WriteFailed,
+                                    reason: format!("transport error: {e}"),
+                                });
                             }
                             self.dirty.insert(w.req_id);
                         }
@@ -1239,19 +1197,14 @@ impl Ctrl {
         }
     }
 
+    /// Wakes `Sender::wait`ers and hands terminal statuses to the
+    /// announcer thread (callbacks never run here).
     fn announce(&mut self) {
         if self.finished.is_empty() {
             return;
         }
         self.shared.status_cv.notify_all();
-        let cb = self.shared.callback.lock().clone();
-        if let Some(cb) = cb {
-            for (req, status) in self.finished.drain(..) {
-                cb(&req, &status);
-            }
-        } else {
-            self.finished.clear();
-        }
+        self.shared.announcer.announce(&mut self.finished);
     }
 
     /// Marks every live request of peer `i` for progress.
