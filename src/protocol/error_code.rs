@@ -43,11 +43,15 @@ pub enum ErrorCode {
     PeerUnavailable,
     /// Sender side: the receiver did not answer in time.
     ReplyTimeout,
+    /// The message names a request another peer owns (it changed nothing).
+    NotOwner,
+    /// A bounded control-plane queue or map of the receiver is full.
+    Overloaded,
 }
 
 impl ErrorCode {
     /// Every code, in declaration order.
-    pub const ALL: [ErrorCode; 15] = [
+    pub const ALL: [ErrorCode; 17] = [
         ErrorCode::BufferTooSmall,
         ErrorCode::ProtocolViolation,
         ErrorCode::AdmissionTimeout,
@@ -63,6 +67,8 @@ impl ErrorCode {
         ErrorCode::WriteFailed,
         ErrorCode::PeerUnavailable,
         ErrorCode::ReplyTimeout,
+        ErrorCode::NotOwner,
+        ErrorCode::Overloaded,
     ];
 
     /// The wire string (snake_case) of this code.
@@ -83,6 +89,8 @@ impl ErrorCode {
             ErrorCode::WriteFailed => "write_failed",
             ErrorCode::PeerUnavailable => "peer_unavailable",
             ErrorCode::ReplyTimeout => "reply_timeout",
+            ErrorCode::NotOwner => "not_owner",
+            ErrorCode::Overloaded => "overloaded",
         }
     }
 

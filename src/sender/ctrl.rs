@@ -103,6 +103,9 @@ impl Ctrl {
         }
         for p in &self.peers {
             let _ = self.reactor.deregister(&p.sock);
+            if let Some(late) = &p.late {
+                let _ = self.reactor.deregister(&late.sock);
+            }
         }
         // Dropping the poster closes the data plane; the poll thread then
         // sees the completion stream end.
@@ -147,6 +150,7 @@ impl Ctrl {
                 }
             }
         }
+        self.read_late_hellos();
         self.timers(Instant::now());
         self.drain_dirty();
         if !lost.is_empty() {
@@ -156,6 +160,9 @@ impl Ctrl {
             self.drain_dirty();
         }
         if self.rehello_due(Instant::now()) {
+            self.drain_dirty();
+        }
+        if self.apply_late_hellos(Instant::now()) {
             self.drain_dirty();
         }
         self.flush_backlog();
@@ -327,6 +334,10 @@ impl Ctrl {
             || !self.dirty.is_empty()
             || self.staging_requests.values().any(crate::slots::SlotRequest::is_ready)
             || self.peers.iter().any(|p| readable(&p.sock))
+            || self
+                .peers
+                .iter()
+                .any(|p| p.late.as_ref().is_some_and(|l| readable(&l.sock)))
             // Acquire: pairs with the Release store in `Sender::close`.
             || self.shared.stop.load(Ordering::Acquire);
         if !busy {
@@ -458,6 +469,12 @@ impl Ctrl {
     /// Replaces a peer's socket so late replies to the old one are shed.
     /// False if no new socket could be made (the old one stays).
     fn renew_socket(&mut self, i: usize) -> bool {
+        self.replace_socket(i).is_some()
+    }
+
+    /// [`renew_socket`](Self::renew_socket), handing back the old socket
+    /// (no longer watched) instead of closing it.
+    fn replace_socket(&mut self, i: usize) -> Option<zmq::Socket> {
         let gen = self.peers[i].generation + 1;
         match Peer::socket(
             &self.shared.cfg.sender_id,
@@ -467,15 +484,138 @@ impl Ctrl {
             Ok(sock) => {
                 let _ = self.reactor.deregister(&self.peers[i].sock);
                 let _ = self.reactor.register(&sock, i);
-                self.peers[i].sock = sock;
+                let old = std::mem::replace(&mut self.peers[i].sock, sock);
                 self.peers[i].generation = gen;
-                true
+                Some(old)
             }
             Err(e) => {
                 warn!(error = %e, "cannot renew the receiver socket");
-                false
+                None
             }
         }
+    }
+
+    /// After a `Hello` timed out: keeps its socket listening until `until`
+    /// for a late `HelloAck`, with what was prepared for it.
+    fn listen_late(
+        &mut self,
+        i: usize,
+        old: Option<zmq::Socket>,
+        prepared: Option<crate::protocol::Descriptor>,
+        until: Instant,
+    ) {
+        match (old, prepared) {
+            (Some(sock), Some(prepared)) => {
+                // Watched so a late answer wakes this thread.
+                let _ = self.reactor.register(&sock, i);
+                self.peers[i].late = Some(super::peer::LateHello {
+                    sock,
+                    prepared,
+                    until,
+                    ack: None,
+                });
+            }
+            (_, Some(prepared)) => self.poster.discard_prepared(&prepared),
+            _ => {}
+        }
+    }
+
+    /// Reads what arrived on the sockets of timed-out `Hello`s: a
+    /// `HelloAck` offering our transport is kept; anything else (an LMCache
+    /// receiver's late answer to a message it does not know) is shed.
+    fn read_late_hellos(&mut self) {
+        let transport = self.shared.cfg.transport.clone();
+        for p in &mut self.peers {
+            let Some(late) = p.late.as_mut() else {
+                continue;
+            };
+            let mut n = 0;
+            while n < 16 && readable(&late.sock) {
+                let Ok(frames) = late.sock.recv_multipart(zmq::DONTWAIT) else {
+                    break;
+                };
+                n += 1;
+                match frames.last().map(|f| decode(f)) {
+                    Some(Ok(Message::HelloAck(ack))) if ack.transport == transport => {
+                        debug!(endpoint = %p.endpoint, "HelloAck after the hello timeout");
+                        late.ack = Some(ack);
+                    }
+                    other => debug!(?other, "late answer to a timed-out Hello shed"),
+                }
+            }
+        }
+    }
+
+    /// Upgrades peers whose `HelloAck` came after the hello timeout to
+    /// kvferry mode, once they are idle (LMCache mode: no message
+    /// outstanding, no request being transferred; or failed for want of a
+    /// static descriptor). Stops listening once the window passed or a
+    /// newer handshake took over. True if any peer was upgraded.
+    fn apply_late_hellos(&mut self, now: Instant) -> bool {
+        let mut any = false;
+        for i in 0..self.peers.len() {
+            let Some(late) = self.peers[i].late.as_ref() else {
+                continue;
+            };
+            let p = &self.peers[i];
+            let superseded = matches!(
+                p.mode,
+                Mode::Handshaking(_) | Mode::Extended | Mode::Reconnecting
+            );
+            let expired = late.ack.is_none() && now >= late.until;
+            if superseded || expired {
+                if let Some(late) = self.peers[i].late.take() {
+                    let _ = self.reactor.deregister(&late.sock);
+                    self.poster.discard_prepared(&late.prepared);
+                }
+                continue;
+            }
+            let idle = match p.mode {
+                Mode::Legacy => {
+                    p.fifo.is_empty() && p.waiting.is_empty() && p.legacy_active.is_none()
+                }
+                _ => true, // Failed
+            };
+            if late.ack.is_none() || !idle {
+                continue;
+            }
+            let Some(late) = self.peers[i].late.take() else {
+                continue;
+            };
+            let _ = self.reactor.deregister(&late.sock);
+            let Some(ack) = late.ack else { continue };
+            let remote = RemoteBuffer {
+                descriptor: ack.descriptor.clone(),
+                chunk_bytes: ack.chunk_bytes,
+                capacity_chunks: ack.capacity_chunks,
+            };
+            match self.poster.connect_prepared(&late.prepared, &remote) {
+                Ok(index) => {
+                    let per_pair = late.prepared != crate::protocol::Descriptor::None;
+                    let old = {
+                        let p = &mut self.peers[i];
+                        p.rehandshake |= per_pair;
+                        p.retry_hello = false;
+                        p.remote = Some(remote);
+                        p.mode = Mode::Extended;
+                        p.index.replace(index)
+                    };
+                    if let Some(old) = old {
+                        // The static (LMCache-mode) connection: idle, so no
+                        // write of it is in flight.
+                        self.poster.disconnect(old);
+                    }
+                    debug!(endpoint = %self.peers[i].endpoint, receiver = %ack.receiver_id, "late HelloAck: the receiver speaks kvferry");
+                    self.dirty_peer(i);
+                    any = true;
+                }
+                Err(e) => {
+                    self.poster.discard_prepared(&late.prepared);
+                    warn!(endpoint = %self.peers[i].endpoint, error = %e, "late HelloAck, but its data plane cannot be connected");
+                }
+            }
+        }
+        any
     }
 
     fn on_reply(&mut self, i: usize, payload: &[u8]) {
@@ -1230,11 +1370,14 @@ impl Ctrl {
             if let Mode::Handshaking(since) = self.peers[i].mode {
                 if now.saturating_duration_since(since) >= hello_timeout {
                     let mut p = self.peers.swap_remove(i);
+                    // Kept for a late HelloAck (see `apply_late_hello`).
+                    let prepared = p.prepared.take();
                     self.become_legacy(&mut p);
                     self.peers.push(p);
                     let last = self.peers.len() - 1;
                     self.peers.swap(i, last);
-                    self.renew_socket(i);
+                    let old = self.replace_socket(i);
+                    self.listen_late(i, old, prepared, now + reply_timeout);
                     self.dirty_peer(i);
                 }
             }
@@ -1328,6 +1471,9 @@ impl Ctrl {
             }
             if p.mode == Mode::Extended {
                 consider(p.last_heartbeat + cfg.heartbeat_interval);
+            }
+            if let Some(late) = p.late.as_ref().filter(|l| l.ack.is_none()) {
+                consider(late.until);
             }
             if p.mode == Mode::Reconnecting {
                 // The backoff's end (only if still ahead: once it passed, the

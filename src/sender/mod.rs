@@ -55,7 +55,8 @@ use self::table::{Batch, BatchData, Req, ReqState, Table};
 /// Sender configuration.
 #[derive(Debug, Clone)]
 pub struct SenderConfig {
-    /// This sender's id (DEALER identities are `"{sender_id}-to-{receiver}"`).
+    /// This sender's id (DEALER identities are
+    /// `"{sender_id}-to-{receiver}-{random per process}"`).
     pub sender_id: String,
     /// The proxy's PULL endpoint for ProxyNotif (none: no notifications).
     pub proxy: Option<String>,
@@ -365,7 +366,9 @@ impl Shared {
         };
         match &req.state {
             ReqState::Done(s) => return Err(StoreError::RequestEnded(s.clone())),
-            ReqState::Aborting(_) => return Err(StoreError::Cancelled),
+            ReqState::Aborting(RequestStatus::Cancelled) => return Err(StoreError::Cancelled),
+            // Failing: report the failure it will end with.
+            ReqState::Aborting(s) => return Err(StoreError::RequestEnded(s.clone())),
             _ => {}
         }
         if req.last_stored {

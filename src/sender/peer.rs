@@ -43,6 +43,17 @@ pub(super) enum Mode {
     Failed(String),
 }
 
+/// A `Hello` that timed out: its socket keeps listening for a late
+/// `HelloAck` (a loaded kvferry receiver), with what was prepared for it.
+pub(super) struct LateHello {
+    pub sock: zmq::Socket,
+    pub prepared: Descriptor,
+    /// When to stop listening (then the prepared side is discarded).
+    pub until: Instant,
+    /// The late `HelloAck`, once read: applied when the peer is idle.
+    pub ack: Option<crate::protocol::HelloAck>,
+}
+
 /// A receiver connection.
 pub(super) struct Peer {
     pub endpoint: String,
@@ -75,10 +86,18 @@ pub(super) struct Peer {
     /// receiver closed the connection during setup): a request after
     /// `rehello_backoff` tries a new `Hello` instead of failing for good.
     pub retry_hello: bool,
+    /// The timed-out `Hello` still listened to (see [`LateHello`]).
+    pub late: Option<LateHello>,
+}
+
+/// This process's random identity part (drawn once).
+fn process_nonce() -> u64 {
+    static NONCE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *NONCE.get_or_init(rand::random::<u64>)
 }
 
 impl Peer {
-    /// Opens a DEALER to `endpoint` with identity `"{sender_id}-to-{endpoint}"`.
+    /// Opens a DEALER to `endpoint` (identity: see [`Peer::socket`]).
     pub fn connect(sender_id: &str, endpoint: &str, generation: u32) -> Result<Self, zmq::Error> {
         let sock = Self::socket(sender_id, endpoint, generation)?;
         Ok(Self {
@@ -97,20 +116,28 @@ impl Peer {
             rehandshake: false,
             last_hello: None,
             retry_hello: false,
+            late: None,
         })
     }
 
     /// A fresh DEALER socket (used again when a late reply must be shed).
+    /// Its identity is `"{sender_id}-to-{endpoint}-{nonce}"` (plus
+    /// `#{generation}` once replaced), where `nonce` is random per process:
+    /// two processes configured with the same `sender_id` (a restart, a
+    /// copy-pasted config) never share an identity, so a receiver never
+    /// routes one's replies to the other or lets it act on the other's
+    /// requests.
     pub fn socket(
         sender_id: &str,
         endpoint: &str,
         generation: u32,
     ) -> Result<zmq::Socket, zmq::Error> {
         let sock = crate::zmq_io::context().socket(zmq::DEALER)?;
+        let nonce = process_nonce();
         let identity = if generation == 0 {
-            format!("{sender_id}-to-{endpoint}")
+            format!("{sender_id}-to-{endpoint}-{nonce:016x}")
         } else {
-            format!("{sender_id}-to-{endpoint}#{generation}")
+            format!("{sender_id}-to-{endpoint}-{nonce:016x}#{generation}")
         };
         sock.set_identity(identity.as_bytes())?;
         sock.set_linger(0)?;

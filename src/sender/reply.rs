@@ -195,5 +195,16 @@ mod tests {
             (code, reason.as_str()),
             (ErrorCode::BufferTooSmall, "too big")
         );
+        // The hostile-peer codes of a receiver keyed by (peer, req_id).
+        for (wire, code) in [
+            ("not_owner", ErrorCode::NotOwner),
+            ("overloaded", ErrorCode::Overloaded),
+        ] {
+            let r = AllocResponse {
+                code: Some(wire.into()),
+                ..AllocResponse::failure(1, None, ErrorCode::AllocationFailed, "no")
+            };
+            assert_eq!(map_reply(1, 8, &r).unwrap_err().0, code, "{wire}");
+        }
     }
 }
