@@ -95,6 +95,9 @@ pub struct RunConfig {
     pub stall_timeout_s: f64,
     /// Pending-area bound per prefiller, bytes.
     pub max_pending_bytes: usize,
+    /// Prefillers hand chunks over with the copying `store` instead of
+    /// filling staging in place (`Request::stage`), to compare the paths.
+    pub copy_store: bool,
 }
 
 impl Default for RunConfig {
@@ -117,6 +120,7 @@ impl Default for RunConfig {
             transport: "shm".into(),
             stall_timeout_s: 10.0,
             max_pending_bytes: 64 << 20,
+            copy_store: false,
         }
     }
 }

@@ -52,6 +52,11 @@ pub(super) struct Ctrl {
     staging_requests: HashMap<u64, crate::slots::SlotRequest>,
     /// Terminal statuses to announce (callbacks) once the lock is released.
     finished: Vec<(String, RequestStatus)>,
+    /// Reused buffers of the write coalescer (one write per chunk in,
+    /// merged writes and their run lengths out).
+    chunk_ops: Vec<WriteOp>,
+    merged: Vec<WriteOp>,
+    runs: Vec<usize>,
 }
 
 impl Ctrl {
@@ -90,6 +95,9 @@ impl Ctrl {
             dirty: HashSet::new(),
             staging_requests: HashMap::new(),
             finished: Vec::new(),
+            chunk_ops: Vec::with_capacity(64),
+            merged: Vec::with_capacity(64),
+            runs: Vec::with_capacity(64),
         })
     }
 
@@ -1094,49 +1102,35 @@ impl Ctrl {
         };
         let rbytes = remote.chunk_bytes;
         let now = Instant::now();
-        let slots = set.as_slice();
-        let mut ops: SmallVec<[(WriteOp, SmallVec<[u32; 16]>); 4]> = SmallVec::new();
-        for (k, &j) in b.writes.iter().enumerate() {
-            let slot = slots[k];
-            let local = self.shared.staging.slot_offset(slot);
-            let remote_off = b.remote[j as usize] as u64 * rbytes;
-            let len = u64::from(b.lens[j as usize]);
-            match ops.last_mut() {
-                // Coalesce: both ranges continue the previous write exactly.
-                Some((op, s))
-                    if op.local_offset + op.len == local
-                        && op.remote_offset + op.len == remote_off =>
-                {
-                    op.len += len;
-                    s.push(slot);
-                }
-                _ => {
-                    let mut s = SmallVec::new();
-                    s.push(slot);
-                    ops.push((
-                        WriteOp {
-                            work_id: 0,
-                            local_offset: local,
-                            remote_offset: remote_off,
-                            len,
-                            peer,
-                            _pad: 0,
-                        },
-                        s,
-                    ));
-                }
-            }
+        // One write per chunk, then the transport's coalescer merges runs
+        // contiguous on both sides (the set is sorted, chunk k in its k-th
+        // slot, so each merged write covers the next `run` slots).
+        self.chunk_ops.clear();
+        for (k, (&j, slot)) in b.writes.iter().zip(set.iter()).enumerate() {
+            self.chunk_ops.push(WriteOp {
+                work_id: k as u64,
+                local_offset: self.shared.staging.slot_offset(slot),
+                remote_offset: b.remote[j as usize] as u64 * rbytes,
+                len: u64::from(b.lens[j as usize]),
+                peer,
+                _pad: 0,
+            });
         }
-        for (mut op, s) in ops {
+        crate::transport::coalesce(&self.chunk_ops, &mut self.merged, &mut self.runs);
+        let mut set = set;
+        for (k, mut op) in self.merged.drain(..).enumerate() {
+            let run = self.runs[k];
+            let rest = set.split_off(run);
+            let slots = std::mem::replace(&mut set, rest);
             op.work_id = self.next_work;
             self.next_work += 1;
             t.inflight.insert(
                 op.work_id,
                 InFlight {
                     req_id: req_id.to_owned(),
-                    chunks: s.len() as u32,
+                    chunks: run as u32,
                     bytes: op.len,
-                    slots: crate::slots::SlotSet::from_slots(s),
+                    slots,
                     posted_at: now,
                     peer,
                 },
@@ -1146,6 +1140,8 @@ impl Ctrl {
             }
             self.backlog.push_back(op);
         }
+        // Cannot hold anything: the runs cover every chunk.
+        self.free_staging(set);
         true
     }
 
