@@ -244,18 +244,19 @@ impl Shared {
         if spec.total_chunks == 0 {
             return Err(StoreError::ZeroTotalChunks);
         }
-        let id = {
+        let handle = |r: &Req| Handle {
+            shared: Arc::clone(self),
+            req_id: spec.req_id.clone(),
+            signal: Arc::clone(&r.signal),
+            cancel: r.cancel.clone(),
+        };
+        let (id, h) = {
             let mut t = self.table.lock();
             if let Some(r) = t.reqs.get(&spec.req_id) {
                 return match &r.state {
                     ReqState::Done(s) => Err(StoreError::RequestEnded(s.clone())),
                     _ if reuse => Ok(Request {
-                        h: Arc::new(Handle {
-                            shared: Arc::clone(self),
-                            req_id: spec.req_id.clone(),
-                            signal: Arc::clone(&r.signal),
-                            cancel: r.cancel.clone(),
-                        }),
+                        h: Arc::new(handle(r)),
                     }),
                     _ => Err(StoreError::DuplicateRequest {
                         req_id: spec.req_id.clone(),
@@ -271,21 +272,12 @@ impl Shared {
                 false,
                 0,
             );
+            let h = handle(&req);
             t.reqs.insert(spec.req_id.clone(), req);
             let id = t.next_batch;
             t.next_batch += 1;
             t.batches.insert(id, batch);
-            id
-        };
-        let h = {
-            let t = self.table.lock();
-            let r = &t.reqs[&spec.req_id];
-            Handle {
-                shared: Arc::clone(self),
-                req_id: spec.req_id.clone(),
-                signal: Arc::clone(&r.signal),
-                cancel: r.cancel.clone(),
-            }
+            (id, h)
         };
         if !self.submit_id(id) {
             let mut t = self.table.lock();
@@ -354,15 +346,13 @@ impl Shared {
     /// Reserves `n` chunks of the request's count (so concurrent batches
     /// cannot overshoot). `is_last`: the caller's claim (copying `store`),
     /// or `None` to end the request when the count reaches its total.
-    fn reserve(
-        &self,
-        req_id: &str,
-        n: usize,
-        is_last: Option<bool>,
-    ) -> Result<Reserved, StoreError> {
+    fn reserve(&self, h: &Handle, n: usize, is_last: Option<bool>) -> Result<Reserved, StoreError> {
+        let req_id = h.req_id.as_str();
         let mut t = self.table.lock();
         let Some(req) = t.reqs.get_mut(req_id) else {
-            return Err(StoreError::Closed);
+            // Ended so long ago that the table forgot it (its handles keep
+            // the terminal status).
+            return Err(StoreError::RequestEnded(h.signal.status()));
         };
         match &req.state {
             ReqState::Done(s) => return Err(StoreError::RequestEnded(s.clone())),
@@ -471,7 +461,7 @@ impl Shared {
     ) -> Result<(), StoreError> {
         let span = tracing::debug_span!("submit", req_id = %h.req_id, chunks = keys.len());
         let _g = span.enter();
-        let reserved = match self.reserve(&h.req_id, keys.len(), None) {
+        let reserved = match self.reserve(h, keys.len(), None) {
             Ok(r) => r,
             Err(e) => {
                 self.slots.free(set);
@@ -507,7 +497,7 @@ impl Shared {
         let n = chunks.len();
         let span = tracing::debug_span!("store", req_id = %h.req_id, chunks = n);
         let _g = span.enter();
-        let reserved = self.reserve(&h.req_id, n, is_last)?;
+        let reserved = self.reserve(h, n, is_last)?;
         let lens: SmallVec<[u32; 16]> = chunks.iter().map(|c| c.len() as u32).collect();
         let bytes: usize = chunks.iter().map(|c| c.len()).sum();
         let data = if n == 0 {
