@@ -177,6 +177,12 @@ fn staged_batches_give_their_slots_back_on_drop_short_submit_and_error() {
         (4, CHUNK as usize, 4)
     );
     drop(b);
+    let mut b = req.stage(1, deadline()).unwrap();
+    assert!(
+        b.slot_mut(0).is_some() && b.slot_mut(1).is_none(),
+        "one slot"
+    );
+    drop(b);
     assert_eq!(s.staging_in_use(), 0, "dropped unsubmitted: slots back");
     let err = |n: usize, keys: &[&str], lens: &[u32]| {
         let b = req.try_stage(n).expect("admitted, slots free");
@@ -229,7 +235,7 @@ fn staged_batches_give_their_slots_back_on_drop_short_submit_and_error() {
     let mut tmp = Vec::new();
     for i in 0..3u32 {
         payloads().fill(chunk_id(5, i, 3), &mut tmp);
-        b.slot_mut(i as usize)[..tmp.len()].copy_from_slice(&tmp);
+        b.slot_mut(i as usize).expect("staged 4")[..tmp.len()].copy_from_slice(&tmp);
         lens.push(tmp.len() as u32);
     }
     let keys: Vec<String> = (0..3).map(|i| key("sb-0", 5, i, 3)).collect();

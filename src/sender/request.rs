@@ -254,15 +254,9 @@ impl StagedBatch {
         self.h.shared.cfg.chunk_bytes as usize
     }
 
-    /// Slot `i` of the batch (`i < len()`), to fill in place.
-    ///
-    /// # Panics
-    /// If `i >= len()` (a caller bug, like slice indexing).
-    pub fn slot_mut(&mut self, i: usize) -> &mut [u8] {
-        let slot = self.set.as_ref().map(|s| s.as_slice()[i]);
-        let Some(slot) = slot else {
-            panic!("slot {i} of an empty staged batch");
-        };
+    /// Slot `i` of the batch, to fill in place (`None` if `i >= len()`).
+    pub fn slot_mut(&mut self, i: usize) -> Option<&mut [u8]> {
+        let slot = self.set.as_ref()?.as_slice().get(i).copied()?;
         self.slice(slot)
     }
 
@@ -285,16 +279,14 @@ impl StagedBatch {
         })
     }
 
-    fn slice(&mut self, slot: u32) -> &mut [u8] {
+    fn slice(&mut self, slot: u32) -> Option<&mut [u8]> {
         let len = self.slot_bytes();
-        let Some(p) = self.h.shared.staging.slot_ptr(slot) else {
-            // Cannot happen: a set's slots are below the staging's slot count.
-            return &mut [];
-        };
+        // `None` cannot happen: a set's slots are below the slot count.
+        let p = self.h.shared.staging.slot_ptr(slot)?;
         // SAFETY: as in `slots_mut`: the slot is owned by this batch alone,
         // nothing reads it before submit, the borrow is tied to `&mut self`,
         // and `len` bytes from the slot's start stay inside the slot.
-        unsafe { std::slice::from_raw_parts_mut(p, len) }
+        Some(unsafe { std::slice::from_raw_parts_mut(p, len) })
     }
 
     /// Sets the token count of the batch's last chunk (default: its length
