@@ -80,7 +80,8 @@ fn a_bad_config_is_rejected_before_opening_a_device() {
 struct Pair {
     region: Arc<Region>,
     rx: RdmaReceiverSide,
-    staging: Arc<StagingBuffer>,
+    /// Kept alive with the pair (filled before the transport shared it).
+    _staging: Arc<StagingBuffer>,
     poster: RdmaPoster,
     completions: Box<dyn Completions>,
     peer: u32,
@@ -118,7 +119,7 @@ fn pair(credits: usize) -> Pair {
     Pair {
         region,
         rx,
-        staging,
+        _staging: staging,
         poster,
         completions: Box::new(completions),
         peer,
