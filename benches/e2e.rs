@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
 use kvferry::protocol::{decode, encode, AllocRequest, AllocResponse, Message};
 use kvferry::receiver::{Receiver, ReceiverConfig};
-use kvferry::sender::{RequestStatus, Sender, SenderConfig, TransferSpec};
+use kvferry::sender::{Request, RequestSpec, RequestStatus, Sender, SenderConfig, TransferSpec};
 
 /// Payload bytes moved per criterion iteration of bench 1.
 const BYTES_PER_ITER: usize = 32 << 20;
@@ -75,6 +75,16 @@ enum Pattern {
     StoreAll,
     /// The first batch of request i+1 before batches 2..4 of request i.
     FirstBatchAhead,
+    /// `Sender::begin` (request i+1 begun while request i is filled), then
+    /// each batch staged in place (`Request::stage` → `submit`). The caller
+    /// writes only a 16-byte header per slot, standing for a device DMA
+    /// into the slot: the only CPU copy of the bulk bytes is the copy
+    /// engine's, as a GPU → staging transfer would leave it.
+    InPlace,
+    /// As `InPlace`, but the caller fills each slot with a memcpy from its
+    /// own buffer (a CPU producer: the same two copies as `store` of an
+    /// admitted request, without the pending area).
+    InPlaceCopied,
 }
 
 /// One sender and one receiver (auto_consume) on this host, plus the
@@ -137,6 +147,82 @@ impl E2e {
         }
     }
 
+    /// Stages batch `part` of request `r` in place and submits it.
+    fn stage_batch(&self, req: &Request, part: usize, r: usize, copy: bool) {
+        let base = r * CHUNKS_PER_REQ * self.chunk;
+        let first = part * BATCH;
+        let mut batch = req
+            .stage(BATCH, Instant::now() + WAIT)
+            .unwrap_or_else(|e| panic!("bench: stage of {} batch {part} failed: {e}", req.id()));
+        for (k, slot) in batch.slots_mut().enumerate() {
+            let i = first + k;
+            if copy {
+                slot[..self.chunk]
+                    .copy_from_slice(&self.src[base + i * self.chunk..base + (i + 1) * self.chunk]);
+            } else {
+                slot[..8].copy_from_slice(&(r as u64).to_le_bytes());
+                slot[8..16].copy_from_slice(&(i as u64).to_le_bytes());
+            }
+        }
+        let keys: Vec<String> = (first..first + BATCH)
+            .map(|i| format!("{}/{i}", req.id()))
+            .collect();
+        let lens = [self.chunk as u32; BATCH];
+        if let Err(e) = batch.submit(&keys, &lens) {
+            panic!("bench: submit of {} batch {part} failed: {e}", req.id());
+        }
+    }
+
+    fn begin(&self, req: &str) -> Request {
+        self.sender
+            .begin(RequestSpec::new(
+                req,
+                self.receiver.endpoint(),
+                CHUNKS_PER_REQ,
+            ))
+            .unwrap_or_else(|e| panic!("bench: begin {req}: {e}"))
+    }
+
+    /// The in-place patterns: `WINDOW` requests in flight, the next one
+    /// begun while the current one is filled.
+    fn run_in_place(&self, bytes: usize, copy: bool) {
+        let per_req = CHUNKS_PER_REQ * self.chunk;
+        let in_src = self.src.len() / per_req;
+        let n = bytes / per_req;
+        let batches = CHUNKS_PER_REQ / BATCH;
+        let mut begun: VecDeque<Request> = VecDeque::with_capacity(2);
+        let mut inflight: VecDeque<Request> = VecDeque::with_capacity(WINDOW + 1);
+        for r in 0..n {
+            while begun.len() < 2 && r + begun.len() < n {
+                begun.push_back(self.begin(&unique("e2e-ip")));
+            }
+            let Some(req) = begun.pop_front() else { break };
+            for part in 0..batches {
+                self.stage_batch(&req, part, r % in_src, copy);
+            }
+            inflight.push_back(req);
+            if inflight.len() >= WINDOW {
+                if let Some(done) = inflight.pop_front() {
+                    self.wait_req(&done);
+                }
+            }
+        }
+        for req in inflight {
+            self.wait_req(&req);
+        }
+    }
+
+    fn wait_req(&self, req: &Request) {
+        match req.wait(Instant::now() + WAIT) {
+            RequestStatus::Completed => {}
+            other => panic!(
+                "bench: request {} not completed within {WAIT:?}: {other:?}; sender state: {:?}",
+                req.id(),
+                self.sender.dump()
+            ),
+        }
+    }
+
     fn wait(&self, req: &str) {
         match self.sender.wait(req, Instant::now() + WAIT) {
             Some(RequestStatus::Completed) => {}
@@ -167,6 +253,16 @@ impl E2e {
     /// Moves `bytes` (a multiple of one request) as requests of 16 chunks,
     /// `WINDOW` in flight, and waits for all of them.
     fn run(&self, bytes: usize, pattern: Pattern) {
+        match pattern {
+            Pattern::StoreAll => self.run_stored(bytes, false),
+            Pattern::FirstBatchAhead => self.run_stored(bytes, true),
+            Pattern::InPlace => self.run_in_place(bytes, false),
+            Pattern::InPlaceCopied => self.run_in_place(bytes, true),
+        }
+    }
+
+    /// The `store` patterns (`first_ahead`: `FirstBatchAhead`).
+    fn run_stored(&self, bytes: usize, first_ahead: bool) {
         let per_req = CHUNKS_PER_REQ * self.chunk;
         let in_src = self.src.len() / per_req;
         let n = bytes / per_req;
@@ -174,22 +270,19 @@ impl E2e {
         let ids: Vec<String> = (0..n).map(|_| unique("e2e")).collect();
         let mut inflight: VecDeque<usize> = VecDeque::with_capacity(WINDOW + 1);
         for r in 0..n {
-            match pattern {
-                Pattern::StoreAll => {
-                    for part in 0..batches {
-                        self.store_batch(&ids[r], part, r % in_src);
-                    }
+            if first_ahead {
+                if r == 0 {
+                    self.store_batch(&ids[0], 0, 0);
                 }
-                Pattern::FirstBatchAhead => {
-                    if r == 0 {
-                        self.store_batch(&ids[0], 0, 0);
-                    }
-                    if r + 1 < n {
-                        self.store_batch(&ids[r + 1], 0, (r + 1) % in_src);
-                    }
-                    for part in 1..batches {
-                        self.store_batch(&ids[r], part, r % in_src);
-                    }
+                if r + 1 < n {
+                    self.store_batch(&ids[r + 1], 0, (r + 1) % in_src);
+                }
+                for part in 1..batches {
+                    self.store_batch(&ids[r], part, r % in_src);
+                }
+            } else {
+                for part in 0..batches {
+                    self.store_batch(&ids[r], part, r % in_src);
                 }
             }
             inflight.push_back(r);
@@ -238,6 +331,12 @@ fn bench_e2e(c: &mut Criterion) {
         });
         group.bench_function(BenchmarkId::new("kvferry", "first_batch_ahead"), |b| {
             b.iter(|| e.run(BYTES_PER_ITER, Pattern::FirstBatchAhead))
+        });
+        group.bench_function(BenchmarkId::new("kvferry", "in_place"), |b| {
+            b.iter(|| e.run(BYTES_PER_ITER, Pattern::InPlace))
+        });
+        group.bench_function(BenchmarkId::new("kvferry", "in_place_copied"), |b| {
+            b.iter(|| e.run(BYTES_PER_ITER, Pattern::InPlaceCopied))
         });
         group.finish();
         e.assert_drained();
@@ -602,6 +701,15 @@ fn cpu_per_gib() {
             cpu,
         );
         breakdowns.push((chunk, thread_breakdown(&before, &after, main_tid)));
+        // The in-place path (header-only fill: the bulk bytes' one CPU copy
+        // is the copy engine's).
+        let (c0, t0) = (process_cpu(), Instant::now());
+        e.run(CPU_BYTES, Pattern::InPlace);
+        row(
+            &format!("kvferry e2e shm in place, {} KiB chunks", chunk >> 10),
+            t0.elapsed(),
+            process_cpu() - c0,
+        );
     }
     println!("\nper-thread CPU seconds (from /proc/self/task, 1/CLK_TCK resolution):");
     for (chunk, b) in breakdowns {

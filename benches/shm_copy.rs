@@ -21,12 +21,13 @@ const BYTES_PER_ITER: u64 = 4 << 20;
 fn bench(c: &mut Criterion) {
     for chunk in [4u64 << 10, 64 << 10, 256 << 10] {
         let chunks = BYTES_PER_ITER / chunk;
-        let staging = Arc::new(StagingBuffer::new(chunks as usize, chunk).expect("staging"));
+        let mut staging = StagingBuffer::new(chunks as usize, chunk).expect("staging");
         for s in 0..chunks as u32 {
             staging
                 .write_slot(s, &vec![s as u8; chunk as usize])
                 .expect("fill staging");
         }
+        let staging = Arc::new(staging);
         let region = Region::create(&default_region_path(), chunk, chunks).expect("region");
         let (mut poster, mut comps) = by_name("shm", &TransportConfig::default())
             .expect("shm")

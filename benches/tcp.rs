@@ -96,12 +96,13 @@ fn plain_peer() -> SocketAddr {
 fn bench(c: &mut Criterion) {
     for chunk in [4u64 << 10, 64 << 10, 256 << 10] {
         let chunks = BYTES_PER_ITER / chunk;
-        let staging = Arc::new(StagingBuffer::new(chunks as usize, chunk).expect("staging"));
+        let mut staging = StagingBuffer::new(chunks as usize, chunk).expect("staging");
         for s in 0..chunks as u32 {
             staging
                 .write_slot(s, &vec![s as u8; chunk as usize])
                 .expect("fill staging");
         }
+        let staging = Arc::new(staging);
         let receiver = Receiver::start(ReceiverConfig {
             capacity_chunks: chunks as usize,
             chunk_bytes: chunk,

@@ -24,3 +24,8 @@ mod sync;
 pub mod threads;
 pub mod transport;
 pub mod zmq_io;
+
+/// The README's examples, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

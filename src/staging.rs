@@ -72,12 +72,13 @@ pub struct StagingBuffer {
 }
 
 // SAFETY: the buffer is plain memory owned by the mapping; `ptr` is only
-// dereferenced inside `write_slot` / `read_slot` / transports on byte ranges
-// whose exclusive use is arbitrated by the slot allocator (see `write_slot`).
+// dereferenced by `write_slot` / `read_slot` (under `&mut self`), by the
+// sender's staged batches and by transports, on byte ranges whose exclusive
+// use is arbitrated by the slot allocator (see `slot_ptr`).
 // Moving the handle to another thread moves nothing but the pointer.
 unsafe impl Send for StagingBuffer {}
-// SAFETY: as above; `&StagingBuffer` only hands out the raw pointer and
-// copies bytes in and out of slots the caller owns.
+// SAFETY: as above; `&StagingBuffer` only hands out raw pointers, whose
+// dereference is `unsafe` and governed by slot ownership.
 unsafe impl Sync for StagingBuffer {}
 
 impl std::fmt::Debug for StagingBuffer {
@@ -162,13 +163,15 @@ impl StagingBuffer {
 
     /// Copies `data` to the start of `slot`.
     ///
-    /// Contract: the caller owns `slot` — it allocated it from the sender's
-    /// slot allocator and has not freed it, and no write posted from this slot
-    /// is in flight. The allocator hands a slot to one owner at a time, so no
-    /// other thread reads or writes these bytes meanwhile.
+    /// Takes `&mut self`: only a thread with the buffer to itself (before it
+    /// is shared with a transport, or through `Arc::get_mut`) can write
+    /// through this safe call, so it can never race with a transport reading
+    /// the slot or another writer. While the buffer is shared, slots are
+    /// written only through the sender's staged batches, whose owned slot
+    /// sets the allocator hands to one owner at a time.
     ///
     /// Errors: [`StagingError::SlotOutOfRange`], [`StagingError::TooLong`].
-    pub fn write_slot(&self, slot: u32, data: &[u8]) -> Result<(), StagingError> {
+    pub fn write_slot(&mut self, slot: u32, data: &[u8]) -> Result<(), StagingError> {
         let offset = self.check_slot(slot)?;
         if data.len() as u64 > self.slot_bytes {
             return Err(StagingError::TooLong {
@@ -179,27 +182,39 @@ impl StagingBuffer {
         // SAFETY: offset + data.len() <= (slot + 1) * slot_bytes <= len, so
         // the destination lies inside the mapping, which lives as long as
         // `self`; `data` is a Rust slice and cannot overlap the mapping
-        // because no reference into the mapping is ever created. The bytes
-        // are plain u8 (any value valid). Exclusive access to the slot is the
-        // documented caller contract enforced by the slot allocator (a logic
-        // invariant, like the ownership of registered RDMA memory): this fn
-        // is safe because breaking it can only tear the slot's own bytes and
-        // no Rust reference to them exists that could observe a change.
+        // (`&mut self` excludes every other borrow of the buffer, and no
+        // reference into the mapping outlives the call that made it). The
+        // bytes are plain u8 (any value valid). `&mut self` means no other
+        // thread can read or write the buffer meanwhile.
         unsafe {
             std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(offset), data.len());
         }
         Ok(())
     }
 
+    /// Start of `slot` for an owner of the slot (`None` if out of range).
+    /// Dereferencing it is sound only for `slot_bytes` bytes, and only while
+    /// the caller owns the slot (it holds the allocator's [`SlotSet`] with
+    /// it and no write posted from it is in flight).
+    ///
+    /// [`SlotSet`]: crate::slots::SlotSet
+    pub(crate) fn slot_ptr(&self, slot: u32) -> Option<*mut u8> {
+        let offset = self.check_slot(slot).ok()?;
+        // SAFETY: offset < len (check_slot), so the result stays inside the
+        // mapping; computing the pointer dereferences nothing.
+        Some(unsafe { self.ptr.add(offset) })
+    }
+
     /// Copies the first `len` bytes of `slot` (at most `slot_bytes`) out;
-    /// `None` if the slot does not exist. For tests and checks.
-    pub fn read_slot(&self, slot: u32, len: usize) -> Option<Vec<u8>> {
+    /// `None` if the slot does not exist. For tests and checks; `&mut self`
+    /// for the same reason as [`write_slot`](Self::write_slot).
+    pub fn read_slot(&mut self, slot: u32, len: usize) -> Option<Vec<u8>> {
         let offset = self.check_slot(slot).ok()?;
         let len = len.min(self.slot_bytes as usize);
         let mut out = vec![0u8; len];
         // SAFETY: offset + len <= (slot + 1) * slot_bytes <= self.len, inside
         // the mapping; `out` is a fresh allocation, so the ranges are
-        // disjoint. Same ownership contract as `write_slot`.
+        // disjoint; `&mut self` excludes concurrent writers.
         unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(offset), out.as_mut_ptr(), len) };
         Some(out)
     }

@@ -77,6 +77,11 @@ fn run_prints_a_json_report_with_the_documented_fields() {
     }
     assert_eq!(v["completed"], 60);
     assert_eq!(v["deadlock"], false);
+    assert_eq!(
+        v["sender_path"], "in-place",
+        "the zero-copy path is the default"
+    );
+    assert_eq!(v["sender_copies_per_chunk"], 0);
     for stage in [
         "pending",
         "admission_wait",
@@ -90,6 +95,36 @@ fn run_prints_a_json_report_with_the_documented_fields() {
             "stage {stage}: {s}"
         );
     }
+}
+
+#[test]
+fn copy_store_selects_the_copying_path_and_says_so() {
+    let out = run(
+        &[
+            "run",
+            "--requests",
+            "40",
+            "--chunks",
+            "1..6",
+            "--chunk-bytes",
+            "4096",
+            "--copy-store",
+            "--json",
+            "-q",
+        ],
+        Duration::from_secs(60),
+    );
+    assert!(
+        out.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
+    assert_eq!(v["completed"], 40);
+    assert_eq!(v["sender_path"], "copying-store");
+    assert_eq!(v["sender_copies_per_chunk"], 1);
+    assert_eq!(v["config"]["copy_store"], true);
 }
 
 #[test]

@@ -26,7 +26,7 @@ use parking_lot::Mutex;
 use common_sender::*;
 use kvferry::protocol::{Descriptor, ErrorCode};
 use kvferry::receiver::{AcceptorFactory, HelloAcceptor, Receiver, ReceiverError};
-use kvferry::sender::{RequestStatus, Sender, SenderError};
+use kvferry::sender::{RequestStatus, Sender, SenderError, StoreError};
 use kvferry::staging::StagingBuffer;
 use kvferry::transport::shm::ShmTransport;
 use kvferry::transport::{
@@ -383,7 +383,13 @@ fn sender_with_backoff(transport: Box<dyn Transport>, rehello_backoff: Duration)
 /// Runs request `req` (3 chunks) and returns its status; consumes it at the
 /// receiver when it completes.
 fn run_one(s: &Sender, r: &Receiver, req: &str) -> RequestStatus {
-    store_batch(s, r.endpoint(), req, 7, 3, 0..3).expect("store");
+    // The request begins (and may fail) before its first batch is stored:
+    // a failure can already be the store's answer.
+    match store_batch(s, r.endpoint(), req, 7, 3, 0..3) {
+        Ok(()) | Err(StoreError::Cancelled) => {}
+        Err(StoreError::RequestEnded(st)) => return st,
+        Err(e) => panic!("store {req}: {e:?}"),
+    }
     let st = terminal(s, req);
     if st == RequestStatus::Completed {
         consume(r, req, 7, 3).unwrap_or_else(|e| panic!("{e}"));
@@ -838,4 +844,66 @@ fn a_lost_connection_without_a_per_pair_handshake_is_not_re_handshaken() {
     wait_sender_empty(&sender, "after the lost writes");
     assert_eq!(sender.close(deadline()), 0);
     wait_receiver_empty(&receiver, "after the lost writes");
+}
+
+#[test]
+fn a_hello_ack_after_the_hello_timeout_upgrades_the_receiver_to_kvferry_mode() {
+    // The receiver takes 300 ms to accept, the sender waits 50 ms for the
+    // HelloAck: it takes the receiver for an LMCache one (and, with no static
+    // descriptor, fails its requests) until the HelloAck arrives, then
+    // upgrades it to kvferry mode instead of staying in LMCache mode for good.
+    let log = Log::default();
+    let receiver = Receiver::start(kvferry::receiver::ReceiverConfig {
+        acceptor: Some(slow_acceptor(
+            &log,
+            Arc::default(),
+            &Kill::default(),
+            Duration::from_millis(300),
+        )),
+        ..receiver_cfg(16)
+    })
+    .expect("receiver starts");
+    let transport = Box::new(recording(&log, None));
+    let sender = Sender::with_transport(
+        kvferry::sender::SenderConfig {
+            transport: "rdma".into(),
+            hello_timeout: Duration::from_millis(50),
+            ..sender_cfg(8, None)
+        },
+        transport,
+    )
+    .expect("sender starts");
+    let end = deadline();
+    let mut failed = 0;
+    loop {
+        match run_one(&sender, &receiver, &unique("late")) {
+            RequestStatus::Completed => break,
+            st => {
+                // Before the upgrade: an unreachable "LMCache receiver".
+                assert_eq!(failure(st).0, ErrorCode::PeerUnavailable);
+                failed += 1;
+            }
+        }
+        assert!(
+            Instant::now() < end,
+            "still no request completed after {WAIT:?} ({failed} failed): the late HelloAck never upgraded the receiver"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let shm = remote_buffer(&receiver).descriptor;
+    assert_eq!(
+        count(&log, |e| *e
+            == Event::ConnectPrepared(qp(0x101), shm.clone())),
+        1,
+        "the late HelloAck connected what the first Hello prepared: {:?}",
+        log.lock()
+    );
+    // Later requests stay in kvferry mode (no new handshake).
+    assert_eq!(
+        run_one(&sender, &receiver, &unique("late")),
+        RequestStatus::Completed
+    );
+    assert_eq!(count(&log, |e| matches!(e, Event::Prepare(_))), 1);
+    assert_eq!(sender.close(deadline()), 0);
+    wait_receiver_empty(&receiver, "after the late HelloAck");
 }

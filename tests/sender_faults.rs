@@ -229,31 +229,46 @@ fn store_validation_errors() {
     let big_buf = vec![2u8; CHUNK as usize + 1];
     let (full, big): (&[u8], &[u8]) = (&full_buf, &big_buf);
     let spec = |id: &str, total: usize, last: bool| TransferSpec::new(id, ep.as_str(), total, last);
-    let invalid = |res: Result<(), StoreError>, what: &str| match res {
-        Err(StoreError::Invalid(msg)) => msg,
-        other => panic!("{what}: expected Invalid, got {other:?}"),
+    let refused = |res: Result<(), StoreError>, want: StoreError, what: &str| {
+        assert_eq!(res, Err(want), "{what}");
     };
 
-    invalid(s.store(&spec("", 1, true), &["k"], &[full]), "empty req_id");
-    invalid(
+    refused(
+        s.store(&spec("", 1, true), &["k"], &[full]),
+        StoreError::EmptyReqId,
+        "empty req_id",
+    );
+    refused(
         s.store(&spec("v-0", 0, true), &["k"], &[full]),
+        StoreError::ZeroTotalChunks,
         "total_chunks 0",
     );
-    let msg = invalid(
-        s.store(&spec("v-1", 2, true), &["a"], &[full, full]),
+    let res = s.store(&spec("v-1", 2, true), &["a"], &[full, full]);
+    assert!(
+        res.as_ref()
+            .is_err_and(|e| e.to_string().contains("1 keys for 2 chunks")),
+        "{res:?}"
+    );
+    refused(
+        res,
+        StoreError::KeyCountMismatch { keys: 1, chunks: 2 },
         "keys/chunks length mismatch",
     );
-    assert!(msg.contains("1 keys for 2 chunks"), "{msg}");
-    invalid(
+    refused(
         s.store(&spec("v-1", 2, false), &[] as &[&str], &[]),
+        StoreError::EmptyBatchNotLast,
         "empty batch that is not the last",
     );
-    invalid(
+    refused(
         s.store(
             &spec("v-1", 8, false),
             &["a", "b", "c", "d", "e"],
             &[full; 5],
         ),
+        StoreError::BatchTooLarge {
+            chunks: 5,
+            slots: 4,
+        },
         "batch larger than staging",
     );
     assert_eq!(
@@ -264,11 +279,21 @@ fn store_validation_errors() {
             max: CHUNK
         })
     );
-    let msg = invalid(
-        s.store(&spec("v-1", 2, true), &["a", "b", "c"], &[full, full, full]),
+    let res = s.store(&spec("v-1", 2, true), &["a", "b", "c"], &[full, full, full]);
+    assert!(
+        res.as_ref()
+            .is_err_and(|e| e.to_string().contains("more than its total_chunks")),
+        "{res:?}"
+    );
+    refused(
+        res,
+        StoreError::TooManyChunks {
+            req_id: "v-1".into(),
+            chunks: 3,
+            total: 2,
+        },
         "more chunks than total_chunks",
     );
-    assert!(msg.contains("more than its total_chunks"), "{msg}");
     // Rejected stores left no trace: the request is unknown.
     assert_eq!(s.status("v-1"), None);
 
@@ -278,12 +303,20 @@ fn store_validation_errors() {
     assert_eq!(terminal(&s, "v-fill"), RequestStatus::Completed);
     store_batch(&s, &ep, "v-2", 2, 2, 0..2).unwrap();
     wait_for("v-2 parked", || r.stats().core.parked_requests == 1);
-    let msg = invalid(
-        store_batch(&s, &ep, "v-2", 2, 2, 0..1),
+    let res = store_batch(&s, &ep, "v-2", 2, 2, 0..1);
+    assert!(
+        res.as_ref()
+            .is_err_and(|e| e.to_string().contains("already stored its last batch")),
+        "{res:?}"
+    );
+    refused(
+        res,
+        StoreError::AfterLastBatch {
+            req_id: "v-2".into(),
+        },
         "store after the last batch",
     );
-    assert!(msg.contains("already stored its last batch"), "{msg}");
-    invalid(
+    refused(
         s.store(&spec("v-3", 4, false), &["x"], &[full])
             .and_then(|()| {
                 s.store(
@@ -292,10 +325,20 @@ fn store_validation_errors() {
                     &[full],
                 )
             }),
+        StoreError::ReceiverMismatch {
+            req_id: "v-3".into(),
+            begun: ep.clone(),
+            given: "tcp://127.0.0.1:9".into(),
+        },
         "same request, another receiver",
     );
-    invalid(
+    refused(
         s.store(&spec("v-3", 5, false), &["y"], &[full]),
+        StoreError::TotalMismatch {
+            req_id: "v-3".into(),
+            begun: 4,
+            given: 5,
+        },
         "same request, another total_chunks",
     );
     // Cancelled: later stores are refused with the terminal status.

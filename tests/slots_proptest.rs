@@ -69,11 +69,16 @@ proptest! {
                     match held.iter().position(|h| h.contains(&x)) {
                         Some(i) => {
                             held[i].remove(&x);
-                            live[i] = SlotSet::from_slots(held[i].iter().copied());
+                            // The owner takes the slot out of its set and gives it back.
+                            let one = live[i].remove(x).expect("the set holds it");
+                            prop_assert_eq!(one.as_slice(), &[x][..]);
+                            a.free(one);
                         }
-                        None => bad += 1,
+                        None => {
+                            bad += 1;
+                            a.free_one(x);
+                        }
                     }
-                    a.free_one(x);
                 }
             }
             let in_use: usize = held.iter().map(|h| h.len()).sum();

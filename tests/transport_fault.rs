@@ -29,7 +29,7 @@ struct Rig {
 /// A fault-wrapped shm transport with `slots` staging and receiver slots,
 /// staging slot `s` filled with `s + 1`.
 fn rig(slots: u32, ring_capacity: usize, fault: FaultConfig) -> Rig {
-    let staging = Arc::new(StagingBuffer::new(slots as usize, CHUNK).unwrap());
+    let mut staging = StagingBuffer::new(slots as usize, CHUNK).unwrap();
     for s in 0..slots {
         staging
             .write_slot(s, &[s as u8 + 1; CHUNK as usize])
@@ -41,6 +41,7 @@ fn rig(slots: u32, ring_capacity: usize, fault: FaultConfig) -> Rig {
         fault: Some(fault),
         ..TransportConfig::default()
     };
+    let staging = Arc::new(staging);
     let (mut poster, comps) = by_name("shm", &cfg)
         .unwrap()
         .start(staging.clone())

@@ -105,7 +105,8 @@ fn a_bad_config_is_rejected_before_opening_a_device() {
 struct Pair {
     region: Arc<Region>,
     rx: RdmaReceiverSide,
-    staging: Arc<StagingBuffer>,
+    /// Kept alive with the pair (filled before the transport shared it).
+    _staging: Arc<StagingBuffer>,
     poster: RdmaPoster,
     completions: Box<dyn Completions>,
     peer: u32,
@@ -123,7 +124,14 @@ fn pair(credits: usize) -> Pair {
 fn pair_with(cfg: RdmaConfig) -> Pair {
     let region = Arc::new(Region::create(&default_region_path(), CHUNK, SLOTS).unwrap());
     let mut rx = RdmaReceiverSide::new(region.clone(), &cfg).unwrap();
-    let staging = Arc::new(StagingBuffer::new(SLOTS as usize, CHUNK).unwrap());
+    // Staging slot `i` holds `i + 1` (filled before the transport shares it).
+    let mut staging = StagingBuffer::new(SLOTS as usize, CHUNK).unwrap();
+    for i in 0..SLOTS {
+        staging
+            .write_slot(i as u32, &vec![i as u8 + 1; CHUNK as usize])
+            .unwrap();
+    }
+    let staging = Arc::new(staging);
     let (mut poster, completions) = RdmaTransport::new(cfg)
         .unwrap()
         .start_rdma(staging.clone())
@@ -139,7 +147,7 @@ fn pair_with(cfg: RdmaConfig) -> Pair {
     Pair {
         region,
         rx,
-        staging,
+        _staging: staging,
         poster,
         completions: Box::new(completions),
         peer,
@@ -166,9 +174,6 @@ fn writes_land_in_the_receivers_slots() {
     let mut p = pair(64);
     let mut ops = Vec::new();
     for i in 0..SLOTS {
-        p.staging
-            .write_slot(i as u32, &vec![i as u8 + 1; CHUNK as usize])
-            .unwrap();
         ops.push(op(100 + i, p.peer, i, SLOTS - 1 - i, CHUNK));
     }
     assert_eq!(p.poster.post(&ops).unwrap(), ops.len());

@@ -53,10 +53,11 @@ fn all_region_bytes(r: &Region) -> Vec<u8> {
 
 #[test]
 fn a_write_lands_in_the_receiver_region() {
-    let staging = Arc::new(StagingBuffer::new(4, 4096).unwrap());
+    let mut staging = StagingBuffer::new(4, 4096).unwrap();
     let data = pattern(1, 4096);
     staging.write_slot(1, &data).unwrap();
     let r = region(4096, 8);
+    let staging = Arc::new(staging);
     let (mut poster, mut comps) = start(&staging, 16);
     let peer = poster.connect(&remote(&r)).unwrap();
     let n = poster
@@ -79,13 +80,14 @@ fn a_write_lands_in_the_receiver_region() {
 #[test]
 fn many_ops_across_two_peers_with_credit_flow() {
     const CHUNK: u64 = 1024;
-    let staging = Arc::new(StagingBuffer::new(128, CHUNK).unwrap());
+    let mut staging = StagingBuffer::new(128, CHUNK).unwrap();
     for s in 0..128u32 {
         staging
             .write_slot(s, &pattern(u64::from(s), CHUNK as usize))
             .unwrap();
     }
     let (r0, r1) = (region(CHUNK, 64), region(CHUNK, 64));
+    let staging = Arc::new(staging);
     let (mut poster, mut comps) = start(&staging, 16);
     let p0 = poster.connect(&remote(&r0)).unwrap();
     let p1 = poster.connect(&remote(&r1)).unwrap();
@@ -122,11 +124,12 @@ fn many_ops_across_two_peers_with_credit_flow() {
 
 #[test]
 fn out_of_bounds_ops_complete_with_an_error_and_write_nothing() {
-    let staging = Arc::new(StagingBuffer::new(4, 512).unwrap());
+    let mut staging = StagingBuffer::new(4, 512).unwrap();
     for s in 0..4 {
         staging.write_slot(s, &pattern(9, 512)).unwrap();
     }
     let r = region(512, 4);
+    let staging = Arc::new(staging);
     let (mut poster, mut comps) = start(&staging, 16);
     let p = poster.connect(&remote(&r)).unwrap();
     let bad = [
@@ -167,9 +170,10 @@ fn out_of_bounds_ops_complete_with_an_error_and_write_nothing() {
 
 #[test]
 fn unknown_and_disconnected_peers_complete_with_unknown_peer() {
-    let staging = Arc::new(StagingBuffer::new(2, 256).unwrap());
+    let mut staging = StagingBuffer::new(2, 256).unwrap();
     staging.write_slot(0, &[7; 256]).unwrap();
     let r = region(256, 2);
+    let staging = Arc::new(staging);
     let (mut poster, mut comps) = start(&staging, 8);
     let p = poster.connect(&remote(&r)).unwrap();
     poster.post(&[op(1, 0, 0, 256, p + 1)]).unwrap();
@@ -501,7 +505,7 @@ fn staging_buffer_errors_are_typed() {
         StagingBuffer::new(1, 1 << 62),
         Err(StagingError::Map { .. })
     ));
-    let s = StagingBuffer::new(3, 100).unwrap();
+    let mut s = StagingBuffer::new(3, 100).unwrap();
     assert_eq!((s.slots(), s.slot_bytes(), s.len()), (3, 100, 300));
     assert!(!s.is_empty());
     assert_eq!(s.as_ptr() as usize % 4096, 0, "page-aligned");
@@ -562,12 +566,13 @@ proptest! {
     /// original ops, and the runs map the merged ops back to the originals.
     #[test]
     fn coalesced_ops_write_the_same_bytes(ops in arb_ops(512, 384)) {
-        let staging = Arc::new(StagingBuffer::new(8, 64).unwrap());
+        let mut staging = StagingBuffer::new(8, 64).unwrap();
         for s in 0..8 {
             staging.write_slot(s, &pattern(u64::from(s) + 100, 64)).unwrap();
         }
         let plain = [region(64, 6), region(64, 6)];
         let merged = [region(64, 6), region(64, 6)];
+        let staging = Arc::new(staging);
         let (mut poster, mut comps) = start(&staging, 64);
         let plain_peers = [poster.connect(&remote(&plain[0])).unwrap(), poster.connect(&remote(&plain[1])).unwrap()];
         let merged_peers = [poster.connect(&remote(&merged[0])).unwrap(), poster.connect(&remote(&merged[1])).unwrap()];

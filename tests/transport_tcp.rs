@@ -197,12 +197,13 @@ fn writes_land_in_granted_slots_with_credit_flow() {
     let (client, remote) = tcp_client(&r, "granter");
     let slots = grant(&r, &client, "req", 4);
     assert_eq!(slots, vec![0, 1, 2, 3], "a fresh buffer grants from slot 0");
-    let staging = Arc::new(StagingBuffer::new(8, CHUNK_BYTES).unwrap());
+    let mut staging = StagingBuffer::new(8, CHUNK_BYTES).unwrap();
     let datas: Vec<Vec<u8>> = (0..8).map(|i| pattern(i, CHUNK_BYTES as usize)).collect();
     for (i, d) in datas.iter().enumerate() {
         staging.write_slot(i as u32, d).unwrap();
     }
     // Ring of 4: posting 40 ops needs credits back many times.
+    let staging = Arc::new(staging);
     let (mut poster, mut comps) = start(&staging, 4);
     let peer = poster.connect(&remote).unwrap();
     assert_eq!(poster.credits(), 4);
@@ -256,8 +257,9 @@ fn a_write_outside_the_granted_slots_is_rejected_and_closes_the_connection() {
     let (client, remote) = tcp_client(&r, "granter");
     let slots = grant(&r, &client, "req", 2);
     assert_eq!(slots, vec![0, 1]);
-    let staging = Arc::new(StagingBuffer::new(4, CHUNK_BYTES).unwrap());
+    let mut staging = StagingBuffer::new(4, CHUNK_BYTES).unwrap();
     staging.write_slot(0, &pattern(9, 4096)).unwrap();
+    let staging = Arc::new(staging);
     let (mut poster, mut comps) = start(&staging, 16);
     let peer = poster.connect(&remote).unwrap();
     wait_until("the data connection is up", || {

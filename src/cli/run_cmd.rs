@@ -72,6 +72,10 @@ pub struct LoadArgs {
     /// Seconds without progress before the watchdog declares a deadlock [default: 10].
     #[arg(long)]
     pub stall_timeout: Option<f64>,
+    /// Hand chunks over with the copying `store` (one more copy per chunk)
+    /// instead of filling staging in place [default: in place].
+    #[arg(long)]
+    pub copy_store: bool,
 }
 
 impl LoadArgs {
@@ -88,6 +92,9 @@ impl LoadArgs {
               batch => batch, chunk_bytes => chunk_bytes, staging_slots => staging_slots,
               capacity_chunks => capacity_chunks, concurrency => concurrency, abort_rate => abort_rate,
               fail_rate => fail_rate, seed => seed, transport => transport, stall_timeout => stall_timeout_s);
+        if self.copy_store {
+            c.copy_store = true;
+        }
         c.validate()?;
         Ok(c)
     }

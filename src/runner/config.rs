@@ -108,6 +108,9 @@ pub struct RunConfig {
     /// (LMCache's `CacheEngineKey` strings, which an LMCache receiver
     /// parses and refuses otherwise).
     pub key_format: String,
+    /// Prefillers hand chunks over with the copying `store` instead of
+    /// filling staging in place (`Request::stage`), to compare the paths.
+    pub copy_store: bool,
 }
 
 impl Default for RunConfig {
@@ -132,6 +135,7 @@ impl Default for RunConfig {
             max_pending_bytes: 64 << 20,
             static_buffers: Vec::new(),
             key_format: "kvferry".into(),
+            copy_store: false,
         }
     }
 }

@@ -282,6 +282,12 @@ fn execute(
     on_start(&run.endpoints, &run.senders);
     let watch = monitor::watch(&run, progress, started);
     let mut report = RunReport {
+        sender_path: if run.cfg.copy_store {
+            "copying-store".into()
+        } else {
+            "in-place".into()
+        },
+        sender_copies_per_chunk: u32::from(run.cfg.copy_store),
         config: run.cfg.clone(),
         deadlock: watch.deadlock,
         stall_dump: watch.dump,

@@ -91,6 +91,17 @@ impl Payloads {
         out.extend_from_slice(&block[HEADER..len]);
     }
 
+    /// Writes chunk `id` at the start of `out` (a staging slot, at least
+    /// [`len_of`](Self::len_of) bytes) and returns its length.
+    pub fn fill_slice(&self, id: ChunkId, out: &mut [u8]) -> usize {
+        let len = self.len_of(id).min(out.len());
+        let block = &self.pool[(mix(id.request, u64::from(id.index)) % POOL as u64) as usize];
+        out[0..8].copy_from_slice(&id.request.to_le_bytes());
+        out[8..16].copy_from_slice(&u64::from(id.index).to_le_bytes());
+        out[HEADER..len].copy_from_slice(&block[HEADER..len]);
+        len
+    }
+
     /// True if `bytes` (a whole slot or more) starts with exactly chunk `id`.
     pub fn verify(&self, id: ChunkId, bytes: &[u8]) -> bool {
         let len = self.len_of(id);

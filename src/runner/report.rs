@@ -78,6 +78,13 @@ pub struct RunReport {
     pub peak_rss_bytes: u64,
     /// Registered memory (staging + receive buffers), bytes.
     pub registered_bytes: u64,
+    /// How prefillers handed chunks over: `"in-place"` (`Request::stage`,
+    /// filled in staging) or `"copying-store"` (`Sender::store`).
+    pub sender_path: String,
+    /// Copies the sender made of each chunk before the data plane: 0 in
+    /// place, 1 through `store` (a batch stored before its request was
+    /// admitted waits in the pending area: one more).
+    pub sender_copies_per_chunk: u32,
     /// The configuration that ran.
     pub config: RunConfig,
     /// State dump taken by the watchdog (empty unless `deadlock`).
@@ -176,6 +183,18 @@ impl RunReport {
             "  peak receive slots in use             {} of {}",
             self.peak_receiver_slots,
             c.capacity_chunks * c.decoders
+        );
+        let _ = writeln!(
+            s,
+            "  sender path                           {} ({} sender copies per chunk{}, then the {} data plane's)",
+            self.sender_path,
+            self.sender_copies_per_chunk,
+            if self.sender_copies_per_chunk > 0 {
+                "; +1 for batches held in the pending area"
+            } else {
+                ""
+            },
+            c.transport
         );
         let _ = writeln!(
             s,

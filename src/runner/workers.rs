@@ -13,10 +13,10 @@ use rand::{Rng, SeedableRng};
 use tracing::{debug, warn};
 
 use crate::proxy::ProxyListener;
-use crate::sender::{RequestStatus, StoreError, TransferSpec};
+use crate::sender::{Request, RequestSpec, RequestStatus, Sender, StoreError, TransferSpec};
 
 use super::payload::ChunkId;
-use super::{Planned, Run};
+use super::{Planned, Run, RunConfig};
 
 /// The running worker threads.
 pub(super) struct Handles {
@@ -115,6 +115,63 @@ struct Active {
     decoder: usize,
     /// Cancel after storing this many chunks (deliberate abort).
     abort_after: Option<u32>,
+    /// The handle (in-place mode: begun when the request starts, so its
+    /// admission runs while earlier requests are still being filled).
+    req: Option<Request>,
+}
+
+/// Fills staging in place with chunks `next..next + n` of `a` and submits
+/// them (the in-place path: no sender copy).
+fn stage_batch(run: &Run, a: &Active, req: &Request, n: u32) -> Result<(), StoreError> {
+    let mut batch = req.stage(n as usize, Instant::now() + run.cfg.stall_timeout())?;
+    let mut lens = Vec::with_capacity(n as usize);
+    for (slot, index) in batch.slots_mut().zip(a.next..a.next + n) {
+        let id = ChunkId {
+            request: a.id,
+            index,
+            total: a.total,
+        };
+        lens.push(run.payloads.fill_slice(id, slot) as u32);
+    }
+    batch.submit(&keys_of(&run.cfg, a, n), &lens)
+}
+
+/// The keys of chunks `next..next + n` of `a`, in the configured format.
+fn keys_of(cfg: &RunConfig, a: &Active, n: u32) -> Vec<String> {
+    (a.next..a.next + n)
+        .map(|index| {
+            let id = ChunkId {
+                request: a.id,
+                index,
+                total: a.total,
+            };
+            cfg.chunk_key(&id, &a.req_id)
+        })
+        .collect()
+}
+
+/// Copies chunks `next..next + n` of `a` in with `store` (the copying path).
+fn store_batch(
+    run: &Run,
+    sender: &Sender,
+    a: &Active,
+    n: u32,
+    bufs: &mut [Vec<u8>],
+) -> Result<(), StoreError> {
+    let last = a.next + n == a.total;
+    for (k, index) in (a.next..a.next + n).enumerate() {
+        run.payloads.fill(
+            ChunkId {
+                request: a.id,
+                index,
+                total: a.total,
+            },
+            &mut bufs[k],
+        );
+    }
+    let chunks: Vec<&[u8]> = bufs[..n as usize].iter().map(Vec::as_slice).collect();
+    let spec = TransferSpec::new(&a.req_id, &run.endpoints[a.decoder], a.total as usize, last);
+    sender.store(&spec, &keys_of(&run.cfg, a, n), &chunks)
 }
 
 fn prefill_loop(
@@ -150,6 +207,26 @@ fn prefill_loop(
                 .random_bool(cfg.abort_rate)
                 .then(|| rng.random_range(0..total));
             let req_id = format!("{}{p}-r{id}", run.prefix);
+            let req = if cfg.copy_store {
+                None
+            } else {
+                let spec = RequestSpec::new(&req_id, &run.endpoints[decoder], total as usize);
+                match sender.begin(spec) {
+                    Ok(r) => Some(r),
+                    Err(e) => {
+                        warn!(req = %req_id, error = %e, "cannot begin the request");
+                        run.finish(
+                            &RequestStatus::Failed {
+                                code: crate::protocol::ErrorCode::PeerUnavailable,
+                                reason: e.to_string(),
+                            },
+                            false,
+                        );
+                        started += 1;
+                        continue;
+                    }
+                }
+            };
             run.planned.lock().insert(
                 req_id.clone(),
                 Planned {
@@ -166,6 +243,7 @@ fn prefill_loop(
                 next: 0,
                 decoder,
                 abort_after,
+                req,
             });
             started += 1;
             in_flight += 1;
@@ -190,32 +268,17 @@ fn prefill_loop(
             }
             let n = (cfg.batch as u32).min(a.total - a.next);
             let last = a.next + n == a.total;
-            let keys: Vec<String> = (a.next..a.next + n)
-                .map(|index| {
-                    cfg.chunk_key(
-                        &ChunkId {
-                            request: a.id,
-                            index,
-                            total: a.total,
-                        },
-                        &a.req_id,
-                    )
-                })
-                .collect();
-            for (k, index) in (a.next..a.next + n).enumerate() {
-                run.payloads.fill(
-                    ChunkId {
-                        request: a.id,
-                        index,
-                        total: a.total,
-                    },
-                    &mut bufs[k],
-                );
-            }
-            let chunks: Vec<&[u8]> = bufs[..n as usize].iter().map(Vec::as_slice).collect();
-            let spec =
-                TransferSpec::new(&a.req_id, &run.endpoints[a.decoder], a.total as usize, last);
-            match sender.store(&spec, &keys, &chunks) {
+            let res = match &a.req {
+                // Not admitted yet: staging waits for admission; serve the
+                // other requests meanwhile.
+                Some(req) if !req.is_admitted() && !req.status().is_terminal() => {
+                    i += 1;
+                    continue;
+                }
+                Some(req) => stage_batch(run, a, req, n),
+                None => store_batch(run, sender, a, n, &mut bufs),
+            };
+            match res {
                 Ok(()) => {
                     a.next += n;
                     progressed = true;
@@ -242,7 +305,15 @@ fn prefill_loop(
             }
             i += 1;
         }
-        if !progressed || active.is_empty() {
+        let waiting = active
+            .iter()
+            .find_map(|a| a.req.as_ref().filter(|r| !r.is_admitted()));
+        if let (false, Some(req)) = (progressed, waiting) {
+            // Nothing to fill until a request is admitted: wait for that
+            // (holding no staging: a zero-slot batch), briefly, then look
+            // at the terminal statuses again.
+            let _ = req.stage(0, Instant::now() + Duration::from_millis(5));
+        } else if !progressed || active.is_empty() {
             // Nothing to do until a request ends (or pending space frees).
             match done.recv_timeout(Duration::from_millis(5)) {
                 Ok(_) => in_flight -= 1,

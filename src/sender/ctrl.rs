@@ -13,7 +13,7 @@ use smallvec::SmallVec;
 use tracing::{debug, debug_span, warn};
 
 use crate::protocol::{
-    decode, encode_into, placement, AllocRequest, AllocResponse, CancelNotif, ErrorCode, Heartbeat,
+    decode, encode_into, AllocRequest, AllocResponse, CancelNotif, ErrorCode, Heartbeat,
     Hello, Message, ProxyNotif, TransferDone, PROTOCOL_VERSION,
 };
 use crate::stats::{Counter, Stage};
@@ -52,6 +52,11 @@ pub(super) struct Ctrl {
     staging_requests: HashMap<u64, crate::slots::SlotRequest>,
     /// Terminal statuses to announce (callbacks) once the lock is released.
     finished: Vec<(String, RequestStatus)>,
+    /// Reused buffers of the write coalescer (one write per chunk in,
+    /// merged writes and their run lengths out).
+    chunk_ops: Vec<WriteOp>,
+    merged: Vec<WriteOp>,
+    runs: Vec<usize>,
 }
 
 impl Ctrl {
@@ -63,10 +68,12 @@ impl Ctrl {
     ) -> Result<Self, super::SenderError> {
         let proxy = match &shared.cfg.proxy {
             Some(ep) => {
-                let s = crate::zmq_io::context().socket(zmq::PUSH)?;
-                s.set_linger(1000)?;
-                s.set_sndhwm(0)?;
-                s.connect(ep)?;
+                let s = crate::zmq_io::context()
+                    .socket(zmq::PUSH)
+                    .map_err(super::SenderError::socket)?;
+                s.set_linger(1000).map_err(super::SenderError::socket)?;
+                s.set_sndhwm(0).map_err(super::SenderError::socket)?;
+                s.connect(ep).map_err(super::SenderError::socket)?;
                 Some(s)
             }
             None => None,
@@ -88,6 +95,9 @@ impl Ctrl {
             dirty: HashSet::new(),
             staging_requests: HashMap::new(),
             finished: Vec::new(),
+            chunk_ops: Vec::with_capacity(64),
+            merged: Vec::with_capacity(64),
+            runs: Vec::with_capacity(64),
         })
     }
 
@@ -101,6 +111,9 @@ impl Ctrl {
         }
         for p in &self.peers {
             let _ = self.reactor.deregister(&p.sock);
+            if let Some(late) = &p.late {
+                let _ = self.reactor.deregister(&late.sock);
+            }
         }
         // Dropping the poster closes the data plane; the poll thread then
         // sees the completion stream end.
@@ -145,6 +158,7 @@ impl Ctrl {
                 }
             }
         }
+        self.read_late_hellos();
         self.timers(Instant::now());
         self.drain_dirty();
         if !lost.is_empty() {
@@ -154,6 +168,9 @@ impl Ctrl {
             self.drain_dirty();
         }
         if self.rehello_due(Instant::now()) {
+            self.drain_dirty();
+        }
+        if self.apply_late_hellos(Instant::now()) {
             self.drain_dirty();
         }
         self.flush_backlog();
@@ -325,6 +342,10 @@ impl Ctrl {
             || !self.dirty.is_empty()
             || self.staging_requests.values().any(crate::slots::SlotRequest::is_ready)
             || self.peers.iter().any(|p| readable(&p.sock))
+            || self
+                .peers
+                .iter()
+                .any(|p| p.late.as_ref().is_some_and(|l| readable(&l.sock)))
             // Acquire: pairs with the Release store in `Sender::close`.
             || self.shared.stop.load(Ordering::Acquire);
         if !busy {
@@ -368,14 +389,7 @@ impl Ctrl {
     }
 
     fn release_data(&self, data: BatchData, bytes: usize) {
-        match data {
-            BatchData::Staged(set) => self.free_staging(set),
-            BatchData::Pending(_) => {
-                // AcqRel: pending-area accounting only (see `Sender::store`).
-                self.shared.pending_bytes.fetch_sub(bytes, Ordering::AcqRel);
-            }
-            BatchData::Empty => {}
-        }
+        self.shared.release_data(data, bytes);
     }
 
     /// The peer for `endpoint`, connecting (and saying Hello) on first use.
@@ -465,6 +479,12 @@ impl Ctrl {
     /// Replaces a peer's socket so late replies to the old one are shed.
     /// False if no new socket could be made (the old one stays).
     fn renew_socket(&mut self, i: usize) -> bool {
+        self.replace_socket(i).is_some()
+    }
+
+    /// [`renew_socket`](Self::renew_socket), handing back the old socket
+    /// (no longer watched) instead of closing it.
+    fn replace_socket(&mut self, i: usize) -> Option<zmq::Socket> {
         let gen = self.peers[i].generation + 1;
         match Peer::socket(
             &self.shared.cfg.sender_id,
@@ -474,15 +494,138 @@ impl Ctrl {
             Ok(sock) => {
                 let _ = self.reactor.deregister(&self.peers[i].sock);
                 let _ = self.reactor.register(&sock, i);
-                self.peers[i].sock = sock;
+                let old = std::mem::replace(&mut self.peers[i].sock, sock);
                 self.peers[i].generation = gen;
-                true
+                Some(old)
             }
             Err(e) => {
                 warn!(error = %e, "cannot renew the receiver socket");
-                false
+                None
             }
         }
+    }
+
+    /// After a `Hello` timed out: keeps its socket listening until `until`
+    /// for a late `HelloAck`, with what was prepared for it.
+    fn listen_late(
+        &mut self,
+        i: usize,
+        old: Option<zmq::Socket>,
+        prepared: Option<crate::protocol::Descriptor>,
+        until: Instant,
+    ) {
+        match (old, prepared) {
+            (Some(sock), Some(prepared)) => {
+                // Watched so a late answer wakes this thread.
+                let _ = self.reactor.register(&sock, i);
+                self.peers[i].late = Some(super::peer::LateHello {
+                    sock,
+                    prepared,
+                    until,
+                    ack: None,
+                });
+            }
+            (_, Some(prepared)) => self.poster.discard_prepared(&prepared),
+            _ => {}
+        }
+    }
+
+    /// Reads what arrived on the sockets of timed-out `Hello`s: a
+    /// `HelloAck` offering our transport is kept; anything else (an LMCache
+    /// receiver's late answer to a message it does not know) is shed.
+    fn read_late_hellos(&mut self) {
+        let transport = self.shared.cfg.transport.clone();
+        for p in &mut self.peers {
+            let Some(late) = p.late.as_mut() else {
+                continue;
+            };
+            let mut n = 0;
+            while n < 16 && readable(&late.sock) {
+                let Ok(frames) = late.sock.recv_multipart(zmq::DONTWAIT) else {
+                    break;
+                };
+                n += 1;
+                match frames.last().map(|f| decode(f)) {
+                    Some(Ok(Message::HelloAck(ack))) if ack.transport == transport => {
+                        debug!(endpoint = %p.endpoint, "HelloAck after the hello timeout");
+                        late.ack = Some(ack);
+                    }
+                    other => debug!(?other, "late answer to a timed-out Hello shed"),
+                }
+            }
+        }
+    }
+
+    /// Upgrades peers whose `HelloAck` came after the hello timeout to
+    /// kvferry mode, once they are idle (LMCache mode: no message
+    /// outstanding, no request being transferred; or failed for want of a
+    /// static descriptor). Stops listening once the window passed or a
+    /// newer handshake took over. True if any peer was upgraded.
+    fn apply_late_hellos(&mut self, now: Instant) -> bool {
+        let mut any = false;
+        for i in 0..self.peers.len() {
+            let Some(late) = self.peers[i].late.as_ref() else {
+                continue;
+            };
+            let p = &self.peers[i];
+            let superseded = matches!(
+                p.mode,
+                Mode::Handshaking(_) | Mode::Extended | Mode::Reconnecting
+            );
+            let expired = late.ack.is_none() && now >= late.until;
+            if superseded || expired {
+                if let Some(late) = self.peers[i].late.take() {
+                    let _ = self.reactor.deregister(&late.sock);
+                    self.poster.discard_prepared(&late.prepared);
+                }
+                continue;
+            }
+            let idle = match p.mode {
+                Mode::Legacy => {
+                    p.fifo.is_empty() && p.waiting.is_empty() && p.legacy_active.is_none()
+                }
+                _ => true, // Failed
+            };
+            if late.ack.is_none() || !idle {
+                continue;
+            }
+            let Some(late) = self.peers[i].late.take() else {
+                continue;
+            };
+            let _ = self.reactor.deregister(&late.sock);
+            let Some(ack) = late.ack else { continue };
+            let remote = RemoteBuffer {
+                descriptor: ack.descriptor.clone(),
+                chunk_bytes: ack.chunk_bytes,
+                capacity_chunks: ack.capacity_chunks,
+            };
+            match self.poster.connect_prepared(&late.prepared, &remote) {
+                Ok(index) => {
+                    let per_pair = late.prepared != crate::protocol::Descriptor::None;
+                    let old = {
+                        let p = &mut self.peers[i];
+                        p.rehandshake |= per_pair;
+                        p.retry_hello = false;
+                        p.remote = Some(remote);
+                        p.mode = Mode::Extended;
+                        p.index.replace(index)
+                    };
+                    if let Some(old) = old {
+                        // The static (LMCache-mode) connection: idle, so no
+                        // write of it is in flight.
+                        self.poster.disconnect(old);
+                    }
+                    debug!(endpoint = %self.peers[i].endpoint, receiver = %ack.receiver_id, "late HelloAck: the receiver speaks kvferry");
+                    self.dirty_peer(i);
+                    any = true;
+                }
+                Err(e) => {
+                    self.poster.discard_prepared(&late.prepared);
+                    warn!(endpoint = %self.peers[i].endpoint, error = %e, "late HelloAck, but its data plane cannot be connected");
+                }
+            }
+        }
+        any
     }
 
     fn on_reply(&mut self, i: usize, payload: &[u8]) {
@@ -643,41 +786,15 @@ impl Ctrl {
         let capacity = self.peers[i]
             .remote
             .as_ref()
-            .map_or(0, |rb| rb.capacity_chunks) as i64;
-        let placed = if resp.is_failure() {
-            let code = resp
-                .code
-                .as_deref()
-                .and_then(ErrorCode::parse)
-                .unwrap_or(ErrorCode::AllocationFailed);
-            let reason = resp
-                .error
-                .clone()
-                .unwrap_or_else(|| "the receiver could not allocate the batch".into());
-            Err((code, reason))
-        } else {
-            // LMCache's reply shape: one slot per key to write, skipping the
-            // already-sent ones (`protocol::placement`).
-            match placement(n, &resp) {
-                Err(e) => Err((
-                    ErrorCode::BadMessage,
-                    format!("the receiver's reply does not fit the batch: {e}"),
-                )),
-                Ok(p) if p.writes.iter().any(|&(_, x)| x < 0 || x >= capacity) => Err((
-                    ErrorCode::BadMessage,
-                    format!("reply names slots outside the receiver's {capacity}"),
-                )),
-                Ok(p) => Ok(p),
-            }
-        };
-        let placement = match placed {
-            Ok(p) => p,
+            .map_or(0, |rb| rb.capacity_chunks);
+        let super::reply::Mapped {
+            remote: remote_pos,
+            already_sent: dedup,
+        } = match super::reply::map_reply(n, capacity, &resp) {
+            Ok(m) => m,
             Err((code, reason)) => {
-                if matches!(r.state, ReqState::Pending | ReqState::Admitted) {
-                    debug!(req_id = %req_id, code = code.as_str(), %reason, "batch refused; aborting the request");
-                    r.state = ReqState::Aborting(RequestStatus::Failed { code, reason });
-                    r.cancel.cancel();
-                }
+                debug!(req_id = %req_id, code = code.as_str(), %reason, "batch refused; aborting the request");
+                r.abort_with(RequestStatus::Failed { code, reason });
                 drop(t);
                 return self.release_data(b.data, b.bytes);
             }
@@ -688,7 +805,7 @@ impl Ctrl {
             return self.release_data(b.data, b.bytes);
         }
         if r.state == ReqState::Pending {
-            r.state = ReqState::Admitted;
+            r.admit();
             if let Some(sent) = r.first_sent_at {
                 self.shared
                     .stats
@@ -696,13 +813,6 @@ impl Ctrl {
             }
             self.shared.stats.inc(Counter::Admitted);
         }
-        let dedup = &placement.already_sent;
-        // Slot per chunk position (-1 at the dedup'd ones, never read).
-        let remote_by_key: Vec<i64> = placement
-            .slot_by_key(n)
-            .into_iter()
-            .map(|s| s.unwrap_or(-1))
-            .collect();
         r.completed_chunks += dedup.len();
         if b.is_last {
             r.last_replied = true;
@@ -725,16 +835,16 @@ impl Ctrl {
                 *set = kept;
                 let lens: SmallVec<[u32; 16]> =
                     writes.iter().map(|&j| b.lens[j as usize]).collect();
-                let remote: Vec<i64> = writes.iter().map(|&j| remote_by_key[j as usize]).collect();
+                let remote: Vec<i64> = writes.iter().map(|&j| remote_pos[j as usize]).collect();
                 b.lens = lens;
                 b.remote = remote;
                 b.writes = (0..writes.len() as u32).collect();
             } else {
-                b.remote = remote_by_key;
+                b.remote = remote_pos;
                 b.writes = writes;
             }
         } else {
-            b.remote = remote_by_key;
+            b.remote = remote_pos;
             b.writes = writes;
         }
         r.unstaged.push_back(id);
@@ -793,11 +903,9 @@ impl Ctrl {
             let Some(r) = t.reqs.get_mut(req_id) else {
                 return;
             };
-            if !matches!(r.state, ReqState::Pending | ReqState::Admitted) {
+            if !r.abort_with(RequestStatus::Failed { code, reason }) {
                 return;
             }
-            r.state = ReqState::Aborting(RequestStatus::Failed { code, reason });
-            r.cancel.cancel();
         }
         self.dirty.insert(req_id.to_owned());
     }
@@ -965,12 +1073,11 @@ impl Ctrl {
                 offsets.push(off);
                 off += l as usize;
             }
-            for (slot, &j) in set.iter().zip(&b.writes) {
+            let chunks = b.writes.iter().map(|&j| {
                 let (o, l) = (offsets[j as usize], b.lens[j as usize] as usize);
-                if let Err(e) = self.shared.staging.write_slot(slot, &bytes[o..o + l]) {
-                    warn!(error = %e, "staging copy failed");
-                }
-            }
+                &bytes[o..o + l]
+            });
+            self.shared.copy_into(&set, chunks);
             let lens: SmallVec<[u32; 16]> = b.writes.iter().map(|&j| b.lens[j as usize]).collect();
             let remote: Vec<i64> = b.writes.iter().map(|&j| b.remote[j as usize]).collect();
             let pending = b.bytes;
@@ -997,49 +1104,35 @@ impl Ctrl {
         };
         let rbytes = remote.chunk_bytes;
         let now = Instant::now();
-        let slots = set.as_slice();
-        let mut ops: SmallVec<[(WriteOp, SmallVec<[u32; 16]>); 4]> = SmallVec::new();
-        for (k, &j) in b.writes.iter().enumerate() {
-            let slot = slots[k];
-            let local = self.shared.staging.slot_offset(slot);
-            let remote_off = b.remote[j as usize] as u64 * rbytes;
-            let len = u64::from(b.lens[j as usize]);
-            match ops.last_mut() {
-                // Coalesce: both ranges continue the previous write exactly.
-                Some((op, s))
-                    if op.local_offset + op.len == local
-                        && op.remote_offset + op.len == remote_off =>
-                {
-                    op.len += len;
-                    s.push(slot);
-                }
-                _ => {
-                    let mut s = SmallVec::new();
-                    s.push(slot);
-                    ops.push((
-                        WriteOp {
-                            work_id: 0,
-                            local_offset: local,
-                            remote_offset: remote_off,
-                            len,
-                            peer,
-                            _pad: 0,
-                        },
-                        s,
-                    ));
-                }
-            }
+        // One write per chunk, then the transport's coalescer merges runs
+        // contiguous on both sides (the set is sorted, chunk k in its k-th
+        // slot, so each merged write covers the next `run` slots).
+        self.chunk_ops.clear();
+        for (k, (&j, slot)) in b.writes.iter().zip(set.iter()).enumerate() {
+            self.chunk_ops.push(WriteOp {
+                work_id: k as u64,
+                local_offset: self.shared.staging.slot_offset(slot),
+                remote_offset: b.remote[j as usize] as u64 * rbytes,
+                len: u64::from(b.lens[j as usize]),
+                peer,
+                _pad: 0,
+            });
         }
-        for (mut op, s) in ops {
+        crate::transport::coalesce(&self.chunk_ops, &mut self.merged, &mut self.runs);
+        let mut set = set;
+        for (k, mut op) in self.merged.drain(..).enumerate() {
+            let run = self.runs[k];
+            let rest = set.split_off(run);
+            let slots = std::mem::replace(&mut set, rest);
             op.work_id = self.next_work;
             self.next_work += 1;
             t.inflight.insert(
                 op.work_id,
                 InFlight {
                     req_id: req_id.to_owned(),
-                    chunks: s.len() as u32,
+                    chunks: run as u32,
                     bytes: op.len,
-                    slots: crate::slots::SlotSet::from_slots(s),
+                    slots,
                     posted_at: now,
                     peer,
                 },
@@ -1049,6 +1142,8 @@ impl Ctrl {
             }
             self.backlog.push_back(op);
         }
+        // Cannot hold anything: the runs cover every chunk.
+        self.free_staging(set);
         true
     }
 
@@ -1070,13 +1165,10 @@ impl Ctrl {
                             self.free_staging(w.slots);
                             if let Some(r) = t.reqs.get_mut(&w.req_id) {
                                 r.in_flight_ops = r.in_flight_ops.saturating_sub(1);
-                                if matches!(r.state, ReqState::Pending | ReqState::Admitted) {
-                                    r.state = ReqState::Aborting(RequestStatus::Failed {
-                                        code: ErrorCode::WriteFailed,
-                                        reason: format!("transport error: {e}"),
-                                    });
-                                    r.cancel.cancel();
-                                }
+                                r.abort_with(RequestStatus::Failed {
+                                    code: ErrorCode::WriteFailed,
+                                    reason: format!("transport error: {e}"),
+                                });
                             }
                             self.dirty.insert(w.req_id);
                         }
@@ -1243,19 +1335,14 @@ impl Ctrl {
         }
     }
 
+    /// Wakes `Sender::wait`ers and hands terminal statuses to the
+    /// announcer thread (callbacks never run here).
     fn announce(&mut self) {
         if self.finished.is_empty() {
             return;
         }
         self.shared.status_cv.notify_all();
-        let cb = self.shared.callback.lock().clone();
-        if let Some(cb) = cb {
-            for (req, status) in self.finished.drain(..) {
-                cb(&req, &status);
-            }
-        } else {
-            self.finished.clear();
-        }
+        self.shared.announcer.announce(&mut self.finished);
     }
 
     /// Marks every live request of peer `i` for progress.
@@ -1285,11 +1372,14 @@ impl Ctrl {
                     self.hello_unanswered(i, now, reply_timeout);
                 } else if lmcache_fallback && waited >= hello_timeout {
                     let mut p = self.peers.swap_remove(i);
+                    // Kept for a late HelloAck (see `apply_late_hello`).
+                    let prepared = p.prepared.take();
                     self.become_legacy(&mut p);
                     self.peers.push(p);
                     let last = self.peers.len() - 1;
                     self.peers.swap(i, last);
-                    self.renew_socket(i);
+                    let old = self.replace_socket(i);
+                    self.listen_late(i, old, prepared, now + reply_timeout);
                     self.dirty_peer(i);
                 }
             }
@@ -1411,6 +1501,9 @@ impl Ctrl {
             }
             if p.mode == Mode::Extended {
                 consider(p.last_heartbeat + cfg.heartbeat_interval);
+            }
+            if let Some(late) = p.late.as_ref().filter(|l| l.ack.is_none()) {
+                consider(late.until);
             }
             if p.mode == Mode::Reconnecting {
                 // The backoff's end (only if still ahead: once it passed, the

@@ -20,10 +20,14 @@
 //! at once), so a request parked at a receiver can never hold the staging an
 //! admitted request needs to finish. See `docs/architecture.md`.
 
+mod completion;
 mod ctrl;
+mod error;
 pub mod metrics;
 mod peer;
 mod poll;
+mod reply;
+mod request;
 mod table;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -36,11 +40,16 @@ use smallvec::SmallVec;
 use tracing::debug;
 
 use crate::protocol::ErrorCode;
-use crate::slots::{AllocError, SlotAllocator};
+use crate::slots::{AllocError, SlotAllocator, SlotSet};
 use crate::staging::StagingBuffer;
 use crate::stats::{Counter, SharedStats, Stage, StatsSnapshot};
 use crate::transport::{RemoteBuffer, TransportConfig};
 
+pub use self::completion::CompletionCallback;
+use self::completion::{Announcer, Signal};
+pub use self::error::{SenderError, StoreError};
+use self::request::Handle;
+pub use self::request::{Request, RequestSpec, StagedBatch};
 use self::table::{Batch, BatchData, Req, ReqState, Table};
 
 /// Sender configuration.
@@ -132,6 +141,18 @@ pub struct TransferSpec {
 }
 
 impl TransferSpec {
+    /// The per-request part of the spec.
+    pub fn request(&self) -> RequestSpec {
+        RequestSpec {
+            req_id: self.req_id.clone(),
+            receiver: self.receiver.clone(),
+            total_chunks: self.total_chunks,
+            fmt: self.fmt,
+            shape: self.shape.clone(),
+            dtype: self.dtype.clone(),
+        }
+    }
+
     /// A spec with byte-shaped chunks.
     pub fn new(
         req_id: impl Into<String>,
@@ -177,72 +198,6 @@ impl RequestStatus {
     }
 }
 
-/// Errors of [`Sender::store`].
-#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
-pub enum StoreError {
-    /// The request is not admitted yet and the pending area is full.
-    #[error(
-        "back-pressure: {needed} bytes do not fit in the pending area ({used} of {max} bytes used)"
-    )]
-    Backpressure {
-        /// Bytes this batch needs.
-        needed: usize,
-        /// Bytes in use.
-        used: usize,
-        /// The bound.
-        max: usize,
-    },
-    /// The arguments are inconsistent.
-    #[error("invalid store: {0}")]
-    Invalid(String),
-    /// A chunk is larger than a staging slot.
-    #[error("chunk {index} is {len} bytes, larger than the {max}-byte staging slots")]
-    ChunkTooLarge {
-        /// Position in the batch.
-        index: usize,
-        /// Its length.
-        len: usize,
-        /// The slot size.
-        max: u64,
-    },
-    /// The request already ended.
-    #[error("request already ended: {0:?}")]
-    RequestEnded(RequestStatus),
-    /// The request was cancelled while this call waited.
-    #[error("request cancelled")]
-    Cancelled,
-    /// No staging slot freed up within `staging_timeout`.
-    #[error("no staging slots within the staging timeout")]
-    StagingTimeout,
-    /// The sender is closing.
-    #[error("sender is closed")]
-    Closed,
-}
-
-/// Errors starting a sender.
-#[derive(Debug, thiserror::Error)]
-pub enum SenderError {
-    /// Invalid configuration.
-    #[error("invalid sender configuration: {0}")]
-    Config(String),
-    /// The data plane could not start.
-    #[error(transparent)]
-    Transport(#[from] crate::transport::TransportError),
-    /// A socket could not be created.
-    #[error("sender socket: {0}")]
-    Socket(#[from] zmq::Error),
-    /// A thread or poller could not be started.
-    #[error("cannot start sender threads: {0}")]
-    Thread(#[from] std::io::Error),
-    /// The staging buffer could not be created.
-    #[error("staging buffer: {0}")]
-    Staging(String),
-}
-
-/// Callback run (on the ctrl thread) when a request reaches a terminal
-/// status.
-pub type CompletionCallback = Arc<dyn Fn(&str, &RequestStatus) + Send + Sync>;
-
 /// Everything the sender's threads share.
 pub(crate) struct Shared {
     pub cfg: SenderConfig,
@@ -257,7 +212,16 @@ pub(crate) struct Shared {
     /// The ctrl thread is (about to be) asleep: producers must wake it.
     pub ctrl_parked: AtomicBool,
     pub stop: AtomicBool,
-    pub callback: Mutex<Option<CompletionCallback>>,
+    /// Caller threads → ctrl: ids of published batches, in send order.
+    pub submit: Mutex<kvferry_ring::mpsc::Producer<u64>>,
+    /// Runs completion callbacks off the ctrl thread.
+    pub announcer: Arc<Announcer>,
+}
+
+/// The reservation of a batch's chunks in its request's count.
+struct Reserved {
+    admitted: bool,
+    is_last: bool,
 }
 
 impl Shared {
@@ -271,14 +235,406 @@ impl Shared {
             let _ = self.waker.wake();
         }
     }
+
+    /// Registers a request and queues its admission message (an
+    /// AllocRequest with no keys and the request's `total_chunks`). With
+    /// `reuse`, an existing live request of that id is returned instead.
+    fn begin(self: &Arc<Self>, spec: &RequestSpec, reuse: bool) -> Result<Request, StoreError> {
+        if spec.req_id.is_empty() {
+            return Err(StoreError::EmptyReqId);
+        }
+        if spec.total_chunks == 0 {
+            return Err(StoreError::ZeroTotalChunks);
+        }
+        let handle = |r: &Req| Handle {
+            shared: Arc::clone(self),
+            req_id: spec.req_id.clone(),
+            signal: Arc::clone(&r.signal),
+            cancel: r.cancel.clone(),
+        };
+        let (id, h) = {
+            let mut t = self.table.lock();
+            if let Some(r) = t.reqs.get(&spec.req_id) {
+                return match &r.state {
+                    ReqState::Done(s) => Err(StoreError::RequestEnded(s.clone())),
+                    _ if reuse => Ok(Request {
+                        h: Arc::new(handle(r)),
+                    }),
+                    _ => Err(StoreError::DuplicateRequest {
+                        req_id: spec.req_id.clone(),
+                    }),
+                };
+            }
+            let req = Req::new(spec, self.cfg.chunk_bytes, Arc::new(Signal::default()));
+            let batch = self.batch_for(
+                &req,
+                SmallVec::new(),
+                SmallVec::new(),
+                BatchData::Empty,
+                false,
+                0,
+            );
+            let h = handle(&req);
+            t.reqs.insert(spec.req_id.clone(), req);
+            let id = t.next_batch;
+            t.next_batch += 1;
+            t.batches.insert(id, batch);
+            (id, h)
+        };
+        if !self.submit_id(id) {
+            let mut t = self.table.lock();
+            t.batches.remove(&id);
+            t.reqs.remove(&spec.req_id);
+            return Err(StoreError::Closed);
+        }
+        debug!(req_id = %spec.req_id, total = spec.total_chunks, "begun");
+        Ok(Request { h: Arc::new(h) })
+    }
+
+    /// A batch of `req` with its geometry.
+    fn batch_for(
+        &self,
+        req: &Req,
+        keys: SmallVec<[String; 16]>,
+        lens: SmallVec<[u32; 16]>,
+        data: BatchData,
+        is_last: bool,
+        last_chunk_toks: i64,
+    ) -> Batch {
+        let bytes = lens.iter().map(|&l| l as usize).sum();
+        Batch {
+            req_id: req.req_id.clone(),
+            keys: keys.into_vec(),
+            lens,
+            data,
+            is_last,
+            stored_at: Instant::now(),
+            fmt: req.fmt,
+            shape: req.shape.clone(),
+            dtype: req.dtype.clone(),
+            last_chunk_toks,
+            bytes,
+            remote: Vec::new(),
+            writes: SmallVec::new(),
+        }
+    }
+
+    /// The checks of a copied batch that need no request state.
+    fn validate_batch(&self, n_keys: usize, chunks: &[&[u8]]) -> Result<(), StoreError> {
+        if n_keys != chunks.len() {
+            return Err(StoreError::KeyCountMismatch {
+                keys: n_keys,
+                chunks: chunks.len(),
+            });
+        }
+        if chunks.len() > self.cfg.staging_slots {
+            return Err(StoreError::BatchTooLarge {
+                chunks: chunks.len(),
+                slots: self.cfg.staging_slots,
+            });
+        }
+        for (index, c) in chunks.iter().enumerate() {
+            if c.len() as u64 > self.cfg.chunk_bytes {
+                return Err(StoreError::ChunkTooLarge {
+                    index,
+                    len: c.len(),
+                    max: self.cfg.chunk_bytes,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Reserves `n` chunks of the request's count (so concurrent batches
+    /// cannot overshoot). `is_last`: the caller's claim (copying `store`),
+    /// or `None` to end the request when the count reaches its total.
+    fn reserve(&self, h: &Handle, n: usize, is_last: Option<bool>) -> Result<Reserved, StoreError> {
+        let req_id = h.req_id.as_str();
+        let mut t = self.table.lock();
+        let Some(req) = t.reqs.get_mut(req_id) else {
+            // Ended so long ago that the table forgot it (its handles keep
+            // the terminal status).
+            return Err(StoreError::RequestEnded(h.signal.status()));
+        };
+        match &req.state {
+            ReqState::Done(s) => return Err(StoreError::RequestEnded(s.clone())),
+            ReqState::Aborting(RequestStatus::Cancelled) => return Err(StoreError::Cancelled),
+            // Failing: report the failure it will end with.
+            ReqState::Aborting(s) => return Err(StoreError::RequestEnded(s.clone())),
+            _ => {}
+        }
+        if req.last_stored {
+            return Err(StoreError::AfterLastBatch {
+                req_id: req_id.to_owned(),
+            });
+        }
+        if req.stored_chunks + n > req.total {
+            return Err(StoreError::TooManyChunks {
+                req_id: req_id.to_owned(),
+                chunks: req.stored_chunks + n,
+                total: req.total,
+            });
+        }
+        let is_last = is_last.unwrap_or(req.stored_chunks + n == req.total);
+        if n == 0 && !is_last {
+            return Err(StoreError::EmptyBatchNotLast);
+        }
+        req.stored_chunks += n;
+        req.last_stored |= is_last;
+        Ok(Reserved {
+            admitted: req.state == ReqState::Admitted,
+            is_last,
+        })
+    }
+
+    /// Gives back a reservation whose batch was not published.
+    fn unreserve(&self, req_id: &str, n: usize, is_last: bool) {
+        let mut t = self.table.lock();
+        if let Some(r) = t.reqs.get_mut(req_id) {
+            r.stored_chunks -= n;
+            if is_last {
+                r.last_stored = false;
+            }
+        }
+    }
+
+    /// Publishes a reserved batch and queues its id for ctrl (ring order =
+    /// send order). On error the batch's data is released and the
+    /// reservation given back.
+    #[allow(clippy::too_many_arguments)]
+    fn publish(
+        &self,
+        req_id: &str,
+        keys: &[impl AsRef<str>],
+        lens: SmallVec<[u32; 16]>,
+        data: BatchData,
+        reserved: &Reserved,
+        last_chunk_toks: Option<i64>,
+    ) -> Result<(), StoreError> {
+        let n = lens.len();
+        let toks = last_chunk_toks.unwrap_or_else(|| lens.last().map_or(0, |&l| i64::from(l)));
+        let id = {
+            let mut t = self.table.lock();
+            let live = t
+                .reqs
+                .get(req_id)
+                .filter(|r| matches!(r.state, ReqState::Pending | ReqState::Admitted));
+            let Some(req) = live else {
+                drop(t);
+                let bytes = lens.iter().map(|&l| l as usize).sum();
+                self.release_data(data, bytes);
+                return Err(StoreError::Cancelled);
+            };
+            let keys = keys.iter().map(|k| k.as_ref().to_owned()).collect();
+            let batch = self.batch_for(req, keys, lens, data, reserved.is_last, toks);
+            let id = t.next_batch;
+            t.next_batch += 1;
+            t.batches.insert(id, batch);
+            id
+        };
+        if !self.submit_id(id) {
+            // The ctrl thread is gone (it only stops on close, or if it
+            // panicked): nobody will ever send this batch.
+            let batch = self.table.lock().batches.remove(&id);
+            if let Some(b) = batch {
+                self.release_data(b.data, b.bytes);
+            }
+            self.unreserve(req_id, n, reserved.is_last);
+            return Err(StoreError::Closed);
+        }
+        self.stats.inc(Counter::Batches);
+        debug!(
+            batch = id,
+            admitted = reserved.admitted,
+            chunks = n,
+            "submitted"
+        );
+        Ok(())
+    }
+
+    /// Submits a staged batch (the slots hold the chunks' bytes).
+    fn submit_staged(
+        &self,
+        h: &Handle,
+        keys: &[impl AsRef<str>],
+        lens: &[u32],
+        set: SlotSet,
+        last_chunk_toks: Option<i64>,
+    ) -> Result<(), StoreError> {
+        let span = tracing::debug_span!("submit", req_id = %h.req_id, chunks = keys.len());
+        let _g = span.enter();
+        let reserved = match self.reserve(h, keys.len(), None) {
+            Ok(r) => r,
+            Err(e) => {
+                self.slots.free(set);
+                return Err(e);
+            }
+        };
+        let data = if set.is_empty() {
+            self.slots.free(set);
+            BatchData::Empty
+        } else {
+            BatchData::Staged(set)
+        };
+        self.publish(
+            &h.req_id,
+            keys,
+            lens.iter().copied().collect(),
+            data,
+            &reserved,
+            last_chunk_toks,
+        )
+    }
+
+    /// The copying path: into staging slots if the request is admitted,
+    /// else into the pending area.
+    fn store_copy(
+        &self,
+        h: &Handle,
+        keys: &[impl AsRef<str>],
+        chunks: &[&[u8]],
+        is_last: Option<bool>,
+        last_chunk_toks: Option<i64>,
+    ) -> Result<(), StoreError> {
+        let n = chunks.len();
+        let span = tracing::debug_span!("store", req_id = %h.req_id, chunks = n);
+        let _g = span.enter();
+        let reserved = self.reserve(h, n, is_last)?;
+        let lens: SmallVec<[u32; 16]> = chunks.iter().map(|c| c.len() as u32).collect();
+        let bytes: usize = chunks.iter().map(|c| c.len()).sum();
+        let data = if n == 0 {
+            BatchData::Empty
+        } else if reserved.admitted {
+            let t0 = Instant::now();
+            let deadline = t0 + self.cfg.staging_timeout;
+            let set = match self.slots.alloc(n, Some(deadline), &h.cancel) {
+                Ok(set) => set,
+                Err(e) => {
+                    self.unreserve(&h.req_id, n, reserved.is_last);
+                    return Err(match e {
+                        AllocError::Cancelled => StoreError::Cancelled,
+                        AllocError::Timeout => StoreError::StagingTimeout,
+                        AllocError::TooLarge { requested, slots } => StoreError::BatchTooLarge {
+                            chunks: requested,
+                            slots,
+                        },
+                    });
+                }
+            };
+            self.stats.record_since(Stage::StagingWait, t0);
+            self.copy_into(&set, chunks.iter().copied());
+            BatchData::Staged(set)
+        } else {
+            let max = self.cfg.max_pending_bytes;
+            // AcqRel/Acquire: the counter only bounds memory; it publishes no
+            // other data, so any ordering that keeps the RMW atomic suffices.
+            let reserved_bytes =
+                self.pending_bytes
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                        (used + bytes <= max).then_some(used + bytes)
+                    });
+            if let Err(used) = reserved_bytes {
+                self.unreserve(&h.req_id, n, reserved.is_last);
+                self.stats.inc(Counter::Backpressure);
+                return Err(StoreError::Backpressure {
+                    needed: bytes,
+                    used,
+                    max,
+                });
+            }
+            let mut buf = Vec::with_capacity(bytes);
+            for c in chunks {
+                buf.extend_from_slice(c);
+            }
+            BatchData::Pending(buf)
+        };
+        self.publish(&h.req_id, keys, lens, data, &reserved, last_chunk_toks)
+    }
+
+    /// Copies `chunks` (each at most `chunk_bytes`, checked by the caller)
+    /// into the slots of `set`, in order.
+    pub(crate) fn copy_into<'a>(&self, set: &SlotSet, chunks: impl Iterator<Item = &'a [u8]>) {
+        for (slot, chunk) in set.iter().zip(chunks) {
+            let Some(p) = self.staging.slot_ptr(slot) else {
+                continue; // cannot happen: a set's slots exist
+            };
+            let len = chunk.len().min(self.cfg.chunk_bytes as usize);
+            // SAFETY: the caller holds `set` (allocated, not freed, not yet
+            // published), so it alone owns these slots and no write from them
+            // is in flight; `len <= slot_bytes` keeps the copy inside the slot;
+            // `chunk` is caller memory, never inside the staging mapping
+            // (which no Rust reference outside an owned batch points into).
+            unsafe { std::ptr::copy_nonoverlapping(chunk.as_ptr(), p, len) };
+        }
+    }
+
+    /// Queues a batch id for the ctrl thread. False if the ctrl thread is
+    /// gone (its end of the ring dropped), so the caller never waits for a
+    /// consumer that cannot come back.
+    fn submit_id(&self, id: u64) -> bool {
+        let mut backoff = crate::backoff::Backoff::new();
+        loop {
+            {
+                let mut ring = self.submit.lock();
+                if ring.push(id).is_ok() {
+                    break;
+                }
+                if ring.is_closed() {
+                    return false;
+                }
+            }
+            // The ring is sized far above what staging and the pending area
+            // admit, so this only happens under a burst of empty batches:
+            // let ctrl drain it.
+            self.wake_ctrl();
+            if backoff.snooze() == crate::backoff::Step::ShouldPark {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+        self.wake_ctrl();
+        true
+    }
+
+    /// Gives a batch's staging slots or pending bytes back.
+    pub(crate) fn release_data(&self, data: BatchData, bytes: usize) {
+        match data {
+            // Batches waiting for staging are queued in the allocator: this
+            // free grants them and wakes their owner.
+            BatchData::Staged(set) => self.slots.free(set),
+            BatchData::Pending(_) => {
+                // AcqRel: see the reservation in `store_copy`.
+                self.pending_bytes.fetch_sub(bytes, Ordering::AcqRel);
+            }
+            BatchData::Empty => {}
+        }
+    }
+
+    /// Starts the fenced abort of a live request.
+    fn cancel(&self, req_id: &str) -> bool {
+        let ok = {
+            let mut t = self.table.lock();
+            let ok = t
+                .reqs
+                .get_mut(req_id)
+                .is_some_and(|r| r.abort_with(RequestStatus::Cancelled));
+            if ok {
+                t.attention.push(req_id.to_owned());
+            }
+            ok
+        };
+        if ok {
+            self.wake_ctrl();
+        }
+        ok
+    }
 }
 
 /// A running sender.
 pub struct Sender {
     shared: Arc<Shared>,
-    submit: Mutex<kvferry_ring::mpsc::Producer<u64>>,
     ctrl: Option<JoinHandle<()>>,
     poll: Option<JoinHandle<()>>,
+    announcer: Option<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for Sender {
@@ -293,8 +649,9 @@ impl std::fmt::Debug for Sender {
 const SUBMIT_RING: usize = 4096;
 
 impl Sender {
-    /// Creates the staging buffer, starts the data plane and the ctrl and
-    /// poll threads. The data plane is [`crate::transport::by_name`]`(cfg.transport)`.
+    /// Creates the staging buffer, starts the data plane and the ctrl,
+    /// poll and announcer threads. The data plane is
+    /// [`crate::transport::by_name`]`(cfg.transport)`.
     pub fn new(cfg: SenderConfig) -> Result<Self, SenderError> {
         Self::check(&cfg)?;
         let transport = crate::transport::by_name(&cfg.transport, &cfg.transport_config)?;
@@ -309,8 +666,11 @@ impl Sender {
                 u32::MAX
             )));
         }
-        if cfg.chunk_bytes == 0 {
-            return Err(SenderError::Config("chunk_bytes must be positive".into()));
+        if cfg.chunk_bytes == 0 || cfg.chunk_bytes > u64::from(u32::MAX) {
+            return Err(SenderError::Config(format!(
+                "chunk_bytes must be in 1..={}",
+                u32::MAX
+            )));
         }
         Ok(())
     }
@@ -348,7 +708,8 @@ impl Sender {
             waker: reactor.waker(),
             ctrl_parked: AtomicBool::new(false),
             stop: AtomicBool::new(false),
-            callback: Mutex::new(None),
+            submit: Mutex::new(submit),
+            announcer: Arc::new(Announcer::default()),
             cfg,
         });
         let mut pins = crate::threads::PinPlan::new(shared.cfg.pin_cpus.clone());
@@ -362,207 +723,90 @@ impl Sender {
             let name = format!("kvf-send-poll-{}", shared.cfg.sender_id);
             crate::threads::spawn_named(&name, pins.next(), move || poll::run(shared, completions))?
         };
+        let announcer = {
+            let a = Arc::clone(&shared.announcer);
+            let name = format!("kvf-send-cb-{}", shared.cfg.sender_id);
+            crate::threads::spawn_named(&name, None, move || a.run())?
+        };
         Ok(Self {
             shared,
-            submit: Mutex::new(submit),
             ctrl: Some(ctrl),
             poll: Some(poll),
+            announcer: Some(announcer),
         })
     }
 
-    /// Sets the callback run when a request reaches a terminal status.
+    /// Starts a transfer: registers the request and sends its admission
+    /// message at once (an AllocRequest with no keys and `total_chunks`,
+    /// which LMCache receivers also admit and answer with `[]`), so its
+    /// batches never wait for admission as copies. Errors:
+    /// [`StoreError::EmptyReqId`], [`StoreError::ZeroTotalChunks`],
+    /// [`StoreError::DuplicateRequest`], [`StoreError::RequestEnded`] (the
+    /// id was used by a request that ended), [`StoreError::Closed`].
+    pub fn begin(&self, spec: RequestSpec) -> Result<Request, StoreError> {
+        self.shared.begin(&spec, false)
+    }
+
+    /// Sets the callback run when a request reaches a terminal status. It
+    /// runs on the sender's announcer thread (never on ctrl), in the order
+    /// requests ended.
     pub fn set_callback(&self, f: impl Fn(&str, &RequestStatus) + Send + Sync + 'static) {
-        *self.shared.callback.lock() = Some(Arc::new(f));
+        self.shared.announcer.set_callback(Some(Arc::new(f)));
     }
 
     /// Removes the callback (it may hold references that keep this sender
     /// alive, e.g. to a structure that owns the sender).
     pub fn clear_callback(&self) {
-        *self.shared.callback.lock() = None;
+        self.shared.announcer.set_callback(None);
     }
 
-    /// Hands one batch of a request over and returns without waiting for
-    /// the network. `keys[i]` names `chunks[i]`; the last chunk may be short.
+    /// Hands one batch of a request over by copying it, and returns without
+    /// waiting for the network. `keys[i]` names `chunks[i]`; the last chunk
+    /// may be short. The first batch of a `req_id` begins the request (see
+    /// [`Sender::begin`]); later ones must agree with it on `receiver` and
+    /// `total_chunks`.
     ///
     /// If the receiver already admitted the request, the batch takes staging
     /// slots (all-or-nothing; this may block up to `staging_timeout`, and it
     /// always ends because admitted requests always drain). Otherwise the
     /// bytes are copied into the bounded pending area, or
-    /// [`StoreError::Backpressure`] is returned at once.
+    /// [`StoreError::Backpressure`] is returned at once. Callers that can
+    /// fill staging in place should use [`Request::stage`] instead (one copy
+    /// fewer).
     pub fn store(
         &self,
         spec: &TransferSpec,
         keys: &[impl AsRef<str>],
         chunks: &[&[u8]],
     ) -> Result<(), StoreError> {
-        let n = chunks.len();
         self.validate(spec, keys.len(), chunks)?;
-        let span =
-            tracing::debug_span!("store", req_id = %spec.req_id, chunks = n, last = spec.is_last);
-        let _g = span.enter();
-        let now = Instant::now();
-        // Register the request (first batch) and learn whether it is admitted.
-        let (admitted, cancel) = {
-            let mut t = self.shared.table.lock();
-            if t.closing {
-                return Err(StoreError::Closed);
-            }
-            let req = t
-                .reqs
-                .entry(spec.req_id.clone())
-                .or_insert_with(|| Req::new(spec));
-            if req.receiver != spec.receiver {
-                return Err(StoreError::Invalid(format!(
-                    "request {} goes to {}, not {}",
-                    spec.req_id, req.receiver, spec.receiver
-                )));
-            }
-            if req.total != spec.total_chunks {
-                return Err(StoreError::Invalid(format!(
-                    "request {} declared total_chunks = {}, this batch says {}",
-                    spec.req_id, req.total, spec.total_chunks
-                )));
-            }
-            match &req.state {
-                ReqState::Done(s) => return Err(StoreError::RequestEnded(s.clone())),
-                ReqState::Aborting(_) => return Err(StoreError::Cancelled),
-                _ => {}
-            }
-            if req.last_stored {
-                return Err(StoreError::Invalid(format!(
-                    "request {} already stored its last batch",
-                    spec.req_id
-                )));
-            }
-            if req.stored_chunks + n > req.total {
-                return Err(StoreError::Invalid(format!(
-                    "request {} would store {} chunks, more than its total_chunks = {}",
-                    spec.req_id,
-                    req.stored_chunks + n,
-                    req.total
-                )));
-            }
-            // Reserve the chunk count now so concurrent stores cannot overshoot.
-            req.stored_chunks += n;
-            if spec.is_last {
-                req.last_stored = true;
-            }
-            (matches!(req.state, ReqState::Admitted), req.cancel.clone())
-        };
-        let undo = |this: &Self| {
-            let mut t = this.shared.table.lock();
-            if let Some(r) = t.reqs.get_mut(&spec.req_id) {
-                r.stored_chunks -= n;
-                if spec.is_last {
-                    r.last_stored = false;
-                }
-            }
-        };
-        let lens: SmallVec<[u32; 16]> = chunks.iter().map(|c| c.len() as u32).collect();
-        let bytes: usize = chunks.iter().map(|c| c.len()).sum();
-        let data = if n == 0 {
-            BatchData::Empty
-        } else if admitted {
-            let t0 = Instant::now();
-            let deadline = t0 + self.shared.cfg.staging_timeout;
-            let set = match self.shared.slots.alloc(n, Some(deadline), &cancel) {
-                Ok(set) => set,
-                Err(e) => {
-                    undo(self);
-                    return Err(match e {
-                        AllocError::Cancelled => StoreError::Cancelled,
-                        AllocError::Timeout => StoreError::StagingTimeout,
-                        AllocError::TooLarge { requested, slots } => StoreError::Invalid(format!(
-                            "a batch of {requested} chunks can never fit in {slots} staging slots"
-                        )),
+        let req = self.shared.begin(&spec.request(), true)?;
+        {
+            let t = self.shared.table.lock();
+            if let Some(r) = t.reqs.get(&spec.req_id) {
+                if r.receiver != spec.receiver {
+                    return Err(StoreError::ReceiverMismatch {
+                        req_id: spec.req_id.clone(),
+                        begun: r.receiver.clone(),
+                        given: spec.receiver.clone(),
                     });
                 }
-            };
-            self.shared.stats.record_since(Stage::StagingWait, t0);
-            let copied = set
-                .iter()
-                .zip(chunks)
-                .try_for_each(|(slot, chunk)| self.shared.staging.write_slot(slot, chunk));
-            if let Err(e) = copied {
-                self.drop_batch_data(BatchData::Staged(set), 0);
-                undo(self);
-                return Err(StoreError::Invalid(e.to_string()));
+                if r.total != spec.total_chunks {
+                    return Err(StoreError::TotalMismatch {
+                        req_id: spec.req_id.clone(),
+                        begun: r.total,
+                        given: spec.total_chunks,
+                    });
+                }
             }
-            BatchData::Staged(set)
-        } else {
-            let max = self.shared.cfg.max_pending_bytes;
-            let reserved = self.shared.pending_bytes.fetch_update(
-                Ordering::AcqRel,
-                Ordering::Acquire,
-                |used| (used + bytes <= max).then_some(used + bytes),
-            );
-            // AcqRel/Acquire: the counter only bounds memory; it publishes no
-            // other data, so any ordering that keeps the RMW atomic suffices.
-            if let Err(used) = reserved {
-                undo(self);
-                self.shared.stats.inc(Counter::Backpressure);
-                return Err(StoreError::Backpressure {
-                    needed: bytes,
-                    used,
-                    max,
-                });
-            }
-            let mut buf = Vec::with_capacity(bytes);
-            for c in chunks {
-                buf.extend_from_slice(c);
-            }
-            BatchData::Pending(buf)
-        };
-        let batch = Batch {
-            req_id: spec.req_id.clone(),
-            keys: keys.iter().map(|k| k.as_ref().to_owned()).collect(),
-            lens,
-            data,
-            is_last: spec.is_last,
-            stored_at: now,
-            fmt: spec.fmt,
-            shape: if spec.shape.is_empty() {
-                vec![self.shared.cfg.chunk_bytes as i64]
-            } else {
-                spec.shape.clone()
-            },
-            dtype: spec.dtype.clone(),
-            last_chunk_toks: spec
-                .last_chunk_toks
-                .unwrap_or_else(|| chunks.last().map_or(0, |c| c.len() as i64)),
-            bytes,
-            remote: Vec::new(),
-            writes: SmallVec::new(),
-        };
-        // Publish the batch, then its id on the ring (ring order = send order).
-        let id = {
-            let mut t = self.shared.table.lock();
-            let aborted = !matches!(
-                t.reqs.get(&spec.req_id).map(|r| &r.state),
-                Some(ReqState::Pending | ReqState::Admitted)
-            );
-            if aborted {
-                drop(t);
-                self.drop_batch_data(batch.data, bytes);
-                return Err(StoreError::Cancelled);
-            }
-            let id = t.next_batch;
-            t.next_batch += 1;
-            t.batches.insert(id, batch);
-            id
-        };
-        if !self.submit_id(id) {
-            // The ctrl thread is gone (it only stops on close, or if it
-            // panicked): nobody will ever send this batch.
-            let batch = self.shared.table.lock().batches.remove(&id);
-            if let Some(b) = batch {
-                self.drop_batch_data(b.data, bytes);
-            }
-            return Err(StoreError::Closed);
         }
-        self.shared.stats.inc(Counter::Batches);
-        debug!(batch = id, admitted, "stored");
-        Ok(())
+        self.shared.store_copy(
+            &req.h,
+            keys,
+            chunks,
+            Some(spec.is_last),
+            spec.last_chunk_toks,
+        )
     }
 
     fn validate(
@@ -572,89 +816,25 @@ impl Sender {
         chunks: &[&[u8]],
     ) -> Result<(), StoreError> {
         if spec.req_id.is_empty() {
-            return Err(StoreError::Invalid("req_id must not be empty".into()));
+            return Err(StoreError::EmptyReqId);
         }
         if spec.total_chunks == 0 {
-            return Err(StoreError::Invalid("total_chunks must be positive".into()));
+            return Err(StoreError::ZeroTotalChunks);
         }
-        if n_keys != chunks.len() {
-            return Err(StoreError::Invalid(format!(
-                "{n_keys} keys for {} chunks",
-                chunks.len()
-            )));
-        }
+        self.shared.validate_batch(n_keys, chunks)?;
         if chunks.len() > spec.total_chunks {
-            // Checked here too (not only against the running count below)
-            // so a refused first batch does not leave the request registered.
-            return Err(StoreError::Invalid(format!(
-                "request {} would store {} chunks, more than its total_chunks = {}",
-                spec.req_id,
-                chunks.len(),
-                spec.total_chunks
-            )));
+            // Checked here too (not only against the running count) so a
+            // refused first batch does not leave the request registered.
+            return Err(StoreError::TooManyChunks {
+                req_id: spec.req_id.clone(),
+                chunks: chunks.len(),
+                total: spec.total_chunks,
+            });
         }
         if chunks.is_empty() && !spec.is_last {
-            return Err(StoreError::Invalid("only a last batch may be empty".into()));
-        }
-        if chunks.len() > self.shared.cfg.staging_slots {
-            return Err(StoreError::Invalid(format!(
-                "a batch of {} chunks can never fit in {} staging slots",
-                chunks.len(),
-                self.shared.cfg.staging_slots
-            )));
-        }
-        for (index, c) in chunks.iter().enumerate() {
-            if c.len() as u64 > self.shared.cfg.chunk_bytes {
-                return Err(StoreError::ChunkTooLarge {
-                    index,
-                    len: c.len(),
-                    max: self.shared.cfg.chunk_bytes,
-                });
-            }
+            return Err(StoreError::EmptyBatchNotLast);
         }
         Ok(())
-    }
-
-    /// Queues a batch id for the ctrl thread. False if the ctrl thread is
-    /// gone (its end of the ring dropped), so the caller never waits for a
-    /// consumer that cannot come back.
-    fn submit_id(&self, id: u64) -> bool {
-        let mut backoff = crate::backoff::Backoff::new();
-        loop {
-            {
-                let mut ring = self.submit.lock();
-                if ring.push(id).is_ok() {
-                    break;
-                }
-                if ring.is_closed() {
-                    return false;
-                }
-            }
-            // The ring is sized far above what staging and the pending area
-            // admit, so this only happens under a burst of empty batches:
-            // let ctrl drain it.
-            self.shared.wake_ctrl();
-            if backoff.snooze() == crate::backoff::Step::ShouldPark {
-                std::thread::sleep(Duration::from_micros(100));
-            }
-        }
-        self.shared.wake_ctrl();
-        true
-    }
-
-    fn drop_batch_data(&self, data: BatchData, bytes: usize) {
-        match data {
-            BatchData::Staged(set) => {
-                // Batches waiting for staging are queued in the allocator:
-                // this free grants them and wakes ctrl.
-                self.shared.slots.free(set);
-            }
-            BatchData::Pending(_) => {
-                // AcqRel: see the reservation in `store`.
-                self.shared.pending_bytes.fetch_sub(bytes, Ordering::AcqRel);
-            }
-            BatchData::Empty => {}
-        }
     }
 
     /// Cancels a request from any thread: wakes its staging waiters, drops
@@ -662,25 +842,7 @@ impl Sender {
     /// then tells the receiver to release everything (fenced abort).
     /// Returns false if the request is unknown or already ended.
     pub fn cancel_request(&self, req_id: &str) -> bool {
-        let ok = {
-            let mut t = self.shared.table.lock();
-            let ok = match t.reqs.get_mut(req_id) {
-                Some(r) if matches!(r.state, ReqState::Pending | ReqState::Admitted) => {
-                    r.state = ReqState::Aborting(RequestStatus::Cancelled);
-                    r.cancel.cancel();
-                    true
-                }
-                _ => false,
-            };
-            if ok {
-                t.attention.push(req_id.to_owned());
-            }
-            ok
-        };
-        if ok {
-            self.shared.wake_ctrl();
-        }
-        ok
+        self.shared.cancel(req_id)
     }
 
     /// The current status of a request (`None` if unknown or forgotten).
@@ -689,7 +851,8 @@ impl Sender {
     }
 
     /// Waits until the request is terminal or `deadline` passes; returns its
-    /// status then (`InProgress` on timeout, `None` if unknown).
+    /// status then (`InProgress` on timeout, `None` if unknown). A
+    /// [`Request`] handle waits without the sender's table: [`Request::wait`].
     ///
     /// `Completed` means every write completed and ProxyNotif/TransferDone
     /// were sent; the receiver may not have processed the TransferDone yet
@@ -728,7 +891,7 @@ impl Sender {
 
     /// Bytes held in the pending area.
     pub fn pending_bytes(&self) -> usize {
-        // Acquire: a monitoring read; see the reservation in `store`.
+        // Acquire: a monitoring read; see the reservation in `store_copy`.
         self.shared.pending_bytes.load(Ordering::Acquire)
     }
 
@@ -809,6 +972,14 @@ impl Sender {
         }
         if let Some(t) = self.poll.take() {
             let _ = t.join();
+        }
+        self.shared.announcer.stop();
+        if let Some(t) = self.announcer.take() {
+            // A callback that drops the last owner of this sender runs on
+            // the announcer thread itself: it must not join itself.
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
         }
         cancelled
     }

@@ -43,6 +43,17 @@ pub(super) enum Mode {
     Failed(String),
 }
 
+/// A `Hello` that timed out: its socket keeps listening for a late
+/// `HelloAck` (a loaded kvferry receiver), with what was prepared for it.
+pub(super) struct LateHello {
+    pub sock: zmq::Socket,
+    pub prepared: Descriptor,
+    /// When to stop listening (then the prepared side is discarded).
+    pub until: Instant,
+    /// The late `HelloAck`, once read: applied when the peer is idle.
+    pub ack: Option<crate::protocol::HelloAck>,
+}
+
 /// A receiver connection.
 pub(super) struct Peer {
     pub endpoint: String,
@@ -75,11 +86,18 @@ pub(super) struct Peer {
     /// receiver closed the connection during setup): a request after
     /// `rehello_backoff` tries a new `Hello` instead of failing for good.
     pub retry_hello: bool,
+    /// The timed-out `Hello` still listened to (see [`LateHello`]).
+    pub late: Option<LateHello>,
+}
+
+/// This process's random identity part (drawn once).
+fn process_nonce() -> u64 {
+    static NONCE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *NONCE.get_or_init(rand::random::<u64>)
 }
 
 impl Peer {
-    /// Opens a DEALER to `endpoint` with identity
-    /// `"{sender_id}-to-{endpoint}~{per-process nonce}"`.
+    /// Opens a DEALER to `endpoint` (identity: see [`Peer::socket`]).
     pub fn connect(sender_id: &str, endpoint: &str, generation: u32) -> Result<Self, zmq::Error> {
         let sock = Self::socket(sender_id, endpoint, generation)?;
         Ok(Self {
@@ -98,10 +116,17 @@ impl Peer {
             rehandshake: false,
             last_hello: None,
             retry_hello: false,
+            late: None,
         })
     }
 
     /// A fresh DEALER socket (used again when a late reply must be shed).
+    /// Its identity is `"{sender_id}-to-{endpoint}-{nonce}"` (plus
+    /// `#{generation}` once replaced), where `nonce` is random per process:
+    /// two processes configured with the same `sender_id` (a restart, a
+    /// copy-pasted config) never share an identity, so a receiver never
+    /// routes one's replies to the other or lets it act on the other's
+    /// requests.
     pub fn socket(
         sender_id: &str,
         endpoint: &str,
@@ -110,8 +135,7 @@ impl Peer {
         let sock = crate::zmq_io::context().socket(zmq::DEALER)?;
         // A per-process random part, so nobody can squat the identity
         // (issue 13): `"{sender_id}-to-{endpoint}~{nonce}[#{generation}]"`.
-        static NONCE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-        let nonce = *NONCE.get_or_init(rand::random);
+        let nonce = process_nonce();
         let identity = if generation == 0 {
             format!("{sender_id}-to-{endpoint}~{nonce:016x}")
         } else {

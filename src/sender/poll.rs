@@ -11,7 +11,6 @@ use crate::protocol::ErrorCode;
 use crate::stats::{Counter, Stage};
 use crate::transport::{Completion, CompletionStatus, Completions, PollStatus};
 
-use super::table::ReqState;
 use super::{RequestStatus, Shared};
 
 /// Completions handled per lock acquisition.
@@ -58,13 +57,11 @@ pub(super) fn run(shared: Arc<Shared>, mut completions: Box<dyn Completions>) {
                     r.last_completion_at = Some(now);
                     shared.stats.add(Counter::Chunks, u64::from(w.chunks));
                     shared.stats.add(Counter::Bytes, w.bytes);
-                } else if matches!(r.state, ReqState::Pending | ReqState::Admitted) {
+                } else if r.abort_with(RequestStatus::Failed {
+                    code: ErrorCode::WriteFailed,
+                    reason: format!("write failed: {}", c.status()),
+                }) {
                     debug!(req_id = %w.req_id, status = %c.status(), "write failed; aborting the request");
-                    r.state = ReqState::Aborting(RequestStatus::Failed {
-                        code: ErrorCode::WriteFailed,
-                        reason: format!("write failed: {}", c.status()),
-                    });
-                    r.cancel.cancel();
                 }
                 if r.in_flight_ops == 0 || !c.ok() {
                     let id = w.req_id;

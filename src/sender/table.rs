@@ -4,6 +4,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use smallvec::SmallVec;
@@ -12,7 +13,8 @@ use crate::cancel::CancelToken;
 use crate::slots::SlotSet;
 use crate::transport::PeerIndex;
 
-use super::{RequestStatus, TransferSpec};
+use super::completion::Signal;
+use super::{RequestSpec, RequestStatus};
 
 /// Where a batch's bytes are.
 #[derive(Debug)]
@@ -72,8 +74,14 @@ pub(crate) struct Req {
     pub order: u64,
     pub receiver: String,
     pub total: usize,
+    /// Chunk geometry of the request's batches (from its `RequestSpec`).
+    pub fmt: i64,
+    pub shape: Vec<i64>,
+    pub dtype: String,
     pub state: ReqState,
     pub cancel: CancelToken,
+    /// What the request's handles read (admission, terminal status).
+    pub signal: Arc<Signal>,
     /// Batches received from callers, not yet sent, in order.
     pub queued: VecDeque<u64>,
     /// AllocRequests sent and not answered.
@@ -96,7 +104,7 @@ pub(crate) struct Req {
 }
 
 impl Req {
-    pub fn new(spec: &TransferSpec) -> Self {
+    pub fn new(spec: &RequestSpec, chunk_bytes: u64, signal: Arc<Signal>) -> Self {
         Self {
             req_id: spec.req_id.clone(),
             // Relaxed: one RMW chain is totally ordered on its own, and
@@ -105,8 +113,16 @@ impl Req {
             order: NEXT_ORDER.fetch_add(1, Ordering::Relaxed),
             receiver: spec.receiver.clone(),
             total: spec.total_chunks,
+            fmt: spec.fmt,
+            shape: if spec.shape.is_empty() {
+                vec![chunk_bytes as i64]
+            } else {
+                spec.shape.clone()
+            },
+            dtype: spec.dtype.clone(),
             state: ReqState::Pending,
             cancel: CancelToken::new(),
+            signal,
             queued: VecDeque::new(),
             awaiting_reply: 0,
             unstaged: VecDeque::new(),
@@ -121,6 +137,27 @@ impl Req {
             first_sent_at: None,
             last_completion_at: None,
             bytes: 0,
+        }
+    }
+
+    /// Starts the abort path of a live request (`Pending`/`Admitted`):
+    /// records the status to report, wakes the callers blocked for it
+    /// (staging waits and admission waits). False if it is not live.
+    pub fn abort_with(&mut self, status: RequestStatus) -> bool {
+        if !matches!(self.state, ReqState::Pending | ReqState::Admitted) {
+            return false;
+        }
+        self.state = ReqState::Aborting(status);
+        self.cancel.cancel();
+        self.signal.wake();
+        true
+    }
+
+    /// Marks the request admitted (first reply) and tells its handles.
+    pub fn admit(&mut self) {
+        if self.state == ReqState::Pending {
+            self.state = ReqState::Admitted;
+            self.signal.set_admitted();
         }
     }
 
@@ -203,6 +240,7 @@ impl Table {
     /// Marks a request terminal and forgets the oldest terminal ones.
     pub fn finish(&mut self, req_id: &str, status: RequestStatus) {
         if let Some(r) = self.reqs.get_mut(req_id) {
+            r.signal.set_terminal(status.clone());
             r.state = ReqState::Done(status);
             self.terminal_order.push_back(req_id.to_owned());
         }

@@ -8,8 +8,12 @@ use smallvec::SmallVec;
 /// given back with [`SlotAllocator::free`](super::SlotAllocator::free) (or
 /// each slot with [`free_one`](super::SlotAllocator::free_one)), typically
 /// by the completion thread once the write from those slots has finished.
+///
+/// Unforgeable outside the crate: only the allocator makes sets (and
+/// [`split_off`](Self::split_off) / [`remove`](Self::remove) break one up),
+/// and a set is not `Clone`, so holding one means owning its slots.
 #[must_use = "slots stay in use until given back with SlotAllocator::free"]
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, PartialEq, Eq, Default)]
 pub struct SlotSet {
     slots: SmallVec<[u32; 16]>,
 }
@@ -21,8 +25,9 @@ impl SlotSet {
         Self { slots }
     }
 
-    /// A set of the given indices (sorted and de-duplicated here).
-    pub fn from_slots(v: impl IntoIterator<Item = u32>) -> Self {
+    /// A set of the given indices (sorted and de-duplicated here). Crate
+    /// internal: a set names slots its holder owns.
+    pub(crate) fn from_slots(v: impl IntoIterator<Item = u32>) -> Self {
         let mut slots: SmallVec<[u32; 16]> = v.into_iter().collect();
         slots.sort_unstable();
         slots.dedup();
@@ -44,28 +49,27 @@ impl SlotSet {
         self.slots.is_empty()
     }
 
+    /// Splits the set at position `at`: `self` keeps the first `at` slots
+    /// (all if `at >= len`), the returned set holds the rest.
+    pub fn split_off(&mut self, at: usize) -> SlotSet {
+        let at = at.min(self.slots.len());
+        let rest: SmallVec<[u32; 16]> = self.slots.drain(at..).collect();
+        Self { slots: rest }
+    }
+
+    /// Takes `slot` out of the set as a set of its own (`None` if the set
+    /// does not hold it).
+    pub fn remove(&mut self, slot: u32) -> Option<SlotSet> {
+        let i = self.slots.binary_search(&slot).ok()?;
+        self.slots.remove(i);
+        let mut one = SmallVec::new();
+        one.push(slot);
+        Some(Self { slots: one })
+    }
+
     /// The indices, ascending.
     pub fn iter(&self) -> impl Iterator<Item = u32> + '_ {
         self.slots.iter().copied()
-    }
-
-    /// Contiguous runs as `(first_slot, count)`, ascending (for coalescing
-    /// descriptors: one write per run).
-    pub fn runs(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
-        let mut i = 0;
-        std::iter::from_fn(move || {
-            let first = *self.slots.get(i)?;
-            let mut count = 1u32;
-            while self
-                .slots
-                .get(i + count as usize)
-                .is_some_and(|&s| Some(s) == first.checked_add(count))
-            {
-                count += 1;
-            }
-            i += count as usize;
-            Some((first, count))
-        })
     }
 }
 
@@ -74,12 +78,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn runs_coalesce_contiguous_slots() {
-        let s = SlotSet::from_slots([7, 1, 2, 3, 9, 10, 2]);
-        assert_eq!(s.as_slice(), &[1, 2, 3, 7, 9, 10]);
-        assert_eq!(s.runs().collect::<Vec<_>>(), vec![(1, 3), (7, 1), (9, 2)]);
-        assert_eq!(SlotSet::default().runs().count(), 0);
-        let top = SlotSet::from_slots([u32::MAX - 1, u32::MAX]);
-        assert_eq!(top.runs().collect::<Vec<_>>(), vec![(u32::MAX - 1, 2)]);
+    fn split_and_remove_keep_sets_sorted_and_disjoint() {
+        let mut s = SlotSet::from_slots([7, 1, 2, 3, 9, 2]);
+        assert_eq!(s.as_slice(), &[1, 2, 3, 7, 9]);
+        let mut rest = s.split_off(2);
+        assert_eq!(
+            (s.as_slice(), rest.as_slice()),
+            (&[1, 2][..], &[3, 7, 9][..])
+        );
+        assert_eq!(rest.remove(7).map(|o| o.as_slice().to_vec()), Some(vec![7]));
+        assert_eq!(rest.as_slice(), &[3, 9]);
+        assert!(rest.remove(7).is_none(), "no longer held");
+        assert!(s.split_off(10).is_empty());
+        assert_eq!(s.len(), 2);
     }
 }

@@ -1,0 +1,162 @@
+//! The sender's error types: what a caller can get back from
+//! [`Sender::begin`](super::Sender::begin), the staging and submission calls
+//! of a [`Request`](super::Request), and [`Sender::store`](super::Sender::store).
+
+use super::RequestStatus;
+
+/// Errors of [`Sender::begin`](super::Sender::begin),
+/// [`Request::stage`](super::Request::stage), [`StagedBatch::submit`](super::StagedBatch::submit)
+/// and the copying `store` calls. Every variant is something the caller did
+/// or a state of the request; nothing here comes from a peer's bytes.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum StoreError {
+    /// The request is not admitted yet and the pending area is full.
+    #[error(
+        "back-pressure: {needed} bytes do not fit in the pending area ({used} of {max} bytes used)"
+    )]
+    Backpressure {
+        /// Bytes this batch needs.
+        needed: usize,
+        /// Bytes in use.
+        used: usize,
+        /// The bound.
+        max: usize,
+    },
+    /// `req_id` is empty (the protocol reserves that for anonymous batches).
+    #[error("req_id must not be empty")]
+    EmptyReqId,
+    /// `total_chunks` is zero.
+    #[error("total_chunks must be positive")]
+    ZeroTotalChunks,
+    /// A request with this `req_id` is still in progress on this sender.
+    #[error("request {req_id} is already in progress on this sender")]
+    DuplicateRequest {
+        /// The request.
+        req_id: String,
+    },
+    /// The number of keys and of chunks (or lengths) differ.
+    #[error("{keys} keys for {chunks} chunks")]
+    KeyCountMismatch {
+        /// Keys given.
+        keys: usize,
+        /// Chunks (or lengths) given.
+        chunks: usize,
+    },
+    /// A batch would take the request past its `total_chunks`.
+    #[error("request {req_id} would store {chunks} chunks, more than its total_chunks = {total}")]
+    TooManyChunks {
+        /// The request.
+        req_id: String,
+        /// Chunks stored with this batch.
+        chunks: usize,
+        /// The declared total.
+        total: usize,
+    },
+    /// An empty batch that is not the request's last.
+    #[error("only a last batch may be empty")]
+    EmptyBatchNotLast,
+    /// More chunks in one batch than the sender has staging slots.
+    #[error("a batch of {chunks} chunks can never fit in {slots} staging slots")]
+    BatchTooLarge {
+        /// Chunks in the batch.
+        chunks: usize,
+        /// Staging slots of this sender.
+        slots: usize,
+    },
+    /// A `submit` names more chunks than the batch has slots.
+    #[error("{chunks} chunks submitted from a batch of {slots} staging slots")]
+    MoreChunksThanSlots {
+        /// Chunks submitted.
+        chunks: usize,
+        /// Slots staged.
+        slots: usize,
+    },
+    /// A chunk is larger than a staging slot.
+    #[error("chunk {index} is {len} bytes, larger than the {max}-byte staging slots")]
+    ChunkTooLarge {
+        /// Position in the batch.
+        index: usize,
+        /// Its length.
+        len: usize,
+        /// The slot size.
+        max: u64,
+    },
+    /// A later `store` names another receiver than the request began with.
+    #[error("request {req_id} goes to {begun}, not {given}")]
+    ReceiverMismatch {
+        /// The request.
+        req_id: String,
+        /// The receiver it began with.
+        begun: String,
+        /// The receiver this call names.
+        given: String,
+    },
+    /// A later `store` declares another `total_chunks` than the request
+    /// began with.
+    #[error("request {req_id} declared total_chunks = {begun}, this batch says {given}")]
+    TotalMismatch {
+        /// The request.
+        req_id: String,
+        /// The total it began with.
+        begun: usize,
+        /// The total this call declares.
+        given: usize,
+    },
+    /// The request's last batch was already stored.
+    #[error("request {req_id} already stored its last batch")]
+    AfterLastBatch {
+        /// The request.
+        req_id: String,
+    },
+    /// [`Request::try_stage`](super::Request::try_stage) on a request the
+    /// receiver has not admitted yet (staging is only for admitted requests).
+    #[error("the request is not admitted yet")]
+    NotAdmitted,
+    /// [`Request::try_stage`](super::Request::try_stage): not enough staging
+    /// slots free right now.
+    #[error("no staging slots free right now")]
+    NoStagingNow,
+    /// The request ended (completed, failed or cancelled).
+    #[error("request already ended: {0:?}")]
+    RequestEnded(RequestStatus),
+    /// The request was cancelled while this call waited.
+    #[error("request cancelled")]
+    Cancelled,
+    /// The receiver did not admit the request before the deadline.
+    #[error("the request was not admitted before the deadline")]
+    AdmissionTimeout,
+    /// No staging slot freed up before the deadline.
+    #[error("no staging slots within the staging timeout")]
+    StagingTimeout,
+    /// The sender is closing.
+    #[error("sender is closed")]
+    Closed,
+}
+
+/// Errors starting a sender.
+#[derive(Debug, thiserror::Error)]
+pub enum SenderError {
+    /// Invalid configuration.
+    #[error("invalid sender configuration: {0}")]
+    Config(String),
+    /// The data plane could not start.
+    #[error(transparent)]
+    Transport(#[from] crate::transport::TransportError),
+    /// A control-plane socket could not be created.
+    #[error("sender socket: {0}")]
+    Socket(String),
+    /// A thread or poller could not be started.
+    #[error("cannot start sender threads: {0}")]
+    Thread(#[from] std::io::Error),
+    /// The staging buffer could not be created.
+    #[error("staging buffer: {0}")]
+    Staging(String),
+}
+
+impl SenderError {
+    /// A ZMQ failure as [`SenderError::Socket`] (kept out of the public
+    /// signatures: no `zmq` type crosses the API).
+    pub(crate) fn socket(e: zmq::Error) -> Self {
+        SenderError::Socket(e.to_string())
+    }
+}

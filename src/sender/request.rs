@@ -1,0 +1,350 @@
+//! The handles a server holds: a [`Request`] (one transfer, from
+//! [`Sender::begin`](super::Sender::begin)) and a [`StagedBatch`] (staging
+//! slots of an admitted request, filled in place and then submitted).
+
+use std::io;
+use std::os::fd::BorrowedFd;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::slots::{AllocError, SlotSet};
+use crate::stats::Stage;
+
+use super::completion::Signal;
+use super::{RequestStatus, Shared, StoreError};
+
+/// What one transfer is: the per-request part of LMCache's `transfer_spec`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestSpec {
+    /// The request (non-empty; unique among this sender's live requests).
+    pub req_id: String,
+    /// The receiver's ZMQ endpoint.
+    pub receiver: String,
+    /// Chunks in the whole request.
+    pub total_chunks: usize,
+    /// KV memory format code, passed through.
+    pub fmt: i64,
+    /// Shape of one full chunk (empty: `[chunk_bytes]` of `uint8`).
+    pub shape: Vec<i64>,
+    /// Element type with `shape` (default `"uint8"`).
+    pub dtype: String,
+}
+
+impl RequestSpec {
+    /// A spec with byte-shaped chunks.
+    pub fn new(
+        req_id: impl Into<String>,
+        receiver: impl Into<String>,
+        total_chunks: usize,
+    ) -> Self {
+        Self {
+            req_id: req_id.into(),
+            receiver: receiver.into(),
+            total_chunks,
+            fmt: 0,
+            shape: Vec::new(),
+            dtype: "uint8".into(),
+        }
+    }
+}
+
+/// What a [`Request`] and its batches share.
+pub(crate) struct Handle {
+    pub shared: Arc<Shared>,
+    pub req_id: String,
+    pub signal: Arc<Signal>,
+    pub cancel: crate::cancel::CancelToken,
+}
+
+/// One transfer, from [`Sender::begin`](super::Sender::begin) to its
+/// terminal status. A cheap handle (clones share the request); dropping it
+/// does not cancel the request (use [`cancel`](Self::cancel)).
+///
+/// Chunks go in through one of:
+/// - [`stage`](Self::stage) / [`try_stage`](Self::try_stage): staging slots
+///   to fill in place (e.g. the target of a device-to-host copy), then
+///   [`StagedBatch::submit`]: one copy on shm (the copy engine's), none on
+///   the sender's side;
+/// - [`store`](Self::store): copies the caller's bytes (for short-lived
+///   buffers).
+///
+/// The request's last batch is the one that brings it to `total_chunks`.
+#[derive(Clone)]
+pub struct Request {
+    pub(crate) h: Arc<Handle>,
+}
+
+impl std::fmt::Debug for Request {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Request")
+            .field("req_id", &self.h.req_id)
+            .field("admitted", &self.h.signal.is_admitted())
+            .field("status", &self.h.signal.status())
+            .finish()
+    }
+}
+
+impl Request {
+    /// The request's id.
+    pub fn id(&self) -> &str {
+        &self.h.req_id
+    }
+
+    /// The current status; never blocks.
+    pub fn status(&self) -> RequestStatus {
+        self.h.signal.status()
+    }
+
+    /// Whether the receiver admitted the request (staging is available to
+    /// it from then on).
+    pub fn is_admitted(&self) -> bool {
+        self.h.signal.is_admitted()
+    }
+
+    /// Waits until the request is terminal or `deadline` passes; returns
+    /// its status then (`InProgress` on timeout).
+    ///
+    /// `Completed` means every write completed and ProxyNotif/TransferDone
+    /// were sent.
+    pub fn wait(&self, deadline: Instant) -> RequestStatus {
+        let s = &self.h.signal;
+        s.wait_until(deadline, || s.terminal().is_some());
+        s.status()
+    }
+
+    /// A file descriptor (an eventfd) that becomes readable once the
+    /// request is terminal, for an event loop (`epoll`, `mio`, tokio's
+    /// `AsyncFd`). Made on first call; read it (8 bytes) or just drop
+    /// interest after it fired, then call [`status`](Self::status). It lives
+    /// as long as the request's handles.
+    pub fn completion_fd(&self) -> io::Result<BorrowedFd<'_>> {
+        self.h.signal.fd()
+    }
+
+    /// Cancels the request (see [`Sender::cancel_request`](super::Sender::cancel_request)).
+    /// False if it already ended.
+    pub fn cancel(&self) -> bool {
+        self.h.shared.cancel(&self.h.req_id)
+    }
+
+    /// Staging slots for the next `n` chunks, to fill in place and
+    /// [`submit`](StagedBatch::submit).
+    ///
+    /// Staging is only handed to admitted requests (DESIGN.md invariant 2):
+    /// while the receiver has not admitted the request this waits for the
+    /// admission holding nothing, then for `n` slots, all or none, in FIFO
+    /// order with the other callers. Both waits end at `deadline`
+    /// ([`StoreError::AdmissionTimeout`], [`StoreError::StagingTimeout`]),
+    /// on cancel ([`StoreError::Cancelled`]) or when the request ends.
+    pub fn stage(&self, n: usize, deadline: Instant) -> Result<StagedBatch, StoreError> {
+        self.check_stage(n)?;
+        let s = &self.h.signal;
+        let admitted = s.wait_until(deadline, || {
+            s.is_admitted() || s.terminal().is_some() || self.h.cancel.is_cancelled()
+        });
+        self.live()?;
+        if !admitted {
+            return Err(StoreError::AdmissionTimeout);
+        }
+        let t0 = Instant::now();
+        let set = self
+            .h
+            .shared
+            .slots
+            .alloc(n, Some(deadline), &self.h.cancel)
+            .map_err(|e| match e {
+                AllocError::Cancelled => StoreError::Cancelled,
+                AllocError::Timeout => StoreError::StagingTimeout,
+                AllocError::TooLarge { requested, slots } => StoreError::BatchTooLarge {
+                    chunks: requested,
+                    slots,
+                },
+            })?;
+        self.h.shared.stats.record_since(Stage::StagingWait, t0);
+        Ok(self.batch(set))
+    }
+
+    /// [`stage`](Self::stage) without blocking: [`StoreError::NotAdmitted`]
+    /// before admission, [`StoreError::NoStagingNow`] if `n` slots are not
+    /// free right now (or other callers queue for staging ahead of this one).
+    pub fn try_stage(&self, n: usize) -> Result<StagedBatch, StoreError> {
+        self.check_stage(n)?;
+        self.live()?;
+        if !self.is_admitted() {
+            return Err(StoreError::NotAdmitted);
+        }
+        match self.h.shared.slots.try_alloc(n) {
+            Some(set) => Ok(self.batch(set)),
+            None => Err(StoreError::NoStagingNow),
+        }
+    }
+
+    /// Copies one batch (`keys[i]` names `chunks[i]`; the last chunk may be
+    /// short) and returns without waiting for the network: into staging if
+    /// the request is admitted (waiting up to the sender's
+    /// `staging_timeout` for slots), otherwise into the bounded pending area
+    /// ([`StoreError::Backpressure`] at once if full).
+    pub fn store(&self, keys: &[impl AsRef<str>], chunks: &[&[u8]]) -> Result<(), StoreError> {
+        self.h.shared.validate_batch(keys.len(), chunks)?;
+        self.h.shared.store_copy(&self.h, keys, chunks, None, None)
+    }
+
+    fn check_stage(&self, n: usize) -> Result<(), StoreError> {
+        let slots = self.h.shared.cfg.staging_slots;
+        if n > slots {
+            return Err(StoreError::BatchTooLarge { chunks: n, slots });
+        }
+        Ok(())
+    }
+
+    /// Err if the request ended or is being cancelled.
+    fn live(&self) -> Result<(), StoreError> {
+        if let Some(s) = self.h.signal.terminal() {
+            return Err(StoreError::RequestEnded(s.clone()));
+        }
+        if self.h.cancel.is_cancelled() {
+            return Err(StoreError::Cancelled);
+        }
+        Ok(())
+    }
+
+    fn batch(&self, set: SlotSet) -> StagedBatch {
+        StagedBatch {
+            h: Arc::clone(&self.h),
+            set: Some(set),
+            last_chunk_toks: None,
+        }
+    }
+}
+
+/// Staging slots of an admitted request, owned by the caller until
+/// [`submit`](Self::submit)ted: one `&mut [u8]` of `slot_bytes` per slot to
+/// fill in place. Not `Clone` and only made by [`Request::stage`], so
+/// nobody else can touch these bytes until the write from them completes.
+/// Dropping it without submitting gives the slots back.
+pub struct StagedBatch {
+    h: Arc<Handle>,
+    /// `None` once submitted.
+    set: Option<SlotSet>,
+    last_chunk_toks: Option<i64>,
+}
+
+impl std::fmt::Debug for StagedBatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StagedBatch")
+            .field("req_id", &self.h.req_id)
+            .field("slots", &self.len())
+            .finish()
+    }
+}
+
+impl StagedBatch {
+    /// Number of slots.
+    pub fn len(&self) -> usize {
+        self.set.as_ref().map_or(0, SlotSet::len)
+    }
+
+    /// True for a batch of no slots (to submit an empty last batch).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes per slot (the sender's `chunk_bytes`).
+    pub fn slot_bytes(&self) -> usize {
+        self.h.shared.cfg.chunk_bytes as usize
+    }
+
+    /// Slot `i` of the batch, to fill in place (`None` if `i >= len()`).
+    pub fn slot_mut(&mut self, i: usize) -> Option<&mut [u8]> {
+        let slot = self.set.as_ref()?.as_slice().get(i).copied()?;
+        self.slice(slot)
+    }
+
+    /// Every slot, in order, each `slot_bytes` long.
+    pub fn slots_mut(&mut self) -> impl Iterator<Item = &mut [u8]> + '_ {
+        let len = self.slot_bytes();
+        let staging = Arc::clone(&self.h.shared.staging);
+        let slots: &[u32] = self.set.as_ref().map_or(&[], |s| s.as_slice());
+        slots.iter().filter_map(move |&slot| {
+            let p = staging.slot_ptr(slot)?;
+            // SAFETY: `slot` comes from this batch's `SlotSet`, which the
+            // allocator handed out to this batch alone and which is not
+            // `Clone`; no write is posted from it before `submit` consumes the
+            // batch, so nothing else reads or writes these `len` bytes while
+            // the returned borrows (tied to `&mut self`) live. The set's
+            // slots are distinct, so the slices never overlap. `slot_ptr`
+            // returned a pointer inside the mapping, and `len == slot_bytes`
+            // keeps the slice inside the slot.
+            Some(unsafe { std::slice::from_raw_parts_mut(p, len) })
+        })
+    }
+
+    fn slice(&mut self, slot: u32) -> Option<&mut [u8]> {
+        let len = self.slot_bytes();
+        // `None` cannot happen: a set's slots are below the slot count.
+        let p = self.h.shared.staging.slot_ptr(slot)?;
+        // SAFETY: as in `slots_mut`: the slot is owned by this batch alone,
+        // nothing reads it before submit, the borrow is tied to `&mut self`,
+        // and `len` bytes from the slot's start stay inside the slot.
+        Some(unsafe { std::slice::from_raw_parts_mut(p, len) })
+    }
+
+    /// Sets the token count of the batch's last chunk (default: its length
+    /// in bytes).
+    pub fn set_last_chunk_toks(&mut self, toks: i64) {
+        self.last_chunk_toks = Some(toks);
+    }
+
+    /// Hands the first `keys.len()` slots over: chunk `i` is named
+    /// `keys[i]` and is `lens[i]` bytes long (the start of slot `i`). Slots
+    /// past `keys.len()` go back at once. Returns without waiting for the
+    /// network. The batch is the request's last if it brings the request to
+    /// `total_chunks`; only a last batch may be empty.
+    ///
+    /// On error the slots go back and nothing is sent.
+    pub fn submit(mut self, keys: &[impl AsRef<str>], lens: &[u32]) -> Result<(), StoreError> {
+        let Some(mut set) = self.set.take() else {
+            return Err(StoreError::Closed);
+        };
+        let shared = Arc::clone(&self.h.shared);
+        let check = (|| {
+            if keys.len() != lens.len() {
+                return Err(StoreError::KeyCountMismatch {
+                    keys: keys.len(),
+                    chunks: lens.len(),
+                });
+            }
+            if keys.len() > set.len() {
+                return Err(StoreError::MoreChunksThanSlots {
+                    chunks: keys.len(),
+                    slots: set.len(),
+                });
+            }
+            let max = shared.cfg.chunk_bytes;
+            if let Some((index, &len)) = lens.iter().enumerate().find(|(_, &l)| u64::from(l) > max)
+            {
+                return Err(StoreError::ChunkTooLarge {
+                    index,
+                    len: len as usize,
+                    max,
+                });
+            }
+            Ok(())
+        })();
+        if let Err(e) = check {
+            shared.slots.free(set);
+            return Err(e);
+        }
+        let unused = set.split_off(keys.len());
+        shared.slots.free(unused);
+        shared.submit_staged(&self.h, keys, lens, set, self.last_chunk_toks)
+    }
+}
+
+impl Drop for StagedBatch {
+    fn drop(&mut self) {
+        if let Some(set) = self.set.take() {
+            self.h.shared.slots.free(set);
+        }
+    }
+}

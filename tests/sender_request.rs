@@ -1,0 +1,326 @@
+//! The request-handle API of the sender: `Sender::begin` (admission at
+//! once, with an AllocRequest that has no keys), staging filled in place
+//! (`Request::stage` / `try_stage` → `StagedBatch::submit`), the copying
+//! `Request::store`, and per-request completion (`status`, `wait`, the
+//! eventfd, callbacks off the ctrl thread). Every byte a decoder reads is
+//! checked; every wait has a deadline.
+
+#[path = "common_sender/mod.rs"]
+mod common_sender;
+
+use std::os::fd::AsRawFd;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common_sender::*;
+use kvferry::sender::{RequestSpec, RequestStatus, StoreError};
+
+/// Fills the staged slots with chunks `range` of `request` and submits them.
+fn stage_and_submit(
+    req: &kvferry::sender::Request,
+    request: u64,
+    total: u32,
+    range: std::ops::Range<u32>,
+) -> Result<(), StoreError> {
+    let n = range.len();
+    let mut batch = req.stage(n, deadline())?;
+    let mut lens = Vec::with_capacity(n);
+    let mut tmp = Vec::new();
+    for (slot, i) in batch.slots_mut().zip(range.clone()) {
+        payloads().fill(chunk_id(request, i, total), &mut tmp);
+        slot[..tmp.len()].copy_from_slice(&tmp);
+        lens.push(tmp.len() as u32);
+    }
+    let keys: Vec<String> = range.map(|i| key(req.id(), request, i, total)).collect();
+    batch.submit(&keys, &lens)
+}
+
+/// Waits (bounded) for the completion eventfd to become readable.
+fn fd_fires(fd: i32) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd on the stack, count 1.
+    let n = unsafe { libc::poll(&mut p, 1, WAIT.as_millis() as i32) };
+    n == 1 && p.revents & libc::POLLIN != 0
+}
+
+#[test]
+fn begin_is_admitted_at_once_by_an_allocrequest_without_keys() {
+    let r = receiver(16);
+    let s = sender(sender_cfg(8, None));
+    let req = s
+        .begin(RequestSpec::new("b-0", r.endpoint(), 4))
+        .expect("begins");
+    // No batch stored at all: the admission message alone admits it.
+    wait_for("b-0 admitted", || req.is_admitted());
+    let st = r.stats();
+    assert_eq!(st.core.tracked_requests, 1, "the receiver tracks it");
+    assert_eq!(st.allocated_chunks, 0, "admitted with no slot allocated");
+    assert_eq!(st.reserved_chunks, 4, "its whole total is reserved");
+    assert_eq!(req.status(), RequestStatus::InProgress);
+    stage_and_submit(&req, 0, 4, 0..4).unwrap();
+    assert_eq!(req.wait(deadline()), RequestStatus::Completed);
+    consume(&r, "b-0", 0, 4).unwrap();
+    wait_sender_empty(&s, "after b-0");
+    wait_receiver_empty(&r, "after b-0");
+}
+
+#[test]
+fn staged_in_place_batches_land_byte_exact_and_complete_the_request() {
+    let r = receiver(32);
+    let proxy = proxy();
+    let s = sender(sender_cfg(8, Some(&proxy)));
+    let req = s.begin(RequestSpec::new("ip-0", r.endpoint(), 10)).unwrap();
+    let fd = req.completion_fd().expect("eventfd").as_raw_fd();
+    stage_and_submit(&req, 7, 10, 0..4).unwrap();
+    stage_and_submit(&req, 7, 10, 4..8).unwrap();
+    assert_eq!(req.status(), RequestStatus::InProgress, "2 chunks missing");
+    stage_and_submit(&req, 7, 10, 8..10).unwrap();
+    assert!(fd_fires(fd), "the completion fd became readable");
+    assert_eq!(req.status(), RequestStatus::Completed);
+    assert_eq!(
+        proxy.next(deadline()).map(|n| n.req_id),
+        Some("ip-0".to_owned())
+    );
+    consume(&r, "ip-0", 7, 10).unwrap();
+    // A fd asked for after the end is readable at once.
+    let late = s.begin(RequestSpec::new("ip-1", r.endpoint(), 1)).unwrap();
+    stage_and_submit(&late, 8, 1, 0..1).unwrap();
+    assert_eq!(late.wait(deadline()), RequestStatus::Completed);
+    assert!(fd_fires(late.completion_fd().unwrap().as_raw_fd()));
+    consume(&r, "ip-1", 8, 1).unwrap();
+    wait_sender_empty(&s, "after in-place batches");
+    wait_receiver_empty(&r, "after in-place batches");
+}
+
+#[test]
+fn staging_is_only_handed_to_admitted_requests() {
+    let r = receiver(4);
+    let s = sender(sender_cfg(8, None));
+    // A filler takes the whole receive buffer, so the next request parks.
+    let fill = s
+        .begin(RequestSpec::new("a-fill", r.endpoint(), 4))
+        .unwrap();
+    stage_and_submit(&fill, 1, 4, 0..4).unwrap();
+    assert_eq!(fill.wait(deadline()), RequestStatus::Completed);
+    let parked = s
+        .begin(RequestSpec::new("a-parked", r.endpoint(), 2))
+        .unwrap();
+    wait_for("a-parked parked", || r.stats().core.parked_requests == 1);
+    assert_eq!(parked.try_stage(1).unwrap_err(), StoreError::NotAdmitted);
+    assert_eq!(
+        parked
+            .stage(1, Instant::now() + Duration::from_millis(50))
+            .unwrap_err(),
+        StoreError::AdmissionTimeout
+    );
+    assert_eq!(s.staging_in_use(), 0, "no staging held while not admitted");
+    // A stage() waiting for admission gets it once the filler is consumed.
+    let waiter = {
+        let parked = parked.clone();
+        std::thread::spawn(move || stage_and_submit(&parked, 2, 2, 0..2))
+    };
+    consume(&r, "a-fill", 1, 4).unwrap();
+    join_within("stage() waiting for admission", waiter).unwrap();
+    assert_eq!(parked.wait(deadline()), RequestStatus::Completed);
+    consume(&r, "a-parked", 2, 2).unwrap();
+    wait_sender_empty(&s, "after the admission waits");
+    wait_receiver_empty(&r, "after the admission waits");
+}
+
+#[test]
+fn cancel_wakes_a_stage_waiting_for_admission() {
+    let r = receiver(2);
+    let s = sender(sender_cfg(4, None));
+    let fill = s
+        .begin(RequestSpec::new("w-fill", r.endpoint(), 2))
+        .unwrap();
+    stage_and_submit(&fill, 1, 2, 0..2).unwrap();
+    assert_eq!(fill.wait(deadline()), RequestStatus::Completed);
+    let parked = s
+        .begin(RequestSpec::new("w-parked", r.endpoint(), 2))
+        .unwrap();
+    wait_for("w-parked parked", || r.stats().core.parked_requests == 1);
+    let waiter = {
+        let parked = parked.clone();
+        std::thread::spawn(move || parked.stage(2, deadline()).map(|_| ()))
+    };
+    // Give it a moment to block (the outcome is the same if it did not yet).
+    std::thread::sleep(Duration::from_millis(20));
+    assert!(parked.cancel());
+    let res = join_within("stage() after cancel", waiter);
+    assert!(
+        matches!(
+            res,
+            Err(StoreError::Cancelled | StoreError::RequestEnded(RequestStatus::Cancelled))
+        ),
+        "{res:?}"
+    );
+    assert_eq!(parked.wait(deadline()), RequestStatus::Cancelled);
+    assert!(!parked.cancel(), "already ended");
+    consume(&r, "w-fill", 1, 2).unwrap();
+    wait_sender_empty(&s, "after the cancelled stage");
+    wait_receiver_empty(&r, "after the cancelled stage");
+}
+
+#[test]
+fn staged_batches_give_their_slots_back_on_drop_short_submit_and_error() {
+    let r = receiver(16);
+    let s = sender(sender_cfg(8, None));
+    let req = s.begin(RequestSpec::new("sb-0", r.endpoint(), 3)).unwrap();
+    let b = req.stage(4, deadline()).unwrap();
+    assert_eq!(
+        (b.len(), b.slot_bytes(), s.staging_in_use()),
+        (4, CHUNK as usize, 4)
+    );
+    drop(b);
+    let mut b = req.stage(1, deadline()).unwrap();
+    assert!(
+        b.slot_mut(0).is_some() && b.slot_mut(1).is_none(),
+        "one slot"
+    );
+    drop(b);
+    assert_eq!(s.staging_in_use(), 0, "dropped unsubmitted: slots back");
+    let err = |n: usize, keys: &[&str], lens: &[u32]| {
+        let b = req.try_stage(n).expect("admitted, slots free");
+        let e = b.submit(keys, lens).unwrap_err();
+        assert_eq!(s.staging_in_use(), 0, "refused submit gave the slots back");
+        e
+    };
+    assert_eq!(
+        err(2, &["a"], &[1, 2]),
+        StoreError::KeyCountMismatch { keys: 1, chunks: 2 }
+    );
+    assert_eq!(
+        err(1, &["a", "b"], &[1, 1]),
+        StoreError::MoreChunksThanSlots {
+            chunks: 2,
+            slots: 1
+        }
+    );
+    assert_eq!(
+        err(1, &["a"], &[CHUNK as u32 + 1]),
+        StoreError::ChunkTooLarge {
+            index: 0,
+            len: CHUNK as usize + 1,
+            max: CHUNK
+        }
+    );
+    assert_eq!(
+        err(0, &[], &[]),
+        StoreError::EmptyBatchNotLast,
+        "3 chunks still to come"
+    );
+    assert_eq!(
+        err(4, &["a", "b", "c", "d"], &[1; 4]),
+        StoreError::TooManyChunks {
+            req_id: "sb-0".into(),
+            chunks: 4,
+            total: 3
+        }
+    );
+    assert_eq!(
+        req.try_stage(9).unwrap_err(),
+        StoreError::BatchTooLarge {
+            chunks: 9,
+            slots: 8
+        }
+    );
+    // Stage 4, submit 3: the fourth slot goes back at once.
+    let mut b = req.stage(4, deadline()).unwrap();
+    let mut lens = Vec::new();
+    let mut tmp = Vec::new();
+    for i in 0..3u32 {
+        payloads().fill(chunk_id(5, i, 3), &mut tmp);
+        b.slot_mut(i as usize).expect("staged 4")[..tmp.len()].copy_from_slice(&tmp);
+        lens.push(tmp.len() as u32);
+    }
+    let keys: Vec<String> = (0..3).map(|i| key("sb-0", 5, i, 3)).collect();
+    b.submit(&keys, &lens).unwrap();
+    assert!(s.staging_in_use() <= 3, "the unused slot went back");
+    assert_eq!(req.wait(deadline()), RequestStatus::Completed);
+    assert_eq!(
+        req.try_stage(1).unwrap_err(),
+        StoreError::RequestEnded(RequestStatus::Completed)
+    );
+    consume(&r, "sb-0", 5, 3).unwrap();
+    wait_sender_empty(&s, "after the staged-batch checks");
+    wait_receiver_empty(&r, "after the staged-batch checks");
+}
+
+#[test]
+fn begin_errors_are_typed() {
+    let r = receiver(16);
+    let s = sender(sender_cfg(4, None));
+    let ep = r.endpoint();
+    assert_eq!(
+        s.begin(RequestSpec::new("", ep, 1)).unwrap_err(),
+        StoreError::EmptyReqId
+    );
+    assert_eq!(
+        s.begin(RequestSpec::new("e-0", ep, 0)).unwrap_err(),
+        StoreError::ZeroTotalChunks
+    );
+    let req = s.begin(RequestSpec::new("e-1", ep, 1)).unwrap();
+    assert_eq!(
+        s.begin(RequestSpec::new("e-1", ep, 1)).unwrap_err(),
+        StoreError::DuplicateRequest {
+            req_id: "e-1".into()
+        }
+    );
+    // The copying store of a handle; then the id is spent.
+    let mut b = Vec::new();
+    payloads().fill(chunk_id(3, 0, 1), &mut b);
+    req.store(&[key("e-1", 3, 0, 1)], &[&b]).unwrap();
+    assert_eq!(req.wait(deadline()), RequestStatus::Completed);
+    assert_eq!(
+        s.begin(RequestSpec::new("e-1", ep, 1)).unwrap_err(),
+        StoreError::RequestEnded(RequestStatus::Completed)
+    );
+    consume(&r, "e-1", 3, 1).unwrap();
+    wait_sender_empty(&s, "after begin errors");
+}
+
+#[test]
+fn callbacks_run_off_the_ctrl_thread_in_completion_order() {
+    let r = receiver(64);
+    let s = sender(sender_cfg(8, None));
+    let seen: Arc<Mutex<Vec<(String, RequestStatus, String)>>> = Arc::default();
+    {
+        let seen = Arc::clone(&seen);
+        s.set_callback(move |req, status| {
+            let thread = std::thread::current().name().unwrap_or("").to_owned();
+            seen.lock()
+                .unwrap()
+                .push((req.to_owned(), status.clone(), thread));
+        });
+    }
+    let reqs: Vec<_> = (0..4u64)
+        .map(|n| {
+            let req = s
+                .begin(RequestSpec::new(format!("cb-{n}"), r.endpoint(), 2))
+                .unwrap();
+            stage_and_submit(&req, n, 2, 0..2).unwrap();
+            req
+        })
+        .collect();
+    for req in &reqs {
+        assert_eq!(req.wait(deadline()), RequestStatus::Completed);
+    }
+    wait_for("4 callbacks", || seen.lock().unwrap().len() == 4);
+    for (req, status, thread) in seen.lock().unwrap().iter() {
+        assert_eq!(status, &RequestStatus::Completed, "{req}");
+        assert!(
+            thread.starts_with("kvf-send-cb"),
+            "callback for {req} ran on {thread:?}, not the announcer thread"
+        );
+    }
+    for (n, req) in reqs.iter().enumerate() {
+        consume(&r, req.id(), n as u64, 2).unwrap();
+    }
+    s.clear_callback();
+    wait_sender_empty(&s, "after callbacks");
+}
