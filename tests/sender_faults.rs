@@ -146,8 +146,8 @@ fn lmcache_receiver_without_a_static_peer_fails_with_peer_unavailable() {
     let mut cfg = sender_cfg(8, None);
     cfg.hello_timeout = Duration::from_millis(100);
     // Without a static descriptor there is no LMCache fallback: the Hello is
-    // waited for (a late HelloAck still connects) up to reply_timeout.
-    cfg.reply_timeout = Duration::from_millis(500);
+    // waited for (a late HelloAck still connects) up to hello_answer_timeout.
+    cfg.hello_answer_timeout = Duration::from_millis(500);
     let s = sender(cfg);
     store_request(&s, &ep, "np-1", 1, 4, 2).unwrap();
     store_request(&s, &ep, "np-2", 2, 4, 4).unwrap();

@@ -457,12 +457,7 @@ impl Ctrl {
     fn become_legacy(&mut self, peer: &mut Peer) {
         self.discard_prepared(peer);
         let Some(remote) = self.static_peers.get(&peer.endpoint).cloned() else {
-            peer.mode = Mode::Failed(format!(
-                "receiver at {} did not answer Hello (an LMCache receiver?) and no static buffer descriptor is configured for it: \
-                 give it a kvferry shm buffer file (`kvferry sender --static-buffer {}=PATH`, TOML static_buffers, \
-                 or SenderConfig::static_peers); kvferry cannot write into an LMCache receiver's own buffer (NIXL)",
-                peer.endpoint, peer.endpoint
-            ));
+            peer.mode = Mode::Failed(no_static_buffer(&peer.endpoint, ""));
             return;
         };
         match self.poster.connect(&remote) {
@@ -1362,14 +1357,18 @@ impl Ctrl {
     /// Handshake timeouts, reply timeouts and heartbeats.
     fn timers(&mut self, now: Instant) {
         let cfg = &self.shared.cfg;
-        let (hello_timeout, reply_timeout, hb) =
-            (cfg.hello_timeout, cfg.reply_timeout, cfg.heartbeat_interval);
+        let (hello_timeout, hello_answer_timeout, reply_timeout, hb) = (
+            cfg.hello_timeout,
+            cfg.hello_answer_timeout,
+            cfg.reply_timeout,
+            cfg.heartbeat_interval,
+        );
         for i in 0..self.peers.len() {
             if let Mode::Handshaking(since) = self.peers[i].mode {
                 let waited = now.saturating_duration_since(since);
                 let lmcache_fallback = self.static_peers.contains_key(&self.peers[i].endpoint);
-                if !lmcache_fallback && waited >= reply_timeout {
-                    self.hello_unanswered(i, now, reply_timeout);
+                if !lmcache_fallback && waited >= hello_answer_timeout {
+                    self.hello_unanswered(i, now, hello_answer_timeout);
                 } else if lmcache_fallback && waited >= hello_timeout {
                     let mut p = self.peers.swap_remove(i);
                     // Kept for a late HelloAck (see `apply_late_hello`).
@@ -1413,8 +1412,8 @@ impl Ctrl {
     }
 
     /// A receiver with no LMCache fallback (no static descriptor) left its
-    /// `Hello` unanswered for `limit` (`reply_timeout`, as any unanswered
-    /// message; `hello_timeout` only decides when a receiver that *has* a
+    /// `Hello` unanswered for `limit` (`hello_answer_timeout`;
+    /// `hello_timeout` only decides when a receiver that *has* a
     /// fallback is taken for an LMCache one, so a slow kvferry receiver,
     /// e.g. one still registering memory, is waited for and its late
     /// `HelloAck` connects it). Its waiting requests fail; a request after
@@ -1422,9 +1421,9 @@ impl Ctrl {
     fn hello_unanswered(&mut self, i: usize, now: Instant, limit: Duration) {
         let mut p = self.peers.swap_remove(i);
         self.discard_prepared(&mut p);
-        p.mode = Mode::Failed(format!(
-            "receiver at {} did not answer Hello within {limit:?} and no static buffer descriptor is configured for it",
-            p.endpoint
+        p.mode = Mode::Failed(no_static_buffer(
+            &p.endpoint,
+            &format!(" within {limit:?}"),
         ));
         p.retry_hello = true;
         p.last_hello = Some(now);
@@ -1493,7 +1492,7 @@ impl Ctrl {
                 consider(if self.static_peers.contains_key(&p.endpoint) {
                     since + cfg.hello_timeout
                 } else {
-                    since + cfg.reply_timeout
+                    since + cfg.hello_answer_timeout
                 });
             }
             if let Some(t) = p.oldest() {
@@ -1522,4 +1521,16 @@ impl Ctrl {
         }
         next
     }
+}
+
+/// Why requests to a receiver that did not answer `Hello` (`waited`: e.g.
+/// `" within 5s"`) fail when no static buffer is configured for it, and
+/// what would address it.
+fn no_static_buffer(endpoint: &str, waited: &str) -> String {
+    format!(
+        "receiver at {endpoint} did not answer Hello{waited} (an LMCache receiver?) and no static buffer \
+         descriptor is configured for it: give it a kvferry shm buffer file (`kvferry sender \
+         --static-buffer {endpoint}=PATH`, TOML static_buffers, or SenderConfig::static_peers); \
+         kvferry cannot write into an LMCache receiver's own buffer (NIXL)"
+    )
 }

@@ -73,9 +73,17 @@ pub struct SenderConfig {
     pub transport_config: TransportConfig,
     /// How long to wait for a receiver's `HelloAck` before treating it as
     /// an LMCache receiver (one request at a time, no extensions). Applies
-    /// only to receivers with a static descriptor in `static_peers`; any
-    /// other receiver's `Hello` is waited for up to `reply_timeout`.
+    /// only to receivers with a static descriptor in `static_peers` (a
+    /// `HelloAck` that comes later still upgrades them to kvferry mode);
+    /// any other receiver's `Hello` is waited for `hello_answer_timeout`.
     pub hello_timeout: Duration,
+    /// How long a receiver *without* a static descriptor may take to answer
+    /// `Hello` (a loaded kvferry receiver still registering memory answers
+    /// late, and is connected by its late `HelloAck`) before the requests
+    /// waiting for it fail `peer_unavailable`, saying that a static buffer
+    /// is needed if it is an LMCache receiver; a request after
+    /// `rehello_backoff` tries a new `Hello` (default 5 s).
+    pub hello_answer_timeout: Duration,
     /// How long an AllocRequest may stay unanswered before its request
     /// fails (must exceed the receiver's admission timeout).
     pub reply_timeout: Duration,
@@ -108,6 +116,7 @@ impl Default for SenderConfig {
             transport: "shm".into(),
             transport_config: TransportConfig::default(),
             hello_timeout: Duration::from_secs(1),
+            hello_answer_timeout: Duration::from_secs(5),
             reply_timeout: Duration::from_secs(120),
             staging_timeout: Duration::from_secs(60),
             heartbeat_interval: Duration::from_secs(5),
