@@ -13,8 +13,8 @@ use smallvec::SmallVec;
 use tracing::{debug, debug_span, warn};
 
 use crate::protocol::{
-    decode, encode_into, AllocRequest, AllocResponse, CancelNotif, ErrorCode, Heartbeat,
-    Hello, Message, ProxyNotif, TransferDone, PROTOCOL_VERSION,
+    decode, encode_into, AllocRequest, AllocResponse, CancelNotif, ErrorCode, Heartbeat, Hello,
+    Message, ProxyNotif, TransferDone, PROTOCOL_VERSION,
 };
 use crate::stats::{Counter, Stage};
 use crate::transport::{PeerIndex, Poster, RemoteBuffer, WriteOp};
@@ -1421,10 +1421,7 @@ impl Ctrl {
     fn hello_unanswered(&mut self, i: usize, now: Instant, limit: Duration) {
         let mut p = self.peers.swap_remove(i);
         self.discard_prepared(&mut p);
-        p.mode = Mode::Failed(no_static_buffer(
-            &p.endpoint,
-            &format!(" within {limit:?}"),
-        ));
+        p.mode = Mode::Failed(no_static_buffer(&p.endpoint, &format!(" within {limit:?}")));
         p.retry_hello = true;
         p.last_hello = Some(now);
         self.peers.push(p);
