@@ -13,8 +13,8 @@ use smallvec::SmallVec;
 use tracing::{debug, debug_span, warn};
 
 use crate::protocol::{
-    decode, encode_into, AllocRequest, AllocResponse, CancelNotif, ErrorCode, Heartbeat, Hello,
-    Message, ProxyNotif, TransferDone, PROTOCOL_VERSION,
+    decode, encode_into, AllocRequest, AllocResponse, CancelNotif, ErrorCode, Heartbeat,
+    Hello, Message, ProxyNotif, TransferDone, PROTOCOL_VERSION,
 };
 use crate::stats::{Counter, Stage};
 use crate::transport::{PeerIndex, Poster, RemoteBuffer, WriteOp};
