@@ -261,7 +261,7 @@ struct Delivered {
     chunks: Vec<(String, u64, u64, Option<u32>)>,
     /// When its chunks are released unconsumed, if an expiry is set.
     until: Option<Instant>,
-    /// Bytes charged against `max_ended_bytes`.
+    /// Bytes charged against `delivered_bytes`.
     charge: usize,
 }
 
@@ -386,6 +386,10 @@ pub struct ReceiverCore {
     /// How long a delivered request's chunks wait to be consumed before
     /// they are released (`None`: forever).
     unconsumed_lifetime: Option<Duration>,
+    /// Bytes charged to `delivered`: a budget of its own, of
+    /// `bounds.max_ended_bytes`, so a slow decoder never crowds out
+    /// tombstones or anonymous allocations.
+    delivered_bytes: usize,
     /// Per-peer state, pruned when nothing of the peer is left.
     peers: HashMap<PeerId, PeerState>,
     /// Hello'd peers whose state was pruned (hashes, bounded), so their
@@ -432,6 +436,7 @@ impl ReceiverCore {
             delivered: ByRequest::default(),
             delivered_due: VecDeque::new(),
             unconsumed_lifetime: None,
+            delivered_bytes: 0,
             peers: HashMap::new(),
             pruned_hello: PrunedPeers::default(),
             parked_bytes: 0,
@@ -724,7 +729,7 @@ impl ReceiverCore {
             let Some(d) = self.delivered.remove(&peer, &req_id) else {
                 continue;
             };
-            self.record_bytes -= d.charge;
+            self.delivered_bytes -= d.charge;
             self.bump_request("unconsumed_expired");
             peer_warn!(self.log, now, req_id = %req_id, chunks = d.chunks.len(), "unconsumed chunks expired: released");
             for (key, gen, _, _) in d.chunks {
@@ -745,11 +750,11 @@ impl ReceiverCore {
             return;
         }
         let charge = bounds::ended_cost(peer, req_id, held.iter().map(|h| h.key.as_str()));
-        if self.record_bytes + charge > self.cfg.bounds.max_ended_bytes {
-            peer_warn!(self.log, now, req_id, "ended-request records at their bound: this request's chunks are readable by key only");
+        if self.delivered_bytes + charge > self.cfg.bounds.max_ended_bytes {
+            peer_warn!(self.log, now, req_id, "records of complete requests at their bound: this request's chunks are readable by key only");
             return;
         }
-        self.record_bytes += charge;
+        self.delivered_bytes += charge;
         let until = self.unconsumed_lifetime.map(|l| now + l);
         if let Some(t) = until {
             self.delivered_due
@@ -770,7 +775,7 @@ impl ReceiverCore {
         ) {
             // The peer reused the id of a request nobody took: the older
             // one's chunks stay readable by key.
-            self.record_bytes -= old.charge;
+            self.delivered_bytes -= old.charge;
         }
     }
 
@@ -891,7 +896,7 @@ impl ReceiverCore {
         let Some(d) = self.delivered.remove(peer, req_id) else {
             return Err(TakeError::NotReady(req_id.to_owned()));
         };
-        self.record_bytes -= d.charge;
+        self.delivered_bytes -= d.charge;
         let mut taken = Vec::with_capacity(d.chunks.len());
         for (key, gen, len, tokens) in d.chunks {
             match self.keys.borrow_gen(&key, gen) {
