@@ -4,8 +4,10 @@
 //! [`Receiver::start`] creates the receive buffer (a shared-memory file a
 //! same-host sender maps), binds a ZMQ ROUTER and starts the `ctrl` thread,
 //! which owns the socket and feeds every message to the [`core`] state
-//! machine. Decoder threads embedding the crate call [`Receiver::wait_ready`],
-//! [`Receiver::get`] and [`Receiver::remove`]; those take the same lock as
+//! machine. Decoder threads embedding the crate watch a request
+//! ([`Receiver::watch`]: status, wait, eventfd) and take its chunks whole
+//! ([`Receiver::take`]), or use the simple path ([`Receiver::wait_ready`],
+//! [`Receiver::get`], [`Receiver::remove`]); those take the same lock as
 //! the ctrl thread for a few hundred nanoseconds and hand any reply they cause
 //! (a parked request granted because a slot was freed) to the ctrl thread
 //! through an outbox and its waker.
