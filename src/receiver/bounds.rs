@@ -27,6 +27,9 @@ pub struct Bounds {
     /// late batches, LMCache requests' references a later `CancelNotif` may
     /// release; default 16 MiB). Past it, new records are not kept (the
     /// quarantine part of a tombstone always is: it is bounded by the slots).
+    /// Complete requests waiting for the decoder's `take` get a budget of
+    /// the same size of their own; past it, a complete request's chunks are
+    /// readable by key only.
     pub max_ended_bytes: usize,
     /// Bytes of per-peer state (identity, sender id; default 16 MiB). Past
     /// it a `Hello` or a new peer's first request is answered `overloaded`.

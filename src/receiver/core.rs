@@ -171,7 +171,9 @@ pub struct CoreStats {
     /// Most requests admitted (not parked, not finished) at once so far.
     pub peak_admitted: usize,
     /// Requests by outcome (`admitted`, `parked`, `completed`, `cancelled`,
-    /// `failed`, `lease_expired`, `admission_timeout`, `rejected`).
+    /// `failed`, `lease_expired`, `admission_timeout`, `rejected`), and
+    /// `unconsumed_expired`: completed requests whose chunks nobody took
+    /// within the unconsumed lifetime.
     pub requests_total: BTreeMap<&'static str, u64>,
     /// Error replies by code (`not_owner` also counts messages from a
     /// peer about another peer's request that get no reply: `TransferDone`,
@@ -200,6 +202,67 @@ struct Held {
     wrote: bool,
     /// The batch was answered, so the sender may be writing the slot.
     granted: bool,
+    /// The chunk's length in bytes (see [`chunk_len`]).
+    len: u64,
+    /// Token count of a batch's last chunk.
+    tokens: Option<u32>,
+}
+
+/// One chunk of a request handed to the decoder by [`ReceiverCore::take`]:
+/// a borrow of the copy `(key, gen)`, ended with
+/// [`ReceiverCore::end_borrow`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TakenChunk {
+    /// The key.
+    pub key: String,
+    /// Generation of the copy borrowed.
+    pub gen: u64,
+    /// Slot index in the receive buffer.
+    pub slot: u32,
+    /// The chunk's length in bytes (at most a slot).
+    pub len: u64,
+    /// Token count if this was a batch's (possibly short) last chunk.
+    pub tokens: Option<u32>,
+}
+
+/// Why [`ReceiverCore::take`] handed out nothing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TakeError {
+    /// No complete request of that id waits to be taken: it is still in
+    /// flight, failed, was already taken, expired unconsumed, completed
+    /// without `TransferDone` (LMCache senders: read those by key), or the
+    /// receiver consumes automatically.
+    #[error("request {0} has no complete chunks waiting to be taken")]
+    NotReady(String),
+    /// Several peers completed a request of that id: which one is meant is
+    /// unknown, so none is handed out (read them by key instead).
+    #[error("{peers} peers completed a request named {req_id}; take refuses to guess")]
+    Ambiguous {
+        /// The request id.
+        req_id: String,
+        /// How many peers completed one.
+        peers: usize,
+    },
+    /// A chunk of the request was already consumed by key
+    /// (`get`/`remove`): the request is now only readable by key.
+    #[error("chunk {key} of request {req_id} was already consumed by key")]
+    Consumed {
+        /// The request id.
+        req_id: String,
+        /// The first chunk found consumed.
+        key: String,
+    },
+}
+
+/// A request completed with `TransferDone` whose chunks the decoder has not
+/// taken yet: its references, in key order, for [`ReceiverCore::take`].
+#[derive(Debug)]
+struct Delivered {
+    chunks: Vec<(String, u64, u64, Option<u32>)>,
+    /// When its chunks are released unconsumed, if an expiry is set.
+    until: Option<Instant>,
+    /// Bytes charged against `delivered_bytes`.
+    charge: usize,
 }
 
 #[derive(Debug)]
@@ -315,6 +378,18 @@ pub struct ReceiverCore {
     done_due: VecDeque<(Instant, PeerId, String)>,
     /// Anonymous allocations, oldest first (all have the same lifetime).
     anonymous: VecDeque<Anonymous>,
+    /// Requests completed with `TransferDone`, not yet taken.
+    delivered: ByRequest<Delivered>,
+    /// When each expiring record of `delivered` ends, in that order (a
+    /// constant lifetime, so sorted); stale entries are skipped.
+    delivered_due: VecDeque<(Instant, PeerId, String)>,
+    /// How long a delivered request's chunks wait to be consumed before
+    /// they are released (`None`: forever).
+    unconsumed_lifetime: Option<Duration>,
+    /// Bytes charged to `delivered`: a budget of its own, of
+    /// `bounds.max_ended_bytes`, so a slow decoder never crowds out
+    /// tombstones or anonymous allocations.
+    delivered_bytes: usize,
     /// Per-peer state, pruned when nothing of the peer is left.
     peers: HashMap<PeerId, PeerState>,
     /// Hello'd peers whose state was pruned (hashes, bounded), so their
@@ -358,6 +433,10 @@ impl ReceiverCore {
             done_refs: ByRequest::default(),
             done_due: VecDeque::new(),
             anonymous: VecDeque::new(),
+            delivered: ByRequest::default(),
+            delivered_due: VecDeque::new(),
+            unconsumed_lifetime: None,
+            delivered_bytes: 0,
             peers: HashMap::new(),
             pruned_hello: PrunedPeers::default(),
             parked_bytes: 0,
@@ -382,6 +461,16 @@ impl ReceiverCore {
     /// says `Hello` again.
     pub fn with_acceptor(mut self, acceptor: Box<dyn HelloAcceptor>) -> Self {
         self.acceptor = Some(acceptor);
+        self
+    }
+
+    /// Releases the chunks of a request completed with `TransferDone` that
+    /// nobody took or read within `lifetime` of its completion (counted in
+    /// `requests_total["unconsumed_expired"]`, logged). Chunks borrowed by
+    /// key at that moment stay until their borrow ends. Default: kept until
+    /// consumed.
+    pub fn with_unconsumed_lifetime(mut self, lifetime: Option<Duration>) -> Self {
+        self.unconsumed_lifetime = lifetime;
         self
     }
 
@@ -510,6 +599,7 @@ impl ReceiverCore {
         // `auto_consume`, a consumed record) frees go to parked requests
         // before their own leases are checked.
         self.expire_records(now, out);
+        self.expire_delivered(now, out);
         if now >= self.next_lease_scan {
             self.next_lease_scan = now + lease_scan_period(self.cfg.lease);
             self.expire_leases(now, out);
@@ -618,6 +708,77 @@ impl ReceiverCore {
         }
     }
 
+    /// Releases delivered requests nobody took within their lifetime.
+    fn expire_delivered(&mut self, now: Instant, out: &mut Vec<Output>) {
+        let mut freed = false;
+        while self
+            .delivered_due
+            .front()
+            .is_some_and(|(t, _, _)| *t <= now)
+        {
+            let Some((until, peer, req_id)) = self.delivered_due.pop_front() else {
+                break;
+            };
+            if self
+                .delivered
+                .get(&peer, &req_id)
+                .is_none_or(|d| d.until != Some(until))
+            {
+                continue; // taken or replaced since
+            }
+            let Some(d) = self.delivered.remove(&peer, &req_id) else {
+                continue;
+            };
+            self.delivered_bytes -= d.charge;
+            self.bump_request("unconsumed_expired");
+            peer_warn!(self.log, now, req_id = %req_id, chunks = d.chunks.len(), "unconsumed chunks expired: released");
+            for (key, gen, _, _) in d.chunks {
+                let u = self.keys.unref_gen(&key, gen);
+                freed |= self.release(u);
+            }
+        }
+        if freed {
+            self.grant_parked(now, out);
+        }
+    }
+
+    /// Records a request completed with `TransferDone` for
+    /// [`ReceiverCore::take`] (not kept when the records are at their
+    /// bound: its chunks are then readable by key only).
+    fn remember_delivered(&mut self, peer: &[u8], req_id: &str, held: &[Held], now: Instant) {
+        if held.is_empty() {
+            return;
+        }
+        let charge = bounds::ended_cost(peer, req_id, held.iter().map(|h| h.key.as_str()));
+        if self.delivered_bytes + charge > self.cfg.bounds.max_ended_bytes {
+            peer_warn!(self.log, now, req_id, "records of complete requests at their bound: this request's chunks are readable by key only");
+            return;
+        }
+        self.delivered_bytes += charge;
+        let until = self.unconsumed_lifetime.map(|l| now + l);
+        if let Some(t) = until {
+            self.delivered_due
+                .push_back((t, peer.to_vec(), req_id.to_owned()));
+        }
+        let chunks = held
+            .iter()
+            .map(|h| (h.key.clone(), h.gen, h.len, h.tokens))
+            .collect();
+        if let Some(old) = self.delivered.insert(
+            peer,
+            req_id,
+            Delivered {
+                chunks,
+                until,
+                charge,
+            },
+        ) {
+            // The peer reused the id of a request nobody took: the older
+            // one's chunks stay readable by key.
+            self.delivered_bytes -= old.charge;
+        }
+    }
+
     /// Forgets peers with nothing left in the core (no request, record or
     /// anonymous allocation) that were silent for a lease. A kvferry peer
     /// is remembered (a hash, in a bounded set) so that its next request
@@ -669,6 +830,9 @@ impl ReceiverCore {
         if let Some(a) = self.anonymous.front() {
             consider(a.until);
         }
+        if let Some((t, _, _)) = self.delivered_due.front() {
+            consider(*t);
+        }
         next
     }
 
@@ -701,6 +865,60 @@ impl ReceiverCore {
                 true
             }
         }
+    }
+
+    /// Borrows every chunk of the complete request `req_id`, in key order
+    /// (the order its batches named them), each as a claim on the
+    /// request's own reference; end each with [`ReceiverCore::end_borrow`].
+    /// Only requests completed with `TransferDone` are taken (their bytes
+    /// are known to be in place); a request is taken at most once.
+    ///
+    /// Requests are the peer's: when several peers completed a request of
+    /// this id and none was taken yet, this is [`TakeError::Ambiguous`].
+    /// When a chunk was consumed by key meanwhile, [`TakeError::Consumed`]:
+    /// nothing is borrowed and the request is readable by key only.
+    pub fn take(&mut self, req_id: &str) -> Result<Vec<TakenChunk>, TakeError> {
+        let peers: Vec<PeerId> = self
+            .delivered
+            .peers_of(req_id)
+            .map(<[u8]>::to_vec)
+            .collect();
+        let peer = match peers.as_slice() {
+            [] => return Err(TakeError::NotReady(req_id.to_owned())),
+            [one] => one,
+            more => {
+                return Err(TakeError::Ambiguous {
+                    req_id: req_id.to_owned(),
+                    peers: more.len(),
+                })
+            }
+        };
+        let Some(d) = self.delivered.remove(peer, req_id) else {
+            return Err(TakeError::NotReady(req_id.to_owned()));
+        };
+        self.delivered_bytes -= d.charge;
+        let mut taken = Vec::with_capacity(d.chunks.len());
+        for (key, gen, len, tokens) in d.chunks {
+            match self.keys.borrow_gen(&key, gen) {
+                Some(b) => taken.push(TakenChunk {
+                    key,
+                    gen,
+                    slot: b.slot,
+                    len,
+                    tokens,
+                }),
+                None => {
+                    for t in &taken {
+                        self.keys.unborrow(&t.key, t.gen);
+                    }
+                    return Err(TakeError::Consumed {
+                        req_id: req_id.to_owned(),
+                        key,
+                    });
+                }
+            }
+        }
+        Ok(taken)
     }
 
     /// True if a copy of `key` is held and its bytes are in place.
@@ -1076,9 +1294,11 @@ impl ReceiverCore {
         let mut already = Vec::new();
         let first_new = r.held.len();
         let mut failure = None;
+        let full = req.chunk_bytes().unwrap_or(0);
         for (i, key) in req.keys.iter().enumerate() {
             let tokens =
                 (i + 1 == n).then(|| req.last_chunk_toks.clamp(0, i64::from(u32::MAX)) as u32);
+            let len = chunk_len(&req, full, i + 1 == n);
             // Dedup only against a written copy (`pin` skips copies still
             // being written): "already sent" then means the bytes are in
             // place, so the sender may count the chunk complete at once.
@@ -1093,6 +1313,8 @@ impl ReceiverCore {
                     gen,
                     wrote: false,
                     granted: false,
+                    len,
+                    tokens,
                 });
                 // LMCache's reply shape: `remote_indexes` lists only the
                 // keys to write, so a dedup hit gets no entry there
@@ -1120,11 +1342,14 @@ impl ReceiverCore {
             // A new key, or one whose copies are all still being written:
             // this request writes its own copy (its reservation counts it).
             let gen = self.keys.insert_new(key, slot, !r.extended, tokens);
+            self.keys.set_len(key, gen, len);
             r.held.push(Held {
                 key: key.clone(),
                 gen,
                 wrote: true,
                 granted: false,
+                len,
+                tokens,
             });
             remote.push(i64::from(slot));
         }
@@ -1308,6 +1533,7 @@ impl ReceiverCore {
         let mut remote = Vec::with_capacity(n);
         let mut already = Vec::new();
         let mut held = Vec::with_capacity(n);
+        let full = req.chunk_bytes().unwrap_or(0);
         for (i, key) in req.keys.iter().enumerate() {
             if let Some((_, gen)) = self.keys.pin(key) {
                 // Written already: no slot to write (see `process_batch`).
@@ -1333,6 +1559,8 @@ impl ReceiverCore {
             let tokens =
                 (i + 1 == n).then(|| req.last_chunk_toks.clamp(0, i64::from(u32::MAX)) as u32);
             let gen = self.keys.insert_new(key, slot, true, tokens);
+            self.keys
+                .set_len(key, gen, chunk_len(&req, full, i + 1 == n));
             held.push((key.clone(), gen, true));
             remote.push(i64::from(slot));
         }
@@ -1498,6 +1726,9 @@ impl ReceiverCore {
                     // here on, later requests are told "already sent".
                     for h in r.held.iter().filter(|h| h.wrote) {
                         self.keys.mark_ready(&h.key, h.gen);
+                    }
+                    if !self.cfg.auto_consume {
+                        self.remember_delivered(peer, req_id, &r.held, now);
                     }
                     if self.cfg.auto_consume {
                         // A decoder that only counts: drop this request's
@@ -1832,6 +2063,22 @@ impl ReceiverCore {
 /// sender names its sockets `"{sender_id}-to-{endpoint}"` and, when it
 /// replaces one, appends `#{generation}`. Identities without a numeric
 /// `#` suffix are their own stem.
+/// Bytes of a chunk of `req`'s batch whose full chunk is `full` bytes
+/// (`req.chunk_bytes()`): `full`, except the batch's last chunk when the
+/// shape is one-dimensional — `[tokens]`, kvferry's byte-shaped default —
+/// which is `last_chunk_toks` of them. (For a multi-dimensional shape the
+/// token axis depends on `fmt`, which the receiver does not interpret: a
+/// short last chunk is reported whole, with its token count.)
+fn chunk_len(req: &AllocRequest, full: u64, last: bool) -> u64 {
+    match req.shape.as_slice() {
+        [tokens] if last && *tokens > 0 => {
+            let toks = req.last_chunk_toks.clamp(0, *tokens) as u64;
+            full / *tokens as u64 * toks
+        }
+        _ => full,
+    }
+}
+
 pub(crate) fn identity_stem(identity: &[u8]) -> &[u8] {
     match identity.iter().rposition(|&b| b == b'#') {
         Some(at)

@@ -1504,3 +1504,57 @@ fn ended_request_records_are_bounded_in_bytes() {
     c.tick(t0 + Duration::from_secs(11), &mut out);
     assert_eq!(c.stats().record_bytes, 0);
 }
+
+/// Complete requests waiting for `take` are bounded in bytes by a budget of
+/// their own: past it a complete request is readable by key only (its
+/// chunks stay), and the ended-record budget (anonymous allocations,
+/// tombstones) is untouched.
+#[test]
+fn records_for_take_are_bounded_in_bytes_and_spare_the_ended_budget() {
+    let t0 = Instant::now();
+    let mut c = ReceiverCore::new(small_bounds(8, |b| b.max_ended_bytes = 600), t0);
+    let mut out = Vec::new();
+    c.handle(P, hello(), t0, &mut out);
+    let mut taken = 0;
+    for i in 0..8 {
+        let req = format!("req-{i}");
+        let key = format!("key-{i}");
+        c.handle(P, batch(&req, &[&key], 1, true, Some(i + 1)), t0, &mut out);
+        c.handle(P, done(&req), t0, &mut out);
+        assert!(c.is_ready(&key), "{key} complete");
+    }
+    out.clear();
+    assert_eq!(
+        c.stats().record_bytes,
+        0,
+        "records for take are not ended records"
+    );
+    for i in 0..8 {
+        match c.take(&format!("req-{i}")) {
+            Ok(chunks) => {
+                assert_eq!(chunks.len(), 1);
+                assert_eq!(chunks[0].len, 1024);
+                taken += 1;
+                for ch in chunks {
+                    c.end_borrow(&ch.key, ch.gen, t0, &mut out);
+                }
+            }
+            Err(e) => {
+                assert_eq!(e, super::core::TakeError::NotReady(format!("req-{i}")));
+                assert!(
+                    c.remove_key(&format!("key-{i}"), t0, &mut out),
+                    "still held by key"
+                );
+            }
+        }
+    }
+    assert!(
+        (1..8).contains(&taken),
+        "some were recorded, the bound refused the rest: {taken} of 8"
+    );
+    assert_eq!(c.stats().slots_in_use, 0, "everything consumed");
+    // An anonymous allocation still fits the (untouched) ended budget.
+    c.handle(P, batch("", &["anon"], 1, true, None), t0, &mut out);
+    let r = one_reply(&mut out);
+    assert!(!r.is_failure(), "anonymous allocation refused: {r:?}");
+}

@@ -34,6 +34,8 @@ pub struct KeyEntry {
     pub ready: bool,
     /// Token count of this chunk (short last chunk) if known.
     pub tokens: Option<u32>,
+    /// Length of the chunk in bytes, if known (see [`KeyTable::set_len`]).
+    pub len: Option<u64>,
     /// Generation: distinguishes this copy from every other copy of the same
     /// key, earlier or concurrent, so a holder only ever touches its own.
     pub gen: u64,
@@ -63,6 +65,8 @@ pub struct Borrowed {
     pub slot: u32,
     /// Token count of the chunk if known.
     pub tokens: Option<u32>,
+    /// Length of the chunk in bytes, if known.
+    pub len: Option<u64>,
     /// Generation of the copy (pass it back to end the borrow).
     pub gen: u64,
 }
@@ -141,6 +145,7 @@ impl KeyTable {
             borrowed: 0,
             ready,
             tokens,
+            len: None,
             gen,
             detached: false,
             quarantined: false,
@@ -148,6 +153,14 @@ impl KeyTable {
         self.copies += 1;
         self.live += 1;
         gen
+    }
+
+    /// Records the byte length of the copy of generation `gen` (its
+    /// writer's chunk, computed from the batch that allocated it).
+    pub fn set_len(&mut self, key: &str, gen: u64, len: u64) {
+        if let Some(e) = self.entry_mut(key, gen) {
+            e.len = Some(len);
+        }
     }
 
     /// Adds one reference to the oldest *ready* copy of `key` (dedup pin).
@@ -254,8 +267,34 @@ impl KeyTable {
         Some(Borrowed {
             slot: e.slot,
             tokens: e.tokens,
+            len: e.len,
             gen: e.gen,
         })
+    }
+
+    /// Claims one unclaimed reference of the copy of generation `gen` as a
+    /// borrow, if that copy is ready (its bytes are in place) and not
+    /// detached. `None` otherwise: the caller gets no bytes of it.
+    pub fn borrow_gen(&mut self, key: &str, gen: u64) -> Option<Borrowed> {
+        let e = self.entry_mut(key, gen)?;
+        if !e.pinnable() || e.borrowed >= e.refs {
+            return None;
+        }
+        e.borrowed += 1;
+        Some(Borrowed {
+            slot: e.slot,
+            tokens: e.tokens,
+            len: e.len,
+            gen: e.gen,
+        })
+    }
+
+    /// Gives back a borrow of the copy of generation `gen` without
+    /// consuming its reference (a [`KeyTable::borrow_gen`] rolled back).
+    pub fn unborrow(&mut self, key: &str, gen: u64) {
+        if let Some(e) = self.entry_mut(key, gen) {
+            e.borrowed = e.borrowed.saturating_sub(1);
+        }
     }
 
     /// Ends a borrow of the copy of generation `gen`, consuming the
@@ -308,6 +347,7 @@ mod tests {
         Some(Borrowed {
             slot,
             tokens: None,
+            len: None,
             gen,
         })
     }

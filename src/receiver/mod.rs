@@ -4,20 +4,24 @@
 //! [`Receiver::start`] creates the receive buffer (a shared-memory file a
 //! same-host sender maps), binds a ZMQ ROUTER and starts the `ctrl` thread,
 //! which owns the socket and feeds every message to the [`core`] state
-//! machine. Decoder threads embedding the crate call [`Receiver::wait_ready`],
-//! [`Receiver::get`] and [`Receiver::remove`]; those take the same lock as
+//! machine. Decoder threads embedding the crate watch a request
+//! ([`Receiver::watch`]: status, wait, eventfd) and take its chunks whole
+//! ([`Receiver::take`]), or use the simple path ([`Receiver::wait_ready`],
+//! [`Receiver::get`], [`Receiver::remove`]); those take the same lock as
 //! the ctrl thread for a few hundred nanoseconds and hand any reply they cause
 //! (a parked request granted because a slot was freed) to the ctrl thread
 //! through an outbox and its waker.
 
 mod acceptor;
 pub mod bounds;
+mod chunks;
 pub mod core;
 mod ctrl;
 mod grants;
 pub mod keys;
 mod metrics;
 mod owned;
+mod ready;
 mod tcp_data;
 
 use std::net::{IpAddr, SocketAddr};
@@ -36,7 +40,10 @@ use crate::region::{default_region_path, Region, RegionError};
 use self::bounds::Bounds;
 use self::core::{CoreConfig, CoreStats, Outcome, Output, ReceiverCore};
 
+pub use self::core::TakeError;
 pub use acceptor::{AcceptorFactory, HelloAcceptor};
+pub use chunks::{ChunkView, RequestChunks};
+pub use ready::{RequestHandle, RequestStatus};
 pub use tcp_data::{TcpDataLimits, TcpDataStats};
 
 /// Receiver configuration.
@@ -106,6 +113,11 @@ pub struct ReceiverConfig {
     /// counted (`kvferry_receiver_replies_dropped_total`); nothing blocks,
     /// and its requests end by their lease or admission timeout.
     pub reply_queue_per_peer: i32,
+    /// Release a complete request's chunks that the decoder neither took
+    /// ([`Receiver::take`]) nor read by key this long after its
+    /// `TransferDone` (counted in `requests_total["unconsumed_expired"]`,
+    /// logged). Default `None`: kept until consumed.
+    pub unconsumed_expiry: Option<Duration>,
 }
 
 impl Default for ReceiverConfig {
@@ -131,6 +143,7 @@ impl Default for ReceiverConfig {
             bounds: Bounds::default(),
             recv_queue_per_peer: 64,
             reply_queue_per_peer: 1024,
+            unconsumed_expiry: None,
         }
     }
 }
@@ -220,6 +233,8 @@ pub(crate) struct State {
     core: ReceiverCore,
     /// Outcomes of finished requests, for `wait_ready` (first outcome wins).
     finished: RecentMap<Outcome>,
+    /// Decoder handles waiting for requests to end.
+    watchers: ready::Watchers,
     /// Replies produced outside the ctrl thread, for it to send.
     outbox: Vec<Output>,
     admission_wait_us: hdrhistogram::Histogram<u64>,
@@ -238,6 +253,7 @@ impl State {
         out.retain(|o| match o {
             Output::Finished { req_id, outcome } => {
                 self.finished.get_or_insert_with(req_id, || *outcome);
+                self.watchers.finished(req_id, *outcome);
                 any = true;
                 false
             }
@@ -387,12 +403,14 @@ impl Receiver {
         if let Some(a) = acceptor {
             core = core.with_acceptor(a);
         }
+        core = core.with_unconsumed_lifetime(cfg.unconsumed_expiry);
         let admission_wait_us = hdrhistogram::Histogram::new_with_bounds(1, 3_600_000_000, 3)
             .map_err(|e| ReceiverError::Config(format!("histogram: {e}")))?;
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 core,
                 finished: RecentMap::new(FINISHED_MEMORY_BYTES),
+                watchers: ready::Watchers::default(),
                 outbox: Vec::new(),
                 admission_wait_us,
                 bad_frames: 0,
@@ -481,9 +499,37 @@ impl Receiver {
         &self.shared.region
     }
 
-    /// Waits until `req_id` is complete (its sender's `TransferDone`, or the
-    /// last batch of an LMCache sender, whose completion only the proxy
-    /// learns) or failed, or `deadline` passes.
+    /// A handle on `req_id`'s readiness: a status that never blocks, a wait
+    /// with a deadline, and an fd for event loops (see [`RequestHandle`];
+    /// it may be made before the request exists). Errors: the eventfd could
+    /// not be created.
+    pub fn watch(&self, req_id: &str) -> std::io::Result<RequestHandle> {
+        RequestHandle::new(&self.shared, req_id)
+    }
+
+    /// Borrows every chunk of the complete request `req_id` in place, in
+    /// key order, with exact lengths and token counts; dropping the
+    /// [`RequestChunks`] releases them all. A request is taken once, and
+    /// only after its `TransferDone` (so its bytes are whole).
+    ///
+    /// Errors: [`TakeError::NotReady`] (in flight, failed, already taken,
+    /// expired, an LMCache request — read those by key —, or
+    /// `auto_consume`), [`TakeError::Ambiguous`] (several peers completed a
+    /// request of that id), [`TakeError::Consumed`] (a chunk was read or
+    /// removed by key already).
+    pub fn take(&self, req_id: &str) -> Result<RequestChunks, TakeError> {
+        let chunks = self.shared.state.lock().core.take(req_id)?;
+        Ok(RequestChunks::new(
+            Arc::clone(&self.shared),
+            req_id.to_owned(),
+            chunks,
+        ))
+    }
+
+    /// The simple path: waits until `req_id` is complete (its sender's
+    /// `TransferDone`, or the last batch of an LMCache sender, whose
+    /// completion only the proxy learns) or failed, or `deadline` passes.
+    /// Event loops use [`Receiver::watch`] instead.
     pub fn wait_ready(&self, req_id: &str, deadline: Instant) -> Result<(), WaitError> {
         let mut st = self.shared.state.lock();
         loop {
@@ -510,7 +556,8 @@ impl Receiver {
         }
     }
 
-    /// Borrows the bytes of a ready key. Each borrow claims one of the key's
+    /// The simple path: borrows the bytes of a ready key (requests are
+    /// taken whole with [`Receiver::take`]). Each borrow claims one of the key's
     /// references; dropping the [`ChunkRef`] releases it (like `remove`), and
     /// the slot is freed with the last reference. `None` if the key is not
     /// held, not yet written, or every reference is already borrowed. When
@@ -524,6 +571,7 @@ impl Receiver {
             key: key.to_owned(),
             gen: b.gen,
             slot: b.slot,
+            len: b.len.unwrap_or(self.shared.region.chunk_bytes()),
             tokens: b.tokens,
         })
     }
@@ -576,6 +624,7 @@ impl Receiver {
         }
         let mut st = self.shared.state.lock();
         st.shut_down = true;
+        st.watchers.shut_down();
         drop(st);
         self.shared.finished_cv.notify_all();
     }
@@ -588,6 +637,24 @@ impl Drop for Receiver {
 }
 
 impl Shared {
+    /// The first `len` bytes of `slot` (at most a slot; empty if the slot
+    /// does not exist).
+    ///
+    /// # Safety
+    /// The caller holds a borrow of a ready copy in `slot` (its writer
+    /// completed and no grant lets anyone write it while a reference is
+    /// held) for as long as the returned slice lives.
+    unsafe fn slot_bytes(&self, slot: u32, len: u64) -> &[u8] {
+        let len = len.min(self.region.chunk_bytes()) as usize;
+        match self.region.slot_ptr(slot) {
+            // SAFETY: the slot exists (ptr is Some) and `len` is at most its
+            // size; the caller's borrow keeps it from being freed, reused or
+            // written while the slice lives.
+            Some(ptr) => unsafe { std::slice::from_raw_parts(ptr, len) },
+            None => &[],
+        }
+    }
+
     /// Takes outputs produced outside the ctrl thread: records finished
     /// requests and queues replies for the ctrl thread, waking it.
     fn post(&self, st: &mut State, mut out: Vec<Output>) {
@@ -609,6 +676,8 @@ pub struct ChunkRef {
     /// Generation of the copy borrowed (a key may have several copies).
     gen: u64,
     slot: u32,
+    /// The chunk's length in bytes.
+    len: u64,
     tokens: Option<u32>,
 }
 
@@ -637,17 +706,24 @@ impl ChunkRef {
         self.tokens
     }
 
-    /// The slot's bytes (a whole slot; a short chunk uses a prefix).
+    /// The chunk's bytes: exactly its length (see [`ChunkRef::len`]).
     pub fn bytes(&self) -> &[u8] {
-        let len = self.shared.region.chunk_bytes() as usize;
-        match self.shared.region.slot_ptr(self.slot) {
-            // SAFETY: the slot exists (ptr is Some), its key is ready — its
-            // writer completed and no grant lets anyone write it again while
-            // a reference is held — and this borrow holds one reference, so
-            // the slot is neither freed nor reused before `self` drops.
-            Some(ptr) => unsafe { std::slice::from_raw_parts(ptr, len) },
-            None => &[],
-        }
+        // SAFETY: this borrow holds a reference of a ready copy in
+        // `self.slot` (`KeyTable::borrow`) until `self` drops, which
+        // outlives the slice.
+        unsafe { self.shared.slot_bytes(self.slot, self.len) }
+    }
+
+    /// The chunk's length in bytes: what its batch declared (a full chunk
+    /// of its shape, or a one-dimensional shape's short last chunk of
+    /// `last_chunk_toks`); a whole slot for a copy of unknown length.
+    pub fn len(&self) -> usize {
+        self.bytes().len()
+    }
+
+    /// True for a zero-length chunk.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 

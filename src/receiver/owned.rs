@@ -64,6 +64,14 @@ impl<T> ByRequest<T> {
         self.get(peer, req_id).is_some()
     }
 
+    /// The peers that have an entry for `req_id`, oldest entry first.
+    pub(crate) fn peers_of<'a>(&'a self, req_id: &str) -> impl Iterator<Item = &'a [u8]> + 'a {
+        self.map
+            .get(req_id)
+            .into_iter()
+            .flat_map(|v| v.iter().map(|(p, _)| p.as_slice()))
+    }
+
     /// True if a peer other than `peer` has a value for `req_id`.
     pub(crate) fn owned_by_other(&self, peer: &[u8], req_id: &str) -> bool {
         self.map

@@ -1,0 +1,233 @@
+//! Per-request readiness for decoders: [`RequestHandle`] (a status that
+//! never blocks, a wait with a deadline, and an eventfd an event loop
+//! polls), fed by the receiver's finished log.
+//!
+//! Requests are keyed by (peer, `req_id`) in the core, but a decoder names
+//! one by `req_id` alone: a handle reports the **first** request of that id
+//! to end (any peer), like [`super::Receiver::wait_ready`]. Taking its
+//! chunks ([`super::Receiver::take`]) refuses to guess instead
+//! ([`super::TakeError::Ambiguous`]).
+
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+
+use crate::protocol::ErrorCode;
+
+use super::core::Outcome;
+use super::{Shared, WaitError};
+
+/// A non-blocking, close-on-exec eventfd, readable once signalled.
+// The sender has the same eight lines in `sender::completion`, private to
+// it; one shared home for both is a follow-up outside this module's area.
+#[derive(Debug)]
+struct EventFd(OwnedFd);
+
+impl EventFd {
+    fn new() -> io::Result<Self> {
+        // SAFETY: eventfd takes no pointers; a negative result is an error.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` was just returned by eventfd and is owned by nobody else.
+        Ok(Self(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    /// Adds one to the counter: readable from now on (a full counter,
+    /// `EAGAIN`, is already readable).
+    fn signal(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live u64 to an eventfd we own.
+        let _ = unsafe {
+            libc::write(
+                self.0.as_raw_fd(),
+                (&one as *const u64).cast(),
+                std::mem::size_of::<u64>(),
+            )
+        };
+    }
+}
+
+/// What one handle watches: the outcome, once known, and its eventfd.
+#[derive(Debug)]
+pub(crate) struct Watch {
+    outcome: OnceLock<Outcome>,
+    fd: EventFd,
+}
+
+impl Watch {
+    /// Records the outcome (the first one wins) and makes the fd readable.
+    fn finish(&self, outcome: Outcome) {
+        let _ = self.outcome.set(outcome);
+        self.fd.signal();
+    }
+}
+
+/// The handles waiting for each request id. Grown only by the decoder's own
+/// [`super::Receiver::watch`] calls (never by a peer); a handle removes
+/// itself when dropped, and an id's entry goes when its request ends.
+#[derive(Debug, Default)]
+pub(crate) struct Watchers(HashMap<String, Vec<Arc<Watch>>>);
+
+impl Watchers {
+    /// A request ended: tells its handles.
+    pub fn finished(&mut self, req_id: &str, outcome: Outcome) {
+        if let Some(ws) = self.0.remove(req_id) {
+            for w in ws {
+                w.finish(outcome);
+            }
+        }
+    }
+
+    /// The receiver shut down: wakes every handle (their status says so).
+    pub fn shut_down(&mut self) {
+        for (_, ws) in self.0.drain() {
+            for w in ws {
+                w.fd.signal();
+            }
+        }
+    }
+
+    fn remove(&mut self, req_id: &str, watch: &Arc<Watch>) {
+        if let Some(ws) = self.0.get_mut(req_id) {
+            ws.retain(|w| !Arc::ptr_eq(w, watch));
+            if ws.is_empty() {
+                self.0.remove(req_id);
+            }
+        }
+    }
+}
+
+/// Where a request stands, as [`RequestHandle::status`] sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestStatus {
+    /// Not ended yet (or unknown to the receiver so far).
+    Pending,
+    /// Every chunk is in place: [`super::Receiver::take`] hands them out.
+    Ready,
+    /// The request failed or was cancelled, with this code.
+    Failed(ErrorCode),
+    /// The receiver shut down before the request ended.
+    ShutDown,
+}
+
+/// A decoder's view of one request id: never-blocking
+/// [`status`](Self::status), [`wait`](Self::wait) with a deadline, and a
+/// file descriptor ([`AsFd`]) that becomes readable when the request is
+/// ready, fails, or the receiver shuts down — for epoll/mio/tokio's
+/// `AsyncFd`. The fd stays readable (nothing reads its counter).
+///
+/// See the module docs for two peers using the same `req_id`.
+pub struct RequestHandle {
+    shared: Arc<Shared>,
+    req_id: String,
+    watch: Arc<Watch>,
+}
+
+impl std::fmt::Debug for RequestHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RequestHandle")
+            .field("req_id", &self.req_id)
+            .field("status", &self.status())
+            .finish()
+    }
+}
+
+impl RequestHandle {
+    pub(super) fn new(shared: &Arc<Shared>, req_id: &str) -> io::Result<Self> {
+        let watch = Arc::new(Watch {
+            outcome: OnceLock::new(),
+            fd: EventFd::new()?,
+        });
+        let mut st = shared.state.lock();
+        if let Some(o) = st.finished.get(req_id) {
+            watch.finish(*o);
+        } else if st.shut_down {
+            watch.fd.signal();
+        } else {
+            st.watchers
+                .0
+                .entry(req_id.to_owned())
+                .or_default()
+                .push(Arc::clone(&watch));
+        }
+        drop(st);
+        Ok(Self {
+            shared: Arc::clone(shared),
+            req_id: req_id.to_owned(),
+            watch,
+        })
+    }
+
+    /// The request id watched.
+    pub fn req_id(&self) -> &str {
+        &self.req_id
+    }
+
+    /// Where the request stands now. Takes no lock.
+    pub fn status(&self) -> RequestStatus {
+        match self.watch.outcome.get() {
+            Some(Outcome::Ready) => RequestStatus::Ready,
+            Some(Outcome::Failed(code)) => RequestStatus::Failed(*code),
+            // Acquire: pairs with the Release store in `stop_and_join`; the
+            // flag publishes nothing else.
+            None if self.shared.stop.load(Ordering::Acquire) => RequestStatus::ShutDown,
+            None => RequestStatus::Pending,
+        }
+    }
+
+    /// Waits until the request is ready (`Ok`), failed
+    /// ([`WaitError::Failed`] with its code), the receiver shuts down, or
+    /// `deadline` passes ([`WaitError::Timeout`]).
+    pub fn wait(&self, deadline: Instant) -> Result<(), WaitError> {
+        let mut st = self.shared.state.lock();
+        loop {
+            // The outcome is set under the state lock, before the condvar
+            // is notified: checked under it, no wake-up is lost.
+            match self.watch.outcome.get() {
+                Some(Outcome::Ready) => return Ok(()),
+                Some(Outcome::Failed(code)) => return Err(WaitError::Failed(*code)),
+                None if st.shut_down => return Err(WaitError::ShutDown),
+                None => {}
+            }
+            if self
+                .shared
+                .finished_cv
+                .wait_until(&mut st, deadline)
+                .timed_out()
+            {
+                return match self.watch.outcome.get() {
+                    Some(Outcome::Ready) => Ok(()),
+                    Some(Outcome::Failed(code)) => Err(WaitError::Failed(*code)),
+                    None => Err(WaitError::Timeout),
+                };
+            }
+        }
+    }
+}
+
+impl AsFd for RequestHandle {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.watch.fd.0.as_fd()
+    }
+}
+
+impl AsRawFd for RequestHandle {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.watch.fd.0.as_raw_fd()
+    }
+}
+
+impl Drop for RequestHandle {
+    fn drop(&mut self) {
+        self.shared
+            .state
+            .lock()
+            .watchers
+            .remove(&self.req_id, &self.watch);
+    }
+}
