@@ -37,6 +37,7 @@ pub fn coalesce(ops: &[WriteOp], out: &mut Vec<WriteOp>, runs: &mut Vec<usize>) 
 /// True if `next` continues `prev` locally and remotely on the same peer.
 fn continues(prev: &WriteOp, next: &WriteOp) -> bool {
     prev.peer == next.peer
+        && prev.local_region == next.local_region
         && prev.local_offset.checked_add(prev.len) == Some(next.local_offset)
         && prev.remote_offset.checked_add(prev.len) == Some(next.remote_offset)
         && prev.len.checked_add(next.len).is_some()
@@ -53,7 +54,7 @@ mod tests {
             remote_offset: remote,
             len,
             peer,
-            _pad: 0,
+            local_region: 0,
         }
     }
 
