@@ -70,16 +70,18 @@ pub struct StagingBuffer {
     slot_bytes: u64,
     len: u64,
     /// Caller-registered host memory writes may also be read from:
-    /// `regions[id - 1]` is region `id`'s `(address, length)`. Entries are
+    /// `regions[id - 1]` is region `id`'s `(start, length)`. Entries are
     /// added and removed by the sender (`Sender::register` / `deregister`),
     /// which removes one only while no write from it is in flight.
-    regions: parking_lot::RwLock<Vec<Option<(usize, u64)>>>,
+    regions: parking_lot::RwLock<Vec<Option<(*const u8, u64)>>>,
 }
 
 /// Most regions registered at once (bounds the lookup table).
 pub const MAX_REGIONS: usize = 1024;
 
-// SAFETY: the buffer is plain memory owned by the mapping; `ptr` is only
+// SAFETY: the buffer is plain memory owned by the mapping (the region
+// table's pointers name caller memory the sender's `register` contract keeps
+// valid, and are only dereferenced by transports as below); `ptr` is only
 // dereferenced by `write_slot` / `read_slot` (under `&mut self`), by the
 // sender's staged batches and by transports, on byte ranges whose exclusive
 // use is arbitrated by the slot allocator (see `slot_ptr`).
@@ -228,12 +230,12 @@ impl StagingBuffer {
         Some(out)
     }
 
-    /// Adds `len` bytes at `addr` as a local region writes may be read
+    /// Adds `len` bytes at `start` as a local region writes may be read
     /// from; returns its id (never 0), or `None` if [`MAX_REGIONS`] are
     /// registered. The caller (the sender) guarantees the memory stays valid
     /// until [`remove_region`](Self::remove_region) and that nobody writes
     /// a range while a write from it is in flight.
-    pub(crate) fn add_region(&self, addr: usize, len: u64) -> Option<u32> {
+    pub(crate) fn add_region(&self, start: *const u8, len: u64) -> Option<u32> {
         let mut r = self.regions.write();
         let idx = match r.iter().position(Option::is_none) {
             Some(i) => i,
@@ -243,7 +245,7 @@ impl StagingBuffer {
             }
             None => return None,
         };
-        r[idx] = Some((addr, len));
+        r[idx] = Some((start, len));
         Some(idx as u32 + 1)
     }
 
@@ -265,7 +267,7 @@ impl StagingBuffer {
     /// write's completion was polled).
     pub fn source(&self, region: u32, offset: u64, len: u64) -> Option<*const u8> {
         let (base, limit) = if region == 0 {
-            (self.ptr as usize, self.len)
+            (self.ptr.cast_const(), self.len)
         } else {
             let r = self.regions.read();
             (*r.get(region as usize - 1)?)?
@@ -274,6 +276,33 @@ impl StagingBuffer {
         if end > limit || end > usize::MAX as u64 {
             return None;
         }
-        Some((base + offset as usize) as *const u8)
+        // In bounds of a live allocation (checked above), so `wrapping_add`
+        // lands where `add` would; computing it dereferences nothing.
+        Some(base.wrapping_add(offset as usize))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sources_are_bounds_checked_per_region() {
+        let b = StagingBuffer::new(2, 64).unwrap();
+        assert_eq!(
+            b.source(0, 64, 64),
+            Some(b.as_ptr().wrapping_add(64).cast_const())
+        );
+        assert_eq!(b.source(0, 65, 64), None);
+        assert_eq!(b.source(0, u64::MAX, 2), None);
+        let mem = [0u8; 32];
+        let id = b.add_region(mem.as_ptr(), 32).unwrap();
+        assert_eq!(id, 1);
+        assert_eq!(b.source(id, 8, 24), Some(mem.as_ptr().wrapping_add(8)));
+        assert_eq!(b.source(id, 8, 25), None);
+        assert_eq!(b.source(id + 1, 0, 1), None, "unknown region");
+        b.remove_region(id);
+        assert_eq!(b.source(id, 0, 1), None, "removed region");
+        assert_eq!(b.add_region(mem.as_ptr(), 32), Some(id), "ids are reused");
     }
 }

@@ -23,6 +23,9 @@ use memmap2::MmapMut;
 
 const N: u32 = 8;
 
+/// One chunk of a `Request::write`.
+type Chunk<'a> = (&'a MemoryRegion, u64, u32);
+
 /// Page-aligned caller memory of `chunks` chunk-sized parts.
 fn memory(chunks: usize) -> MmapMut {
     MmapMut::map_anon(chunks * CHUNK as usize).expect("anonymous mapping")
@@ -88,7 +91,7 @@ fn zero_copy_round_trip(transport: &str) {
     let probe = s
         .begin(RequestSpec::new("zc-probe", r.endpoint(), N as usize))
         .unwrap();
-    let bytes = vec![1u8; 16];
+    let bytes = [1u8; 16];
     let chunks: Vec<&[u8]> = (0..N).map(|_| &bytes[..]).collect();
     let keys: Vec<String> = (0..N).map(|i| format!("zc-probe-{i}")).collect();
     assert!(matches!(
@@ -226,7 +229,7 @@ fn bad_writes_are_typed_errors_and_send_nothing() {
     let req = s.begin(RequestSpec::new("bad-0", r.endpoint(), 2)).unwrap();
     let two = ["a", "b"];
     let len = 2 * CHUNK as usize;
-    let cases: Vec<(Vec<(&MemoryRegion, u64, u32)>, StoreError)> = vec![
+    let cases: Vec<(Vec<Chunk<'_>>, StoreError)> = vec![
         (
             vec![(&region, 0, 8)],
             StoreError::KeyCountMismatch { keys: 2, chunks: 1 },

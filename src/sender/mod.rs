@@ -965,13 +965,13 @@ impl Sender {
                 transport: self.shared.cfg.transport.clone(),
             });
         }
-        let id =
-            self.shared
-                .staging
-                .add_region(addr, len as u64)
-                .ok_or(RegisterError::TooMany {
-                    max: crate::staging::MAX_REGIONS,
-                })?;
+        let id = self
+            .shared
+            .staging
+            .add_region(ptr, len as u64)
+            .ok_or(RegisterError::TooMany {
+                max: crate::staging::MAX_REGIONS,
+            })?;
         debug!(region = id, len, "registered memory");
         Ok(MemoryRegion {
             entry: Arc::new(self::registered::RegionEntry::new(id, len, &self.shared)),

@@ -3,8 +3,8 @@
 
 use super::WriteOp;
 
-/// Merges each run of consecutive ops in `ops` that go to the same peer and
-/// whose local and remote ranges both continue exactly where the previous op
+/// Merges each run of consecutive ops in `ops` that go to the same peer, read
+/// the same local region, and whose local and remote ranges both continue exactly where the previous op
 /// of the run ended, into one op.
 ///
 /// Clears `out` and `runs`, then fills them in parallel: `out[i]` is a merged
@@ -89,5 +89,17 @@ mod tests {
         let ops = [op(1, 0, 0, u64::MAX, 0), op(2, u64::MAX, u64::MAX, 1, 0)];
         coalesce(&ops, &mut out, &mut runs);
         assert_eq!(runs, vec![1, 1]);
+    }
+
+    #[test]
+    fn never_merges_across_local_regions() {
+        let mut b = op(2, 10, 10, 10, 0);
+        b.local_region = 3;
+        let mut c = op(3, 20, 20, 10, 0);
+        c.local_region = 3;
+        let (mut out, mut runs) = (Vec::new(), Vec::new());
+        coalesce(&[op(1, 0, 0, 10, 0), b, c], &mut out, &mut runs);
+        assert_eq!(runs, vec![1, 2]);
+        assert_eq!(out[1].local_region, 3);
     }
 }
