@@ -582,11 +582,7 @@ impl ReceiverCore {
             let Some((until, peer, req_id)) = self.done_due.pop_front() else {
                 break;
             };
-            if self
-                .done_refs
-                .get(&peer, &req_id)
-                .is_none_or(|d| d.until != until)
-            {
+            if self.done_refs.get(&peer, &req_id).is_none_or(|d| d.until != until) {
                 continue; // cancelled or replaced since
             }
             if let Some(d) = self.done_refs.remove(&peer, &req_id) {
@@ -1203,8 +1199,7 @@ impl ReceiverCore {
             } else {
                 self.cfg.lease
             };
-        self.done_due
-            .push_back((until, peer.to_vec(), req_id.to_owned()));
+        self.done_due.push_back((until, peer.to_vec(), req_id.to_owned()));
         if let Some(old) = self.done_refs.insert(
             peer,
             req_id,

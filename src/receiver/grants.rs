@@ -390,10 +390,7 @@ mod tests {
             k.issue(format!("peer-{i}").as_bytes());
         }
         assert_eq!(k.by_peer.len(), MAX_SECRETS);
-        assert!(
-            k.lookup(&first).is_some(),
-            "at the bound, nothing revoked yet"
-        );
+        assert!(k.lookup(&first).is_some(), "at the bound, nothing revoked yet");
         let (t, newest) = k.issue(b"one-more");
         assert_eq!(k.by_peer.len(), MAX_SECRETS, "never above the bound");
         assert_eq!(k.by_secret.len(), MAX_SECRETS);
