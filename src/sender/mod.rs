@@ -941,6 +941,39 @@ impl Sender {
     /// registration, because the memory a server writes from is not a Rust
     /// object (pinned allocations, a KV pool): an owning safe wrapper could
     /// not let the caller refill one part while another is in flight.
+    ///
+    /// ```
+    /// use std::time::{Duration, Instant};
+    /// use kvferry::receiver::{Receiver, ReceiverConfig};
+    /// use kvferry::sender::{RequestSpec, RequestStatus, Sender, SenderConfig};
+    ///
+    /// let receiver = Receiver::start(ReceiverConfig {
+    ///     listen: "tcp://127.0.0.1:0".into(),
+    ///     capacity_chunks: 8,
+    ///     chunk_bytes: 4096,
+    ///     ..Default::default()
+    /// })?;
+    /// let sender = Sender::new(SenderConfig { chunk_bytes: 4096, staging_slots: 1, ..Default::default() })?;
+    /// let deadline = Instant::now() + Duration::from_secs(10);
+    ///
+    /// // The caller's pinned KV memory (here an anonymous mapping: page-aligned).
+    /// let mut kv = memmap2::MmapMut::map_anon(2 * 4096)?;
+    /// kv[..4096].fill(7);
+    /// kv[4096..].fill(8);
+    /// // SAFETY: `kv` outlives the region (deregistered below) and is not
+    /// // written while the write from it is in flight.
+    /// let region = unsafe { sender.register(kv.as_ptr(), kv.len()) }?;
+    ///
+    /// let req = sender.begin(RequestSpec::new("req-1", receiver.endpoint(), 2))?;
+    /// let done = req.write(&["req-1/0", "req-1/1"], &[(&region, 0, 4096), (&region, 4096, 4096)], deadline)?;
+    /// assert!(done.wait(deadline)); // `kv` may be written again
+    /// assert_eq!(req.wait(deadline), RequestStatus::Completed);
+    /// sender.deregister(&region)?; // `kv` may be freed
+    ///
+    /// receiver.wait_ready("req-1", deadline)?;
+    /// assert_eq!(&receiver.get("req-1/1").expect("written").bytes()[..4096], &[8u8; 4096][..]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub unsafe fn register(
         &self,
         ptr: *const u8,
