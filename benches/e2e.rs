@@ -12,7 +12,9 @@
 //!    `store_all` (the 4 batches of a request back to back) and
 //!    `first_batch_ahead` (the first batch of request i+1 is stored before
 //!    the remaining batches of request i, so those find their request
-//!    already admitted).
+//!    already admitted). Then `in_place` / `in_place_copied` (staging
+//!    filled in place) and `registered` (`Request::write` straight from
+//!    memory registered with `Sender::register`: one copy, the engine's).
 //! 2. `alloc_rtt`: one AllocRequest (1 key, anonymous `req_id = ""`) through a
 //!    real `Receiver` from a raw ZMQ DEALER, reply decoded, key released with
 //!    `Receiver::remove` (the receiver's state stays flat) vs a raw ZMQ
@@ -40,7 +42,9 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
 use kvferry::protocol::{decode, encode, AllocRequest, AllocResponse, Message};
 use kvferry::receiver::{Receiver, ReceiverConfig};
-use kvferry::sender::{Request, RequestSpec, RequestStatus, Sender, SenderConfig, TransferSpec};
+use kvferry::sender::{
+    MemoryRegion, Request, RequestSpec, RequestStatus, Sender, SenderConfig, TransferSpec,
+};
 
 /// Payload bytes moved per criterion iteration of bench 1.
 const BYTES_PER_ITER: usize = 32 << 20;
@@ -85,6 +89,11 @@ enum Pattern {
     /// own buffer (a CPU producer: the same two copies as `store` of an
     /// admitted request, without the pending area).
     InPlaceCopied,
+    /// `Sender::begin` as in `InPlace`, then each batch written straight
+    /// from the caller's source bytes, registered once with
+    /// `Sender::register` (`Request::write`): no staging, the copy engine's
+    /// copy is the only one.
+    Registered,
 }
 
 /// One sender and one receiver (auto_consume) on this host, plus the
@@ -93,7 +102,9 @@ struct E2e {
     sender: Sender,
     receiver: Receiver,
     chunk: usize,
-    src: Vec<u8>,
+    /// Page-aligned (an anonymous mapping), registered as `region`.
+    src: memmap2::MmapMut,
+    region: MemoryRegion,
 }
 
 impl E2e {
@@ -115,12 +126,21 @@ impl E2e {
             ..SenderConfig::default()
         })
         .expect("bench: sender starts");
-        let src: Vec<u8> = (0..BYTES_PER_ITER).map(|i| (i * 31 % 251) as u8).collect();
+        let mut src = memmap2::MmapMut::map_anon(BYTES_PER_ITER).expect("bench: source mapping");
+        for (i, b) in src.iter_mut().enumerate() {
+            *b = (i * 31 % 251) as u8;
+        }
+        // SAFETY: `src` lives in the same struct as `sender` and is declared
+        // after it, so it is dropped after the sender (which stops every
+        // transport read); it is never written after this point.
+        let region = unsafe { sender.register(src.as_ptr(), src.len()) }
+            .expect("bench: registers the source bytes");
         let e = Self {
             sender,
             receiver,
             chunk,
             src,
+            region,
         };
         // Handshake (Hello/HelloAck, shm mapping) outside any measurement.
         e.run(CHUNKS_PER_REQ * chunk, Pattern::StoreAll);
@@ -173,6 +193,29 @@ impl E2e {
         }
     }
 
+    /// Writes batch `part` of request `r` straight from the registered
+    /// source bytes.
+    fn write_batch(&self, req: &Request, part: usize, r: usize) {
+        let base = r * CHUNKS_PER_REQ * self.chunk;
+        let first = part * BATCH;
+        let keys: Vec<String> = (first..first + BATCH)
+            .map(|i| format!("{}/{i}", req.id()))
+            .collect();
+        let chunks: Vec<(&MemoryRegion, u64, u32)> = (first..first + BATCH)
+            .map(|i| {
+                (
+                    &self.region,
+                    (base + i * self.chunk) as u64,
+                    self.chunk as u32,
+                )
+            })
+            .collect();
+        // The source is never rewritten, so its handle need not be awaited.
+        if let Err(e) = req.write(&keys, &chunks, Instant::now() + WAIT) {
+            panic!("bench: write of {} batch {part} failed: {e}", req.id());
+        }
+    }
+
     fn begin(&self, req: &str) -> Request {
         self.sender
             .begin(RequestSpec::new(
@@ -185,7 +228,7 @@ impl E2e {
 
     /// The in-place patterns: `WINDOW` requests in flight, the next one
     /// begun while the current one is filled.
-    fn run_in_place(&self, bytes: usize, copy: bool) {
+    fn run_in_place(&self, bytes: usize, pattern: Pattern) {
         let per_req = CHUNKS_PER_REQ * self.chunk;
         let in_src = self.src.len() / per_req;
         let n = bytes / per_req;
@@ -198,7 +241,15 @@ impl E2e {
             }
             let Some(req) = begun.pop_front() else { break };
             for part in 0..batches {
-                self.stage_batch(&req, part, r % in_src, copy);
+                match pattern {
+                    Pattern::Registered => self.write_batch(&req, part, r % in_src),
+                    p => self.stage_batch(
+                        &req,
+                        part,
+                        r % in_src,
+                        matches!(p, Pattern::InPlaceCopied),
+                    ),
+                }
             }
             inflight.push_back(req);
             if inflight.len() >= WINDOW {
@@ -256,8 +307,9 @@ impl E2e {
         match pattern {
             Pattern::StoreAll => self.run_stored(bytes, false),
             Pattern::FirstBatchAhead => self.run_stored(bytes, true),
-            Pattern::InPlace => self.run_in_place(bytes, false),
-            Pattern::InPlaceCopied => self.run_in_place(bytes, true),
+            Pattern::InPlace | Pattern::InPlaceCopied | Pattern::Registered => {
+                self.run_in_place(bytes, pattern)
+            }
         }
     }
 
@@ -337,6 +389,9 @@ fn bench_e2e(c: &mut Criterion) {
         });
         group.bench_function(BenchmarkId::new("kvferry", "in_place_copied"), |b| {
             b.iter(|| e.run(BYTES_PER_ITER, Pattern::InPlaceCopied))
+        });
+        group.bench_function(BenchmarkId::new("kvferry", "registered"), |b| {
+            b.iter(|| e.run(BYTES_PER_ITER, Pattern::Registered))
         });
         group.finish();
         e.assert_drained();

@@ -130,7 +130,7 @@ fn bench(c: &mut Criterion) {
                 remote_offset: i * chunk,
                 len: chunk,
                 peer,
-                _pad: 0,
+                local_region: 0,
             })
             .collect();
 

@@ -69,9 +69,19 @@ pub struct StagingBuffer {
     slots: usize,
     slot_bytes: u64,
     len: u64,
+    /// Caller-registered host memory writes may also be read from:
+    /// `regions[id - 1]` is region `id`'s `(start, length)`. Entries are
+    /// added and removed by the sender (`Sender::register` / `deregister`),
+    /// which removes one only while no write from it is in flight.
+    regions: parking_lot::RwLock<Vec<Option<(*const u8, u64)>>>,
 }
 
-// SAFETY: the buffer is plain memory owned by the mapping; `ptr` is only
+/// Most regions registered at once (bounds the lookup table).
+pub const MAX_REGIONS: usize = 1024;
+
+// SAFETY: the buffer is plain memory owned by the mapping (the region
+// table's pointers name caller memory the sender's `register` contract keeps
+// valid, and are only dereferenced by transports as below); `ptr` is only
 // dereferenced by `write_slot` / `read_slot` (under `&mut self`), by the
 // sender's staged batches and by transports, on byte ranges whose exclusive
 // use is arbitrated by the slot allocator (see `slot_ptr`).
@@ -113,6 +123,7 @@ impl StagingBuffer {
             slots,
             slot_bytes,
             len,
+            regions: parking_lot::RwLock::new(Vec::new()),
         })
     }
 
@@ -217,5 +228,81 @@ impl StagingBuffer {
         // disjoint; `&mut self` excludes concurrent writers.
         unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(offset), out.as_mut_ptr(), len) };
         Some(out)
+    }
+
+    /// Adds `len` bytes at `start` as a local region writes may be read
+    /// from; returns its id (never 0), or `None` if [`MAX_REGIONS`] are
+    /// registered. The caller (the sender) guarantees the memory stays valid
+    /// until [`remove_region`](Self::remove_region) and that nobody writes
+    /// a range while a write from it is in flight.
+    pub(crate) fn add_region(&self, start: *const u8, len: u64) -> Option<u32> {
+        let mut r = self.regions.write();
+        let idx = match r.iter().position(Option::is_none) {
+            Some(i) => i,
+            None if r.len() < MAX_REGIONS => {
+                r.push(None);
+                r.len() - 1
+            }
+            None => return None,
+        };
+        r[idx] = Some((start, len));
+        Some(idx as u32 + 1)
+    }
+
+    /// Forgets region `id` (the sender calls it only when no write from it
+    /// is in flight). Unknown ids are ignored.
+    pub(crate) fn remove_region(&self, id: u32) {
+        let mut r = self.regions.write();
+        if let Some(e) = (id as usize).checked_sub(1).and_then(|i| r.get_mut(i)) {
+            *e = None;
+        }
+    }
+
+    /// Where a write reads `len` bytes at `offset` of local memory `region`
+    /// (0: this staging buffer, else a registered region): `None` if the
+    /// region is unknown or the range does not lie inside it (or its end
+    /// does not fit `usize`). Dereferencing the pointer is the transport's
+    /// `unsafe` step: valid while the write is in flight (the sender frees a
+    /// staging slot, or lets a region be deregistered, only after the
+    /// write's completion was polled).
+    pub fn source(&self, region: u32, offset: u64, len: u64) -> Option<*const u8> {
+        let (base, limit) = if region == 0 {
+            (self.ptr.cast_const(), self.len)
+        } else {
+            let r = self.regions.read();
+            (*r.get(region as usize - 1)?)?
+        };
+        let end = offset.checked_add(len)?;
+        if end > limit || end > usize::MAX as u64 {
+            return None;
+        }
+        // In bounds of a live allocation (checked above), so `wrapping_add`
+        // lands where `add` would; computing it dereferences nothing.
+        Some(base.wrapping_add(offset as usize))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sources_are_bounds_checked_per_region() {
+        let b = StagingBuffer::new(2, 64).unwrap();
+        assert_eq!(
+            b.source(0, 64, 64),
+            Some(b.as_ptr().wrapping_add(64).cast_const())
+        );
+        assert_eq!(b.source(0, 65, 64), None);
+        assert_eq!(b.source(0, u64::MAX, 2), None);
+        let mem = [0u8; 32];
+        let id = b.add_region(mem.as_ptr(), 32).unwrap();
+        assert_eq!(id, 1);
+        assert_eq!(b.source(id, 8, 24), Some(mem.as_ptr().wrapping_add(8)));
+        assert_eq!(b.source(id, 8, 25), None);
+        assert_eq!(b.source(id + 1, 0, 1), None, "unknown region");
+        b.remove_region(id);
+        assert_eq!(b.source(id, 0, 1), None, "removed region");
+        assert_eq!(b.add_region(mem.as_ptr(), 32), Some(id), "ids are reused");
     }
 }

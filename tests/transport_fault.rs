@@ -74,7 +74,7 @@ impl Rig {
             remote_offset: u64::from(s) * CHUNK,
             len: CHUNK,
             peer: self.peer,
-            _pad: 0,
+            local_region: 0,
         }
     }
 

@@ -162,7 +162,7 @@ fn op(work_id: u64, peer: u32, slot: u64, remote_slot: u64, len: u64) -> WriteOp
         remote_offset: remote_slot * CHUNK,
         len,
         peer,
-        _pad: 0,
+        local_region: 0,
     }
 }
 

@@ -1089,15 +1089,22 @@ impl Ctrl {
         let Some(b) = t.batches.remove(&id) else {
             return true;
         };
-        let BatchData::Staged(set) = b.data else {
-            return true;
-        };
         let (Some(peer), Some(remote)) = (self.peers[i].index, self.peers[i].remote.as_ref())
         else {
-            self.free_staging(set);
+            self.release_data(b.data, b.bytes);
             return true;
         };
         let rbytes = remote.chunk_bytes;
+        let set = match b.data {
+            BatchData::Staged(set) => set,
+            BatchData::Registered { src, lease } => {
+                self.post_registered(
+                    t, req_id, peer, rbytes, &b.writes, &b.remote, &b.lens, &src, lease,
+                );
+                return true;
+            }
+            BatchData::Pending(_) | BatchData::Empty => return true,
+        };
         let now = Instant::now();
         // One write per chunk, then the transport's coalescer merges runs
         // contiguous on both sides (the set is sorted, chunk k in its k-th
@@ -1110,7 +1117,7 @@ impl Ctrl {
                 remote_offset: b.remote[j as usize] as u64 * rbytes,
                 len: u64::from(b.lens[j as usize]),
                 peer,
-                _pad: 0,
+                local_region: 0,
             });
         }
         crate::transport::coalesce(&self.chunk_ops, &mut self.merged, &mut self.runs);
@@ -1128,6 +1135,7 @@ impl Ctrl {
                     chunks: run as u32,
                     bytes: op.len,
                     slots,
+                    lease: None,
                     posted_at: now,
                     peer,
                 },
@@ -1140,6 +1148,58 @@ impl Ctrl {
         // Cannot hold anything: the runs cover every chunk.
         self.free_staging(set);
         true
+    }
+
+    /// Queues the writes of a batch from registered memory (chunk `j` of the
+    /// batch at `src[j]`, to receiver slot `remote[j]`), coalesced like
+    /// staged ones; each op holds the batch's lease until it completes.
+    #[allow(clippy::too_many_arguments)]
+    fn post_registered(
+        &mut self,
+        t: &mut Table,
+        req_id: &str,
+        peer: PeerIndex,
+        rbytes: u64,
+        writes: &[u32],
+        remote: &[i64],
+        lens: &[u32],
+        src: &[(u32, u64)],
+        lease: Arc<super::registered::WriteLease>,
+    ) {
+        let now = Instant::now();
+        self.chunk_ops.clear();
+        for (k, &j) in writes.iter().enumerate() {
+            let (region, offset) = src[j as usize];
+            self.chunk_ops.push(WriteOp {
+                work_id: k as u64,
+                local_offset: offset,
+                remote_offset: remote[j as usize] as u64 * rbytes,
+                len: u64::from(lens[j as usize]),
+                peer,
+                local_region: region,
+            });
+        }
+        crate::transport::coalesce(&self.chunk_ops, &mut self.merged, &mut self.runs);
+        for (k, mut op) in self.merged.drain(..).enumerate() {
+            op.work_id = self.next_work;
+            self.next_work += 1;
+            t.inflight.insert(
+                op.work_id,
+                InFlight {
+                    req_id: req_id.to_owned(),
+                    chunks: self.runs[k] as u32,
+                    bytes: op.len,
+                    slots: crate::slots::SlotSet::default(),
+                    lease: Some(Arc::clone(&lease)),
+                    posted_at: now,
+                    peer,
+                },
+            );
+            if let Some(r) = t.reqs.get_mut(req_id) {
+                r.in_flight_ops += 1;
+            }
+            self.backlog.push_back(op);
+        }
     }
 
     /// Posts queued writes as far as transport credit allows.

@@ -131,6 +131,35 @@ pub enum StoreError {
     /// The sender is closing.
     #[error("sender is closed")]
     Closed,
+    /// [`Request::write`](super::Request::write): chunk `index` names a
+    /// region registered with another sender.
+    #[error("chunk {index} names a region of another sender")]
+    ForeignRegion {
+        /// Position of the chunk in the batch.
+        index: usize,
+    },
+    /// [`Request::write`](super::Request::write): chunk `index` names a
+    /// region that was deregistered.
+    #[error("chunk {index} names a deregistered region")]
+    RegionNotRegistered {
+        /// Position of the chunk in the batch.
+        index: usize,
+    },
+    /// [`Request::write`](super::Request::write): chunk `index`'s range
+    /// does not lie inside its region.
+    #[error(
+        "chunk {index}: {len} bytes at offset {offset} do not fit its region of {region_len} bytes"
+    )]
+    OutsideRegion {
+        /// Position of the chunk in the batch.
+        index: usize,
+        /// The chunk's offset in the region.
+        offset: u64,
+        /// The chunk's length.
+        len: u32,
+        /// The region's length.
+        region_len: usize,
+    },
 }
 
 /// Errors starting a sender.

@@ -26,6 +26,7 @@ mod error;
 pub mod metrics;
 mod peer;
 mod poll;
+mod registered;
 mod reply;
 mod request;
 mod table;
@@ -48,6 +49,7 @@ use crate::transport::{RemoteBuffer, TransportConfig};
 pub use self::completion::CompletionCallback;
 use self::completion::{Announcer, Signal};
 pub use self::error::{SenderError, StoreError};
+pub use self::registered::{MemoryRegion, RegisterError, WriteHandle};
 use self::request::Handle;
 pub use self::request::{Request, RequestSpec, StagedBatch};
 use self::table::{Batch, BatchData, Req, ReqState, Table};
@@ -495,6 +497,31 @@ impl Shared {
         )
     }
 
+    /// Submits a batch from registered memory (`src[i]` = region id and
+    /// offset of chunk `i`). With no chunks it is an empty last batch.
+    fn submit_registered(
+        &self,
+        h: &Handle,
+        keys: &[impl AsRef<str>],
+        lens: SmallVec<[u32; 16]>,
+        src: SmallVec<[(u32, u64); 16]>,
+        lease: self::registered::WriteLease,
+    ) -> Result<(), StoreError> {
+        let span = tracing::debug_span!("write", req_id = %h.req_id, chunks = keys.len());
+        let _g = span.enter();
+        // On error the lease drops here: the write is done, nothing sent.
+        let reserved = self.reserve(h, keys.len(), None)?;
+        let data = if src.is_empty() {
+            BatchData::Empty
+        } else {
+            BatchData::Registered {
+                src,
+                lease: Arc::new(lease),
+            }
+        };
+        self.publish(&h.req_id, keys, lens, data, &reserved, None)
+    }
+
     /// The copying path: into staging slots if the request is admitted,
     /// else into the pending area.
     fn store_copy(
@@ -614,7 +641,8 @@ impl Shared {
                 // AcqRel: see the reservation in `store_copy`.
                 self.pending_bytes.fetch_sub(bytes, Ordering::AcqRel);
             }
-            BatchData::Empty => {}
+            // Dropping the lease lets the regions go once no op holds it.
+            BatchData::Registered { .. } | BatchData::Empty => {}
         }
     }
 
@@ -891,6 +919,121 @@ impl Sender {
             .values()
             .filter(|r| !matches!(r.state, ReqState::Done(_)))
             .count()
+    }
+
+    /// Registers `len` bytes of caller-owned host memory at `ptr` (e.g. a
+    /// pinned buffer from `cudaHostAlloc`, the target of the device-to-host
+    /// copy) as a source of [`Request::write`]s, which post writes straight
+    /// from it: no staging copy (on shm the copy engine's copy is the only
+    /// one; on tcp the socket reads it directly).
+    ///
+    /// Errors: [`RegisterError::Null`], [`RegisterError::Empty`],
+    /// [`RegisterError::Unaligned`] (`ptr` must be page-aligned),
+    /// [`RegisterError::Overflow`], [`RegisterError::TooMany`] (more than
+    /// [`crate::staging::MAX_REGIONS`] at once),
+    /// [`RegisterError::Unsupported`] on the rdma transport (it would
+    /// register an MR over the memory; not built yet).
+    ///
+    /// # Safety
+    ///
+    /// `unsafe` because kvferry reads the memory from its transport threads
+    /// while the caller owns it, so the caller must guarantee, for as long
+    /// as the region is registered (until [`deregister`](Self::deregister)
+    /// returned `Ok`, or this sender was closed or dropped):
+    /// - `ptr..ptr + len` is allocated, readable host memory and stays so
+    ///   (not freed, unmapped or remapped);
+    /// - nobody writes a byte range named in a [`Request::write`] from that
+    ///   call until its [`WriteHandle::is_done`] (ranges not in flight may be
+    ///   written freely, e.g. the next layer's device-to-host copy).
+    ///
+    /// This is the raw-pointer contract of NIXL's and Mooncake's memory
+    /// registration, because the memory a server writes from is not a Rust
+    /// object (pinned allocations, a KV pool): an owning safe wrapper could
+    /// not let the caller refill one part while another is in flight.
+    ///
+    /// ```
+    /// use std::time::{Duration, Instant};
+    /// use kvferry::receiver::{Receiver, ReceiverConfig};
+    /// use kvferry::sender::{RequestSpec, RequestStatus, Sender, SenderConfig};
+    ///
+    /// let receiver = Receiver::start(ReceiverConfig {
+    ///     listen: "tcp://127.0.0.1:0".into(),
+    ///     capacity_chunks: 8,
+    ///     chunk_bytes: 4096,
+    ///     ..Default::default()
+    /// })?;
+    /// let sender = Sender::new(SenderConfig { chunk_bytes: 4096, staging_slots: 1, ..Default::default() })?;
+    /// let deadline = Instant::now() + Duration::from_secs(10);
+    ///
+    /// // The caller's pinned KV memory (here an anonymous mapping: page-aligned).
+    /// let mut kv = memmap2::MmapMut::map_anon(2 * 4096)?;
+    /// kv[..4096].fill(7);
+    /// kv[4096..].fill(8);
+    /// // SAFETY: `kv` outlives the region (deregistered below) and is not
+    /// // written while the write from it is in flight.
+    /// let region = unsafe { sender.register(kv.as_ptr(), kv.len()) }?;
+    ///
+    /// let req = sender.begin(RequestSpec::new("req-1", receiver.endpoint(), 2))?;
+    /// let done = req.write(&["req-1/0", "req-1/1"], &[(&region, 0, 4096), (&region, 4096, 4096)], deadline)?;
+    /// assert!(done.wait(deadline)); // `kv` may be written again
+    /// assert_eq!(req.wait(deadline), RequestStatus::Completed);
+    /// sender.deregister(&region)?; // `kv` may be freed
+    ///
+    /// receiver.wait_ready("req-1", deadline)?;
+    /// assert_eq!(&receiver.get("req-1/1").expect("written").bytes()[..4096], &[8u8; 4096][..]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub unsafe fn register(
+        &self,
+        ptr: *const u8,
+        len: usize,
+    ) -> Result<MemoryRegion, RegisterError> {
+        let addr = ptr as usize;
+        if ptr.is_null() {
+            return Err(RegisterError::Null);
+        }
+        if len == 0 {
+            return Err(RegisterError::Empty);
+        }
+        let page = self::registered::page_size();
+        if addr % page != 0 {
+            return Err(RegisterError::Unaligned { addr, page });
+        }
+        if addr.checked_add(len).is_none() || len > isize::MAX as usize {
+            return Err(RegisterError::Overflow { addr, len });
+        }
+        if self.shared.cfg.transport == "rdma" {
+            return Err(RegisterError::Unsupported {
+                transport: self.shared.cfg.transport.clone(),
+            });
+        }
+        let id = self
+            .shared
+            .staging
+            .add_region(ptr, len as u64)
+            .ok_or(RegisterError::TooMany {
+                max: crate::staging::MAX_REGIONS,
+            })?;
+        debug!(region = id, len, "registered memory");
+        Ok(MemoryRegion {
+            entry: Arc::new(self::registered::RegionEntry::new(id, len, &self.shared)),
+        })
+    }
+
+    /// Deregisters `region`: from `Ok` on, kvferry never reads it again and
+    /// the caller may free it. [`RegisterError::Busy`] while writes from it
+    /// are in flight (wait for their [`WriteHandle`]s),
+    /// [`RegisterError::NotRegistered`] if already deregistered,
+    /// [`RegisterError::ForeignRegion`] for another sender's region.
+    pub fn deregister(&self, region: &MemoryRegion) -> Result<(), RegisterError> {
+        let e = &region.entry;
+        if !e.belongs_to(&self.shared) {
+            return Err(RegisterError::ForeignRegion { id: e.id });
+        }
+        e.retire()?;
+        self.shared.staging.remove_region(e.id);
+        debug!(region = e.id, "deregistered memory");
+        Ok(())
     }
 
     /// Staging slots in use.

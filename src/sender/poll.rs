@@ -37,6 +37,9 @@ pub(super) fn run(shared: Arc<Shared>, mut completions: Box<dyn Completions>) {
                     continue;
                 };
                 shared.slots.free(w.slots);
+                // The transport is done with this op's memory: a registered
+                // write's regions may go once its last op gets here.
+                drop(w.lease);
                 if c.status() == CompletionStatus::ConnectionLost && !t.lost_peers.contains(&w.peer)
                 {
                     // Published under the table lock like `attention`, so

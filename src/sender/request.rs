@@ -10,7 +10,10 @@ use std::time::Instant;
 use crate::slots::{AllocError, SlotSet};
 use crate::stats::Stage;
 
+use smallvec::SmallVec;
+
 use super::completion::Signal;
+use super::registered::{MemoryRegion, RegionEntry, WriteHandle, WriteLease};
 use super::{RequestStatus, Shared, StoreError};
 
 /// What one transfer is: the per-request part of LMCache's `transfer_spec`.
@@ -65,6 +68,9 @@ pub(crate) struct Handle {
 ///   to fill in place (e.g. the target of a device-to-host copy), then
 ///   [`StagedBatch::submit`]: one copy on shm (the copy engine's), none on
 ///   the sender's side;
+/// - [`write`](Self::write): straight from memory registered with
+///   [`Sender::register`](super::Sender::register), no staging at all (one
+///   copy on shm, the copy engine's; none but the socket's on tcp);
 /// - [`store`](Self::store): copies the caller's bytes (for short-lived
 ///   buffers).
 ///
@@ -138,14 +144,7 @@ impl Request {
     /// on cancel ([`StoreError::Cancelled`]) or when the request ends.
     pub fn stage(&self, n: usize, deadline: Instant) -> Result<StagedBatch, StoreError> {
         self.check_stage(n)?;
-        let s = &self.h.signal;
-        let admitted = s.wait_until(deadline, || {
-            s.is_admitted() || s.terminal().is_some() || self.h.cancel.is_cancelled()
-        });
-        self.live()?;
-        if !admitted {
-            return Err(StoreError::AdmissionTimeout);
-        }
+        self.wait_admitted(deadline)?;
         let t0 = Instant::now();
         let set = self
             .h
@@ -187,6 +186,95 @@ impl Request {
     pub fn store(&self, keys: &[impl AsRef<str>], chunks: &[&[u8]]) -> Result<(), StoreError> {
         self.h.shared.validate_batch(keys.len(), chunks)?;
         self.h.shared.store_copy(&self.h, keys, chunks, None, None)
+    }
+
+    /// Posts one batch straight from registered memory: chunk `i` is named
+    /// `keys[i]` and is the `len` bytes at `offset` of `region`, for each
+    /// `chunks[i] = (region, offset, len)`. No staging and no copy on the
+    /// sender: the transport reads the region (the shm copy engine copies it
+    /// into the receiver, tcp sends it from there).
+    ///
+    /// Like [`stage`](Self::stage), this first waits (up to `deadline`) for
+    /// the receiver to admit the request, so writes are only posted for
+    /// admitted requests (DESIGN.md invariant 2). Returns without waiting for
+    /// the network; the [`WriteHandle`] says when the chunks' memory may be
+    /// written again. The batch is the request's last if it brings the
+    /// request to `total_chunks`.
+    ///
+    /// Errors (nothing is sent): [`StoreError::KeyCountMismatch`],
+    /// [`StoreError::ForeignRegion`], [`StoreError::RegionNotRegistered`],
+    /// [`StoreError::OutsideRegion`], [`StoreError::ChunkTooLarge`] (longer
+    /// than the receiver's slot, `chunk_bytes`), the admission errors of
+    /// `stage` and the count errors of `submit`.
+    pub fn write(
+        &self,
+        keys: &[impl AsRef<str>],
+        chunks: &[(&MemoryRegion, u64, u32)],
+        deadline: Instant,
+    ) -> Result<WriteHandle, StoreError> {
+        if keys.len() != chunks.len() {
+            return Err(StoreError::KeyCountMismatch {
+                keys: keys.len(),
+                chunks: chunks.len(),
+            });
+        }
+        let shared = &self.h.shared;
+        let max = shared.cfg.chunk_bytes;
+        let mut regions: Vec<Arc<RegionEntry>> = Vec::new();
+        for (index, &(region, offset, len)) in chunks.iter().enumerate() {
+            let e = &region.entry;
+            if !e.belongs_to(shared) {
+                return Err(StoreError::ForeignRegion { index });
+            }
+            if u64::from(len) > max {
+                return Err(StoreError::ChunkTooLarge {
+                    index,
+                    len: len as usize,
+                    max,
+                });
+            }
+            if offset
+                .checked_add(u64::from(len))
+                .is_none_or(|end| end > e.len as u64)
+            {
+                return Err(StoreError::OutsideRegion {
+                    index,
+                    offset,
+                    len,
+                    region_len: e.len,
+                });
+            }
+            if !regions.iter().any(|r| r.id == e.id) {
+                regions.push(Arc::clone(e));
+            }
+        }
+        self.wait_admitted(deadline)?;
+        let ids: SmallVec<[u32; 4]> = regions.iter().map(|r| r.id).collect();
+        let lease = WriteLease::acquire(regions).map_err(|i| {
+            let index = chunks
+                .iter()
+                .position(|c| c.0.entry.id == ids[i])
+                .unwrap_or(0);
+            StoreError::RegionNotRegistered { index }
+        })?;
+        let handle = lease.handle();
+        let src = chunks.iter().map(|c| (c.0.entry.id, c.1)).collect();
+        let lens: SmallVec<[u32; 16]> = chunks.iter().map(|c| c.2).collect();
+        shared.submit_registered(&self.h, keys, lens, src, lease)?;
+        Ok(handle)
+    }
+
+    /// Waits for admission (see [`stage`](Self::stage)).
+    fn wait_admitted(&self, deadline: Instant) -> Result<(), StoreError> {
+        let s = &self.h.signal;
+        let admitted = s.wait_until(deadline, || {
+            s.is_admitted() || s.terminal().is_some() || self.h.cancel.is_cancelled()
+        });
+        self.live()?;
+        if !admitted {
+            return Err(StoreError::AdmissionTimeout);
+        }
+        Ok(())
     }
 
     fn check_stage(&self, n: usize) -> Result<(), StoreError> {

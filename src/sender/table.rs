@@ -14,6 +14,7 @@ use crate::slots::SlotSet;
 use crate::transport::PeerIndex;
 
 use super::completion::Signal;
+use super::registered::WriteLease;
 use super::{RequestSpec, RequestStatus};
 
 /// Where a batch's bytes are.
@@ -23,6 +24,13 @@ pub(crate) enum BatchData {
     Pending(Vec<u8>),
     /// In staging slots, one per chunk, in order.
     Staged(SlotSet),
+    /// In caller-registered memory: chunk `i` is `src[i] = (region id,
+    /// offset)`; the lease keeps the regions registered until the writes
+    /// completed.
+    Registered {
+        src: SmallVec<[(u32, u64); 16]>,
+        lease: Arc<WriteLease>,
+    },
     /// An empty last batch.
     Empty,
 }
@@ -209,6 +217,8 @@ pub(crate) struct InFlight {
     pub chunks: u32,
     pub bytes: u64,
     pub slots: SlotSet,
+    /// A write from registered memory: released with this op.
+    pub lease: Option<Arc<WriteLease>>,
     pub posted_at: Instant,
     /// The transport peer it was posted to (so the poll thread can tell
     /// ctrl which peer lost its connection).

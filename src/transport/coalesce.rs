@@ -3,8 +3,8 @@
 
 use super::WriteOp;
 
-/// Merges each run of consecutive ops in `ops` that go to the same peer and
-/// whose local and remote ranges both continue exactly where the previous op
+/// Merges each run of consecutive ops in `ops` that go to the same peer, read
+/// the same local region, and whose local and remote ranges both continue exactly where the previous op
 /// of the run ended, into one op.
 ///
 /// Clears `out` and `runs`, then fills them in parallel: `out[i]` is a merged
@@ -37,6 +37,7 @@ pub fn coalesce(ops: &[WriteOp], out: &mut Vec<WriteOp>, runs: &mut Vec<usize>) 
 /// True if `next` continues `prev` locally and remotely on the same peer.
 fn continues(prev: &WriteOp, next: &WriteOp) -> bool {
     prev.peer == next.peer
+        && prev.local_region == next.local_region
         && prev.local_offset.checked_add(prev.len) == Some(next.local_offset)
         && prev.remote_offset.checked_add(prev.len) == Some(next.remote_offset)
         && prev.len.checked_add(next.len).is_some()
@@ -53,7 +54,7 @@ mod tests {
             remote_offset: remote,
             len,
             peer,
-            _pad: 0,
+            local_region: 0,
         }
     }
 
@@ -88,5 +89,17 @@ mod tests {
         let ops = [op(1, 0, 0, u64::MAX, 0), op(2, u64::MAX, u64::MAX, 1, 0)];
         coalesce(&ops, &mut out, &mut runs);
         assert_eq!(runs, vec![1, 1]);
+    }
+
+    #[test]
+    fn never_merges_across_local_regions() {
+        let mut b = op(2, 10, 10, 10, 0);
+        b.local_region = 3;
+        let mut c = op(3, 20, 20, 10, 0);
+        c.local_region = 3;
+        let (mut out, mut runs) = (Vec::new(), Vec::new());
+        coalesce(&[op(1, 0, 0, 10, 0), b, c], &mut out, &mut runs);
+        assert_eq!(runs, vec![1, 2]);
+        assert_eq!(out[1].local_region, 3);
     }
 }

@@ -8,7 +8,9 @@ use kvferry_ring::Plain;
 /// Index of a connected peer, as returned by [`super::Poster::connect`].
 pub type PeerIndex = u32;
 
-/// One write: `len` bytes at `local_offset` of the staging buffer go to
+/// One write: `len` bytes at `local_offset` of local memory `local_region`
+/// (0: the staging buffer; else a region the caller registered, see
+/// [`StagingBuffer::source`](crate::staging::StagingBuffer::source)) go to
 /// `remote_offset` of peer `peer`'s receive buffer (offsets relative to the
 /// start of the slot area: slot `i` at `i * chunk_bytes`). `work_id` is the
 /// caller's tag, returned in the [`Completion`].
@@ -17,7 +19,7 @@ pub type PeerIndex = u32;
 pub struct WriteOp {
     /// Caller's tag, echoed in the completion.
     pub work_id: u64,
-    /// Byte offset in the local staging buffer.
+    /// Byte offset in the local memory `local_region`.
     pub local_offset: u64,
     /// Byte offset in the peer's slot area.
     pub remote_offset: u64,
@@ -25,11 +27,12 @@ pub struct WriteOp {
     pub len: u64,
     /// Target peer (from `connect`).
     pub peer: PeerIndex,
-    /// Explicit padding so the struct has no uninitialised bytes; always 0.
-    pub _pad: u32,
+    /// Local memory the bytes are read from: 0 = the staging buffer, else a
+    /// registered region's id. Also makes the struct free of padding.
+    pub local_region: u32,
 }
 
-// SAFETY: repr(C) struct of u64/u32 fields with the padding made explicit
+// SAFETY: repr(C) struct of u64/u32 fields with no padding
 // (4 * 8 + 2 * 4 = 40 bytes, alignment 8, no implicit padding): every bit
 // pattern is a valid value and it holds no pointer.
 unsafe impl Plain for WriteOp {}

@@ -34,7 +34,7 @@ pub fn op(work_id: u64, local_offset: u64, remote_offset: u64, len: u64, peer: u
         remote_offset,
         len,
         peer,
-        _pad: 0,
+        local_region: 0,
     }
 }
 

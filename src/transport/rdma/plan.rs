@@ -73,7 +73,13 @@ pub fn plan(
             None => Step::Complete(CompletionStatus::UnknownPeer),
             Some(PeerState::Failed) => Step::Complete(CompletionStatus::ConnectionLost),
             Some(PeerState::Ready { remote_len }) => {
-                if !within(op.local_offset, local_len) || !within(op.remote_offset, remote_len) {
+                if op.local_region != 0 {
+                    // Registered regions are not registered as MRs yet
+                    // (`Sender::register` refuses on rdma): never read one.
+                    Step::Complete(CompletionStatus::TransportError)
+                } else if !within(op.local_offset, local_len)
+                    || !within(op.remote_offset, remote_len)
+                {
                     Step::Complete(CompletionStatus::OutOfBounds)
                 } else if op.len > MAX_WRITE_LEN {
                     Step::Complete(CompletionStatus::TransportError)
@@ -127,7 +133,7 @@ mod tests {
             remote_offset: remote,
             len,
             peer,
-            _pad: 0,
+            local_region: 0,
         }
     }
 

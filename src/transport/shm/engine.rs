@@ -67,7 +67,7 @@ impl Engine {
     }
 }
 
-/// Executes one op: a checked copy from staging into the peer's slot area.
+/// Executes one op: a checked copy from staging (or a registered region) into the peer's slot area.
 fn execute(
     op: &WriteOp,
     local: &StagingBuffer,
@@ -78,23 +78,29 @@ fn execute(
     };
     let within =
         |offset: u64, limit: u64| offset.checked_add(op.len).is_some_and(|end| end <= limit);
-    if !within(op.local_offset, local.len()) || !within(op.remote_offset, region.data_len()) {
+    let Some(src) = local.source(op.local_region, op.local_offset, op.len) else {
+        return CompletionStatus::OutOfBounds;
+    };
+    if !within(op.remote_offset, region.data_len()) {
         return CompletionStatus::OutOfBounds;
     }
     if op.len == 0 {
         return CompletionStatus::Ok;
     }
-    // SAFETY: local_offset + len <= local.len() and remote_offset + len <=
-    // region.data_len() (checked above, without overflow), so both ranges lie
-    // inside their mappings, which stay mapped while we hold the Arcs. They do
-    // not overlap: the staging buffer is an anonymous mapping and the region a
-    // separate file mapping. The bytes are plain u8. Exclusive use of both
-    // ranges while the op is in flight is the control-plane contract (the
-    // sender does not reuse the staging slot before the completion; the
+    // SAFETY: `source` checked the local range lies inside the staging
+    // buffer or the registered region (which the sender keeps registered,
+    // and its owner keeps valid, until this op's completion was polled), and
+    // remote_offset + len <= region.data_len() (checked above, without
+    // overflow), so both ranges lie inside live memory. They do not overlap:
+    // the receive buffer is a separate file mapping. The bytes are plain u8.
+    // Exclusive use of both ranges while the op is in flight is the
+    // control-plane contract (the sender does not reuse the staging slot
+    // before the completion, a registered range is not written by its owner
+    // before the write's completion — `Sender::register`'s contract; the
     // receiver granted the remote slot to this write alone).
     unsafe {
         std::ptr::copy_nonoverlapping(
-            local.as_ptr().add(op.local_offset as usize),
+            src,
             region.data_ptr().add(op.remote_offset as usize),
             op.len as usize,
         );

@@ -229,7 +229,14 @@ impl Engine {
                 .checked_add(op.len)
                 .is_some_and(|end| end <= limit && end <= usize::MAX as u64)
         };
-        let local_len = self.local.len();
+        let local_ok = self
+            .local
+            .source(op.local_region, op.local_offset, op.len)
+            .is_some()
+            && op
+                .local_offset
+                .checked_add(op.len)
+                .is_some_and(|e| e <= usize::MAX as u64);
         let (links, mut io) = self.parts(now);
         let Some(link) = links
             .get_mut(op.peer as usize)
@@ -240,7 +247,7 @@ impl Engine {
                 .push(Completion::new(op.work_id, CompletionStatus::UnknownPeer));
             return;
         };
-        if !fits(op.local_offset, local_len) || !fits(op.remote_offset, link.data_len) {
+        if !local_ok || !fits(op.remote_offset, link.data_len) {
             io.done
                 .push(Completion::new(op.work_id, CompletionStatus::OutOfBounds));
             return;

@@ -438,19 +438,25 @@ impl Link {
             let mut slices: SmallVec<[IoSlice<'_>; 2 * GATHER]> = SmallVec::new();
             let mut skip = c.front_done as usize;
             for (h, op) in headers.iter().zip(self.queue.iter()) {
-                // SAFETY: `route` checked local_offset + len <= local.len()
-                // (and <= usize::MAX), so the range lies inside the staging
-                // mapping, which `io.local` keeps alive for this call. The
+                // `route` checked the range with `source`; the region cannot
+                // go away while the op is in flight (see below), so this
+                // lookup finds it again.
+                let Some(src) = io.local.source(op.local_region, op.local_offset, op.len) else {
+                    return Err(Broken::peer(
+                        "local memory of a queued write vanished".into(),
+                    ));
+                };
+                // SAFETY: `source` checked the range lies inside the staging
+                // mapping (which `io.local` keeps alive) or a registered
+                // region, which the sender keeps registered and its owner
+                // keeps valid until the op's completion was polled. The
                 // bytes are plain u8 and nobody writes them while the op is
                 // in flight: the sender frees (and so reuses) a staging slot
-                // only after the op's completion was polled (the staging
-                // buffer's ownership contract), so a shared slice is sound.
-                let payload = unsafe {
-                    std::slice::from_raw_parts(
-                        io.local.as_ptr().add(op.local_offset as usize),
-                        op.len as usize,
-                    )
-                };
+                // only after the op's completion was polled, and a
+                // registered range is not written before the write's
+                // completion (`Sender::register`'s contract), so a shared
+                // slice is sound.
+                let payload = unsafe { std::slice::from_raw_parts(src, op.len as usize) };
                 for part in [&h[..], payload] {
                     if skip >= part.len() {
                         skip -= part.len();
