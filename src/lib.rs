@@ -7,6 +7,7 @@
 pub use kvferry_ring::backoff;
 pub mod cancel;
 pub mod cli;
+mod eventfd;
 pub mod ledger;
 pub mod log_budget;
 pub mod metrics;

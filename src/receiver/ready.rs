@@ -10,47 +10,16 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
+use crate::eventfd::EventFd;
 use crate::protocol::ErrorCode;
 
 use super::core::Outcome;
 use super::{Shared, WaitError};
-
-/// A non-blocking, close-on-exec eventfd, readable once signalled.
-// The sender has the same eight lines in `sender::completion`, private to
-// it; one shared home for both is a follow-up outside this module's area.
-#[derive(Debug)]
-struct EventFd(OwnedFd);
-
-impl EventFd {
-    fn new() -> io::Result<Self> {
-        // SAFETY: eventfd takes no pointers; a negative result is an error.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `fd` was just returned by eventfd and is owned by nobody else.
-        Ok(Self(unsafe { OwnedFd::from_raw_fd(fd) }))
-    }
-
-    /// Adds one to the counter: readable from now on (a full counter,
-    /// `EAGAIN`, is already readable).
-    fn signal(&self) {
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from a live u64 to an eventfd we own.
-        let _ = unsafe {
-            libc::write(
-                self.0.as_raw_fd(),
-                (&one as *const u64).cast(),
-                std::mem::size_of::<u64>(),
-            )
-        };
-    }
-}
 
 /// What one handle watches: the outcome, once known, and its eventfd.
 #[derive(Debug)]
@@ -212,13 +181,13 @@ impl RequestHandle {
 
 impl AsFd for RequestHandle {
     fn as_fd(&self) -> BorrowedFd<'_> {
-        self.watch.fd.0.as_fd()
+        self.watch.fd.as_fd()
     }
 }
 
 impl AsRawFd for RequestHandle {
     fn as_raw_fd(&self) -> std::os::fd::RawFd {
-        self.watch.fd.0.as_raw_fd()
+        self.watch.fd.as_fd().as_raw_fd()
     }
 }
 
