@@ -386,7 +386,7 @@ fn run_one(s: &Sender, r: &Receiver, req: &str) -> RequestStatus {
     // The request begins (and may fail) before its first batch is stored:
     // a failure can already be the store's answer.
     match store_batch(s, r.endpoint(), req, 7, 3, 0..3) {
-        Ok(()) | Err(StoreError::Cancelled) => {}
+        Ok(()) => {}
         Err(StoreError::RequestEnded(st)) => return st,
         Err(e) => panic!("store {req}: {e:?}"),
     }

@@ -50,7 +50,7 @@ fn injected_write_failures_fail_only_their_request() {
     let (s1, s2, s3) = (sender(c1), sender(c2), sender(sender_cfg(8, Some(&proxy))));
 
     // One batch each: a failed write aborts the request at once, so a later
-    // batch could be refused with StoreError::Cancelled.
+    // batch is refused with StoreError::RequestEnded (the failure).
     store_request(&s1, &ep, "wf-1a", 1, 8, 8).unwrap();
     store_request(&s2, &ep, "wf-2a", 2, 8, 8).unwrap();
     store_request(&s3, &ep, "wf-3a", 3, 8, 4).unwrap();

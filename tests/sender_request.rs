@@ -166,6 +166,66 @@ fn cancel_wakes_a_stage_waiting_for_admission() {
     wait_receiver_empty(&r, "after the cancelled stage");
 }
 
+/// A wait that the request's *failure* ends says so: `RequestEnded` with
+/// the failure, never `Cancelled` (the cancel token wakes the waiters of
+/// every abort, a failure's included). Here the receiver's admission
+/// timeout fails a parked request while `stage()` and the copying `store`
+/// wait for its admission.
+#[test]
+fn a_failure_ending_a_wait_is_reported_as_the_failure_not_a_cancel() {
+    let r = kvferry::receiver::Receiver::start(kvferry::receiver::ReceiverConfig {
+        admission_timeout: Duration::from_millis(300),
+        ..receiver_cfg(2)
+    })
+    .expect("receiver starts");
+    let s = sender(sender_cfg(4, None));
+    let fill = s
+        .begin(RequestSpec::new("f-fill", r.endpoint(), 2))
+        .unwrap();
+    stage_and_submit(&fill, 1, 2, 0..2).unwrap();
+    assert_eq!(fill.wait(deadline()), RequestStatus::Completed);
+    for round in 0..3 {
+        let id = format!("f-parked-{round}");
+        let parked = s.begin(RequestSpec::new(&id, r.endpoint(), 2)).unwrap();
+        let stager = {
+            let parked = parked.clone();
+            std::thread::spawn(move || parked.stage(1, deadline()).map(|_| ()))
+        };
+        let storer = {
+            let parked = parked.clone();
+            let k = key(&id, 2, 0, 2);
+            std::thread::spawn(move || {
+                let mut b = Vec::new();
+                payloads().fill(chunk_id(2, 0, 2), &mut b);
+                parked.store(&[k], &[&b])
+            })
+        };
+        let st = parked.wait(deadline());
+        assert!(matches!(st, RequestStatus::Failed { .. }), "{id}: {st:?}");
+        for (what, res) in [
+            (
+                "stage()",
+                join_within("stage() of a failing request", stager),
+            ),
+            (
+                "store()",
+                join_within("store() of a failing request", storer),
+            ),
+        ] {
+            assert!(
+                matches!(
+                    &res,
+                    Ok(()) | Err(StoreError::RequestEnded(RequestStatus::Failed { .. }))
+                ),
+                "{id}: {what} ended by a failure: {res:?}"
+            );
+        }
+    }
+    consume(&r, "f-fill", 1, 2).unwrap();
+    wait_sender_empty(&s, "after the failed waits");
+    wait_receiver_empty(&r, "after the failed waits");
+}
+
 #[test]
 fn staged_batches_give_their_slots_back_on_drop_short_submit_and_error() {
     let r = receiver(16);

@@ -415,13 +415,14 @@ impl Shared {
     #[allow(clippy::too_many_arguments)]
     fn publish(
         &self,
-        req_id: &str,
+        h: &Handle,
         keys: &[impl AsRef<str>],
         lens: SmallVec<[u32; 16]>,
         data: BatchData,
         reserved: &Reserved,
         last_chunk_toks: Option<i64>,
     ) -> Result<(), StoreError> {
+        let req_id = h.req_id.as_str();
         let n = lens.len();
         let toks = last_chunk_toks.unwrap_or_else(|| lens.last().map_or(0, |&l| i64::from(l)));
         let id = {
@@ -434,7 +435,7 @@ impl Shared {
                 drop(t);
                 let bytes = lens.iter().map(|&l| l as usize).sum();
                 self.release_data(data, bytes);
-                return Err(StoreError::Cancelled);
+                return Err(self.stopped(req_id, &h.signal));
             };
             let keys = keys.iter().map(|k| k.as_ref().to_owned()).collect();
             let batch = self.batch_for(req, keys, lens, data, reserved.is_last, toks);
@@ -488,7 +489,7 @@ impl Shared {
             BatchData::Staged(set)
         };
         self.publish(
-            &h.req_id,
+            h,
             keys,
             lens.iter().copied().collect(),
             data,
@@ -519,7 +520,7 @@ impl Shared {
                 lease: Arc::new(lease),
             }
         };
-        self.publish(&h.req_id, keys, lens, data, &reserved, None)
+        self.publish(h, keys, lens, data, &reserved, None)
     }
 
     /// The copying path: into staging slots if the request is admitted,
@@ -548,7 +549,7 @@ impl Shared {
                 Err(e) => {
                     self.unreserve(&h.req_id, n, reserved.is_last);
                     return Err(match e {
-                        AllocError::Cancelled => StoreError::Cancelled,
+                        AllocError::Cancelled => self.stopped(&h.req_id, &h.signal),
                         AllocError::Timeout => StoreError::StagingTimeout,
                         AllocError::TooLarge { requested, slots } => StoreError::BatchTooLarge {
                             chunks: requested,
@@ -584,7 +585,7 @@ impl Shared {
             }
             BatchData::Pending(buf)
         };
-        self.publish(&h.req_id, keys, lens, data, &reserved, last_chunk_toks)
+        self.publish(h, keys, lens, data, &reserved, last_chunk_toks)
     }
 
     /// Copies `chunks` (each at most `chunk_bytes`, checked by the caller)
@@ -643,6 +644,23 @@ impl Shared {
             }
             // Dropping the lease lets the regions go once no op holds it.
             BatchData::Registered { .. } | BatchData::Empty => {}
+        }
+    }
+
+    /// Why a request stopped taking batches, as the caller sees it:
+    /// [`StoreError::Cancelled`] only for a cancel; a failure (or any ended
+    /// request) is [`StoreError::RequestEnded`] with the status it ends with.
+    /// The one mapping for every wait that a request's cancel token ends.
+    pub(crate) fn stopped(&self, req_id: &str, signal: &Signal) -> StoreError {
+        let t = self.table.lock();
+        match t.reqs.get(req_id).map(|r| &r.state) {
+            Some(ReqState::Aborting(RequestStatus::Cancelled)) => StoreError::Cancelled,
+            Some(ReqState::Aborting(s) | ReqState::Done(s)) => StoreError::RequestEnded(s.clone()),
+            // Live (a token fired by close) or forgotten: the handle's view.
+            _ => match signal.terminal() {
+                Some(s) => StoreError::RequestEnded(s.clone()),
+                None => StoreError::Cancelled,
+            },
         }
     }
 

@@ -152,7 +152,7 @@ impl Request {
             .slots
             .alloc(n, Some(deadline), &self.h.cancel)
             .map_err(|e| match e {
-                AllocError::Cancelled => StoreError::Cancelled,
+                AllocError::Cancelled => self.h.shared.stopped(&self.h.req_id, &self.h.signal),
                 AllocError::Timeout => StoreError::StagingTimeout,
                 AllocError::TooLarge { requested, slots } => StoreError::BatchTooLarge {
                     chunks: requested,
@@ -291,7 +291,7 @@ impl Request {
             return Err(StoreError::RequestEnded(s.clone()));
         }
         if self.h.cancel.is_cancelled() {
-            return Err(StoreError::Cancelled);
+            return Err(self.h.shared.stopped(&self.h.req_id, &self.h.signal));
         }
         Ok(())
     }
