@@ -1,4 +1,6 @@
-//! The RDMA transport (feature `rdma`). Tests that need an RDMA device (a
+//! The RDMA transport (feature `rdma`): the conformance suite
+//! (`conformance::*`, see `tests/common_transport/conformance.rs`) and what
+//! only rdma has (queue pair setup, device faults, link flaps). Tests that need an RDMA device (a
 //! NIC or soft-RoCE, see docs/rdma.md) print `SKIP <test>: <reason>` to
 //! stderr and return when there is none, unless `KVFERRY_RDMA_REQUIRE_DEVICE=1`
 //! is set (as in the CI guest, `tests/soft-roce/vm.sh`), where a missing
@@ -15,6 +17,9 @@
 
 mod common_transport;
 use common_transport::{collect, read_slot};
+#[path = "common_transport/conformance.rs"]
+#[macro_use]
+mod suite;
 
 #[path = "common_sender/mod.rs"]
 mod common_sender;
@@ -101,19 +106,126 @@ fn a_bad_config_is_rejected_before_opening_a_device() {
     ));
 }
 
-/// A receiver side over a fresh region and a started sender connected to it.
-struct Pair {
+/// One receiver side of an [`Rdma`] fixture.
+struct RdmaRx {
     region: Arc<Region>,
-    rx: RdmaReceiverSide,
-    /// Kept alive with the pair (filled before the transport shared it).
-    _staging: Arc<StagingBuffer>,
-    poster: RdmaPoster,
-    completions: Box<dyn Completions>,
-    peer: u32,
+    side: RdmaReceiverSide,
+    /// The sender's descriptor of the queue pair last connected to it.
     sender_desc: Descriptor,
 }
 
-fn pair(credits: usize) -> Pair {
+/// A started rdma sender side (poster and completions over a staging
+/// buffer) and the receiver sides it is connected to: the fixture of the
+/// conformance suite and of the device fault tests below.
+struct Rdma {
+    cfg: RdmaConfig,
+    poster: Option<RdmaPoster>,
+    completions: Option<Box<dyn Completions>>,
+    receivers: Vec<RdmaRx>,
+    /// Kept alive with the poster (filled before the transport shared it).
+    _staging: Arc<StagingBuffer>,
+}
+
+impl Rdma {
+    fn with_config(cfg: RdmaConfig, staging: Arc<StagingBuffer>) -> Self {
+        let (poster, completions) = RdmaTransport::new(cfg.clone())
+            .unwrap()
+            .start_rdma(staging.clone())
+            .unwrap();
+        Rdma {
+            cfg,
+            poster: Some(poster),
+            completions: Some(Box::new(completions)),
+            receivers: Vec::new(),
+            _staging: staging,
+        }
+    }
+    fn rdma_poster(&mut self) -> &mut RdmaPoster {
+        self.poster.as_mut().expect("the poster was dropped")
+    }
+    fn comps(&mut self) -> &mut dyn Completions {
+        &mut **self
+            .completions
+            .as_mut()
+            .expect("the completions were dropped")
+    }
+    /// The receiver side (and the sender's queue pair) of receiver 0.
+    fn rx(&mut self) -> &mut RdmaRx {
+        &mut self.receivers[0]
+    }
+}
+
+impl suite::Fixture for Rdma {
+    const KIND: &'static str = "rdma";
+    const IN_ORDER: bool = false;
+    const THREADS: &'static [&'static str] = &[kvferry::transport::rdma::CQ_THREAD_NAME];
+
+    fn available(test: &str) -> bool {
+        device_or_skip(test)
+    }
+    fn start(staging: Arc<StagingBuffer>, credits: usize) -> Self {
+        let cfg = RdmaConfig {
+            credits,
+            signal_every: 4,
+            ..env_cfg()
+        };
+        Rdma::with_config(cfg, staging)
+    }
+    fn add_receiver(&mut self, capacity: u64) -> (usize, u32) {
+        let region = Arc::new(Region::create(&default_region_path(), CHUNK, capacity).unwrap());
+        let side = RdmaReceiverSide::new(region.clone(), &self.cfg).unwrap();
+        self.receivers.push(RdmaRx {
+            region,
+            side,
+            sender_desc: Descriptor::None,
+        });
+        let rx = self.receivers.len() - 1;
+        (rx, self.reconnect(rx).expect("connect"))
+    }
+    /// A new queue pair (`prepare`), accepted by the receiver side, then
+    /// connected with its answer (as `Hello` / `HelloAck` do).
+    fn reconnect(&mut self, rx: usize) -> Result<u32, TransportError> {
+        let sender_desc = self.rdma_poster().prepare()?;
+        let r = &mut self.receivers[rx];
+        let remote = RemoteBuffer {
+            descriptor: r.side.accept(&sender_desc)?,
+            chunk_bytes: r.region.chunk_bytes(),
+            capacity_chunks: r.region.capacity_chunks(),
+        };
+        r.sender_desc = sender_desc.clone();
+        self.rdma_poster().connect_prepared(&sender_desc, &remote)
+    }
+    fn read_slot(&self, rx: usize, slot: u32) -> Vec<u8> {
+        read_slot(&self.receivers[rx].region, slot, CHUNK as usize)
+    }
+    fn connections(&self, rx: usize) -> Option<usize> {
+        Some(self.receivers[rx].side.senders())
+    }
+    fn foreign() -> Descriptor {
+        Descriptor::Shm {
+            path: "/dev/shm/x".into(),
+            len: CHUNK * SLOTS,
+        }
+    }
+    fn parts(&mut self) -> (Option<&mut dyn Poster>, Option<&mut dyn Completions>) {
+        (
+            self.poster.as_mut().map(|p| p as _),
+            self.completions.as_mut().map(|c| &mut **c as _),
+        )
+    }
+    fn drop_poster(&mut self) {
+        self.poster = None;
+    }
+    fn drop_completions(&mut self) {
+        self.completions = None;
+    }
+}
+
+conformance_suite!(crate::Rdma);
+
+/// An [`Rdma`] fixture with `credits` and one receiver of [`SLOTS`] slots;
+/// its peer index.
+fn pair(credits: usize) -> (Rdma, u32) {
     pair_with(RdmaConfig {
         credits,
         signal_every: 4,
@@ -121,38 +233,11 @@ fn pair(credits: usize) -> Pair {
     })
 }
 
-fn pair_with(cfg: RdmaConfig) -> Pair {
-    let region = Arc::new(Region::create(&default_region_path(), CHUNK, SLOTS).unwrap());
-    let mut rx = RdmaReceiverSide::new(region.clone(), &cfg).unwrap();
-    // Staging slot `i` holds `i + 1` (filled before the transport shares it).
-    let mut staging = StagingBuffer::new(SLOTS as usize, CHUNK).unwrap();
-    for i in 0..SLOTS {
-        staging
-            .write_slot(i as u32, &vec![i as u8 + 1; CHUNK as usize])
-            .unwrap();
-    }
-    let staging = Arc::new(staging);
-    let (mut poster, completions) = RdmaTransport::new(cfg)
-        .unwrap()
-        .start_rdma(staging.clone())
-        .unwrap();
-    let sender_desc = poster.prepare().unwrap();
-    let ack = rx.accept(&sender_desc).unwrap();
-    let remote = RemoteBuffer {
-        descriptor: ack,
-        chunk_bytes: CHUNK,
-        capacity_chunks: SLOTS,
-    };
-    let peer = poster.connect_prepared(&sender_desc, &remote).unwrap();
-    Pair {
-        region,
-        rx,
-        _staging: staging,
-        poster,
-        completions: Box::new(completions),
-        peer,
-        sender_desc,
-    }
+fn pair_with(cfg: RdmaConfig) -> (Rdma, u32) {
+    let staging = Arc::new(StagingBuffer::new(SLOTS as usize, CHUNK).unwrap());
+    let mut p = Rdma::with_config(cfg, staging);
+    let (_, peer) = suite::Fixture::add_receiver(&mut p, SLOTS);
+    (p, peer)
 }
 
 fn op(work_id: u64, peer: u32, slot: u64, remote_slot: u64, len: u64) -> WriteOp {
@@ -166,52 +251,15 @@ fn op(work_id: u64, peer: u32, slot: u64, remote_slot: u64, len: u64) -> WriteOp
     }
 }
 
-#[test]
-fn writes_land_in_the_receivers_slots() {
-    if !device_or_skip("writes_land_in_the_receivers_slots") {
-        return;
-    }
-    let mut p = pair(64);
-    let mut ops = Vec::new();
-    for i in 0..SLOTS {
-        ops.push(op(100 + i, p.peer, i, SLOTS - 1 - i, CHUNK));
-    }
-    assert_eq!(p.poster.post(&ops).unwrap(), ops.len());
-    let done = collect(p.completions.as_mut(), ops.len(), "16 writes");
-    assert!(done.iter().all(|c| c.ok()), "{done:?}");
-    for i in 0..SLOTS {
-        let got = read_slot(&p.region, (SLOTS - 1 - i) as u32, CHUNK as usize);
-        assert_eq!(got, vec![i as u8 + 1; CHUNK as usize], "slot {i}");
-    }
-    assert_eq!(p.poster.in_flight(), 0);
-    assert_eq!(p.rx.senders(), 1);
-}
-
-#[test]
-fn bad_ops_complete_at_once_with_their_reason() {
-    if !device_or_skip("bad_ops_complete_at_once_with_their_reason") {
-        return;
-    }
-    let mut p = pair(64);
-    let ops = [
-        op(1, p.peer, 0, SLOTS, CHUNK), // remote range past the end
-        op(2, p.peer, SLOTS, 0, CHUNK), // local range past the end
-        op(3, 77, 0, 0, CHUNK),         // no such peer
-        op(4, p.peer, 0, 0, 0),         // empty write: fine
-    ];
-    assert_eq!(p.poster.post(&ops).unwrap(), 4);
-    let mut done = collect(p.completions.as_mut(), 4, "bad ops");
-    done.sort_by_key(|c| c.work_id);
-    use CompletionStatus::*;
-    let got: Vec<_> = done.iter().map(|c| c.status()).collect();
-    assert_eq!(got, vec![OutOfBounds, OutOfBounds, UnknownPeer, Ok]);
-    // A disconnected peer's later writes fail as unknown.
-    p.poster.disconnect(p.peer);
-    assert_eq!(p.poster.post(&[op(5, p.peer, 0, 0, CHUNK)]).unwrap(), 1);
-    assert_eq!(
-        collect(p.completions.as_mut(), 1, "after disconnect")[0].status(),
-        UnknownPeer
-    );
+/// Destroys the receiver's queue pair of `p` and posts 8 writes to it.
+fn post_to_a_destroyed_qp(p: &mut Rdma, peer: u32) {
+    let qp = match &p.rx().sender_desc {
+        Descriptor::Rdma { qp_num, .. } => *qp_num,
+        other => panic!("sender descriptor {other:?}"),
+    };
+    assert!(p.rx().side.forget(qp));
+    let ops: Vec<WriteOp> = (0..8).map(|i| op(i, peer, i, i, CHUNK)).collect();
+    assert_eq!(p.rdma_poster().post(&ops).unwrap(), 8);
 }
 
 #[test]
@@ -219,39 +267,24 @@ fn a_dead_receiver_qp_fails_the_in_flight_writes() {
     if !device_or_skip("a_dead_receiver_qp_fails_the_in_flight_writes") {
         return;
     }
-    let mut p = pair(64);
-    let qp = match &p.sender_desc {
-        Descriptor::Rdma { qp_num, .. } => *qp_num,
-        other => panic!("sender descriptor {other:?}"),
-    };
-    assert!(p.rx.forget(qp));
-    let ops: Vec<WriteOp> = (0..8).map(|i| op(i, p.peer, i, i, CHUNK)).collect();
-    assert_eq!(p.poster.post(&ops).unwrap(), 8);
+    let (mut p, peer) = pair(64);
+    post_to_a_destroyed_qp(&mut p, peer);
     // RC retries are finite (about 7 * 67 ms plus RNR), well inside DEADLINE.
     // Before issue 14 the retry count was 7, which rxe retries forever: this
     // timed out, and dropping the poster then hung.
-    let done = collect(p.completions.as_mut(), 8, "writes to a destroyed QP");
+    let done = collect(p.comps(), 8, "writes to a destroyed QP");
     assert!(
         done.iter()
             .all(|c| c.status() == CompletionStatus::ConnectionLost),
         "{done:?}"
     );
     // The queue pair is in error: later writes fail at once.
-    assert_eq!(p.poster.post(&[op(9, p.peer, 0, 0, CHUNK)]).unwrap(), 1);
-    let later = collect(p.completions.as_mut(), 1, "write after the QP failed");
+    assert_eq!(
+        p.rdma_poster().post(&[op(9, peer, 0, 0, CHUNK)]).unwrap(),
+        1
+    );
+    let later = collect(p.comps(), 1, "write after the QP failed");
     assert_eq!(later[0].status(), CompletionStatus::ConnectionLost);
-}
-
-/// Destroys the receiver's queue pair of `p` and posts 8 writes to it.
-fn post_to_a_destroyed_qp(p: &mut Pair) -> Vec<WriteOp> {
-    let qp = match &p.sender_desc {
-        Descriptor::Rdma { qp_num, .. } => *qp_num,
-        other => panic!("sender descriptor {other:?}"),
-    };
-    assert!(p.rx.forget(qp));
-    let ops: Vec<WriteOp> = (0..8).map(|i| op(i, p.peer, i, i, CHUNK)).collect();
-    assert_eq!(p.poster.post(&ops).unwrap(), 8);
-    ops
 }
 
 /// A queue pair whose NIC never gives up (retry count 7: rxe retries it
@@ -263,28 +296,27 @@ fn a_queue_pair_that_never_gives_up_is_fenced_by_the_stall_watchdog() {
     if !device_or_skip("a_queue_pair_that_never_gives_up_is_fenced_by_the_stall_watchdog") {
         return;
     }
-    let mut p = pair_with(RdmaConfig {
+    let (mut p, peer) = pair_with(RdmaConfig {
         credits: 64,
         signal_every: 4,
         retry_count: 7,
         stall_timeout: Duration::from_secs(1),
         ..env_cfg()
     });
-    post_to_a_destroyed_qp(&mut p);
-    let done = collect(
-        p.completions.as_mut(),
-        8,
-        "writes to a QP that retries forever",
-    );
+    post_to_a_destroyed_qp(&mut p, peer);
+    let done = collect(p.comps(), 8, "writes to a QP that retries forever");
     assert!(
         done.iter()
             .all(|c| c.status() == CompletionStatus::ConnectionLost),
         "{done:?}"
     );
-    assert_eq!(p.poster.post(&[op(9, p.peer, 0, 0, CHUNK)]).unwrap(), 1);
-    let later = collect(p.completions.as_mut(), 1, "write after the fence");
+    assert_eq!(
+        p.rdma_poster().post(&[op(9, peer, 0, 0, CHUNK)]).unwrap(),
+        1
+    );
+    let later = collect(p.comps(), 1, "write after the fence");
     assert_eq!(later[0].status(), CompletionStatus::ConnectionLost);
-    assert_eq!(p.poster.in_flight(), 0);
+    assert_eq!(p.rdma_poster().in_flight(), 0);
 }
 
 /// Dropping the poster while writes are stuck in flight returns: the drop
@@ -295,22 +327,22 @@ fn dropping_the_poster_with_writes_stuck_in_flight_returns() {
     if !device_or_skip("dropping_the_poster_with_writes_stuck_in_flight_returns") {
         return;
     }
-    let mut p = pair_with(RdmaConfig {
+    let (mut p, peer) = pair_with(RdmaConfig {
         credits: 64,
         signal_every: 4,
         retry_count: 7,
         stall_timeout: Duration::from_secs(1),
         ..env_cfg()
     });
-    post_to_a_destroyed_qp(&mut p);
-    let poster = p.poster;
+    post_to_a_destroyed_qp(&mut p, peer);
+    let poster = p.poster.take();
     let h = std::thread::spawn(move || drop(poster));
     common_sender::join_within("dropping an RdmaPoster with stuck writes", h);
     // The CQ thread delivered what was in flight, then closed the ring.
     let mut out = Vec::new();
     let end = Instant::now() + DEADLINE;
     loop {
-        match p.completions.poll(&mut out, 64, Some(end)) {
+        match p.comps().poll(&mut out, 64, Some(end)) {
             PollStatus::Closed => break,
             PollStatus::TimedOut => panic!("completions not closed after the drop: {out:?}"),
             _ => {}
@@ -320,52 +352,50 @@ fn dropping_the_poster_with_writes_stuck_in_flight_returns() {
     assert!(out.iter().all(|c| !c.ok()), "{out:?}");
 }
 
+/// The generic `connect` of an rdma descriptor, a queue pair never
+/// prepared or already connected, and a discarded one are refused; the
+/// receiver side refuses a foreign descriptor. (`connect` of a foreign
+/// descriptor: `conformance::connect_refuses_foreign_descriptors`.)
 #[test]
 fn the_generic_connect_and_foreign_descriptors_are_refused() {
     if !device_or_skip("the_generic_connect_and_foreign_descriptors_are_refused") {
         return;
     }
-    let mut p = pair(8);
+    let (mut p, _) = pair(8);
     let remote = |descriptor| RemoteBuffer {
         descriptor,
         chunk_bytes: CHUNK,
         capacity_chunks: SLOTS,
     };
-    let shm = Descriptor::Shm {
-        path: "/dev/shm/x".into(),
-        len: CHUNK * SLOTS,
-    };
+    let shm = <Rdma as suite::Fixture>::foreign();
+    let sender_desc = p.rx().sender_desc.clone();
     assert!(matches!(
-        p.poster.connect(&remote(shm.clone())),
-        Err(TransportError::Unsupported { .. })
-    ));
-    assert!(matches!(
-        p.poster.connect(&remote(p.sender_desc.clone())),
+        p.rdma_poster().connect(&remote(sender_desc.clone())),
         Err(TransportError::BadDescriptor(_))
     ));
     assert!(matches!(
-        p.rx.accept(&shm),
+        p.rx().side.accept(&shm),
         Err(TransportError::Unsupported { .. })
     ));
     // Connecting a QP that was never prepared (or twice) is refused.
-    let ack = p.rx.accept(&p.poster.prepare().unwrap()).unwrap();
+    let fresh = p.rdma_poster().prepare().unwrap();
+    let ack = p.rx().side.accept(&fresh).unwrap();
     assert!(matches!(
-        p.poster.connect_prepared(&p.sender_desc, &remote(ack)),
+        p.rdma_poster().connect_prepared(&sender_desc, &remote(ack)),
         Err(TransportError::BadDescriptor(_))
     ));
     // A discarded QP (its Hello went unanswered) cannot be connected.
-    let discarded = p.poster.prepare().unwrap();
-    let ack = p.rx.accept(&discarded).unwrap();
-    p.poster.discard_prepared(&discarded);
+    let discarded = p.rdma_poster().prepare().unwrap();
+    let ack = p.rx().side.accept(&discarded).unwrap();
+    p.rdma_poster().discard_prepared(&discarded);
     assert!(matches!(
-        p.poster.connect_prepared(&discarded, &remote(ack)),
+        p.rdma_poster().connect_prepared(&discarded, &remote(ack)),
         Err(TransportError::BadDescriptor(_))
     ));
-    drop(p.poster);
+    p.poster = None;
     let mut out = Vec::new();
     assert_eq!(
-        p.completions
-            .poll(&mut out, 1, Some(Instant::now() + DEADLINE)),
+        p.comps().poll(&mut out, 1, Some(Instant::now() + DEADLINE)),
         PollStatus::Closed
     );
 }

@@ -1,20 +1,79 @@
-//! Black-box tests of the shm transport, the staging buffer and coalescing.
+//! The shm transport: the conformance suite (`conformance::*`, see
+//! `tests/common_transport/conformance.rs`) over a shm file, and what only
+//! shm has: connecting checks the file and its geometry, `by_name`, the
+//! staging buffer's errors, and coalescing.
 
 mod common_transport;
-use common_transport::{collect, op, pattern, post_all, read_slot, WAIT};
+use common_transport::{op, pattern, post_all, read_slot};
+#[path = "common_transport/conformance.rs"]
+#[macro_use]
+mod suite;
 
-use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use kvferry::protocol::Descriptor;
 use kvferry::region::{default_region_path, Region, RegionError};
 use kvferry::staging::{StagingBuffer, StagingError};
 use kvferry::transport::{
-    by_name, coalesce, Completion, CompletionStatus, Completions, FaultConfig, PollStatus, Poster,
-    RemoteBuffer, TransportConfig, TransportError, WriteOp, MAX_RING_CAPACITY,
+    by_name, coalesce, Completion, Completions, FaultConfig, Poster, RemoteBuffer, TransportConfig,
+    TransportError, WriteOp, MAX_RING_CAPACITY,
 };
 use proptest::prelude::*;
+
+/// The shm transport under the conformance suite: each receiver is a
+/// region (a `/dev/shm` file) the poster maps.
+struct Shm {
+    poster: Option<Box<dyn Poster>>,
+    comps: Option<Box<dyn Completions>>,
+    regions: Vec<Region>,
+}
+
+impl suite::Fixture for Shm {
+    const KIND: &'static str = "shm";
+    const IN_ORDER: bool = true;
+    const THREADS: &'static [&'static str] = &[kvferry::transport::shm::ENGINE_THREAD_NAME];
+
+    fn start(staging: Arc<StagingBuffer>, credits: usize) -> Self {
+        let (poster, comps) = start(&staging, credits);
+        Shm {
+            poster: Some(poster),
+            comps: Some(comps),
+            regions: Vec::new(),
+        }
+    }
+    fn add_receiver(&mut self, capacity: u64) -> (usize, u32) {
+        self.regions.push(region(suite::CHUNK, capacity));
+        let rx = self.regions.len() - 1;
+        (rx, self.reconnect(rx).expect("connect"))
+    }
+    fn reconnect(&mut self, rx: usize) -> Result<u32, TransportError> {
+        let remote = remote(&self.regions[rx]);
+        suite::Fixture::poster(self).connect(&remote)
+    }
+    fn read_slot(&self, rx: usize, slot: u32) -> Vec<u8> {
+        read_slot(&self.regions[rx], slot, suite::CHUNK as usize)
+    }
+    fn foreign() -> Descriptor {
+        Descriptor::Tcp {
+            addr: "127.0.0.1:1".into(),
+            secret: None,
+        }
+    }
+    fn parts(&mut self) -> (Option<&mut dyn Poster>, Option<&mut dyn Completions>) {
+        (
+            self.poster.as_mut().map(|p| &mut **p as _),
+            self.comps.as_mut().map(|c| &mut **c as _),
+        )
+    }
+    fn drop_poster(&mut self) {
+        self.poster = None;
+    }
+    fn drop_completions(&mut self) {
+        self.comps = None;
+    }
+}
+
+conformance_suite!(crate::Shm; idle_threads_sleep);
 
 fn start(
     staging: &Arc<StagingBuffer>,
@@ -52,228 +111,6 @@ fn all_region_bytes(r: &Region) -> Vec<u8> {
 }
 
 #[test]
-fn a_write_lands_in_the_receiver_region() {
-    let mut staging = StagingBuffer::new(4, 4096).unwrap();
-    let data = pattern(1, 4096);
-    staging.write_slot(1, &data).unwrap();
-    let r = region(4096, 8);
-    let staging = Arc::new(staging);
-    let (mut poster, mut comps) = start(&staging, 16);
-    let peer = poster.connect(&remote(&r)).unwrap();
-    let n = poster
-        .post(&[op(42, staging.slot_offset(1), 5 * 4096, 4096, peer)])
-        .unwrap();
-    assert_eq!(n, 1);
-    let done = collect(&mut *comps, 1, "single write");
-    assert_eq!(done, vec![Completion::new(42, CompletionStatus::Ok)]);
-    assert!(done[0].ok());
-    assert_eq!(poster.in_flight(), 0);
-    assert_eq!(read_slot(&r, 5, 4096), data);
-    for s in (0..8).filter(|&s| s != 5) {
-        assert!(
-            read_slot(&r, s, 4096).iter().all(|&b| b == 0),
-            "slot {s} touched"
-        );
-    }
-}
-
-#[test]
-fn many_ops_across_two_peers_with_credit_flow() {
-    const CHUNK: u64 = 1024;
-    let mut staging = StagingBuffer::new(128, CHUNK).unwrap();
-    for s in 0..128u32 {
-        staging
-            .write_slot(s, &pattern(u64::from(s), CHUNK as usize))
-            .unwrap();
-    }
-    let (r0, r1) = (region(CHUNK, 64), region(CHUNK, 64));
-    let staging = Arc::new(staging);
-    let (mut poster, mut comps) = start(&staging, 16);
-    let p0 = poster.connect(&remote(&r0)).unwrap();
-    let p1 = poster.connect(&remote(&r1)).unwrap();
-    assert_ne!(p0, p1);
-    assert_eq!(poster.credits(), 16);
-    let ops: Vec<WriteOp> = (0..128u32)
-        .map(|s| {
-            let peer = if s % 2 == 0 { p0 } else { p1 };
-            // Reverse the slot order on the receiver side.
-            let remote_slot = 63 - u64::from(s / 2);
-            op(
-                1000 + u64::from(s),
-                staging.slot_offset(s),
-                remote_slot * CHUNK,
-                CHUNK,
-                peer,
-            )
-        })
-        .collect();
-    let done = post_all(&mut *poster, &mut *comps, &ops);
-    assert!(done.iter().all(Completion::ok), "{done:?}");
-    let ids: HashSet<u64> = done.iter().map(|c| c.work_id).collect();
-    assert_eq!(ids.len(), 128, "every op completes exactly once");
-    assert_eq!(ids, ops.iter().map(|o| o.work_id).collect());
-    for s in 0..128u32 {
-        let r = if s % 2 == 0 { &r0 } else { &r1 };
-        assert_eq!(
-            read_slot(r, 63 - s / 2, CHUNK as usize),
-            pattern(u64::from(s), CHUNK as usize),
-            "staging slot {s}"
-        );
-    }
-}
-
-#[test]
-fn out_of_bounds_ops_complete_with_an_error_and_write_nothing() {
-    let mut staging = StagingBuffer::new(4, 512).unwrap();
-    for s in 0..4 {
-        staging.write_slot(s, &pattern(9, 512)).unwrap();
-    }
-    let r = region(512, 4);
-    let staging = Arc::new(staging);
-    let (mut poster, mut comps) = start(&staging, 16);
-    let p = poster.connect(&remote(&r)).unwrap();
-    let bad = [
-        op(1, 0, 4 * 512 - 10, 11, p), // remote end one past the area
-        op(2, 4 * 512 - 10, 0, 11, p), // local end one past staging
-        op(3, 0, u64::MAX - 4, 10, p), // remote end overflows u64
-        op(4, u64::MAX, 0, 1, p),      // local end overflows u64
-        op(5, 0, 4 * 512, 0, p),       // empty op at the end: fine
-        op(6, 0, 4 * 512 + 1, 0, p),   // empty op past the end
-        op(7, 0, 0, u64::MAX, p),      // huge length
-    ];
-    assert_eq!(poster.post(&bad).unwrap(), bad.len());
-    let done = collect(&mut *comps, bad.len(), "out-of-bounds ops");
-    let status: Vec<(u64, CompletionStatus)> =
-        done.iter().map(|c| (c.work_id, c.status())).collect();
-    use CompletionStatus::{Ok, OutOfBounds};
-    assert_eq!(
-        status,
-        vec![
-            (1, OutOfBounds),
-            (2, OutOfBounds),
-            (3, OutOfBounds),
-            (4, OutOfBounds),
-            (5, Ok),
-            (6, OutOfBounds),
-            (7, OutOfBounds)
-        ]
-    );
-    assert!(
-        all_region_bytes(&r).iter().all(|&b| b == 0),
-        "nothing written"
-    );
-    // The engine is still healthy.
-    poster.post(&[op(8, 0, 3 * 512, 512, p)]).unwrap();
-    assert!(collect(&mut *comps, 1, "write after errors")[0].ok());
-    assert_eq!(read_slot(&r, 3, 512), pattern(9, 512));
-}
-
-#[test]
-fn unknown_and_disconnected_peers_complete_with_unknown_peer() {
-    let mut staging = StagingBuffer::new(2, 256).unwrap();
-    staging.write_slot(0, &[7; 256]).unwrap();
-    let r = region(256, 2);
-    let staging = Arc::new(staging);
-    let (mut poster, mut comps) = start(&staging, 8);
-    let p = poster.connect(&remote(&r)).unwrap();
-    poster.post(&[op(1, 0, 0, 256, p + 1)]).unwrap();
-    assert_eq!(
-        collect(&mut *comps, 1, "unknown peer")[0].status(),
-        CompletionStatus::UnknownPeer
-    );
-    poster.disconnect(p);
-    poster.disconnect(p); // twice: no-op
-    poster.disconnect(99); // unknown: ignored
-    poster.post(&[op(2, 0, 0, 256, p)]).unwrap();
-    assert_eq!(
-        collect(&mut *comps, 1, "disconnected peer")[0].status(),
-        CompletionStatus::UnknownPeer
-    );
-    assert!(all_region_bytes(&r).iter().all(|&b| b == 0));
-    // Reconnecting gets a fresh index that works.
-    let p2 = poster.connect(&remote(&r)).unwrap();
-    assert_ne!(p2, p);
-    poster.post(&[op(3, 0, 0, 256, p2)]).unwrap();
-    assert!(collect(&mut *comps, 1, "reconnected peer")[0].ok());
-    assert_eq!(read_slot(&r, 0, 256), vec![7; 256]);
-}
-
-#[test]
-fn post_stops_at_the_credit_limit_and_resumes_after_poll() {
-    let staging = Arc::new(StagingBuffer::new(16, 64).unwrap());
-    let r = region(64, 16);
-    let (mut poster, mut comps) = start(&staging, 4);
-    let p = poster.connect(&remote(&r)).unwrap();
-    let ops: Vec<WriteOp> = (0..10).map(|i| op(i, i * 64, i * 64, 64, p)).collect();
-    assert_eq!(poster.credits(), 4);
-    assert_eq!(poster.post(&ops).unwrap(), 4);
-    assert_eq!(poster.in_flight(), 4);
-    assert_eq!(poster.post(&ops[4..]).unwrap(), 0, "no credit left");
-    let first = collect(&mut *comps, 3, "first three");
-    assert_eq!(poster.in_flight(), 1);
-    assert_eq!(
-        poster.post(&ops[4..]).unwrap(),
-        3,
-        "three credits came back"
-    );
-    let rest = collect(&mut *comps, 4, "rest");
-    let ids: Vec<u64> = first.iter().chain(&rest).map(|c| c.work_id).collect();
-    assert_eq!(ids, (0..7).collect::<Vec<_>>(), "shm completes in order");
-    assert_eq!(poster.in_flight(), 0);
-}
-
-#[test]
-fn dropping_the_poster_delivers_every_completion_then_closed() {
-    let staging = Arc::new(StagingBuffer::new(8, 128).unwrap());
-    let r = region(128, 8);
-    let (mut poster, mut comps) = start(&staging, 8);
-    let p = poster.connect(&remote(&r)).unwrap();
-    let ops: Vec<WriteOp> = (0..8).map(|i| op(i, i * 128, i * 128, 128, p)).collect();
-    assert_eq!(poster.post(&ops).unwrap(), 8);
-    drop(poster);
-    let deadline = Instant::now() + WAIT;
-    let mut out = Vec::new();
-    loop {
-        match comps.poll(&mut out, 3, Some(deadline)) {
-            PollStatus::Ready(n) => assert!((1..=3).contains(&n)),
-            PollStatus::Closed => break,
-            PollStatus::TimedOut => panic!("close: poll timed out after {} completions", out.len()),
-        }
-    }
-    assert_eq!(
-        out.iter().map(|c| c.work_id).collect::<Vec<_>>(),
-        (0..8).collect::<Vec<_>>()
-    );
-    assert_eq!(
-        comps.poll(&mut out, 1, Some(deadline)),
-        PollStatus::Closed,
-        "stays closed"
-    );
-}
-
-#[test]
-fn poll_times_out_when_idle_and_respects_max() {
-    let staging = Arc::new(StagingBuffer::new(4, 64).unwrap());
-    let r = region(64, 4);
-    let (mut poster, mut comps) = start(&staging, 8);
-    let mut out = Vec::new();
-    let soon = Instant::now() + Duration::from_millis(20);
-    assert_eq!(comps.poll(&mut out, 8, Some(soon)), PollStatus::TimedOut);
-    assert_eq!(comps.poll(&mut out, 0, Some(soon)), PollStatus::Ready(0));
-    let p = poster.connect(&remote(&r)).unwrap();
-    let ops: Vec<WriteOp> = (0..4).map(|i| op(i, i * 64, i * 64, 64, p)).collect();
-    poster.post(&ops).unwrap();
-    let deadline = Instant::now() + WAIT;
-    match comps.poll(&mut out, 2, Some(deadline)) {
-        PollStatus::Ready(n) => assert!((1..=2).contains(&n), "max respected, got {n}"),
-        s => panic!("poll after post: {s:?}"),
-    }
-    let got = out.len();
-    out.extend(collect(&mut *comps, 4 - got, "remaining"));
-    assert_eq!(out.len(), 4);
-}
-
-#[test]
 fn connect_checks_the_descriptor_and_the_file() {
     let staging = Arc::new(StagingBuffer::new(1, 64).unwrap());
     let r = region(64, 4);
@@ -282,29 +119,7 @@ fn connect_checks_the_descriptor_and_the_file() {
     let p = poster.connect(&good).unwrap();
     assert_eq!(poster.connect(&good).unwrap(), p, "same path → same peer");
 
-    let wrong_kind = RemoteBuffer {
-        descriptor: Descriptor::Tcp {
-            addr: "127.0.0.1:1".into(),
-            secret: None,
-        },
-        ..good.clone()
-    };
-    assert!(matches!(
-        poster.connect(&wrong_kind),
-        Err(TransportError::Unsupported {
-            transport: "shm",
-            descriptor: "tcp"
-        })
-    ));
-    let none = RemoteBuffer {
-        descriptor: Descriptor::None,
-        ..good.clone()
-    };
-    assert!(matches!(
-        poster.connect(&none),
-        Err(TransportError::Unsupported { .. })
-    ));
-
+    // Foreign descriptors: conformance::connect_refuses_foreign_descriptors.
     let bad_len = RemoteBuffer {
         descriptor: Descriptor::Shm {
             path: r.path().to_string_lossy().into_owned(),
@@ -363,32 +178,6 @@ fn connect_checks_the_descriptor_and_the_file() {
 }
 
 #[test]
-fn post_fails_with_closed_once_the_engine_stopped() {
-    let staging = Arc::new(StagingBuffer::new(1, 64).unwrap());
-    let r = region(64, 1);
-    let (mut poster, comps) = start(&staging, 8);
-    let p = poster.connect(&remote(&r)).unwrap();
-    // Nobody listens for completions any more: the engine stops at its next
-    // completion, closing the submission ring.
-    drop(comps);
-    let deadline = Instant::now() + WAIT;
-    let mut work_id = 0;
-    loop {
-        match poster.post(&[op(work_id, 0, 0, 64, p)]) {
-            Err(TransportError::Closed) => break,
-            Ok(_) => {}
-            Err(e) => panic!("unexpected error {e}"),
-        }
-        work_id += 1;
-        assert!(
-            Instant::now() < deadline,
-            "engine did not stop after its completion half was dropped"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
-#[test]
 fn by_name_builds_shm_and_reports_the_others() {
     let cfg = TransportConfig::default();
     assert_eq!(cfg.ring_capacity, 1024);
@@ -433,53 +222,6 @@ fn by_name_builds_shm_and_reports_the_others() {
     assert!(msg.contains("no RDMA device found"), "{msg}");
     let io: TransportError = std::io::Error::other("spawn failed").into();
     assert!(matches!(io, TransportError::Io(_)) && io.to_string().contains("spawn failed"));
-}
-
-/// Engine threads of this process: (tid, state letter).
-fn engine_threads() -> Vec<(String, String)> {
-    let mut found = Vec::new();
-    for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
-        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
-        if comm.trim() == kvferry::transport::shm::ENGINE_THREAD_NAME {
-            let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
-            // The state letter is the first field after "(comm)".
-            let state = stat
-                .rsplit(')')
-                .next()
-                .and_then(|s| s.split_whitespace().next());
-            found.push((
-                task.file_name().to_string_lossy().into_owned(),
-                state.unwrap_or("gone").to_owned(),
-            ));
-        }
-    }
-    found
-}
-
-/// The copy engine sleeps (futex) when there is nothing to do.
-#[test]
-fn idle_engine_thread_sleeps() {
-    let before: HashSet<String> = engine_threads().into_iter().map(|(tid, _)| tid).collect();
-    let staging = Arc::new(StagingBuffer::new(1, 64).unwrap());
-    let (_poster, _comps) = start(&staging, 8);
-    // Ours is among the engines that appeared (tests run in parallel; the
-    // thread names itself once it runs); all of those must eventually be seen
-    // asleep at once.
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let states: Vec<(String, String)> = engine_threads()
-            .into_iter()
-            .filter(|(tid, _)| !before.contains(tid))
-            .collect();
-        if !states.is_empty() && states.iter().all(|(_, s)| s == "S") {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "copy engine never went to sleep: new engine threads {states:?}"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
 }
 
 #[test]

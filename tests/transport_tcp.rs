@@ -1,14 +1,19 @@
-//! The TCP transport: `kvferry run` scenarios over loopback (with aborts and
-//! injected write failures), a data connection cut mid-transfer, and
-//! transport-level tests of the poster/completions pair against a real
-//! receiver's data listener and against scripted fake listeners.
+//! The TCP transport: the conformance suite (`conformance::*`, see
+//! `tests/common_transport/conformance.rs`) against a real receiver's data
+//! listener, and what only tcp has: `kvferry run` scenarios over loopback
+//! (with aborts and injected write failures), grants and secrets checked by
+//! the receiver, raw connections, scripted fake listeners (loss, timeouts,
+//! fencing), the receiver's configuration, and a data connection cut
+//! mid-transfer.
 
 mod common;
 
 mod common_transport;
 use common_transport::{collect, op, pattern, post_all, read_slot, WAIT};
+#[path = "common_transport/conformance.rs"]
+#[macro_use]
+mod suite;
 
-use std::collections::HashSet;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -26,10 +31,10 @@ use kvferry::transport::tcp::wire::{
 use kvferry::transport::tcp::TcpTransport;
 use kvferry::transport::{
     by_name, Completion, CompletionStatus, Completions, PollStatus, Poster, RemoteBuffer,
-    Transport, TransportConfig, TransportError, WriteOp,
+    Transport, TransportConfig, TransportError,
 };
 
-use common::{alloc, assert_ok, keys, Client, CHUNK_BYTES};
+use common::{alloc, assert_ok, keys, wait_until, Client, CHUNK_BYTES};
 
 // ----- kvferry run over tcp -------------------------------------------------
 
@@ -111,18 +116,6 @@ fn tcp_receiver(capacity: usize) -> Receiver {
     })
 }
 
-/// The receiver's buffer without a secret (its data listener refuses it).
-fn remote_of(r: &Receiver) -> RemoteBuffer {
-    RemoteBuffer {
-        descriptor: Descriptor::Tcp {
-            addr: r.tcp_data_addr().expect("tcp data listener").to_string(),
-            secret: None,
-        },
-        chunk_bytes: r.region().chunk_bytes(),
-        capacity_chunks: r.region().capacity_chunks(),
-    }
-}
-
 /// A control-plane client that said Hello for tcp, and the buffer its
 /// HelloAck announced (with the secret that lets it write its grants).
 fn tcp_client(r: &Receiver, name: &str) -> (Client, RemoteBuffer) {
@@ -181,75 +174,84 @@ fn grant(r: &Receiver, client: &Client, req: &str, n: usize) -> Vec<u32> {
     slots
 }
 
-fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
-    let end = Instant::now() + WAIT;
-    while !cond() {
-        assert!(Instant::now() < end, "hung waiting for: {what}");
-        std::thread::sleep(Duration::from_millis(2));
+// ----- the conformance suite ------------------------------------------------
+
+/// The tcp transport under the conformance suite: each receiver is a real
+/// `Receiver` with a tcp data listener; a control-plane client said Hello
+/// for tcp (getting the secret) and was granted every slot.
+struct Tcp {
+    poster: Option<Box<dyn Poster>>,
+    comps: Option<Box<dyn Completions>>,
+    receivers: Vec<(Receiver, Client, RemoteBuffer)>,
+}
+
+impl suite::Fixture for Tcp {
+    const KIND: &'static str = "tcp";
+    const IN_ORDER: bool = false;
+    // comm is truncated to 15 bytes: "kvf-tcp-engine", "kvf-recv-tcp-te".
+    const THREADS: &'static [&'static str] = &["kvf-tcp-engine", "kvf-recv-tcp"];
+
+    fn start(staging: Arc<StagingBuffer>, credits: usize) -> Self {
+        let (poster, comps) = start(&staging, credits);
+        Tcp {
+            poster: Some(poster),
+            comps: Some(comps),
+            receivers: Vec::new(),
+        }
+    }
+    fn add_receiver(&mut self, capacity: u64) -> (usize, u32) {
+        assert_eq!(suite::CHUNK, CHUNK_BYTES);
+        let r = tcp_receiver(capacity as usize);
+        let (client, remote) = tcp_client(&r, "granter");
+        let slots = grant(&r, &client, "req", capacity as usize);
+        assert_eq!(
+            slots,
+            (0..capacity as u32).collect::<Vec<_>>(),
+            "a fresh buffer grants from slot 0"
+        );
+        self.receivers.push((r, client, remote));
+        let rx = self.receivers.len() - 1;
+        (rx, self.reconnect(rx).expect("connect"))
+    }
+    fn reconnect(&mut self, rx: usize) -> Result<u32, TransportError> {
+        let remote = self.receivers[rx].2.clone();
+        suite::Fixture::poster(self).connect(&remote)
+    }
+    fn read_slot(&self, rx: usize, slot: u32) -> Vec<u8> {
+        read_slot(self.receivers[rx].0.region(), slot, CHUNK_BYTES as usize)
+    }
+    fn connections(&self, rx: usize) -> Option<usize> {
+        Some(self.receivers[rx].0.tcp_data_connections())
+    }
+    fn await_disconnected(&self, rx: usize) {
+        let r = &self.receivers[rx].0;
+        wait_until("the disconnected peer's connection closed", || {
+            r.tcp_data_connections() == 0
+        });
+    }
+    fn foreign() -> Descriptor {
+        Descriptor::Shm {
+            path: "/nonexistent".into(),
+            len: 4 * CHUNK_BYTES,
+        }
+    }
+    fn parts(&mut self) -> (Option<&mut dyn Poster>, Option<&mut dyn Completions>) {
+        (
+            self.poster.as_mut().map(|p| &mut **p as _),
+            self.comps.as_mut().map(|c| &mut **c as _),
+        )
+    }
+    fn drop_poster(&mut self) {
+        self.poster = None;
+    }
+    fn drop_completions(&mut self) {
+        self.comps = None;
     }
 }
+
+conformance_suite!(crate::Tcp; idle_threads_sleep);
 
 // ----- transport level against a real receiver ------------------------------
-
-#[test]
-fn writes_land_in_granted_slots_with_credit_flow() {
-    let r = tcp_receiver(8);
-    let (client, remote) = tcp_client(&r, "granter");
-    let slots = grant(&r, &client, "req", 4);
-    assert_eq!(slots, vec![0, 1, 2, 3], "a fresh buffer grants from slot 0");
-    let mut staging = StagingBuffer::new(8, CHUNK_BYTES).unwrap();
-    let datas: Vec<Vec<u8>> = (0..8).map(|i| pattern(i, CHUNK_BYTES as usize)).collect();
-    for (i, d) in datas.iter().enumerate() {
-        staging.write_slot(i as u32, d).unwrap();
-    }
-    // Ring of 4: posting 40 ops needs credits back many times.
-    let staging = Arc::new(staging);
-    let (mut poster, mut comps) = start(&staging, 4);
-    let peer = poster.connect(&remote).unwrap();
-    assert_eq!(poster.credits(), 4);
-    let ops: Vec<WriteOp> = (0..40u64)
-        .map(|w| {
-            let local = w % 8;
-            let slot = u64::from(slots[(w % 4) as usize]);
-            op(
-                w,
-                local * CHUNK_BYTES,
-                slot * CHUNK_BYTES,
-                CHUNK_BYTES,
-                peer,
-            )
-        })
-        .collect();
-    let done = post_all(&mut *poster, &mut *comps, &ops);
-    assert_eq!(done.len(), 40);
-    assert!(done.iter().all(Completion::ok), "{done:?}");
-    let ids: HashSet<u64> = done.iter().map(|c| c.work_id).collect();
-    assert_eq!(ids.len(), 40, "every op completed exactly once");
-    assert_eq!(poster.in_flight(), 0);
-    // The last writes to each slot were ops 36..40: locals 4..8.
-    for (k, &slot) in slots.iter().enumerate() {
-        assert_eq!(
-            read_slot(r.region(), slot, CHUNK_BYTES as usize),
-            datas[4 + k],
-            "slot {slot}"
-        );
-    }
-    // A coalesced write over the run of slots 1..3 and an empty write.
-    let mut run = datas[6].clone();
-    run.extend_from_slice(&datas[7]);
-    let done = post_all(
-        &mut *poster,
-        &mut *comps,
-        &[
-            op(100, 6 * CHUNK_BYTES, CHUNK_BYTES, 2 * CHUNK_BYTES, peer),
-            op(101, 0, 0, 0, peer),
-        ],
-    );
-    assert!(done.iter().all(Completion::ok), "{done:?}");
-    assert_eq!(read_slot(r.region(), 1, 4096), datas[6]);
-    assert_eq!(read_slot(r.region(), 2, 4096), datas[7]);
-    assert_eq!(r.tcp_data_connections(), 1, "one connection per receiver");
-}
 
 #[test]
 fn a_write_outside_the_granted_slots_is_rejected_and_closes_the_connection() {
@@ -433,20 +435,7 @@ fn connect_checks_the_descriptor_and_reports_typed_errors() {
     let staging = Arc::new(StagingBuffer::new(1, CHUNK_BYTES).unwrap());
     let (mut poster, _comps) = start(&staging, 8);
     let (_client, good) = tcp_client(&r, "granter");
-    let shm = RemoteBuffer {
-        descriptor: Descriptor::Shm {
-            path: "/nonexistent".into(),
-            len: 4 * CHUNK_BYTES,
-        },
-        ..good.clone()
-    };
-    assert!(matches!(
-        poster.connect(&shm),
-        Err(TransportError::Unsupported {
-            transport: "tcp",
-            descriptor: "shm"
-        })
-    ));
+    // Foreign descriptors: conformance::connect_refuses_foreign_descriptors.
     let with_addr = |addr: &str| RemoteBuffer {
         descriptor: Descriptor::Tcp {
             addr: addr.into(),
@@ -523,128 +512,6 @@ fn connect_checks_the_descriptor_and_reports_typed_errors() {
             ..TransportConfig::default()
         }),
         Err(TransportError::Config(_))
-    ));
-}
-
-#[test]
-fn unknown_and_disconnected_peers_complete_with_unknown_peer() {
-    let r = tcp_receiver(4);
-    let (client, remote) = tcp_client(&r, "granter");
-    grant(&r, &client, "req", 1);
-    let staging = Arc::new(StagingBuffer::new(1, CHUNK_BYTES).unwrap());
-    let (mut poster, mut comps) = start(&staging, 8);
-    let p = poster.connect(&remote).unwrap();
-    let done = post_all(
-        &mut *poster,
-        &mut *comps,
-        &[op(1, 0, 0, 16, p), op(2, 0, 0, 16, 77)],
-    );
-    assert_eq!(
-        done,
-        vec![
-            Completion::new(2, CompletionStatus::UnknownPeer),
-            Completion::new(1, CompletionStatus::Ok),
-        ]
-    );
-    poster.disconnect(p);
-    poster.disconnect(12345); // unknown: ignored
-    let done = post_all(&mut *poster, &mut *comps, &[op(3, 0, 0, 16, p)]);
-    assert_eq!(
-        done,
-        vec![Completion::new(3, CompletionStatus::UnknownPeer)]
-    );
-    wait_until("the disconnected peer's connection closed", || {
-        r.tcp_data_connections() == 0
-    });
-}
-
-#[test]
-fn post_stops_at_the_credit_limit_and_poll_respects_max_and_deadline() {
-    let r = tcp_receiver(4);
-    let (client, remote) = tcp_client(&r, "granter");
-    grant(&r, &client, "req", 1);
-    let staging = Arc::new(StagingBuffer::new(1, CHUNK_BYTES).unwrap());
-    let (mut poster, mut comps) = start(&staging, 4);
-    let p = poster.connect(&remote).unwrap();
-    let ops: Vec<WriteOp> = (0..10).map(|w| op(w, 0, 0, 64, p)).collect();
-    assert_eq!(poster.post(&ops).unwrap(), 4);
-    assert_eq!(poster.in_flight(), 4);
-    assert_eq!(poster.post(&ops[4..]).unwrap(), 0, "no credit left");
-    let mut out = Vec::new();
-    assert_eq!(comps.poll(&mut out, 0, None), PollStatus::Ready(0));
-    let first = collect(&mut *comps, 1, "one of four");
-    assert_eq!(first.len(), 1);
-    let rest = collect(&mut *comps, 3, "the other three");
-    assert_eq!(rest.len(), 3);
-    assert_eq!(poster.in_flight(), 0);
-    assert_eq!(poster.post(&ops[4..]).unwrap(), 4);
-    collect(&mut *comps, 4, "second round");
-    let t = Instant::now();
-    let mut out = Vec::new();
-    assert_eq!(
-        comps.poll(&mut out, 8, Some(t + Duration::from_millis(20))),
-        PollStatus::TimedOut
-    );
-    assert!(out.is_empty());
-}
-
-#[test]
-fn dropping_the_poster_delivers_every_completion_then_closed() {
-    let r = tcp_receiver(4);
-    let (client, remote) = tcp_client(&r, "granter");
-    grant(&r, &client, "req", 2);
-    let staging = Arc::new(StagingBuffer::new(2, CHUNK_BYTES).unwrap());
-    let (mut poster, mut comps) = start(&staging, 64);
-    let p = poster.connect(&remote).unwrap();
-    let ops: Vec<WriteOp> = (0..50)
-        .map(|w| {
-            op(
-                w,
-                (w % 2) * CHUNK_BYTES,
-                (w % 2) * CHUNK_BYTES,
-                CHUNK_BYTES,
-                p,
-            )
-        })
-        .collect();
-    assert_eq!(poster.post(&ops).unwrap(), 50);
-    drop(poster);
-    let done = collect(&mut *comps, 50, "drain after drop");
-    assert!(done.iter().all(Completion::ok));
-    let mut out = Vec::new();
-    assert_eq!(
-        comps.poll(&mut out, 8, Some(Instant::now() + WAIT)),
-        PollStatus::Closed
-    );
-}
-
-#[test]
-fn post_fails_with_closed_once_the_engine_stopped() {
-    let r = tcp_receiver(1);
-    let (client, remote) = tcp_client(&r, "granter");
-    grant(&r, &client, "req", 1);
-    let staging = Arc::new(StagingBuffer::new(1, 64).unwrap());
-    let (mut poster, comps) = start(&staging, 8);
-    let p = poster.connect(&remote).unwrap();
-    drop(comps);
-    let deadline = Instant::now() + WAIT;
-    let mut work_id = 0;
-    loop {
-        match poster.post(&[op(work_id, 0, 0, 64, p)]) {
-            Err(TransportError::Closed) => break,
-            Ok(_) => {}
-            Err(e) => panic!("unexpected error {e}"),
-        }
-        work_id += 1;
-        assert!(
-            Instant::now() < deadline,
-            "engine did not stop after its completion half was dropped"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    assert!(matches!(
-        poster.connect(&remote_of(&r)),
-        Ok(_) | Err(TransportError::Closed)
     ));
 }
 
@@ -1022,60 +889,6 @@ fn cutting_the_data_connections_fails_the_affected_requests_and_others_proceed()
         let st = r.stats();
         st.allocated_chunks == 0 && st.reserved_chunks == 0 && s.staging_in_use() == 0
     });
-}
-
-// ----- idle threads sleep ------------------------------------------------------
-
-fn thread_states(prefix: &str) -> Vec<(String, String)> {
-    let mut found = Vec::new();
-    for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
-        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
-        if comm.trim().starts_with(prefix) {
-            let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
-            let state = stat
-                .rsplit(')')
-                .next()
-                .and_then(|s| s.split_whitespace().next());
-            found.push((
-                task.file_name().to_string_lossy().into_owned(),
-                state.unwrap_or("gone").to_owned(),
-            ));
-        }
-    }
-    found
-}
-
-#[test]
-fn idle_engine_and_data_threads_sleep() {
-    let before: HashSet<String> = thread_states("kvf-")
-        .into_iter()
-        .map(|(tid, _)| tid)
-        .collect();
-    let r = tcp_receiver(2);
-    let (client, remote) = tcp_client(&r, "granter");
-    grant(&r, &client, "req", 1);
-    let staging = Arc::new(StagingBuffer::new(1, 64).unwrap());
-    let (mut poster, mut comps) = start(&staging, 8);
-    let p = poster.connect(&remote).unwrap();
-    post_all(&mut *poster, &mut *comps, &[op(1, 0, 0, 64, p)]);
-    // comm is truncated to 15 bytes: "kvf-tcp-engine", "kvf-recv-tcp-te".
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let mine: Vec<(String, String)> = thread_states("kvf-tcp-engine")
-            .into_iter()
-            .chain(thread_states("kvf-recv-tcp"))
-            .filter(|(tid, _)| !before.contains(tid))
-            .collect();
-        let kinds = mine.len();
-        if kinds >= 2 && mine.iter().all(|(_, s)| s == "S") {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "tcp engine / data thread never went to sleep: {mine:?}"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
 }
 
 /// A drain waiting on a receiver that never closes does not hold up the
