@@ -10,41 +10,15 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read};
-use std::net::{SocketAddr, TcpListener};
+use std::io::Read;
+use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
-use std::thread;
-use std::time::{Duration, Instant};
+use std::process::{Child, Command, Stdio};
 
 use common::*;
 use kvferry::protocol::Descriptor;
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvferry");
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-}
-
-/// Waits for the process to exit; kills it and fails naming `what` after [`HANG`].
-fn wait_exit(child: &mut Child, what: &str) -> ExitStatus {
-    let end = deadline();
-    loop {
-        if let Some(st) = child.try_wait().expect("try_wait") {
-            return st;
-        }
-        if Instant::now() >= end {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("hung waiting for the receiver process to exit: {what}");
-        }
-        thread::sleep(Duration::from_millis(5));
-    }
-}
 
 fn stderr_of(child: &mut Child) -> String {
     let mut s = String::new();
@@ -81,49 +55,20 @@ fn spawn_receiver() -> Option<Running> {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn kvferry receiver");
-    let stdout = child.stdout.take().expect("stdout piped");
-    let (tx, rx) = mpsc::channel();
-    thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    let end = deadline();
-    loop {
-        match rx.recv_timeout(Duration::from_millis(50)) {
-            Ok(line) => {
-                if let Some(ep) = line.strip_prefix("kvferry receiver listening on ") {
-                    return Some(Running {
-                        child,
-                        endpoint: ep.trim().to_owned(),
-                        metrics,
-                    });
-                }
-            }
-            Err(mpsc::RecvTimeoutError::Timeout) => {}
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                let st = wait_exit(&mut child, "after closing stdout");
-                eprintln!(
-                    "receiver exited before announcing ({st}): {}",
-                    stderr_of(&mut child)
-                );
-                return None;
-            }
-        }
-        if let Some(st) = child.try_wait().expect("try_wait") {
+    let lines = ChildLines::take(&mut child);
+    match lines.after_prefix(&mut child, "kvferry receiver listening on ") {
+        Some(endpoint) => Some(Running {
+            child,
+            endpoint,
+            metrics,
+        }),
+        None => {
+            let st = wait_exit(&mut child, "after closing stdout");
             eprintln!(
                 "receiver exited before announcing ({st}): {}",
                 stderr_of(&mut child)
             );
-            return None;
-        }
-        if Instant::now() >= end {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("hung waiting for the line `kvferry receiver listening on ...`");
+            None
         }
     }
 }

@@ -20,10 +20,10 @@
 mod common;
 
 use std::io::{BufRead, BufReader};
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -35,13 +35,6 @@ const BIN: &str = env!("CARGO_BIN_EXE_kvferry");
 /// Ticks (1/100 s on Linux) an idle process may use over [`IDLE_WINDOW`].
 const IDLE_TICKS: u64 = 3;
 const IDLE_WINDOW: Duration = Duration::from_secs(1);
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-}
 
 /// A `kvferry` process under attack. Dropping it sends SIGTERM and waits
 /// (bounded) for a clean exit.
@@ -79,7 +72,6 @@ impl Proc {
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn kvferry");
-        let stdout = child.stdout.take().expect("stdout piped");
         let stderr = child.stderr.take().expect("stderr piped");
         let stderr_lines = Arc::new(AtomicUsize::new(0));
         {
@@ -93,43 +85,18 @@ impl Proc {
                 }
             });
         }
-        let (tx, rx) = mpsc::channel();
-        thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let prefix = format!("kvferry {role} listening on ");
-        let end = deadline();
-        loop {
-            match rx.recv_timeout(Duration::from_millis(50)) {
-                Ok(line) => {
-                    if let Some(ep) = line.strip_prefix(&prefix) {
-                        return Some(Proc {
-                            child,
-                            endpoint: ep.trim().to_owned(),
-                            metrics,
-                            stderr_lines,
-                        });
-                    }
-                }
-                Err(mpsc::RecvTimeoutError::Timeout) => {}
-                Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    return None;
-                }
-            }
-            if child.try_wait().expect("try_wait").is_some() {
-                return None;
-            }
-            if Instant::now() >= end {
+        let lines = ChildLines::take(&mut child);
+        match lines.after_prefix(&mut child, &format!("kvferry {role} listening on ")) {
+            Some(endpoint) => Some(Proc {
+                child,
+                endpoint,
+                metrics,
+                stderr_lines,
+            }),
+            None => {
                 let _ = child.kill();
                 let _ = child.wait();
-                panic!("hung waiting for `{prefix}...`");
+                None
             }
         }
     }

@@ -13,12 +13,11 @@
 mod common;
 mod common_transport;
 
-use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::{alloc, assert_ok, keys, metric, scrape, transfer_done, Client, HANG};
@@ -92,27 +91,14 @@ impl Rx {
             }
         }
         let mut child = cmd.spawn().expect("spawn kvferry receiver");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        let lines = common::ChildLines::take(&mut child);
         let (mut endpoint, mut data, mut metrics) = (None, None, None);
         let end = Instant::now() + HANG;
         while endpoint.is_none() || data.is_none() || metrics.is_none() {
-            let left = end.saturating_duration_since(Instant::now());
-            let line = match rx.recv_timeout(left) {
-                Ok(l) => l,
-                Err(_) => {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    panic!("hung waiting for the receiver's announcement lines");
-                }
+            let what = "the receiver's announcement lines";
+            let Some(line) = lines.next(&mut child, end, what) else {
+                let st = common::wait_exit(&mut child, "the receiver (stdout closed)");
+                panic!("the receiver exited ({st}) before {what}");
             };
             if let Some(v) = line.strip_prefix("kvferry receiver listening on ") {
                 endpoint = Some(v.trim().to_owned());
