@@ -23,8 +23,7 @@ use proptest::prelude::*;
 /// The shm transport under the conformance suite: each receiver is a
 /// region (a `/dev/shm` file) the poster maps.
 struct Shm {
-    poster: Option<Box<dyn Poster>>,
-    comps: Option<Box<dyn Completions>>,
+    halves: suite::Halves,
     regions: Vec<Region>,
 }
 
@@ -34,10 +33,8 @@ impl suite::Fixture for Shm {
     const THREADS: &'static [&'static str] = &[kvferry::transport::shm::ENGINE_THREAD_NAME];
 
     fn start(staging: Arc<StagingBuffer>, credits: usize) -> Self {
-        let (poster, comps) = start(&staging, credits);
         Shm {
-            poster: Some(poster),
-            comps: Some(comps),
+            halves: suite::Halves::new(start(&staging, credits)),
             regions: Vec::new(),
         }
     }
@@ -60,16 +57,13 @@ impl suite::Fixture for Shm {
         }
     }
     fn parts(&mut self) -> (Option<&mut dyn Poster>, Option<&mut dyn Completions>) {
-        (
-            self.poster.as_mut().map(|p| &mut **p as _),
-            self.comps.as_mut().map(|c| &mut **c as _),
-        )
+        self.halves.parts()
     }
     fn drop_poster(&mut self) {
-        self.poster = None;
+        self.halves.poster = None;
     }
     fn drop_completions(&mut self) {
-        self.comps = None;
+        self.halves.completions = None;
     }
 }
 

@@ -180,8 +180,7 @@ fn grant(r: &Receiver, client: &Client, req: &str, n: usize) -> Vec<u32> {
 /// `Receiver` with a tcp data listener; a control-plane client said Hello
 /// for tcp (getting the secret) and was granted every slot.
 struct Tcp {
-    poster: Option<Box<dyn Poster>>,
-    comps: Option<Box<dyn Completions>>,
+    halves: suite::Halves,
     receivers: Vec<(Receiver, Client, RemoteBuffer)>,
 }
 
@@ -192,10 +191,8 @@ impl suite::Fixture for Tcp {
     const THREADS: &'static [&'static str] = &["kvf-tcp-engine", "kvf-recv-tcp"];
 
     fn start(staging: Arc<StagingBuffer>, credits: usize) -> Self {
-        let (poster, comps) = start(&staging, credits);
         Tcp {
-            poster: Some(poster),
-            comps: Some(comps),
+            halves: suite::Halves::new(start(&staging, credits)),
             receivers: Vec::new(),
         }
     }
@@ -236,16 +233,13 @@ impl suite::Fixture for Tcp {
         }
     }
     fn parts(&mut self) -> (Option<&mut dyn Poster>, Option<&mut dyn Completions>) {
-        (
-            self.poster.as_mut().map(|p| &mut **p as _),
-            self.comps.as_mut().map(|c| &mut **c as _),
-        )
+        self.halves.parts()
     }
     fn drop_poster(&mut self) {
-        self.poster = None;
+        self.halves.poster = None;
     }
     fn drop_completions(&mut self) {
-        self.comps = None;
+        self.halves.completions = None;
     }
 }
 

@@ -105,6 +105,34 @@ pub trait Fixture: Sized {
     fn drop_completions(&mut self);
 }
 
+/// The two halves of a started transport held as trait objects (what
+/// `Transport::start` returns), for fixtures to keep and hand out in
+/// [`Fixture::parts`].
+pub struct Halves {
+    /// The poster, `None` once dropped.
+    pub poster: Option<Box<dyn Poster>>,
+    /// The completion half, `None` once dropped.
+    pub completions: Option<Box<dyn Completions>>,
+}
+
+impl Halves {
+    /// Both halves, as `Transport::start` returned them.
+    pub fn new((poster, completions): (Box<dyn Poster>, Box<dyn Completions>)) -> Self {
+        Halves {
+            poster: Some(poster),
+            completions: Some(completions),
+        }
+    }
+
+    /// See [`Fixture::parts`].
+    pub fn parts(&mut self) -> (Option<&mut dyn Poster>, Option<&mut dyn Completions>) {
+        (
+            self.poster.as_mut().map(|p| &mut **p as _),
+            self.completions.as_mut().map(|c| &mut **c as _),
+        )
+    }
+}
+
 /// Instantiates the suite for `$fixture`: one `#[test]` per check, in a
 /// module `conformance`, each skipped where [`Fixture::available`] says so.
 /// Checks named after the `;` are instantiated too (those not every
