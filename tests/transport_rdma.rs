@@ -1,10 +1,10 @@
 //! The RDMA transport (feature `rdma`): the conformance suite
 //! (`conformance::*`, see `tests/common_transport/conformance.rs`) and what
-//! only rdma has (queue pair setup, device faults, link flaps). Tests that need an RDMA device (a
-//! NIC or soft-RoCE, see docs/rdma.md) print `SKIP <test>: <reason>` to
-//! stderr and return when there is none, unless `KVFERRY_RDMA_REQUIRE_DEVICE=1`
-//! is set (as in the CI guest, `tests/soft-roce/vm.sh`), where a missing
-//! device fails them. The device-free parts (descriptor encoding, QP state
+//! only rdma has (queue pair setup, device faults, link flaps). Tests that
+//! need an RDMA device (a NIC or soft-RoCE, see docs/rdma.md) print
+//! `SKIP <test>: <reason>` to stderr and return when there is none, unless
+//! `KVFERRY_RDMA_REQUIRE_DEVICE=1` is set (as in the CI guest,
+//! `tests/soft-roce/vm.sh`), where a missing device fails them. The device-free parts (descriptor encoding, QP state
 //! attributes, signalling plan, completion mapping, async event actions)
 //! are unit tests in `src/transport/rdma`. `cargo test --features rdma
 //! --test transport_rdma -- --nocapture` shows the skip reasons.
