@@ -6,6 +6,7 @@
 /// depends on nothing else in kvferry).
 pub use kvferry_ring::backoff;
 pub mod cancel;
+#[cfg(feature = "cli")]
 pub mod cli;
 mod eventfd;
 pub mod ledger;
@@ -16,6 +17,7 @@ pub mod proxy;
 pub mod receiver;
 pub mod recent;
 pub mod region;
+#[cfg(feature = "cli")]
 pub mod runner;
 pub mod sender;
 pub mod slots;
