@@ -104,6 +104,36 @@ struct Shared {
 }
 
 /// A bound PULL socket collecting `ProxyNotif`s on its own thread.
+///
+/// ```
+/// use std::time::{Duration, Instant};
+/// use kvferry::{ProxyListener, Receiver, ReceiverConfig, RequestSpec, Sender, SenderConfig};
+///
+/// let proxy = ProxyListener::bind("tcp://127.0.0.1:0")?;
+/// // Senders are configured with `proxy.endpoint()` as their `proxy`.
+/// # let receiver = Receiver::start(ReceiverConfig {
+/// #     listen: "tcp://127.0.0.1:0".into(),
+/// #     capacity_chunks: 4,
+/// #     chunk_bytes: 1024,
+/// #     ..Default::default()
+/// # })?;
+/// # let sender = Sender::new(SenderConfig {
+/// #     proxy: Some(proxy.endpoint().into()),
+/// #     chunk_bytes: 1024,
+/// #     staging_slots: 4,
+/// #     ..Default::default()
+/// # })?;
+/// # let req = sender.begin(RequestSpec::new("req-9", receiver.endpoint(), 1))?;
+/// # req.store(&["req-9/0"], &[&b"kv"[..]])?;
+/// let deadline = Instant::now() + Duration::from_secs(20);
+///
+/// // A router with one sender per request (TP 1) waits for one notification.
+/// proxy.wait_ready("req-9", 1, deadline)?;
+/// // Or takes them in arrival order.
+/// let n = proxy.next(deadline).expect("a notification");
+/// assert_eq!((n.req_id.as_str(), n.count), ("req-9", 1));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct ProxyListener {
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,

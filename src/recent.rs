@@ -1,11 +1,11 @@
-//! [`RecentMap`]: a map that remembers only its most recently added keys,
+//! [`RecentMap`](crate::recent::RecentMap): a map that remembers only its most recently added keys,
 //! within a budget in bytes, for per-request bookkeeping that must stay
 //! bounded however many requests — and however long their ids — a
 //! long-running process sees (finished request ids, notification counts).
 //!
 //! Each key's bytes are stored once (an `Arc<str>` shared by the map and the
 //! insertion order), and each entry is charged its key length plus
-//! [`RecentMap::ENTRY_OVERHEAD`] against the budget, so 4 KiB ids are
+//! [`RecentMap::ENTRY_OVERHEAD`](crate::recent::RecentMap::ENTRY_OVERHEAD) against the budget, so 4 KiB ids are
 //! forgotten 64 times sooner than 64-byte ones instead of costing 64 times
 //! the memory.
 

@@ -6,11 +6,11 @@
 //! the core list were queried after some thread had been pinned, it could
 //! shrink to a single core and every "pinned" thread would land there. This
 //! module therefore snapshots the allowed core list once, on first use
-//! ([`allowed_cpus`]), and checks pin requests against that snapshot.
-//! [`PinPlan::new`] and [`spawn_named`] both take the snapshot before they
+//! ([`allowed_cpus`](crate::threads::allowed_cpus)), and checks pin requests against that snapshot.
+//! [`PinPlan::new`](crate::threads::PinPlan::new) and [`spawn_named`](crate::threads::spawn_named) both take the snapshot before they
 //! pin anything, and kvferry never pins the thread that calls it, only the
 //! threads it spawns. A program that pins its own threads by other means
-//! should call [`allowed_cpus`] first.
+//! should call [`allowed_cpus`](crate::threads::allowed_cpus) first.
 //!
 //! A pin request for a CPU outside the snapshot (or one the kernel refuses)
 //! is not an error for the thread: it logs a `tracing` warning and runs

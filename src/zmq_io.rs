@@ -4,7 +4,7 @@
 //! `ZMQ_FD` is edge-like: it signals when the socket's event state *changes*,
 //! not while messages are pending. The loop that owns the socket must
 //! therefore drain it until `ZMQ_EVENTS` shows no `POLLIN`, and re-check
-//! `ZMQ_EVENTS` after every send, before it sleeps in [`Reactor::wait`].
+//! `ZMQ_EVENTS` after every send, before it sleeps in [`Reactor::wait`](crate::zmq_io::Reactor::wait).
 //! With that discipline no message is left unnoticed, and an idle thread
 //! sleeps in `epoll_wait` using no CPU.
 

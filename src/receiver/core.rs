@@ -8,7 +8,7 @@
 //! drive it directly, message by message, and so does the model checker.
 //!
 //! Rules (PROTOCOL.md "Receiver semantics" and DESIGN.md invariants):
-//! - The first batch of a `req_id` reserves `total_chunks` in the [`Ledger`];
+//! - The first batch of a `req_id` reserves `total_chunks` in the [`Ledger`](crate::ledger::Ledger);
 //!   when it does not fit the request is *parked* (FIFO) and answered later.
 //!   Later batches draw from the reservation, so they never wait and their
 //!   slot allocation cannot fail.

@@ -15,6 +15,8 @@
 mod acceptor;
 pub mod bounds;
 mod chunks;
+/// The I/O-free state machine; public only for the model check in tests/model.
+#[doc(hidden)]
 pub mod core;
 mod ctrl;
 mod grants;
@@ -38,9 +40,9 @@ use crate::recent::RecentMap;
 use crate::region::{default_region_path, Region, RegionError};
 
 use self::bounds::Bounds;
-use self::core::{CoreConfig, CoreStats, Outcome, Output, ReceiverCore};
+use self::core::{CoreConfig, Outcome, Output, ReceiverCore};
 
-pub use self::core::TakeError;
+pub use self::core::{CoreStats, TakeError};
 pub use acceptor::{AcceptorFactory, HelloAcceptor};
 pub use chunks::{ChunkView, RequestChunks};
 pub use ready::{RequestHandle, RequestStatus};
@@ -279,6 +281,39 @@ pub(crate) struct Shared {
 
 /// A running receiver. Dropping it stops the ctrl thread and removes the
 /// buffer file (once every [`ChunkRef`] is gone).
+///
+/// One per decode process: it admits requests against its buffer (whole
+/// requests, in arrival order), grants slots and tells the decoder when a
+/// request's chunks are in place.
+///
+/// ```
+/// use std::time::{Duration, Instant};
+/// use kvferry::receiver::RequestStatus as Ready;
+/// use kvferry::{Receiver, ReceiverConfig};
+///
+/// let receiver = Receiver::start(ReceiverConfig {
+///     listen: "tcp://127.0.0.1:0".into(), // port 0: any free port
+///     capacity_chunks: 16,
+///     chunk_bytes: 4096,
+///     ..Default::default()
+/// })?;
+/// let endpoint = receiver.endpoint(); // hand this to the prefill side
+/// # let sender = kvferry::Sender::new(kvferry::SenderConfig { chunk_bytes: 4096, ..Default::default() })?;
+/// # let req = sender.begin(kvferry::RequestSpec::new("req-3", endpoint, 2))?;
+/// # req.store(&["req-3/0", "req-3/1"], &[&[1u8; 4096][..], &[2u8; 7][..]])?;
+///
+/// // From an event loop: poll `ready.as_fd()`, then read the status.
+/// let ready = receiver.watch("req-3")?;
+/// ready.wait(Instant::now() + Duration::from_secs(20))?;
+/// assert_eq!(ready.status(), Ready::Ready);
+///
+/// // The chunks, in key order, borrowed in place with their exact lengths.
+/// let chunks = receiver.take("req-3")?;
+/// let lens: Vec<usize> = chunks.iter().map(|c| c.len()).collect();
+/// assert_eq!(lens, [4096, 7]);
+/// drop(chunks); // releases both slots
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct Receiver {
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,

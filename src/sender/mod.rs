@@ -685,6 +685,47 @@ impl Shared {
 }
 
 /// A running sender.
+///
+/// One per prefill process: it owns the control-plane thread (one ZMQ
+/// DEALER per receiver), the data-plane transport and the staging buffer.
+/// Each transfer is a [`Request`] from [`Sender::begin`].
+///
+/// ```
+/// use std::time::{Duration, Instant};
+/// use kvferry::{Receiver, ReceiverConfig, RequestSpec, RequestStatus, Sender, SenderConfig};
+///
+/// let deadline = Instant::now() + Duration::from_secs(20);
+/// # let receiver = Receiver::start(ReceiverConfig {
+/// #     listen: "tcp://127.0.0.1:0".into(),
+/// #     capacity_chunks: 8,
+/// #     chunk_bytes: 1024,
+/// #     ..Default::default()
+/// # })?;
+/// # let decoder = receiver.endpoint().to_owned();
+/// // `decoder` is a receiver's endpoint, e.g. "tcp://10.0.0.7:7400".
+/// let sender = Sender::new(SenderConfig {
+///     chunk_bytes: 1024,
+///     staging_slots: 4,
+///     transport: "shm".into(), // the default; "tcp" across hosts
+///     ..Default::default()
+/// })?;
+/// let req = sender.begin(RequestSpec::new("req-7", decoder, 3))?;
+///
+/// // In place: staging slots handed out once the receiver admitted the request.
+/// let mut batch = req.stage(2, deadline)?;
+/// for (i, slot) in batch.slots_mut().enumerate() {
+///     slot.fill(i as u8); // e.g. the target of a device-to-host copy
+/// }
+/// batch.submit(&["req-7/0", "req-7/1"], &[1024, 1024])?;
+/// // Or copied from bytes the caller keeps (here the short last chunk).
+/// req.store(&["req-7/2"], &[&[9u8; 10][..]])?;
+///
+/// assert_eq!(req.wait(deadline), RequestStatus::Completed);
+/// assert_eq!(sender.close(deadline), 0); // nothing left to cancel
+/// # receiver.watch("req-7")?.wait(deadline)?;
+/// # assert_eq!(receiver.take("req-7")?.get(2).unwrap().bytes(), &[9u8; 10][..]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct Sender {
     shared: Arc<Shared>,
     ctrl: Option<JoinHandle<()>>,
