@@ -55,16 +55,22 @@ fn dump_mpsc_words(path: &Path, who: &str) {
     }
 }
 
-/// A unique temp path, removed on drop.
+/// Ring files live on tmpfs: the crate refuses a disk-backed file
+/// (`ShmError::NotInMemory`).
+const RING_DIR: &str = "/dev/shm";
+
+/// A unique ring path under [`RING_DIR`], removed on drop.
 struct TempPath(PathBuf);
 
 impl TempPath {
     fn new(tag: &str) -> Self {
+        Self::in_dir(Path::new(RING_DIR), tag)
+    }
+
+    fn in_dir(dir: &Path, tag: &str) -> Self {
         static N: AtomicU64 = AtomicU64::new(0);
         let n = N.fetch_add(1, Ordering::Relaxed);
-        TempPath(
-            std::env::temp_dir().join(format!("kvferry-ring-{tag}-{}-{n}", std::process::id())),
-        )
+        TempPath(dir.join(format!("kvferry-ring-{tag}-{}-{n}", std::process::id())))
     }
 }
 
@@ -256,15 +262,15 @@ fn child_mpsc_producer(path: &Path, id: u64) {
 /// `MEMBARRIER_CMD_GLOBAL_EXPEDITED` (about one run in six: a child saw the
 /// ring full while the parent slept on published entries); see
 /// `barrier.rs`.
+///
+/// It also failed twice when its ring file lived in `temp_dir()` (ext4 on the
+/// CI machine): one child's first `reserve(4)` claimed four positions and
+/// blocked in the page fault of its first store into the file (ext4's
+/// `page_mkwrite`, under the load of a full build), so the consumer waited at
+/// those positions while the other child filled the ring and reported it
+/// full for 60 s. Ring files must be on tmpfs; see
+/// `create_and_open_refuse_a_disk_backed_file`.
 #[test]
-// Ignored again (run it with `cargo test -p kvferry-ring --test shm -- --ignored
-// two_process_mpsc`): a clean-clone CI run on 2026-12-01 saw one producer
-// child stuck "full" at position 2048 (its dump: head 2048, tail 2048) while
-// the parent consumed 502,044 entries of the other child — a view of the ring
-// that never caught up, cause not yet found (docs/ring.md, "Open: a stuck
-// cross-process producer"). The single-producer two-process test and the
-// in-process doorbell tests still run.
-#[ignore = "rare stuck cross-process MPSC producer under investigation; see docs/ring.md"]
 fn two_process_mpsc() {
     if let Ok(role) = std::env::var(ROLE) {
         let path = PathBuf::from(std::env::var(RING).unwrap());
@@ -554,9 +560,62 @@ fn create_rejects_huge_capacity_and_alignment() {
     );
 }
 
+/// A ring file on a disk-backed file system is refused by `create` and
+/// `open` (the cause of the stuck cross-process producer, docs/ring.md).
+/// Uses cargo's per-target temp dir, which is under `target/`.
+#[test]
+fn create_and_open_refuse_a_disk_backed_file() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let probe = TempPath::in_dir(dir, "probe");
+    std::fs::write(&probe.0, b"probe").unwrap();
+    if is_tmpfs(&probe.0) {
+        eprintln!("SKIP: {} is on tmpfs here", dir.display());
+        return;
+    }
+    let disk = TempPath::in_dir(dir, "disk");
+    let err = mpsc::shared::create::<u64>(&disk.0, 8).unwrap_err();
+    assert!(
+        matches!(err, ShmError::NotInMemory { ref path, .. } if path == &disk.0),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("/dev/shm"), "{err}");
+    assert!(!disk.0.exists(), "create left a file behind");
+    let leftovers: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with(&*disk.0.file_name().unwrap().to_string_lossy())
+        })
+        .collect();
+    assert!(leftovers.is_empty(), "temporary file left: {leftovers:?}");
+    // A valid ring file copied to disk is refused by open, for both kinds.
+    let good = TempPath::new("good");
+    drop(spsc::shared::create::<u64>(&good.0, 8).unwrap());
+    std::fs::copy(&good.0, &disk.0).unwrap();
+    let err = spsc::shared::open::<u64>(&disk.0).unwrap_err();
+    assert!(matches!(err, ShmError::NotInMemory { .. }), "{err:?}");
+    assert!(matches!(
+        mpsc::shared::open::<u64>(&disk.0),
+        Err(ShmError::NotInMemory { .. })
+    ));
+}
+
+/// True if `path` is on tmpfs (`statfs` type `TMPFS_MAGIC`).
+fn is_tmpfs(path: &Path) -> bool {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    let mut st = std::mem::MaybeUninit::<libc::statfs>::zeroed();
+    // SAFETY: `c` is a NUL-terminated path and `st` a writable buffer.
+    let r = unsafe { libc::statfs(c.as_ptr(), st.as_mut_ptr()) };
+    assert_eq!(r, 0, "statfs {}", path.display());
+    // SAFETY: statfs succeeded and filled `st`.
+    (unsafe { st.assume_init() }.f_type as u64 & 0xffff_ffff) == 0x0102_1994
+}
+
 #[test]
 fn create_in_missing_dir_is_io_error() {
-    let p = std::env::temp_dir()
+    let p = Path::new(RING_DIR)
         .join("kvferry-ring-no-such-dir")
         .join("ring");
     let err = spsc::shared::create::<u8>(&p, 4).unwrap_err();
