@@ -14,7 +14,8 @@
 
 mod common;
 
-use std::time::Duration;
+use std::hint::black_box;
+use std::time::{Duration, Instant};
 
 use common::{batched, many_to_one, one_by_one, CAP};
 use kvferry_ring::{mpsc, spsc};
@@ -186,6 +187,152 @@ fn rows() -> Vec<Row> {
     ]
 }
 
+/// One thread, no transfer: push `CAP` items one by one (or in batches of
+/// 32), then pop them, until `iters` items went through. Measures what a
+/// publish and a release cost in instructions (the doorbell's fence, the
+/// stamp stores) without the cache-line transfer and the scheduling that
+/// dominate a cross-thread run on a loaded machine.
+fn fill_drain<S, R>(
+    iters: u64,
+    tx: &mut S,
+    rx: &mut R,
+    send: fn(&mut S, &[u64]) -> usize,
+    recv: fn(&mut R, &mut [u64]) -> usize,
+    batch: usize,
+) -> Duration {
+    let mut buf = [0u64; 32];
+    let mut out = [0u64; 32];
+    let (mut done, mut sum) = (0u64, 0u64);
+    let start = Instant::now();
+    while done < iters {
+        let mut pushed = 0;
+        while pushed < CAP {
+            for (i, b) in buf[..batch].iter_mut().enumerate() {
+                *b = (pushed + i) as u64;
+            }
+            let k = send(tx, &buf[..batch]);
+            assert_eq!(k, batch, "fill_drain: queue refused an item");
+            pushed += k;
+        }
+        let mut popped = 0;
+        while popped < CAP {
+            let k = recv(rx, &mut out[..batch]);
+            assert_eq!(k, batch, "fill_drain: queue lost an item");
+            sum = sum.wrapping_add(out[..k].iter().sum::<u64>());
+            popped += k;
+        }
+        done += CAP as u64;
+    }
+    let elapsed = start.elapsed();
+    black_box(sum);
+    elapsed.mul_f64(iters as f64 / done as f64)
+}
+
+/// The same-thread rows: single push/pop and batches of 32.
+fn alone_rows() -> Vec<Row> {
+    fn row(name: &'static str, batch: usize, mpsc_ring: bool) -> Row {
+        let kvferry: Run = if mpsc_ring {
+            Box::new(move |n| {
+                let (mut p, mut c) = mpsc::channel::<u64>(CAP);
+                if batch == 1 {
+                    fill_drain(
+                        n,
+                        &mut p,
+                        &mut c,
+                        |p, v| usize::from(p.push(v[0]).is_ok()),
+                        |c, o| pop_one(c.pop(), o),
+                        1,
+                    )
+                } else {
+                    fill_drain(
+                        n,
+                        &mut p,
+                        &mut c,
+                        |p, v| p.push_slice(v),
+                        |c, o| c.pop_into(o),
+                        batch,
+                    )
+                }
+            })
+        } else {
+            Box::new(move |n| {
+                let (mut p, mut c) = spsc::channel::<u64>(CAP);
+                if batch == 1 {
+                    fill_drain(
+                        n,
+                        &mut p,
+                        &mut c,
+                        |p, v| usize::from(p.push(v[0]).is_ok()),
+                        |c, o| pop_one(c.pop(), o),
+                        1,
+                    )
+                } else {
+                    fill_drain(
+                        n,
+                        &mut p,
+                        &mut c,
+                        |p, v| p.push_slice(v),
+                        |c, o| c.pop_into(o),
+                        batch,
+                    )
+                }
+            })
+        };
+        let rtrb: Run = Box::new(move |n| {
+            let (mut p, mut c) = rtrb::RingBuffer::<u64>::new(CAP);
+            if batch == 1 {
+                fill_drain(
+                    n,
+                    &mut p,
+                    &mut c,
+                    |p, v| usize::from(p.push(v[0]).is_ok()),
+                    |c, o| pop_one(c.pop().ok(), o),
+                    1,
+                )
+            } else {
+                fill_drain(n, &mut p, &mut c, rtrb_send_chunk, rtrb_recv_chunk, batch)
+            }
+        });
+        let channel: Run = Box::new(move |n| {
+            let (mut s, mut r) = crossbeam_channel::bounded::<u64>(CAP);
+            fill_drain(n, &mut s, &mut r, chan_send_each, chan_recv_each, batch)
+        });
+        let rtrb_what = match (batch, mpsc_ring) {
+            (1, false) => "push/pop",
+            (1, true) => "SPSC push/pop",
+            (_, false) => "chunks of 32",
+            (_, true) => "SPSC chunks of 32",
+        };
+        let chan_what = if batch == 1 {
+            "try_send/try_recv"
+        } else {
+            "32 single sends"
+        };
+        Row {
+            name,
+            kvferry,
+            rtrb: Some((rtrb_what, rtrb)),
+            channel: (chan_what, channel),
+        }
+    }
+    vec![
+        row("SPSC single push/pop", 1, false),
+        row("SPSC batch of 32", 32, false),
+        row("MPSC single push/pop", 1, true),
+        row("MPSC batch of 32", 32, true),
+    ]
+}
+
+fn pop_one(v: Option<u64>, out: &mut [u64]) -> usize {
+    match v {
+        Some(v) => {
+            out[0] = v;
+            1
+        }
+        None => 0,
+    }
+}
+
 fn env(name: &str, default: u64) -> u64 {
     std::env::var(name)
         .ok()
@@ -198,21 +345,8 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn main() {
-    // `cargo bench` passes `--bench`; a plain `cargo test --benches` run
-    // passes nothing: then run one tiny round so the target is exercised.
-    let benching = std::env::args().any(|a| a == "--bench");
-    let items = if benching {
-        env("TABLE_ITEMS", 1_000_000)
-    } else {
-        1000
-    };
-    let rounds = if benching {
-        env("TABLE_ROUNDS", 9).max(1)
-    } else {
-        1
-    };
-    let rows = rows();
+/// Runs every row `rounds` times, interleaved, and prints the table.
+fn table(title: &str, rows: &[Row], items: u64, rounds: u64) {
     // samples[row][0 kvferry | 1 rtrb | 2 channel] = ns/item per round.
     let mut samples = vec![[Vec::new(), Vec::new(), Vec::new()]; rows.len()];
     let ns = |d: Duration| d.as_secs_f64() * 1e9 / items as f64;
@@ -225,7 +359,7 @@ fn main() {
             s[2].push(ns((row.channel.1)(items)));
         }
     }
-    println!("{items} u64 items per run, capacity {CAP}, median of {rounds} interleaved rounds, ns/item; ratio = baseline / kvferry");
+    println!("{title}: {items} u64 items per run, capacity {CAP}, median of {rounds} interleaved rounds, ns/item; ratio = baseline / kvferry");
     println!();
     println!("| operation | kvferry-ring | rtrb | ratio | crossbeam-channel bounded | ratio |");
     println!("|---|---|---|---|---|---|");
@@ -244,4 +378,28 @@ fn main() {
             c / k
         );
     }
+    println!();
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; a plain `cargo test --benches` run
+    // passes nothing: then run one tiny round so the target is exercised.
+    let benching = std::env::args().any(|a| a == "--bench");
+    let items = if benching {
+        env("TABLE_ITEMS", 1_000_000)
+    } else {
+        1000
+    };
+    let rounds = if benching {
+        env("TABLE_ROUNDS", 9).max(1)
+    } else {
+        1
+    };
+    table("cross-thread", &rows(), items, rounds);
+    table(
+        "one thread (fill, then drain)",
+        &alone_rows(),
+        items,
+        rounds,
+    );
 }
