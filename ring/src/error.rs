@@ -54,8 +54,9 @@ pub enum ShmError {
     /// ramfs). On a disk-backed file system the kernel writes the ring's
     /// pages back and write-protects them, so a later store into the ring
     /// faults into the file system (`page_mkwrite`: journal, writeback) and
-    /// can block for seconds; a producer blocked there between claiming a
-    /// slot and publishing it stalls the consumer and every other producer.
+    /// waits as long as the file system makes it; an MPSC producer blocked
+    /// there between claiming a slot and publishing it stalls the consumer
+    /// and, once the ring fills, every other producer.
     #[error(
         "shared ring {path} is on a disk-backed file system (statfs type {fs_type:#x}); \
          put ring files on tmpfs, e.g. /dev/shm"
