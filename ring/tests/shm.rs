@@ -901,3 +901,104 @@ fn mpsc_stress_processes_with_a_killed_producer() {
         next[3]
     );
 }
+
+/// Child: push `COUNT` entries `(id << 32) | i` into its own SPSC ring.
+fn child_spsc_client(path: &Path, id: u64) {
+    let ring = spsc::shared::open::<u64>(path).unwrap();
+    let mut p = ring.producer().unwrap();
+    let n: u64 = std::env::var(COUNT).unwrap().parse().unwrap();
+    let (mut i, mut round, mut deadline) = (0, 0, Instant::now() + STALL);
+    while i < n {
+        if p.push((id << 32) | i).is_ok() {
+            i += 1;
+            round = 0;
+            deadline = Instant::now() + STALL;
+        } else {
+            backoff(&mut round, deadline, "spsc client");
+        }
+    }
+}
+
+/// The layout proposed for cross-process attach: one SPSC ring per client
+/// process. Four clients push into their own rings, one is SIGKILLed
+/// mid-stream, and the other three still deliver every entry exactly once
+/// and in order; the dead client's ring holds a gap-free prefix.
+#[test]
+fn per_client_spsc_rings_survive_a_killed_client() {
+    const N: u64 = 50_000;
+    const TEST: &str = "per_client_spsc_rings_survive_a_killed_client";
+    const ROLES: [&str; 4] = ["client-0", "client-1", "client-2", "client-3"];
+    if let Ok(role) = std::env::var(ROLE) {
+        if let Some(id) = role.strip_prefix("client-") {
+            child_spsc_client(
+                Path::new(&std::env::var(RING).unwrap()),
+                id.parse().unwrap(),
+            );
+        }
+        return;
+    }
+    let paths: Vec<TempPath> = (0..4).map(|_| TempPath::new("client")).collect();
+    let rings: Vec<_> = paths
+        .iter()
+        .map(|p| spsc::shared::create::<u64>(&p.0, 64).unwrap())
+        .collect();
+    let mut cons: Vec<_> = rings.iter().map(|r| r.consumer().unwrap()).collect();
+    let mut children: Vec<Option<ChildGuard>> = paths
+        .iter()
+        .zip(ROLES)
+        .map(|(p, role)| Some(ChildGuard::spawn_counting(TEST, role, &p.0, N)))
+        .collect();
+    let mut next = [0u64; 4];
+    let mut buf = [0u64; 64];
+    let mut deadline = Instant::now() + STALL;
+    // Until the live clients are done and the victim was killed mid-stream.
+    while next[..3].iter().any(|&n| n < N) || children[3].is_some() {
+        let mut got = false;
+        for (id, c) in cons.iter_mut().enumerate() {
+            let k = c.pop_into(&mut buf);
+            for v in &buf[..k] {
+                assert_eq!(
+                    *v,
+                    ((id as u64) << 32) | next[id],
+                    "client {id} lost or reordered"
+                );
+                next[id] += 1;
+            }
+            got |= k > 0;
+        }
+        if next[3] >= N / 10 {
+            if let Some(victim) = children[3].take() {
+                victim.kill();
+            }
+        }
+        if got {
+            deadline = Instant::now() + STALL;
+        } else {
+            assert!(
+                Instant::now() < deadline,
+                "no entry for {STALL:?}: {next:?}"
+            );
+            thread::sleep(Duration::from_micros(100));
+        }
+    }
+    for child in children[..3].iter_mut().filter_map(Option::take) {
+        child.wait_success(Instant::now() + Duration::from_secs(30));
+    }
+    assert!(
+        children[3].is_none(),
+        "the victim finished before it was killed: {next:?}"
+    );
+    // Whatever the victim committed before it died is there, nothing more.
+    loop {
+        let k = cons[3].pop_into(&mut buf);
+        if k == 0 {
+            break;
+        }
+        for v in &buf[..k] {
+            assert_eq!(*v, (3 << 32) | next[3], "the dead client's ring has a gap");
+            next[3] += 1;
+        }
+    }
+    assert!(next[3] < N, "the victim finished before it was killed");
+    assert_eq!(cons[3].len(), 0);
+}
