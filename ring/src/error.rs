@@ -50,6 +50,23 @@ pub enum ShmError {
         /// `align_of` the entry type.
         align: usize,
     },
+    /// The ring file is not on a memory file system (tmpfs, hugetlbfs or
+    /// ramfs). On a disk-backed file system the kernel writes the ring's
+    /// pages back and write-protects them, so a later store into the ring
+    /// faults into the file system (`page_mkwrite`: journal, writeback) and
+    /// waits as long as the file system makes it; an MPSC producer blocked
+    /// there between claiming a slot and publishing it stalls the consumer
+    /// and, once the ring fills, every other producer.
+    #[error(
+        "shared ring {path} is on a disk-backed file system (statfs type {fs_type:#x}); \
+         put ring files on tmpfs, e.g. /dev/shm"
+    )]
+    NotInMemory {
+        /// The ring file.
+        path: PathBuf,
+        /// `statfs.f_type` of its file system.
+        fs_type: u64,
+    },
     /// The file is shorter than its header says it must be.
     #[error("shared ring file is truncated: {len} bytes, need {expected}")]
     Truncated {

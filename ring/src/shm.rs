@@ -4,6 +4,7 @@
 //! every header field before the ring is used.
 
 use std::fs::{self, File, OpenOptions};
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64 as StdAtomicU64;
 
@@ -22,6 +23,35 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ShmError + '_ {
         path: path.to_path_buf(),
         source,
     }
+}
+
+/// `statfs.f_type` of the file systems whose pages are never written back:
+/// tmpfs (also memfd and `/dev/shm`), hugetlbfs, ramfs (`linux/magic.h`).
+const MEMORY_FILE_SYSTEMS: [u64; 3] = [0x0102_1994, 0x9584_58f6, 0x8584_58f6];
+
+/// Refuse a file that is not on a memory file system: see
+/// [`ShmError::NotInMemory`] for what a disk-backed ring file does.
+fn check_in_memory(file: &File, path: &Path) -> Result<(), ShmError> {
+    let mut st = std::mem::MaybeUninit::<libc::statfs>::zeroed();
+    // SAFETY: `file` is an open descriptor for the whole call and `st` is a
+    // writable statfs buffer; fstatfs only writes into it.
+    let r = unsafe { libc::fstatfs(file.as_raw_fd(), st.as_mut_ptr()) };
+    if r != 0 {
+        return Err(io(path)(std::io::Error::last_os_error()));
+    }
+    // SAFETY: fstatfs returned 0, so it filled the buffer (and it started
+    // zeroed, a valid statfs anyway).
+    let f_type = unsafe { st.assume_init() }.f_type;
+    // The magics are 32-bit; `f_type`'s C type differs between targets
+    // (signed, 32 or 64 bits), so compare its low 32 bits.
+    let fs_type = f_type as u64 & 0xffff_ffff;
+    if MEMORY_FILE_SYSTEMS.contains(&fs_type) {
+        return Ok(());
+    }
+    Err(ShmError::NotInMemory {
+        path: path.to_path_buf(),
+        fs_type,
+    })
 }
 
 fn check_align<T>() -> Result<(), ShmError> {
@@ -69,6 +99,7 @@ fn fill_and_rename<T: Plain>(
         .create_new(true)
         .open(tmp)
         .map_err(io(tmp))?;
+    check_in_memory(&file, path)?;
     file.set_len(geom.total_len).map_err(io(tmp))?;
     let mut map = map(&file, tmp)?;
     let ctrl = map.as_mut_ptr() as *mut Control;
@@ -104,6 +135,7 @@ pub(crate) fn open<T: Plain>(path: &Path, kind: Kind) -> Result<Ring<T>, ShmErro
         .write(true)
         .open(path)
         .map_err(io(path))?;
+    check_in_memory(&file, path)?;
     let len = file.metadata().map_err(io(path))?.len();
     let ctrl_len = std::mem::size_of::<Control>() as u64;
     if len < ctrl_len {

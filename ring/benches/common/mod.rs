@@ -171,3 +171,61 @@ where
     h.join().unwrap();
     elapsed
 }
+
+/// Send `iters` items in batches of up to 32 from one thread per sender in
+/// `txs` (each `iters / txs.len()` items) to this thread, which receives
+/// in batches of up to 32. `send` returns how many items of the slice it
+/// took, `recv` how many it wrote into the buffer (0: full / empty).
+pub fn batched<S, R>(
+    iters: u64,
+    txs: Vec<S>,
+    mut rx: R,
+    send: fn(&mut S, &[u64]) -> usize,
+    recv: fn(&mut R, &mut [u64]) -> usize,
+) -> Duration
+where
+    S: Send + 'static,
+    R: Send + 'static,
+{
+    let producers = txs.len() as u64;
+    let per = iters.div_ceil(producers).div_ceil(32) * 32;
+    let total = per * producers;
+    let start = Instant::now();
+    let mut hs = Vec::new();
+    for mut tx in txs {
+        hs.push(thread::spawn(move || {
+            let (mut sent, mut round, mut buf) = (0u64, 0u32, [0u64; 32]);
+            while sent < per {
+                for (i, s) in buf.iter_mut().enumerate() {
+                    *s = sent + i as u64;
+                }
+                let mut off = 0;
+                while off < 32 {
+                    let k = send(&mut tx, &buf[off..]);
+                    if k == 0 {
+                        backoff(&mut round);
+                    } else {
+                        round = 0;
+                    }
+                    off += k;
+                }
+                sent += 32;
+            }
+        }));
+    }
+    let (mut got, mut round, mut buf) = (0u64, 0u32, [0u64; 32]);
+    while got < total {
+        let k = recv(&mut rx, &mut buf) as u64;
+        if k == 0 {
+            backoff(&mut round);
+        } else {
+            got += k;
+            round = 0;
+        }
+    }
+    let elapsed = start.elapsed();
+    for h in hs {
+        h.join().unwrap();
+    }
+    elapsed.mul_f64(iters as f64 / total as f64)
+}

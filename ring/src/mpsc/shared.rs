@@ -10,6 +10,17 @@
 //! ([`ShmError::Closed`] afterwards). A consumer process that must not see the
 //! ring closed before its producer processes attach takes a producer of its
 //! own and drops it once they have joined.
+//!
+//! The file must be on a memory file system (tmpfs such as `/dev/shm`,
+//! hugetlbfs, ramfs): [`create`] and [`open`] refuse any other with
+//! [`ShmError::NotInMemory`].
+//!
+//! A producer that dies between claiming slots and publishing them (killed
+//! mid-`push` or with a [`crate::mpsc::WriteBatch`] open) leaves positions
+//! that are never stamped: the consumer waits there for good and the other
+//! producers soon find the ring full. Use MPSC shared rings only for
+//! producers that cannot die without the consumer; give independently
+//! failing processes their own [`crate::spsc::shared`] rings.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

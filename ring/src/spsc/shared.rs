@@ -5,6 +5,10 @@
 //! [`SharedRing::consumer`] return the same [`Producer`]/[`Consumer`] types as
 //! a heap ring, so code is generic over the backing. Each side can be taken
 //! once per ring file, across all processes ([`ShmError::SideTaken`]).
+//!
+//! The file must be on a memory file system (tmpfs such as `/dev/shm`,
+//! hugetlbfs, ramfs): [`create`] and [`open`] refuse any other with
+//! [`ShmError::NotInMemory`].
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
