@@ -13,8 +13,8 @@ use smallvec::SmallVec;
 use tracing::{debug, debug_span, warn};
 
 use crate::protocol::{
-    decode, encode_into, AllocRequest, AllocResponse, CancelNotif, ErrorCode, Heartbeat, Hello,
-    Message, ProxyNotif, TransferDone, PROTOCOL_VERSION,
+    decode, encode_into, AllocResponse, CancelNotif, ErrorCode, Heartbeat, Hello, Message,
+    ProxyNotif, TransferDone, PROTOCOL_VERSION,
 };
 use crate::stats::{Counter, Stage};
 use crate::transport::{PeerIndex, Poster, RemoteBuffer, WriteOp};
@@ -22,6 +22,7 @@ use crate::zmq_io::{readable, Reactor};
 
 use super::peer::{Mode, Outstanding, Peer};
 use super::table::{BatchData, InFlight, ReqState, Table};
+use super::wire::AllocRequestRef;
 use super::{RequestStatus, Shared};
 
 /// Longest sleep with no timer due (a safety net; real work wakes the thread).
@@ -848,11 +849,17 @@ impl Ctrl {
 
     /// Advances one request as far as it can go now.
     fn progress(&mut self, req_id: &str) {
-        let Some((state, receiver)) = ({
+        // The receiver's endpoint is copied only to connect a new peer: a
+        // known one is looked up under the lock (no allocation per step).
+        let Some((state, peer)) = ({
             let t = self.shared.table.lock();
-            t.reqs
-                .get(req_id)
-                .map(|r| (r.state.clone(), r.receiver.clone()))
+            t.reqs.get(req_id).map(|r| {
+                let peer = match self.peer_by_endpoint.get(&r.receiver) {
+                    Some(&i) => Ok(i),
+                    None => Err(r.receiver.clone()),
+                };
+                (r.state.clone(), peer)
+            })
         }) else {
             return;
         };
@@ -860,7 +867,7 @@ impl Ctrl {
             ReqState::Done(_) => {}
             ReqState::Aborting(status) => self.progress_abort(req_id, status),
             ReqState::Pending | ReqState::Admitted => {
-                let i = match self.peer_for(&receiver) {
+                let i = match peer.or_else(|receiver| self.peer_for(&receiver)) {
                     Ok(i) => i,
                     Err(reason) => return self.abort(req_id, ErrorCode::PeerUnavailable, reason),
                 };
@@ -984,18 +991,7 @@ impl Ctrl {
             self.next_seq += 1;
             self.next_seq
         });
-        let msg = Message::AllocRequest(AllocRequest {
-            keys: b.keys.clone(),
-            fmt: b.fmt,
-            shape: b.shape.clone(),
-            dtype: b.dtype.clone(),
-            last_chunk_toks: b.last_chunk_toks,
-            req_id: b.req_id.clone(),
-            is_last_batch: b.is_last,
-            total_chunks: r.total as i64,
-            seq,
-        });
-        r.keys_sent.extend(b.keys.iter().cloned());
+        r.keys_sent.extend_from(&b.keys);
         r.awaiting_reply += 1;
         if !r.first_sent {
             r.first_sent = true;
@@ -1008,7 +1004,18 @@ impl Ctrl {
             tracing::trace_span!("batch", req_id = %b.req_id, batch = id, chunks = b.keys.len());
         let _g = span.enter();
         self.buf.clear();
-        encode_into(&msg, &mut self.buf);
+        AllocRequestRef {
+            keys: &b.keys,
+            fmt: b.fmt,
+            shape: &b.shape,
+            dtype: &b.dtype,
+            last_chunk_toks: b.last_chunk_toks,
+            req_id: &b.req_id,
+            is_last_batch: b.is_last,
+            total_chunks: r.total as i64,
+            seq,
+        }
+        .encode_into(&mut self.buf);
         let p = &mut self.peers[i];
         match seq {
             Some(seq) => {
@@ -1121,6 +1128,10 @@ impl Ctrl {
             });
         }
         crate::transport::coalesce(&self.chunk_ops, &mut self.merged, &mut self.runs);
+        let rid = t
+            .reqs
+            .get(req_id)
+            .map_or_else(|| Arc::from(req_id), |r| Arc::clone(&r.id));
         let mut set = set;
         for (k, mut op) in self.merged.drain(..).enumerate() {
             let run = self.runs[k];
@@ -1131,7 +1142,7 @@ impl Ctrl {
             t.inflight.insert(
                 op.work_id,
                 InFlight {
-                    req_id: req_id.to_owned(),
+                    req_id: Arc::clone(&rid),
                     chunks: run as u32,
                     bytes: op.len,
                     slots,
@@ -1180,13 +1191,17 @@ impl Ctrl {
             });
         }
         crate::transport::coalesce(&self.chunk_ops, &mut self.merged, &mut self.runs);
+        let rid = t
+            .reqs
+            .get(req_id)
+            .map_or_else(|| Arc::from(req_id), |r| Arc::clone(&r.id));
         for (k, mut op) in self.merged.drain(..).enumerate() {
             op.work_id = self.next_work;
             self.next_work += 1;
             t.inflight.insert(
                 op.work_id,
                 InFlight {
-                    req_id: req_id.to_owned(),
+                    req_id: Arc::clone(&rid),
                     chunks: self.runs[k] as u32,
                     bytes: op.len,
                     slots: crate::slots::SlotSet::default(),
@@ -1218,14 +1233,14 @@ impl Ctrl {
                     for op in failed {
                         if let Some(w) = t.inflight.remove(&op.work_id) {
                             self.free_staging(w.slots);
-                            if let Some(r) = t.reqs.get_mut(&w.req_id) {
+                            if let Some(r) = t.reqs.get_mut(&*w.req_id) {
                                 r.in_flight_ops = r.in_flight_ops.saturating_sub(1);
                                 r.abort_with(RequestStatus::Failed {
                                     code: ErrorCode::WriteFailed,
                                     reason: format!("transport error: {e}"),
                                 });
                             }
-                            self.dirty.insert(w.req_id);
+                            self.dirty.insert(w.req_id.to_string());
                         }
                     }
                     return;
@@ -1246,7 +1261,7 @@ impl Ctrl {
             .filter(|op| {
                 t.inflight
                     .get(&op.work_id)
-                    .is_some_and(|w| w.req_id == req_id)
+                    .is_some_and(|w| &*w.req_id == req_id)
             })
             .map(|op| op.work_id)
             .collect();
@@ -1286,7 +1301,7 @@ impl Ctrl {
             let keys = t
                 .reqs
                 .get_mut(req_id)
-                .map(|r| std::mem::take(&mut r.keys_sent))
+                .map(|r| std::mem::take(&mut r.keys_sent).to_vec())
                 .unwrap_or_default();
             if let Some(r) = t.reqs.get_mut(req_id) {
                 r.cancel_sent = true;

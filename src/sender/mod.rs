@@ -23,6 +23,7 @@
 mod completion;
 mod ctrl;
 mod error;
+mod keys;
 pub mod metrics;
 mod peer;
 mod poll;
@@ -30,6 +31,7 @@ mod registered;
 mod reply;
 mod request;
 mod table;
+mod wire;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -49,6 +51,7 @@ use crate::transport::{RemoteBuffer, TransportConfig};
 pub use self::completion::CompletionCallback;
 use self::completion::{Announcer, Signal};
 pub use self::error::{SenderError, StoreError};
+use self::keys::KeyList;
 pub use self::registered::{MemoryRegion, RegisterError, WriteHandle};
 use self::request::Handle;
 pub use self::request::{Request, RequestSpec, StagedBatch};
@@ -279,7 +282,7 @@ impl Shared {
             let req = Req::new(spec, self.cfg.chunk_bytes, Arc::new(Signal::default()));
             let batch = self.batch_for(
                 &req,
-                SmallVec::new(),
+                KeyList::default(),
                 SmallVec::new(),
                 BatchData::Empty,
                 false,
@@ -306,7 +309,7 @@ impl Shared {
     fn batch_for(
         &self,
         req: &Req,
-        keys: SmallVec<[String; 16]>,
+        keys: KeyList,
         lens: SmallVec<[u32; 16]>,
         data: BatchData,
         is_last: bool,
@@ -315,7 +318,7 @@ impl Shared {
         let bytes = lens.iter().map(|&l| l as usize).sum();
         Batch {
             req_id: req.req_id.clone(),
-            keys: keys.into_vec(),
+            keys,
             lens,
             data,
             is_last,
@@ -425,6 +428,8 @@ impl Shared {
         let req_id = h.req_id.as_str();
         let n = lens.len();
         let toks = last_chunk_toks.unwrap_or_else(|| lens.last().map_or(0, |&l| i64::from(l)));
+        // Copied before the table lock is taken (one buffer for all keys).
+        let keys = KeyList::from_keys(keys);
         let id = {
             let mut t = self.table.lock();
             let live = t
@@ -437,7 +442,6 @@ impl Shared {
                 self.release_data(data, bytes);
                 return Err(self.stopped(req_id, &h.signal));
             };
-            let keys = keys.iter().map(|k| k.as_ref().to_owned()).collect();
             let batch = self.batch_for(req, keys, lens, data, reserved.is_last, toks);
             let id = t.next_batch;
             t.next_batch += 1;

@@ -50,7 +50,7 @@ pub(super) fn run(shared: Arc<Shared>, mut completions: Box<dyn Completions>) {
                 shared
                     .stats
                     .record(Stage::Transfer, now.saturating_duration_since(w.posted_at));
-                let Some(r) = t.reqs.get_mut(&w.req_id) else {
+                let Some(r) = t.reqs.get_mut(&*w.req_id) else {
                     continue;
                 };
                 r.in_flight_ops = r.in_flight_ops.saturating_sub(1);
@@ -67,8 +67,7 @@ pub(super) fn run(shared: Arc<Shared>, mut completions: Box<dyn Completions>) {
                     debug!(req_id = %w.req_id, status = %c.status(), "write failed; aborting the request");
                 }
                 if r.in_flight_ops == 0 || !c.ok() {
-                    let id = w.req_id;
-                    t.attention.push(id);
+                    t.attention.push(w.req_id.to_string());
                 }
                 nudge = true;
             }

@@ -14,6 +14,7 @@ use crate::slots::SlotSet;
 use crate::transport::PeerIndex;
 
 use super::completion::Signal;
+use super::keys::KeyList;
 use super::registered::WriteLease;
 use super::{RequestSpec, RequestStatus};
 
@@ -39,7 +40,8 @@ pub(crate) enum BatchData {
 #[derive(Debug)]
 pub(crate) struct Batch {
     pub req_id: String,
-    pub keys: Vec<String>,
+    /// The chunks' keys, copied once from the caller (one buffer).
+    pub keys: KeyList,
     pub lens: SmallVec<[u32; 16]>,
     pub data: BatchData,
     pub is_last: bool,
@@ -77,6 +79,9 @@ static NEXT_ORDER: AtomicU64 = AtomicU64::new(0);
 #[derive(Debug)]
 pub(crate) struct Req {
     pub req_id: String,
+    /// The same id, shared by the request's writes in flight (one
+    /// allocation per request, not one per posted write).
+    pub id: Arc<str>,
     /// Creation order (first `store`): the ctrl thread serves older
     /// requests first, so first batches leave in store order.
     pub order: u64,
@@ -105,7 +110,7 @@ pub(crate) struct Req {
     pub first_sent: bool,
     pub cancel_sent: bool,
     /// Every key named in an AllocRequest (for CancelNotif).
-    pub keys_sent: Vec<String>,
+    pub keys_sent: KeyList,
     pub first_sent_at: Option<Instant>,
     pub last_completion_at: Option<Instant>,
     pub bytes: u64,
@@ -115,6 +120,7 @@ impl Req {
     pub fn new(spec: &RequestSpec, chunk_bytes: u64, signal: Arc<Signal>) -> Self {
         Self {
             req_id: spec.req_id.clone(),
+            id: Arc::from(spec.req_id.as_str()),
             // Relaxed: one RMW chain is totally ordered on its own, and
             // requests are created under the table lock, so the numbers
             // follow creation order; nothing else is published through it.
@@ -141,7 +147,7 @@ impl Req {
             last_replied: false,
             first_sent: false,
             cancel_sent: false,
-            keys_sent: Vec::new(),
+            keys_sent: KeyList::default(),
             first_sent_at: None,
             last_completion_at: None,
             bytes: 0,
@@ -213,7 +219,8 @@ impl Req {
 /// A posted write: which request, how many chunks, which staging slots.
 #[derive(Debug)]
 pub(crate) struct InFlight {
-    pub req_id: String,
+    /// The request's [`Req::id`] (shared, not copied per write).
+    pub req_id: Arc<str>,
     pub chunks: u32,
     pub bytes: u64,
     pub slots: SlotSet,
