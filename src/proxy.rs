@@ -44,11 +44,7 @@ pub const MAX_REASON_BYTES: usize = 256;
 
 /// Charge of one kept notification.
 fn notification_cost(n: &Notification) -> usize {
-    let reason = match &n.failure {
-        Some(f) => f.reason.len(),
-        None => 0,
-    };
-    n.req_id.len() + reason + 64
+    n.req_id.len() + 64
 }
 
 /// The reason code a sender gave in its `ProxyFailed`.
@@ -166,6 +162,9 @@ struct Shared {
     stop: AtomicBool,
     waker: Arc<mio::Waker>,
     callback: Mutex<Option<NotifCallback>>,
+    /// Run for each `ProxyFailed` (kept apart from `callback`, which has
+    /// always meant "a rank is ready").
+    failure_callback: Mutex<Option<NotifCallback>>,
 }
 
 /// A bound PULL socket collecting `ProxyNotif`s on its own thread.
@@ -227,6 +226,7 @@ impl ProxyListener {
             stop: AtomicBool::new(false),
             waker: reactor.waker(),
             callback: Mutex::new(None),
+            failure_callback: Mutex::new(None),
         });
         let thread = {
             let shared = Arc::clone(&shared);
@@ -246,9 +246,16 @@ impl ProxyListener {
         &self.endpoint
     }
 
-    /// Sets a callback run on the listener thread for each notification.
+    /// Sets a callback run on the listener thread for each `ProxyNotif`.
     pub fn set_callback(&self, f: impl Fn(&Notification) + Send + Sync + 'static) {
         *self.shared.callback.lock() = Some(Box::new(f));
+    }
+
+    /// Sets a callback run on the listener thread for each `ProxyFailed`
+    /// (its [`Notification::failure`] is `Some`): the request will not
+    /// become ready.
+    pub fn set_failure_callback(&self, f: impl Fn(&Notification) + Send + Sync + 'static) {
+        *self.shared.failure_callback.lock() = Some(Box::new(f));
     }
 
     /// `ProxyNotif`s received so far for `req_id`.
@@ -321,8 +328,10 @@ impl ProxyListener {
         }
     }
 
-    /// Takes the next notification in arrival order, waiting until
+    /// Takes the next `ProxyNotif` in arrival order, waiting until
     /// `deadline`. Notifications not taken are kept (up to a bound).
+    /// Failures are not in this stream: see [`ProxyListener::failure`] and
+    /// [`ProxyListener::set_failure_callback`].
     pub fn next(&self, deadline: Instant) -> Option<Notification> {
         let mut c = self.shared.counts.lock();
         loop {
@@ -436,15 +445,21 @@ fn listen(shared: Arc<Shared>, sock: zmq::Socket, mut reactor: Reactor) {
                     at: Instant::now(),
                     failure,
                 };
-                c.history_bytes += notification_cost(&n);
-                c.history.push_back(n.clone());
-                while c.history_bytes > c.max_history_bytes {
-                    c.pop_history();
+                if n.failure.is_none() {
+                    c.history_bytes += notification_cost(&n);
+                    c.history.push_back(n.clone());
+                    while c.history_bytes > c.max_history_bytes {
+                        c.pop_history();
+                    }
                 }
                 n
             };
             shared.cv.notify_all();
-            if let Some(cb) = shared.callback.lock().as_ref() {
+            let callback = match n.failure {
+                None => &shared.callback,
+                Some(_) => &shared.failure_callback,
+            };
+            if let Some(cb) = callback.lock().as_ref() {
                 cb(&n);
             }
         }

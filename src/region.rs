@@ -666,23 +666,25 @@ mod tests {
     fn a_misaligned_or_short_caller_buffer_is_a_typed_error() {
         let mem = Pages::new(4 * 4096);
         let page = page_size();
-        // SAFETY (each from_raw below): `mem` outlives every region tried
-        // here, none of which is built.
+        // SAFETY: `mem` outlives this attempt, which builds no region.
         let odd = unsafe { RecvBuffer::from_raw(mem.0.wrapping_add(64), 3 * 4096) };
         assert!(matches!(
             Region::from_buffer(odd, 4096, 2),
             Err(RegionError::Misaligned { align, .. }) if align == page
         ));
+        // SAFETY: `mem` outlives this attempt, which builds no region.
         let null = unsafe { RecvBuffer::from_raw(std::ptr::null_mut(), 4096) };
         assert!(matches!(
             Region::from_buffer(null, 4096, 1),
             Err(RegionError::Misaligned { addr: 0, .. })
         ));
+        // SAFETY: `mem` outlives this attempt, which builds no region.
         let short = unsafe { RecvBuffer::from_raw(mem.0, 4 * 4096) };
         assert!(matches!(
             Region::from_buffer(short, 4096, 5),
             Err(RegionError::TooSmall { len, needed }) if len == 4 * 4096 && needed == 5 * 4096
         ));
+        // SAFETY: `mem` outlives this attempt, which builds no region.
         let zero = unsafe { RecvBuffer::from_raw(mem.0, 4 * 4096) };
         assert!(matches!(
             Region::from_buffer(zero, 0, 5),

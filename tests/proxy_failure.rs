@@ -98,37 +98,42 @@ fn a_proxy_failed_frame_fails_wait_ready_with_its_code() {
             ..
         })
     ));
-    // The history carries the (bounded) reason (two sockets: their
-    // frames may interleave in any order).
-    let mut seen = Vec::new();
-    while let Some(n) = l.next(Instant::now()) {
-        seen.push(n);
-    }
-    assert_eq!(seen.len(), 3, "{seen:?}");
-    let reason = |req: &str| -> Vec<Option<String>> {
-        seen.iter()
-            .filter(|n| n.req_id == req)
-            .map(|n| n.failure.as_ref().map(|f| f.reason.clone()))
-            .collect()
-    };
-    let mut tp = reason("tp");
-    tp.sort();
-    assert_eq!(tp, vec![None, Some("link down".to_owned())]);
-    let new = reason("new");
-    let cut = new[0].as_deref().expect("a failure");
+    // The failure callback gets the (bounded) reason; the ProxyNotif
+    // stream (`next`, `set_callback`) carries only the ready rank.
+    let n = l.next(Instant::now()).expect("rank 0's ProxyNotif");
+    assert_eq!((n.req_id.as_str(), n.failure.is_none()), ("tp", true));
     assert!(
-        cut.len() <= MAX_REASON_BYTES
-            && cut.len() > MAX_REASON_BYTES - 4
-            && cut.chars().all(|c| c == 'é'),
+        l.next(Instant::now()).is_none(),
+        "no failure in the ready stream"
+    );
+    let (tx, rx) = std::sync::mpsc::channel();
+    l.set_failure_callback(move |n| {
+        let _ = tx.send(n.clone());
+    });
+    rank0
+        .send(failed("later", "cancelled", Some(&long)), 0)
+        .unwrap();
+    let n = rx
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("failure callback ran");
+    let f = n.failure.expect("a failure");
+    assert_eq!(
+        (n.req_id.as_str(), f.code),
+        ("later", FailureCode::Known(ErrorCode::Cancelled))
+    );
+    assert!(
+        f.reason.len() <= MAX_REASON_BYTES
+            && f.reason.len() > MAX_REASON_BYTES - 4
+            && f.reason.chars().all(|c| c == 'é'),
         "cut at a character boundary: {} bytes",
-        cut.len()
+        f.reason.len()
     );
     assert_eq!(
         l.totals(),
         (1, 0),
         "failures are not ProxyNotifs, nor malformed"
     );
-    assert_eq!(l.failures_total(), 2);
+    assert_eq!(l.failures_total(), 3);
 }
 
 /// End to end: a request the receiver refuses (more chunks than its whole

@@ -164,7 +164,7 @@ fn buffers_that_do_not_fit_are_typed_errors() {
         tcp_data: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
         ..receiver_cfg()
     };
-    // SAFETY (each from_raw): `mem` outlives every attempt; none starts.
+    // SAFETY: `mem` outlives this attempt, which builds no region.
     let odd = unsafe { RecvBuffer::from_raw(mem.ptr.wrapping_add(8), SLOTS * CHUNK as usize - 8) };
     match Receiver::start_with_buffer(tcp.clone(), odd) {
         Err(ReceiverError::Region(RegionError::Misaligned { addr, .. })) => {
@@ -172,6 +172,7 @@ fn buffers_that_do_not_fit_are_typed_errors() {
         }
         other => panic!("expected Misaligned, got {other:?}"),
     }
+    // SAFETY: `mem` outlives this attempt, which builds no region.
     let short = unsafe { RecvBuffer::from_raw(mem.ptr, SLOTS * CHUNK as usize - 1) };
     match Receiver::start_with_buffer(tcp, short) {
         Err(ReceiverError::Region(RegionError::TooSmall { needed, .. })) => {
@@ -179,6 +180,7 @@ fn buffers_that_do_not_fit_are_typed_errors() {
         }
         other => panic!("expected TooSmall, got {other:?}"),
     }
+    // SAFETY: `mem` outlives this attempt, which builds no region.
     let no_plane = unsafe { RecvBuffer::from_raw(mem.ptr, SLOTS * CHUNK as usize) };
     assert!(matches!(
         Receiver::start_with_buffer(receiver_cfg(), no_plane),

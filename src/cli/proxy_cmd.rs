@@ -123,8 +123,10 @@ pub fn run(a: ProxyArgs) -> ExitCode {
         verbose: a.verbose,
     }));
     {
-        let tracker = Arc::clone(&tracker);
-        listener.set_callback(move |n| tracker.lock().on(n));
+        let ready = Arc::clone(&tracker);
+        listener.set_callback(move |n| ready.lock().on(n));
+        let failed = Arc::clone(&tracker);
+        listener.set_failure_callback(move |n| failed.lock().on(n));
     }
     let _metrics = match a.metrics {
         Some(addr) => {
