@@ -1,6 +1,7 @@
 //! A non-blocking eventfd: the file descriptor an event loop polls for a
 //! request's completion, on the sender (`sender::completion`) and the
-//! receiver (`receiver::ready`) alike.
+//! receiver (`receiver::ready`) alike, and the RDMA poster's doorbell for
+//! its sleeping CQ thread (`transport::rdma::peers`).
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -34,10 +35,42 @@ impl EventFd {
             )
         };
     }
+
+    /// Resets the counter to zero (not readable) and returns what it held
+    /// (0 if it was not signalled).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub fn clear(&self) -> u64 {
+        let mut v: u64 = 0;
+        // SAFETY: reads 8 bytes into a live u64 from a non-blocking eventfd
+        // we own; EAGAIN (counter at zero) leaves `v` at 0.
+        let _ = unsafe {
+            libc::read(
+                self.0.as_raw_fd(),
+                (&mut v as *mut u64).cast(),
+                std::mem::size_of::<u64>(),
+            )
+        };
+        v
+    }
 }
 
 impl AsFd for EventFd {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.0.as_fd()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signal_then_clear() {
+        let fd = EventFd::new().unwrap();
+        assert_eq!(fd.clear(), 0, "a new eventfd is not signalled");
+        fd.signal();
+        fd.signal();
+        assert_eq!(fd.clear(), 2, "clear returns the signals it consumed");
+        assert_eq!(fd.clear(), 0, "and leaves the counter at zero");
     }
 }

@@ -5,6 +5,11 @@
 //! listener's bound PULL socket. Like LMCache's disaggregation proxy, the
 //! listener counts notifications per `req_id`: with TP, a request is ready
 //! once every rank's sender has reported, so callers say how many they expect.
+//!
+//! A kvferry sender whose request fails (or is cancelled) pushes a
+//! `ProxyFailed` instead (a kvferry extension, `docs/protocol.md`): the
+//! listener records it and [`ProxyListener::wait_ready`] returns
+//! [`ProxyError::Failed`] at once instead of waiting for its deadline.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,7 +20,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 use tracing::{debug, warn};
 
-use crate::protocol::{decode_with_limits, Limits, Message};
+use crate::protocol::{decode_with_limits, ErrorCode, Limits, Message};
 use crate::recent::RecentMap;
 use crate::zmq_io::{readable, Reactor};
 
@@ -33,9 +38,37 @@ pub const MAX_FRAME_BYTES: usize = 64 << 10;
 /// (`ZMQ_RCVHWM`): at most this many times [`MAX_FRAME_BYTES`] per sender.
 pub const RECV_QUEUE: i32 = 1024;
 
+/// Longest `ProxyFailed.error` kept with a notification (longer ones are
+/// cut at a character boundary).
+pub const MAX_REASON_BYTES: usize = 256;
+
 /// Charge of one kept notification.
 fn notification_cost(n: &Notification) -> usize {
     n.req_id.len() + 64
+}
+
+/// The reason code a sender gave in its `ProxyFailed`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureCode {
+    /// A code this version knows.
+    Known(ErrorCode),
+    /// A code this version does not know (a newer sender).
+    Unknown,
+}
+
+impl FailureCode {
+    fn parse(code: &str) -> Self {
+        ErrorCode::parse(code).map_or(FailureCode::Unknown, FailureCode::Known)
+    }
+}
+
+/// What a sender reported for a request that failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    /// Machine-readable reason.
+    pub code: FailureCode,
+    /// Human-readable reason (at most [`MAX_REASON_BYTES`]).
+    pub reason: String,
 }
 
 /// One received notification.
@@ -43,10 +76,23 @@ fn notification_cost(n: &Notification) -> usize {
 pub struct Notification {
     /// The request.
     pub req_id: String,
-    /// Notifications received for it so far (this one included).
+    /// `ProxyNotif`s received for it so far (this one included, unless it
+    /// is a failure).
     pub count: usize,
     /// When it arrived.
     pub at: Instant,
+    /// `Some` for a `ProxyFailed`: the request will not become ready.
+    pub failure: Option<Failure>,
+}
+
+/// What the listener remembers of one request (fixed size: the reason
+/// string stays with the notification history only).
+#[derive(Debug, Clone, Copy, Default)]
+struct Seen {
+    /// `ProxyNotif`s received.
+    ready: usize,
+    /// The first `ProxyFailed`'s code, if any.
+    failed: Option<FailureCode>,
 }
 
 /// Errors of the proxy listener.
@@ -64,6 +110,18 @@ pub enum ProxyError {
     /// The listener thread could not be started.
     #[error("cannot start the proxy listener thread: {0}")]
     Thread(#[from] std::io::Error),
+    /// A sender reported the request failed (`ProxyFailed`): it will not
+    /// become ready.
+    #[error("request {req_id} failed at its sender ({})", match .code {
+        FailureCode::Known(c) => c.as_str(),
+        FailureCode::Unknown => "unknown code",
+    })]
+    Failed {
+        /// The request.
+        req_id: String,
+        /// The sender's reason code.
+        code: FailureCode,
+    },
     /// `wait_ready` hit its deadline.
     #[error("request {req_id}: {got} of {expected} ProxyNotif before the deadline")]
     Timeout {
@@ -84,14 +142,17 @@ pub type NotifCallback = Box<dyn Fn(&Notification) + Send + Sync>;
 
 struct Counts {
     /// Notifications per request, for the most recent requests.
-    map: RecentMap<usize>,
+    map: RecentMap<Seen>,
     history: VecDeque<Notification>,
     /// Bytes charged for `history`.
     history_bytes: usize,
     /// Bound of `history_bytes`.
     max_history_bytes: usize,
     malformed: u64,
+    /// `ProxyNotif`s received.
     total: u64,
+    /// `ProxyFailed`s received.
+    failures: u64,
     shut_down: bool,
 }
 
@@ -101,6 +162,9 @@ struct Shared {
     stop: AtomicBool,
     waker: Arc<mio::Waker>,
     callback: Mutex<Option<NotifCallback>>,
+    /// Run for each `ProxyFailed` (kept apart from `callback`, which has
+    /// always meant "a rank is ready").
+    failure_callback: Mutex<Option<NotifCallback>>,
 }
 
 /// A bound PULL socket collecting `ProxyNotif`s on its own thread.
@@ -185,12 +249,14 @@ impl ProxyListener {
                 max_history_bytes: memory_bytes,
                 malformed: 0,
                 total: 0,
+                failures: 0,
                 shut_down: false,
             }),
             cv: Condvar::new(),
             stop: AtomicBool::new(false),
             waker: reactor.waker(),
             callback: Mutex::new(None),
+            failure_callback: Mutex::new(None),
         });
         let thread = {
             let shared = Arc::clone(&shared);
@@ -210,50 +276,79 @@ impl ProxyListener {
         &self.endpoint
     }
 
-    /// Sets a callback run on the listener thread for each notification.
+    /// Sets a callback run on the listener thread for each `ProxyNotif`.
     pub fn set_callback(&self, f: impl Fn(&Notification) + Send + Sync + 'static) {
         *self.shared.callback.lock() = Some(Box::new(f));
     }
 
-    /// Notifications received so far for `req_id`.
+    /// Sets a callback run on the listener thread for each `ProxyFailed`
+    /// (its [`Notification::failure`] is `Some`): the request will not
+    /// become ready.
+    pub fn set_failure_callback(&self, f: impl Fn(&Notification) + Send + Sync + 'static) {
+        *self.shared.failure_callback.lock() = Some(Box::new(f));
+    }
+
+    /// `ProxyNotif`s received so far for `req_id`.
     pub fn count(&self, req_id: &str) -> usize {
         self.shared
             .counts
             .lock()
             .map
             .get(req_id)
-            .copied()
-            .unwrap_or(0)
+            .map_or(0, |s| s.ready)
     }
 
-    /// Total notifications received, and frames that were not a ProxyNotif.
+    /// The code of the first `ProxyFailed` received for `req_id`, if any.
+    pub fn failure(&self, req_id: &str) -> Option<FailureCode> {
+        self.shared.counts.lock().map.get(req_id)?.failed
+    }
+
+    /// Total `ProxyNotif`s received, and frames that were neither a
+    /// ProxyNotif nor a ProxyFailed.
     pub fn totals(&self) -> (u64, u64) {
         let c = self.shared.counts.lock();
         (c.total, c.malformed)
     }
 
+    /// Total `ProxyFailed`s received.
+    pub fn failures_total(&self) -> u64 {
+        self.shared.counts.lock().failures
+    }
+
     /// Waits until `expected_notifs` notifications for `req_id` arrived
-    /// (one per sender TP rank) or `deadline` passes.
+    /// (one per sender TP rank), a sender reported it failed
+    /// ([`ProxyError::Failed`], at once: one failed rank fails the
+    /// request), or `deadline` passes ([`ProxyError::Timeout`]).
     pub fn wait_ready(
         &self,
         req_id: &str,
         expected_notifs: usize,
         deadline: Instant,
     ) -> Result<(), ProxyError> {
+        let settled = |c: &Counts| -> Option<Result<(), ProxyError>> {
+            let seen = c.map.get(req_id).copied().unwrap_or_default();
+            match seen.failed {
+                Some(code) => Some(Err(ProxyError::Failed {
+                    req_id: req_id.to_owned(),
+                    code,
+                })),
+                None if seen.ready >= expected_notifs => Some(Ok(())),
+                None => None,
+            }
+        };
         let mut c = self.shared.counts.lock();
         loop {
-            let got = c.map.get(req_id).copied().unwrap_or(0);
-            if got >= expected_notifs {
-                return Ok(());
+            if let Some(r) = settled(&c) {
+                return r;
             }
             if c.shut_down {
                 return Err(ProxyError::ShutDown);
             }
             if self.shared.cv.wait_until(&mut c, deadline).timed_out() {
-                let got = c.map.get(req_id).copied().unwrap_or(0);
-                if got >= expected_notifs {
-                    return Ok(());
+                if let Some(r) = settled(&c) {
+                    return r;
                 }
+                let got = c.map.get(req_id).map_or(0, |s| s.ready);
                 return Err(ProxyError::Timeout {
                     req_id: req_id.to_owned(),
                     got,
@@ -263,8 +358,10 @@ impl ProxyListener {
         }
     }
 
-    /// Takes the next notification in arrival order, waiting until
+    /// Takes the next `ProxyNotif` in arrival order, waiting until
     /// `deadline`. Notifications not taken are kept (up to a bound).
+    /// Failures are not in this stream: see [`ProxyListener::failure`] and
+    /// [`ProxyListener::set_failure_callback`].
     pub fn next(&self, deadline: Instant) -> Option<Notification> {
         let mut c = self.shared.counts.lock();
         loop {
@@ -324,10 +421,25 @@ fn listen(shared: Arc<Shared>, sock: zmq::Socket, mut reactor: Reactor) {
                     break;
                 }
             };
-            let notif = match decode_with_limits(&frame, &limits) {
-                Ok(Message::ProxyNotif(p)) => p,
+            let (req_id, failure) = match decode_with_limits(&frame, &limits) {
+                Ok(Message::ProxyNotif(p)) => (p.req_id, None),
+                Ok(Message::ProxyFailed(p)) => {
+                    let mut reason = p.error.unwrap_or_default();
+                    if reason.len() > MAX_REASON_BYTES {
+                        let mut cut = MAX_REASON_BYTES;
+                        while !reason.is_char_boundary(cut) {
+                            cut -= 1;
+                        }
+                        reason.truncate(cut);
+                    }
+                    let code = FailureCode::parse(&p.code);
+                    (p.req_id, Some(Failure { code, reason }))
+                }
                 Ok(other) => {
-                    debug!(?other, "non-ProxyNotif frame at the proxy ignored");
+                    debug!(
+                        ?other,
+                        "frame at the proxy that is no ProxyNotif/ProxyFailed ignored"
+                    );
                     shared.counts.lock().malformed += 1;
                     continue;
                 }
@@ -339,26 +451,45 @@ fn listen(shared: Arc<Shared>, sock: zmq::Socket, mut reactor: Reactor) {
             };
             let n = {
                 let mut c = shared.counts.lock();
-                c.total += 1;
+                match failure {
+                    Some(_) => c.failures += 1,
+                    None => c.total += 1,
+                }
                 let count = {
-                    let e = c.map.get_or_insert_with(&notif.req_id, || 0);
-                    *e += 1;
-                    *e
+                    let e = c.map.get_or_insert_with(&req_id, Seen::default);
+                    match &failure {
+                        // The first failure is kept.
+                        Some(f) => {
+                            e.failed.get_or_insert(f.code);
+                        }
+                        None => e.ready += 1,
+                    }
+                    e.ready
                 };
+                if let Some(f) = &failure {
+                    debug!(req_id, code = ?f.code, reason = %f.reason, "ProxyFailed");
+                }
                 let n = Notification {
-                    req_id: notif.req_id,
+                    req_id,
                     count,
                     at: Instant::now(),
+                    failure,
                 };
-                c.history_bytes += notification_cost(&n);
-                c.history.push_back(n.clone());
-                while c.history_bytes > c.max_history_bytes {
-                    c.pop_history();
+                if n.failure.is_none() {
+                    c.history_bytes += notification_cost(&n);
+                    c.history.push_back(n.clone());
+                    while c.history_bytes > c.max_history_bytes {
+                        c.pop_history();
+                    }
                 }
                 n
             };
             shared.cv.notify_all();
-            if let Some(cb) = shared.callback.lock().as_ref() {
+            let callback = match n.failure {
+                None => &shared.callback,
+                Some(_) => &shared.failure_callback,
+            };
+            if let Some(cb) = callback.lock().as_ref() {
                 cb(&n);
             }
         }

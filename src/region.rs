@@ -16,8 +16,40 @@
 //! slots are plain bytes. Who may write which slot at which time is decided by
 //! the control plane (a sender writes only the slots an `AllocResponse`
 //! granted it), never by this module.
+//!
+//! # A receive buffer the caller provides ([`RecvBuffer`])
+//!
+//! By default the receiver creates (and removes) its own `/dev/shm` file. A
+//! decoder that wants chunks to land in memory it owns hands
+//! [`Receiver::start_with_buffer`](crate::receiver::Receiver::start_with_buffer)
+//! a [`RecvBuffer`]:
+//!
+//! - [`RecvBuffer::from_file`]: a file the caller created (a `memfd`, or a
+//!   file under `/dev/shm`), at least `4096 + capacity_chunks * chunk_bytes`
+//!   bytes. kvferry writes the header above into its first page and the
+//!   slots start at byte 4096 (page-aligned), so the caller's own mapping of
+//!   the file sees slot `i` at offset `4096 + i * chunk_bytes`. Same-host
+//!   senders map it (the shm data plane) by the path announced in
+//!   `HelloAck`: `/proc/<pid>/fd/<fd>`, which works for a memfd and for a
+//!   regular file alike while the receiver keeps the descriptor open, and
+//!   which a sender can open when it runs as the same user in the same pid
+//!   namespace (the kernel's ptrace-read check). [`RecvBuffer::open`]
+//!   announces the file's own path instead (a file the caller created under
+//!   `/dev/shm`, reachable from other pid namespaces that share it). The
+//!   file is never truncated or removed by kvferry. TCP and RDMA write into
+//!   the same mapping.
+//! - [`RecvBuffer::from_raw`] (unsafe): page-aligned memory at a pointer,
+//!   at least `capacity_chunks * chunk_bytes` bytes; slot `i` starts at
+//!   `ptr + i * chunk_bytes`. No file: there is no shm data plane, so the
+//!   receiver needs `tcp_data` (TCP writes land in it) or an acceptor (RDMA
+//!   registers its memory region over it), and announces that as its
+//!   transport.
+//!
+//! A buffer that is misaligned ([`RegionError::Misaligned`]) or shorter than
+//! the geometry needs ([`RegionError::TooSmall`]) is refused at start.
 
 use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -72,32 +104,174 @@ pub enum RegionError {
     /// Zero or overflowing sizes.
     #[error("invalid buffer geometry: {0}")]
     Geometry(String),
+    /// A caller's buffer ([`RecvBuffer::from_raw`]) does not start on a page
+    /// boundary (or is null).
+    #[error("receive buffer at {addr:#x} is not aligned to the {align}-byte page")]
+    Misaligned {
+        /// Its address.
+        addr: usize,
+        /// The page size it must be a multiple of.
+        align: usize,
+    },
+    /// A caller's buffer is shorter than the geometry needs.
+    #[error("receive buffer holds {len} bytes, the geometry needs {needed}")]
+    TooSmall {
+        /// Its length (for a file: the file's size).
+        len: u64,
+        /// What `capacity_chunks * chunk_bytes` (plus the header page, for a
+        /// file) needs.
+        needed: u64,
+    },
 }
 
-/// A mapped receive buffer (creator or attacher).
+/// Memory a caller provides for a receiver's slots; see the module docs.
+pub struct RecvBuffer(Source);
+
+enum Source {
+    /// A caller's file and the path senders open it by.
+    File { file: File, path: PathBuf },
+    /// Caller memory at a pointer (validity promised by `from_raw`'s caller).
+    Memory { ptr: *mut u8, len: usize },
+}
+
+impl std::fmt::Debug for RecvBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0 {
+            Source::File { path, .. } => f.debug_struct("RecvBuffer").field("path", path).finish(),
+            Source::Memory { ptr, len } => f
+                .debug_struct("RecvBuffer")
+                .field("ptr", ptr)
+                .field("len", len)
+                .finish(),
+        }
+    }
+}
+
+// SAFETY: a `RecvBuffer` is only a description of memory; the `from_raw`
+// contract makes the memory usable from any thread.
+unsafe impl Send for RecvBuffer {}
+
+impl RecvBuffer {
+    /// A caller's file (a `memfd` or a `/dev/shm` file, opened read-write),
+    /// announced to same-host senders as `/proc/<pid>/fd/<fd>`. The receiver
+    /// keeps the descriptor open and never resizes or removes the file.
+    pub fn from_file(file: File) -> Self {
+        let path = PathBuf::from(format!(
+            "/proc/{}/fd/{}",
+            std::process::id(),
+            file.as_raw_fd()
+        ));
+        Self(Source::File { file, path })
+    }
+
+    /// The caller's existing file at `path` (e.g. one it created under
+    /// `/dev/shm`), opened read-write and announced by that path.
+    pub fn open(path: &Path) -> Result<Self, RegionError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|source| RegionError::Io {
+                path: path.to_owned(),
+                source,
+            })?;
+        Ok(Self(Source::File {
+            file,
+            path: path.to_owned(),
+        }))
+    }
+
+    /// Caller memory at `ptr`, `len` bytes. Alignment and size are checked
+    /// when the receiver starts ([`RegionError::Misaligned`],
+    /// [`RegionError::TooSmall`]).
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` is one allocation of host memory that stays mapped,
+    /// readable and writable until the [`Region`] built over it is dropped:
+    /// that is, after the receiver and every `ChunkRef`, `RequestChunks` and
+    /// `RequestHandle` it handed out are gone. While it lives nothing but the
+    /// receiver writes it; the caller may read a slot's bytes through its own
+    /// pointer only while it holds a borrow of that slot (`ChunkRef`,
+    /// `RequestChunks`).
+    pub unsafe fn from_raw(ptr: *mut u8, len: usize) -> Self {
+        Self(Source::Memory { ptr, len })
+    }
+}
+
+/// What backs a region's slots.
+enum Backing {
+    /// A mapped file; `remove` when kvferry created it (removed on drop).
+    /// `file` keeps a caller's descriptor open (its `/proc/<pid>/fd` path).
+    File {
+        _map: MmapMut,
+        path: PathBuf,
+        remove: bool,
+        _file: Option<File>,
+    },
+    /// Caller memory ([`RecvBuffer::from_raw`]); never freed here.
+    Caller,
+}
+
+/// A mapped receive buffer (creator or attacher), or a caller's memory.
 pub struct Region {
-    map: MmapMut,
-    path: PathBuf,
+    backing: Backing,
+    /// Start of the slot area (inside the mapping, or the caller's pointer).
+    data: *mut u8,
     chunk_bytes: u64,
     capacity_chunks: u64,
-    owner: bool,
 }
 
 impl std::fmt::Debug for Region {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Region")
-            .field("path", &self.path)
+            .field("path", &self.file_path())
             .field("chunk_bytes", &self.chunk_bytes)
             .field("capacity_chunks", &self.capacity_chunks)
-            .field("owner", &self.owner)
             .finish()
     }
+}
+
+/// The host's page size (4096 if `sysconf` cannot say).
+pub(crate) fn page_size() -> usize {
+    // SAFETY: sysconf takes no pointers; -1 means unknown.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(n).ok().filter(|&n| n > 0).unwrap_or(4096)
+}
+
+/// Writes the header of a `chunk_bytes` x `capacity_chunks` buffer.
+fn write_header(map: &mut MmapMut, chunk_bytes: u64, capacity_chunks: u64) {
+    map[0..8].copy_from_slice(&REGION_MAGIC);
+    map[8..12].copy_from_slice(&REGION_VERSION.to_le_bytes());
+    map[16..24].copy_from_slice(&chunk_bytes.to_le_bytes());
+    map[24..32].copy_from_slice(&capacity_chunks.to_le_bytes());
+    map[32..40].copy_from_slice(&DATA_OFFSET.to_le_bytes());
+}
+
+/// The start of the slot area of a file mapping (`DATA_OFFSET` in).
+fn data_of(map: &MmapMut) -> *mut u8 {
+    // SAFETY: every mapping built here is at least DATA_OFFSET + one slot
+    // long (checked before mapping), so the offset stays inside it.
+    unsafe { map.as_ptr().add(DATA_OFFSET as usize) as *mut u8 }
 }
 
 fn total_len(chunk_bytes: u64, capacity_chunks: u64) -> Option<u64> {
     chunk_bytes
         .checked_mul(capacity_chunks)?
         .checked_add(DATA_OFFSET)
+}
+
+/// The file length of a buffer of this geometry, or why it has none.
+fn checked_len(chunk_bytes: u64, capacity_chunks: u64) -> Result<u64, RegionError> {
+    if chunk_bytes == 0 || capacity_chunks == 0 {
+        return Err(RegionError::Geometry(format!(
+            "chunk_bytes ({chunk_bytes}) and capacity_chunks ({capacity_chunks}) must be positive"
+        )));
+    }
+    total_len(chunk_bytes, capacity_chunks).ok_or_else(|| {
+        RegionError::Geometry(format!(
+            "{capacity_chunks} chunks of {chunk_bytes} bytes overflow"
+        ))
+    })
 }
 
 impl Region {
@@ -108,16 +282,7 @@ impl Region {
         chunk_bytes: u64,
         capacity_chunks: u64,
     ) -> Result<Self, RegionError> {
-        if chunk_bytes == 0 || capacity_chunks == 0 {
-            return Err(RegionError::Geometry(format!(
-                "chunk_bytes ({chunk_bytes}) and capacity_chunks ({capacity_chunks}) must be positive"
-            )));
-        }
-        let len = total_len(chunk_bytes, capacity_chunks).ok_or_else(|| {
-            RegionError::Geometry(format!(
-                "{capacity_chunks} chunks of {chunk_bytes} bytes overflow"
-            ))
-        })?;
+        let len = checked_len(chunk_bytes, capacity_chunks)?;
         let io = |source| RegionError::Io {
             path: path.to_owned(),
             source,
@@ -136,18 +301,85 @@ impl Region {
         // are coordinated by the control plane, and we never form references
         // to slot memory that outlive a grant (see `slot_ptr`).
         let mut map = unsafe { MmapOptions::new().len(len as usize).map_mut(&file) }.map_err(io)?;
-        map[0..8].copy_from_slice(&REGION_MAGIC);
-        map[8..12].copy_from_slice(&REGION_VERSION.to_le_bytes());
-        map[16..24].copy_from_slice(&chunk_bytes.to_le_bytes());
-        map[24..32].copy_from_slice(&capacity_chunks.to_le_bytes());
-        map[32..40].copy_from_slice(&DATA_OFFSET.to_le_bytes());
+        write_header(&mut map, chunk_bytes, capacity_chunks);
         Ok(Self {
-            map,
-            path: path.to_owned(),
+            data: data_of(&map),
+            backing: Backing::File {
+                _map: map,
+                path: path.to_owned(),
+                remove: true,
+                _file: None,
+            },
             chunk_bytes,
             capacity_chunks,
-            owner: true,
         })
+    }
+
+    /// A region over a caller's buffer (see the module docs): a file gets
+    /// the header in its first page and slots after it; memory at a pointer
+    /// holds slots only. Errors: [`RegionError::Geometry`],
+    /// [`RegionError::Misaligned`], [`RegionError::TooSmall`],
+    /// [`RegionError::Io`] (the file cannot be sized or mapped).
+    pub fn from_buffer(
+        buffer: RecvBuffer,
+        chunk_bytes: u64,
+        capacity_chunks: u64,
+    ) -> Result<Self, RegionError> {
+        let needed = checked_len(chunk_bytes, capacity_chunks)?;
+        match buffer.0 {
+            Source::File { file, path } => {
+                let io = |source| RegionError::Io {
+                    path: path.clone(),
+                    source,
+                };
+                let len = file.metadata().map_err(io)?.len();
+                if len < needed {
+                    return Err(RegionError::TooSmall { len, needed });
+                }
+                let map_len = usize::try_from(needed).map_err(|_| {
+                    RegionError::Geometry(format!("{needed} bytes do not fit this address space"))
+                })?;
+                // SAFETY: the caller handed us this file for the receiver's
+                // use; we map its first `needed` bytes (the file holds at
+                // least that many), write only the header here, and slot
+                // bytes are touched only through raw pointers under
+                // control-plane grants, as for a file we create.
+                let mut map =
+                    unsafe { MmapOptions::new().len(map_len).map_mut(&file) }.map_err(io)?;
+                write_header(&mut map, chunk_bytes, capacity_chunks);
+                Ok(Self {
+                    data: data_of(&map),
+                    backing: Backing::File {
+                        _map: map,
+                        path,
+                        remove: false,
+                        _file: Some(file),
+                    },
+                    chunk_bytes,
+                    capacity_chunks,
+                })
+            }
+            Source::Memory { ptr, len } => {
+                let align = page_size();
+                let addr = ptr as usize;
+                if ptr.is_null() || addr % align != 0 {
+                    return Err(RegionError::Misaligned { addr, align });
+                }
+                let needed = needed - DATA_OFFSET;
+                if (len as u64) < needed {
+                    return Err(RegionError::TooSmall {
+                        len: len as u64,
+                        needed,
+                    });
+                }
+                Ok(Self {
+                    backing: Backing::Caller,
+                    data: ptr,
+                    chunk_bytes,
+                    capacity_chunks,
+                })
+            }
+        }
     }
 
     /// Maps an existing buffer file created by [`Region::create`] (possibly in
@@ -223,11 +455,15 @@ impl Region {
             }
         }
         Ok(Self {
-            map,
-            path: path.to_owned(),
+            data: data_of(&map),
+            backing: Backing::File {
+                _map: map,
+                path: path.to_owned(),
+                remove: false,
+                _file: None,
+            },
             chunk_bytes,
             capacity_chunks,
-            owner: false,
         })
     }
 
@@ -241,9 +477,20 @@ impl Region {
         self.capacity_chunks
     }
 
-    /// The file backing the region.
+    /// The file backing the region, as senders open it; empty for caller
+    /// memory at a pointer ([`RecvBuffer::from_raw`]), which has none (see
+    /// [`Region::file_path`]).
     pub fn path(&self) -> &Path {
-        &self.path
+        self.file_path().unwrap_or(Path::new(""))
+    }
+
+    /// The file backing the region, as senders open it; `None` for caller
+    /// memory at a pointer ([`RecvBuffer::from_raw`]).
+    pub fn file_path(&self) -> Option<&Path> {
+        match &self.backing {
+            Backing::File { path, .. } => Some(path),
+            Backing::Caller => None,
+        }
     }
 
     /// Total bytes of the slot area.
@@ -256,9 +503,7 @@ impl Region {
     /// Writing through it is only sound for byte ranges the caller owns
     /// exclusively (a slot granted to its request and not yet released).
     pub fn data_ptr(&self) -> *mut u8 {
-        // SAFETY: DATA_OFFSET < map.len() (checked at create/open), so the
-        // offset stays inside the mapping.
-        unsafe { self.map.as_ptr().add(DATA_OFFSET as usize) as *mut u8 }
+        self.data
     }
 
     /// Returns `Some(ptr)` to the start of `slot` if it exists.
@@ -277,17 +522,24 @@ impl Region {
 
 impl Drop for Region {
     fn drop(&mut self) {
-        if self.owner {
+        if let Backing::File {
+            path, remove: true, ..
+        } = &self.backing
+        {
             // Best effort: the file may already be gone (operator cleanup).
-            let _ = std::fs::remove_file(&self.path);
+            let _ = std::fs::remove_file(path);
         }
     }
 }
 
-// SAFETY: the mapping is plain shared memory; all slot access goes through raw
-// pointers whose exclusivity is arbitrated by the control plane, and the
-// header is immutable after creation.
+// SAFETY: the mapping (or the caller's memory, under `RecvBuffer::from_raw`'s
+// contract) is plain memory usable from any thread; all slot access goes
+// through raw pointers whose exclusivity is arbitrated by the control plane,
+// and the header is immutable after creation.
 unsafe impl Sync for Region {}
+// SAFETY: as for `Sync`: nothing in a region is tied to the thread that
+// built it (`data` points into memory that outlives the region's owner).
+unsafe impl Send for Region {}
 
 static NEXT_REGION: AtomicU64 = AtomicU64::new(0);
 
@@ -375,5 +627,114 @@ mod tests {
             Region::create(&path, u64::MAX, 4),
             Err(RegionError::Geometry(_))
         ));
+    }
+
+    /// A page-aligned, zeroed heap allocation of `len` bytes for tests.
+    struct Pages(*mut u8, std::alloc::Layout);
+
+    impl Pages {
+        fn new(len: usize) -> Self {
+            let layout = std::alloc::Layout::from_size_align(len, page_size()).unwrap();
+            // SAFETY: `layout` has a non-zero size.
+            let p = unsafe { std::alloc::alloc_zeroed(layout) };
+            assert!(!p.is_null());
+            Self(p, layout)
+        }
+    }
+
+    impl Drop for Pages {
+        fn drop(&mut self) {
+            // SAFETY: allocated in `new` with this layout, freed once.
+            unsafe { std::alloc::dealloc(self.0, self.1) };
+        }
+    }
+
+    #[test]
+    fn caller_memory_is_the_slot_area() {
+        let mem = Pages::new(4 * 4096);
+        // SAFETY: `mem` outlives the region (dropped after it, below) and
+        // only the region's pointers touch it meanwhile.
+        let r =
+            Region::from_buffer(unsafe { RecvBuffer::from_raw(mem.0, 4 * 4096) }, 4096, 4).unwrap();
+        assert_eq!(r.data_ptr(), mem.0, "slot 0 is the caller's first byte");
+        assert_eq!(r.slot_ptr(3), Some(mem.0.wrapping_add(3 * 4096)));
+        assert!(r.file_path().is_none(), "no file: no shm path");
+        drop(r);
+    }
+
+    #[test]
+    fn a_misaligned_or_short_caller_buffer_is_a_typed_error() {
+        let mem = Pages::new(4 * 4096);
+        let page = page_size();
+        // SAFETY: `mem` outlives this attempt, which builds no region.
+        let odd = unsafe { RecvBuffer::from_raw(mem.0.wrapping_add(64), 3 * 4096) };
+        assert!(matches!(
+            Region::from_buffer(odd, 4096, 2),
+            Err(RegionError::Misaligned { align, .. }) if align == page
+        ));
+        // SAFETY: `mem` outlives this attempt, which builds no region.
+        let null = unsafe { RecvBuffer::from_raw(std::ptr::null_mut(), 4096) };
+        assert!(matches!(
+            Region::from_buffer(null, 4096, 1),
+            Err(RegionError::Misaligned { addr: 0, .. })
+        ));
+        // SAFETY: `mem` outlives this attempt, which builds no region.
+        let short = unsafe { RecvBuffer::from_raw(mem.0, 4 * 4096) };
+        assert!(matches!(
+            Region::from_buffer(short, 4096, 5),
+            Err(RegionError::TooSmall { len, needed }) if len == 4 * 4096 && needed == 5 * 4096
+        ));
+        // SAFETY: `mem` outlives this attempt, which builds no region.
+        let zero = unsafe { RecvBuffer::from_raw(mem.0, 4 * 4096) };
+        assert!(matches!(
+            Region::from_buffer(zero, 0, 5),
+            Err(RegionError::Geometry(_))
+        ));
+    }
+
+    #[test]
+    fn a_caller_file_gets_the_header_and_is_kept() {
+        let path = default_region_path();
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .unwrap();
+        file.set_len(DATA_OFFSET + 2 * 4096).unwrap();
+        // Too small for three slots: refused, the file untouched.
+        let short = RecvBuffer::from_file(file.try_clone().unwrap());
+        assert!(matches!(
+            Region::from_buffer(short, 4096, 3),
+            Err(RegionError::TooSmall { needed, .. }) if needed == DATA_OFFSET + 3 * 4096
+        ));
+        let r = Region::from_buffer(RecvBuffer::from_file(file), 4096, 2).unwrap();
+        let announced = r.file_path().unwrap().to_owned();
+        assert!(
+            announced.starts_with(format!("/proc/{}/fd/", std::process::id())),
+            "{announced:?}"
+        );
+        // SAFETY: slot 1 is owned by this test.
+        unsafe { std::ptr::write_bytes(r.slot_ptr(1).unwrap(), 0x5A, 4096) };
+        // A sender opens it by the announced path and sees header and bytes.
+        let o = Region::open(&announced, Some((4096, 2))).unwrap();
+        // SAFETY: nothing writes slot 1 any more.
+        let back = unsafe { std::slice::from_raw_parts(o.slot_ptr(1).unwrap(), 4096) };
+        assert_eq!(back, &[0x5A; 4096][..]);
+        drop(o);
+        drop(r);
+        // The caller's file stays, with the bytes at 4096 + slot * chunk.
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(bytes.len() as u64, DATA_OFFSET + 2 * 4096);
+        assert_eq!(&bytes[..8], &REGION_MAGIC);
+        assert!(bytes[DATA_OFFSET as usize + 4096..]
+            .iter()
+            .all(|&b| b == 0x5A));
+        // By path: announced as given.
+        let r = Region::from_buffer(RecvBuffer::open(&path).unwrap(), 4096, 2).unwrap();
+        assert_eq!(r.file_path(), Some(path.as_path()));
+        drop(r);
+        assert!(path.exists(), "a caller's file is never removed");
+        std::fs::remove_file(&path).unwrap();
     }
 }

@@ -551,6 +551,79 @@ fn a_sender_reaches_a_receiver_that_offers_rdma() {
     }
 }
 
+/// A receiver over caller memory at a pointer (`RecvBuffer::from_raw`):
+/// the rdma acceptor registers its memory region over that memory, the
+/// sender's RDMA WRITEs land in it, and the caller reads them through its
+/// own pointer.
+#[test]
+fn rdma_writes_land_in_caller_memory() {
+    if !device_or_skip("rdma_writes_land_in_caller_memory") {
+        return;
+    }
+    use kvferry::receiver::{AcceptorFactory, Receiver, ReceiverConfig, RecvBuffer};
+    use kvferry::sender::{RequestStatus, Sender, SenderConfig, TransferSpec};
+    let len = (SLOTS * CHUNK) as usize;
+    let layout = std::alloc::Layout::from_size_align(len, 4096).unwrap();
+    // SAFETY: non-zero size; freed at the end of the test, after the
+    // receiver and every borrow of its chunks.
+    let mem = unsafe { std::alloc::alloc_zeroed(layout) };
+    assert!(!mem.is_null());
+    let cfg = env_cfg();
+    // SAFETY: `mem` stays allocated until after the receiver is dropped
+    // below, and only the receiver writes it meanwhile.
+    let buffer = unsafe { RecvBuffer::from_raw(mem, len) };
+    let receiver = Receiver::start_with_buffer(
+        ReceiverConfig {
+            capacity_chunks: SLOTS as usize,
+            chunk_bytes: CHUNK,
+            acceptor: Some(AcceptorFactory::rdma(cfg.clone())),
+            ..ReceiverConfig::default()
+        },
+        buffer,
+    )
+    .unwrap();
+    assert_eq!(receiver.region().data_ptr(), mem);
+    let sender = Sender::with_transport(
+        SenderConfig {
+            staging_slots: 8,
+            chunk_bytes: CHUNK,
+            transport: "rdma".into(),
+            ..SenderConfig::default()
+        },
+        Box::new(RdmaTransport::new(cfg).unwrap()),
+    )
+    .unwrap();
+    let chunks: Vec<Vec<u8>> = (0..3u8).map(|i| vec![0xC0 + i; CHUNK as usize]).collect();
+    let refs: Vec<&[u8]> = chunks.iter().map(Vec::as_slice).collect();
+    let keys = ["m0", "m1", "m2"];
+    let spec = TransferSpec::new("rdma-caller-mem", receiver.endpoint(), 3, true);
+    sender.store(&spec, &keys, &refs).unwrap();
+    let deadline = Instant::now() + DEADLINE;
+    assert_eq!(
+        sender.wait("rdma-caller-mem", deadline),
+        Some(RequestStatus::Completed)
+    );
+    receiver.wait_ready("rdma-caller-mem", deadline).unwrap();
+    for (k, want) in keys.iter().zip(&chunks) {
+        let got = receiver.get(k).expect("key held");
+        assert_eq!(got.bytes(), &want[..], "bytes of {k}");
+        // SAFETY: the slot is inside `mem` (slot < SLOTS) and borrowed by
+        // `got`, so nothing writes it while we read.
+        let mine = unsafe {
+            std::slice::from_raw_parts(
+                mem.add(got.slot() as usize * CHUNK as usize),
+                CHUNK as usize,
+            )
+        };
+        assert_eq!(mine, &want[..], "bytes of {k} in the caller's memory");
+    }
+    drop(sender);
+    drop(receiver);
+    // SAFETY: allocated above with `layout`; the receiver (and its memory
+    // region) is gone.
+    unsafe { std::alloc::dealloc(mem, layout) };
+}
+
 // ----- faults under a Sender and Receiver ------------------------------------
 
 /// A receiver that offers rdma on this host's device.

@@ -47,6 +47,8 @@ struct ProxyReport {
     notifications: u64,
     malformed_frames: u64,
     requests_ready: u64,
+    /// `ProxyFailed`s received (one per failing sender rank).
+    failure_notifications: u64,
     elapsed_s: f64,
     ready_per_s: f64,
     /// Time from a request's first to its last expected ProxyNotif (the
@@ -66,12 +68,22 @@ struct Tracker {
     /// First arrival per request not yet ready, bounded in bytes.
     first_seen: RecentMap<Instant>,
     ready: u64,
+    failed: u64,
     spread_us: hdrhistogram::Histogram<u64>,
     verbose: bool,
 }
 
 impl Tracker {
     fn on(&mut self, n: &Notification) {
+        if let Some(f) = &n.failure {
+            // The request will not become ready: forget its first arrival.
+            self.first_seen.remove(&n.req_id);
+            self.failed += 1;
+            if self.verbose {
+                println!("failed {} ({:?}: {})", n.req_id, f.code, f.reason);
+            }
+            return;
+        }
         let first = *self.first_seen.get_or_insert_with(&n.req_id, || n.at);
         if n.count == self.expect {
             self.first_seen.remove(&n.req_id);
@@ -106,12 +118,15 @@ pub fn run(a: ProxyArgs) -> ExitCode {
         expect: a.expect as usize,
         first_seen: RecentMap::new(a.memory_bytes),
         ready: 0,
+        failed: 0,
         spread_us,
         verbose: a.verbose,
     }));
     {
-        let tracker = Arc::clone(&tracker);
-        listener.set_callback(move |n| tracker.lock().on(n));
+        let ready = Arc::clone(&tracker);
+        listener.set_callback(move |n| ready.lock().on(n));
+        let failed = Arc::clone(&tracker);
+        listener.set_failure_callback(move |n| failed.lock().on(n));
     }
     let _metrics = match a.metrics {
         Some(addr) => {
@@ -164,6 +179,7 @@ pub fn run(a: ProxyArgs) -> ExitCode {
         notifications,
         malformed_frames,
         requests_ready: t.ready,
+        failure_notifications: t.failed,
         elapsed_s,
         ready_per_s: t.ready as f64 / elapsed_s.max(1e-9),
         rank_spread_us: Spread {
@@ -179,9 +195,10 @@ pub fn run(a: ProxyArgs) -> ExitCode {
         }
     } else {
         println!(
-            "kvferry proxy: {} notifications, {} requests ready ({:.0}/s over {:.1} s), {} malformed frames; rank spread p50 {} µs p99 {} µs max {} µs",
+            "kvferry proxy: {} notifications, {} requests ready, {} failure notifications ({:.0}/s over {:.1} s), {} malformed frames; rank spread p50 {} µs p99 {} µs max {} µs",
             report.notifications,
             report.requests_ready,
+            report.failure_notifications,
             report.ready_per_s,
             report.elapsed_s,
             report.malformed_frames,

@@ -98,6 +98,10 @@ pub fn validate(msg: &Message, limits: &Limits) -> Result<(), ProtocolError> {
         }
         Message::TransferDone(m) => check_id("req_id", &m.req_id, limits),
         Message::Heartbeat(m) => check_id("sender_id", &m.sender_id, limits),
+        Message::ProxyFailed(m) => {
+            check_id("req_id", &m.req_id, limits)?;
+            check_id("code", &m.code, limits)
+        }
     }
 }
 

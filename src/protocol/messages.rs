@@ -30,10 +30,12 @@ pub enum Message {
     TransferDone(TransferDone),
     /// Sender → receiver: renews the leases of the sender's reservations (kvferry).
     Heartbeat(Heartbeat),
+    /// Sender → proxy: a request failed; no ProxyNotif will follow (kvferry).
+    ProxyFailed(ProxyFailed),
 }
 
 /// Message type names, as they appear in the `"type"` field.
-pub(crate) const TYPE_NAMES: [&str; 8] = [
+pub(crate) const TYPE_NAMES: [&str; 9] = [
     "AllocRequest",
     "AllocResponse",
     "ProxyNotif",
@@ -42,6 +44,7 @@ pub(crate) const TYPE_NAMES: [&str; 8] = [
     "HelloAck",
     "TransferDone",
     "Heartbeat",
+    "ProxyFailed",
 ];
 
 /// The fields a frame of type `type_name` must carry (the rest have defaults).
@@ -63,6 +66,7 @@ pub(crate) fn required_fields(type_name: &str) -> Option<(&'static str, &'static
         ],
         "TransferDone" => &["req_id"],
         "Heartbeat" => &["sender_id"],
+        "ProxyFailed" => &["req_id", "code"],
         _ => return None,
     };
     let name = TYPE_NAMES.iter().copied().find(|n| *n == type_name)?;
@@ -81,6 +85,7 @@ impl Message {
             Message::HelloAck(_) => "HelloAck",
             Message::TransferDone(_) => "TransferDone",
             Message::Heartbeat(_) => "Heartbeat",
+            Message::ProxyFailed(_) => "ProxyFailed",
         }
     }
 
@@ -94,7 +99,8 @@ impl Message {
             Message::ProxyNotif(_)
             | Message::Hello(_)
             | Message::HelloAck(_)
-            | Message::Heartbeat(_) => None,
+            | Message::Heartbeat(_)
+            | Message::ProxyFailed(_) => None,
         }
     }
 
@@ -107,6 +113,7 @@ impl Message {
                 | Message::HelloAck(_)
                 | Message::TransferDone(_)
                 | Message::Heartbeat(_)
+                | Message::ProxyFailed(_)
         )
     }
 }
@@ -280,6 +287,23 @@ pub struct TransferDone {
     /// Correlation number.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seq: Option<u64>,
+}
+
+/// Sender → proxy (kvferry): `req_id` failed at this sender (or was
+/// cancelled); it will send no `ProxyNotif` for it, so the router need not
+/// wait for its timeout. An LMCache proxy that decodes strictly as
+/// `ProxyNotif` refuses the unknown tag and keeps waiting, as before; one
+/// that falls back to any map with a `req_id` stops waiting (and its decoder
+/// recomputes). See `docs/protocol.md`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProxyFailed {
+    /// The failed request.
+    pub req_id: String,
+    /// Machine-readable reason ([`ErrorCode::as_str`]).
+    pub code: String,
+    /// Human-readable reason.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// Sender → receiver (kvferry): renews the leases of this sender's reservations.

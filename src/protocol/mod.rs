@@ -56,7 +56,7 @@ pub use error_code::ErrorCode;
 pub use limits::Limits;
 pub use messages::{
     AllocRequest, AllocResponse, CancelNotif, Descriptor, Heartbeat, Hello, HelloAck, Message,
-    ProxyNotif, TransferDone, GID_LEN,
+    ProxyFailed, ProxyNotif, TransferDone, GID_LEN,
 };
 pub use placement::{placement, Placement, PlacementError};
 pub use scan::{peek_reply_hints, ReplyHints};

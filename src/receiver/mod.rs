@@ -43,6 +43,7 @@ use self::bounds::Bounds;
 use self::core::{CoreConfig, Outcome, Output, ReceiverCore};
 
 pub use self::core::{CoreStats, TakeError};
+pub use crate::region::RecvBuffer;
 pub use acceptor::{AcceptorFactory, HelloAcceptor};
 pub use chunks::{ChunkView, RequestChunks};
 pub use ready::{RequestHandle, RequestStatus};
@@ -66,7 +67,8 @@ pub struct ReceiverConfig {
     pub lease: Duration,
     /// Quarantine of slots whose writes may still land (default 10 s).
     pub quarantine_grace: Duration,
-    /// Where to create the buffer file (default under `/dev/shm`).
+    /// Where to create the buffer file (default under `/dev/shm`); unused
+    /// with a caller's buffer ([`Receiver::start_with_buffer`]).
     pub shm_path: Option<PathBuf>,
     /// Decoder limits for incoming frames.
     pub limits: Limits,
@@ -280,7 +282,8 @@ pub(crate) struct Shared {
 }
 
 /// A running receiver. Dropping it stops the ctrl thread and removes the
-/// buffer file (once every [`ChunkRef`] is gone).
+/// buffer file it created (once every [`ChunkRef`] is gone; a caller's
+/// [`RecvBuffer`] is left alone).
 ///
 /// One per decode process: it admits requests against its buffer (whole
 /// requests, in arrival order), grants slots and tells the decoder when a
@@ -333,6 +336,29 @@ impl Receiver {
     /// Creates the buffer, binds the socket and starts the ctrl thread. When
     /// this returns, the receiver accepts messages.
     pub fn start(cfg: ReceiverConfig) -> Result<Self, ReceiverError> {
+        Self::start_over(cfg, None)
+    }
+
+    /// [`Receiver::start`] over memory the caller provides: chunks land in
+    /// `buffer` (see [`RecvBuffer`] and `docs/receiver.md`). A file buffer
+    /// is offered to same-host senders as the shm data plane (and to tcp and
+    /// rdma); memory at a pointer has no shm path, so `cfg` must offer
+    /// `tcp_data` or an `acceptor`, and the first of those is announced as
+    /// the receiver's transport.
+    ///
+    /// Errors as [`Receiver::start`], and [`ReceiverError::Region`] with
+    /// [`RegionError::Misaligned`] or [`RegionError::TooSmall`] for a buffer
+    /// that does not fit `capacity_chunks * chunk_bytes`;
+    /// [`ReceiverError::Config`] for pointer memory without tcp or an
+    /// acceptor.
+    pub fn start_with_buffer(
+        cfg: ReceiverConfig,
+        buffer: RecvBuffer,
+    ) -> Result<Self, ReceiverError> {
+        Self::start_over(cfg, Some(buffer))
+    }
+
+    fn start_over(cfg: ReceiverConfig, buffer: Option<RecvBuffer>) -> Result<Self, ReceiverError> {
         if cfg.capacity_chunks == 0 || cfg.capacity_chunks > u32::MAX as usize {
             return Err(ReceiverError::Config(format!(
                 "capacity_chunks must be in 1..={}, got {}",
@@ -361,15 +387,47 @@ impl Receiver {
             }
             None => None,
         };
-        let path = cfg.shm_path.clone().unwrap_or_else(default_region_path);
-        let region = Arc::new(Region::create(
-            &path,
-            cfg.chunk_bytes,
-            cfg.capacity_chunks as u64,
-        )?);
+        let region = Arc::new(match buffer {
+            Some(b) => Region::from_buffer(b, cfg.chunk_bytes, cfg.capacity_chunks as u64)?,
+            None => {
+                let path = cfg.shm_path.clone().unwrap_or_else(default_region_path);
+                Region::create(&path, cfg.chunk_bytes, cfg.capacity_chunks as u64)?
+            }
+        });
         let acceptor = match &cfg.acceptor {
             Some(f) => Some(f.build(Arc::clone(&region))?),
             None => None,
+        };
+        let mut offers: Vec<(String, Descriptor)> = tcp_listener
+            .iter()
+            .map(|(_, addr)| {
+                (
+                    "tcp".to_owned(),
+                    Descriptor::Tcp {
+                        addr: addr.to_string(),
+                        // Issued per sender at Hello.
+                        secret: None,
+                    },
+                )
+            })
+            .collect();
+        // The transport a Hello that asks for none of the offers is answered
+        // with: shm over a file; without one, tcp, else the acceptor's.
+        let (transport, descriptor) = match (region.file_path(), &acceptor) {
+            (Some(path), _) => (
+                "shm".to_owned(),
+                Descriptor::Shm {
+                    path: path.to_string_lossy().into_owned(),
+                    len: region.data_len(),
+                },
+            ),
+            (None, _) if !offers.is_empty() => offers.remove(0),
+            (None, Some(a)) => (a.kind().to_owned(), Descriptor::None),
+            (None, None) => {
+                return Err(ReceiverError::Config(
+                    "a receive buffer without a file has no shm data plane: offer tcp_data or an acceptor".into(),
+                ))
+            }
         };
         let sock = crate::zmq_io::context()
             .socket(zmq::ROUTER)
@@ -410,24 +468,9 @@ impl Receiver {
                 admission_timeout: cfg.admission_timeout,
                 lease: cfg.lease,
                 quarantine_grace: cfg.quarantine_grace,
-                transport: "shm".into(),
-                descriptor: Descriptor::Shm {
-                    path: path.to_string_lossy().into_owned(),
-                    len: region.data_len(),
-                },
-                other_transports: tcp_listener
-                    .iter()
-                    .map(|(_, addr)| {
-                        (
-                            "tcp".to_owned(),
-                            Descriptor::Tcp {
-                                addr: addr.to_string(),
-                                // Issued per sender at Hello.
-                                secret: None,
-                            },
-                        )
-                    })
-                    .collect(),
+                transport,
+                descriptor,
+                other_transports: offers,
                 answer_hello: cfg.answer_hello,
                 auto_consume: cfg.auto_consume,
                 bounds: cfg.bounds.clone(),
@@ -524,7 +567,9 @@ impl Receiver {
         &self.endpoint
     }
 
-    /// The shared-memory file holding the receive buffer.
+    /// The shared-memory file holding the receive buffer, as senders open
+    /// it; empty for caller memory at a pointer ([`RecvBuffer::from_raw`]),
+    /// which has none.
     pub fn shm_path(&self) -> &Path {
         self.shared.region.path()
     }

@@ -14,7 +14,7 @@ use tracing::{debug, debug_span, warn};
 
 use crate::protocol::{
     decode, encode_into, AllocResponse, CancelNotif, ErrorCode, Heartbeat, Hello, Message,
-    ProxyNotif, TransferDone, PROTOCOL_VERSION,
+    ProxyFailed, ProxyNotif, TransferDone, PROTOCOL_VERSION,
 };
 use crate::stats::{Counter, Stage};
 use crate::transport::{PeerIndex, Poster, RemoteBuffer, WriteOp};
@@ -1383,9 +1383,45 @@ impl Ctrl {
         }
     }
 
+    /// ProxyFailed to the proxy: `req_id` ended without its data, so the
+    /// router need not wait for a ProxyNotif that will never come.
+    fn notify_failed(&mut self, req_id: &str, code: ErrorCode, reason: &str) {
+        if !self.shared.cfg.proxy_failures {
+            return;
+        }
+        if let Some(proxy) = &self.proxy {
+            self.buf.clear();
+            encode_into(
+                &Message::ProxyFailed(ProxyFailed {
+                    req_id: req_id.to_owned(),
+                    code: code.as_str().to_owned(),
+                    error: Some(reason.to_owned()),
+                }),
+                &mut self.buf,
+            );
+            if let Err(e) = proxy.send(&self.buf, 0) {
+                warn!(error = %e, "ProxyFailed send failed");
+            }
+        }
+    }
+
     /// Records a terminal status; callbacks run after the lock is released.
+    /// A request that ends failed or cancelled tells the proxy (once).
     fn finish(&mut self, t: &mut Table, req_id: &str, status: RequestStatus) {
         let receiver = t.reqs.get(req_id).map(|r| r.receiver.clone());
+        let live = t
+            .reqs
+            .get(req_id)
+            .is_some_and(|r| !matches!(r.state, ReqState::Done(_)));
+        if live {
+            match &status {
+                RequestStatus::Failed { code, reason } => self.notify_failed(req_id, *code, reason),
+                RequestStatus::Cancelled => {
+                    self.notify_failed(req_id, ErrorCode::Cancelled, "cancelled by the sender")
+                }
+                RequestStatus::InProgress | RequestStatus::Completed => {}
+            }
+        }
         t.finish(req_id, status.clone());
         self.finished.push((req_id.to_owned(), status));
         // LMCache mode: the receiver is free for the next request.

@@ -65,6 +65,11 @@ pub struct SenderConfig {
     pub sender_id: String,
     /// The proxy's PULL endpoint for ProxyNotif (none: no notifications).
     pub proxy: Option<String>,
+    /// Also push a `ProxyFailed` (kvferry extension) to the proxy when a
+    /// request fails or is cancelled, so the router stops waiting for it
+    /// (default `true`). Turn off for a proxy whose decoder stops at an
+    /// unknown message type (docs/protocol.md, "ProxyFailed").
+    pub proxy_failures: bool,
     /// Staging slots (each `chunk_bytes`); must hold the largest batch.
     pub staging_slots: usize,
     /// Bytes per staging slot: the largest chunk `store` accepts.
@@ -115,6 +120,7 @@ impl Default for SenderConfig {
         Self {
             sender_id: format!("sender-{}", std::process::id()),
             proxy: None,
+            proxy_failures: true,
             staging_slots: 64,
             chunk_bytes: 256 * 1024,
             max_pending_bytes: 64 << 20,

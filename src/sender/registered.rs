@@ -75,12 +75,8 @@ pub enum RegisterError {
     },
 }
 
-/// The system's page size.
-pub(crate) fn page_size() -> usize {
-    // SAFETY: sysconf only reads a system constant.
-    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    usize::try_from(p).ok().filter(|&p| p > 0).unwrap_or(4096)
-}
+/// The system's page size (one definition, in `region`).
+pub(crate) use crate::region::page_size;
 
 /// What a region's handles and its writes share.
 #[derive(Debug)]

@@ -71,6 +71,9 @@ class Fail(Exception):
     pass
 
 
+# ProxyFailed(req_id="r1", code="cancelled") as kvferry encodes it.
+PROXY_FAILED_HEX = "83a474797065ab50726f78794661696c6564a67265715f6964a27231a4636f6465a963616e63656c6c6564"
+
 def check(cond, what):
     if not cond:
         raise Fail(what)
@@ -581,6 +584,33 @@ def kvferry_sender_vs_lmcache_receiver():
         abandon(r)
 
 
+def proxy_failed_vs_lmcache_proxy_decoders():
+    """kvferry's ProxyFailed (golden frame of docs/protocol.md, checked byte
+    for byte by tests/proxy_failure.rs) against the decoders LMCache-style
+    proxies use: LMCache's tagged classes refuse the unknown tag with a
+    ValidationError (a per-message try/except skips it: such a proxy waits
+    for its timeout, as before); an untagged `req_id` struct or a plain map
+    (the production-stack router's fallback) reads the req_id and stops
+    waiting. A ProxyNotif after it still decodes."""
+    frame = bytes.fromhex(PROXY_FAILED_HEX)
+    for t in (pd.ProxyNotif, pd.PDMsg):
+        try:
+            msgspec.msgpack.decode(frame, type=t)
+        except msgspec.ValidationError as e:
+            check("ProxyFailed" in str(e), f"the refusal names the tag: {e}")
+        else:
+            raise Fail(f"{t} accepted ProxyFailed as a ready notification")
+
+    class ReqOnly(msgspec.Struct):
+        req_id: str
+
+    check(msgspec.msgpack.decode(frame, type=ReqOnly).req_id == "r1", "an untagged req_id struct reads it")
+    m = msgspec.msgpack.decode(frame)
+    check(m.get("req_id") == "r1" and m.get("code") == "cancelled", f"a plain map reads it: {m}")
+    n = msgspec.msgpack.decode(msgspec.msgpack.encode(pd.ProxyNotif(req_id="r2")), type=pd.PDMsg)
+    check(isinstance(n, pd.ProxyNotif) and n.req_id == "r2", "ProxyNotif still decodes")
+
+
 # ------------------------------------------------------------------ main
 SCENARIOS = [
     lmcache_sender_single_batch,
@@ -593,6 +623,7 @@ SCENARIOS = [
     lmcache_sender_anonymous_batch,
     strict_decoding_of_every_reply,
     kvferry_sender_vs_lmcache_receiver,
+    proxy_failed_vs_lmcache_proxy_decoders,
 ]
 
 

@@ -16,6 +16,7 @@
 //! stall timeout (see `inflight::Stall`), so every write ends even if the
 //! NIC never gives up on its own.
 
+use std::os::fd::{AsFd, AsRawFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -214,7 +215,7 @@ impl CqThread {
                 revents: 0,
             },
             libc::pollfd {
-                fd: self.shared.wake.fd(),
+                fd: self.shared.wake.as_fd().as_raw_fd(),
                 events: libc::POLLIN,
                 revents: 0,
             },
@@ -227,7 +228,7 @@ impl CqThread {
             std::thread::sleep(Duration::from_millis(1));
         }
         self.cq.drain_events();
-        self.shared.wake.clear();
+        let _ = self.shared.wake.clear();
     }
 }
 

@@ -3,12 +3,12 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
 
+use crate::eventfd::EventFd;
 use crate::transport::{Completion, CompletionStatus, PeerIndex};
 
 use super::inflight::Inflight;
@@ -37,7 +37,7 @@ pub(super) struct Shared {
     pub(super) returned: AtomicU64,
     /// Set when the poster is dropped: the CQ thread exits once idle.
     pub(super) closing: AtomicBool,
-    /// Wakes the CQ thread from its sleep.
+    /// Wakes the CQ thread from its sleep (the poster's doorbell).
     pub(super) wake: EventFd,
 }
 
@@ -118,46 +118,5 @@ impl Shared {
         // Release: pairs with the Acquire in `is_closing`.
         self.closing.store(true, Ordering::Release);
         self.wake.signal();
-    }
-}
-
-/// A non-blocking eventfd: the poster's doorbell for the sleeping CQ thread.
-pub(super) struct EventFd(RawFd);
-
-impl EventFd {
-    fn new() -> io::Result<Self> {
-        // SAFETY: plain syscall with flags, no pointers.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(Self(fd))
-    }
-
-    /// The descriptor to poll for readability.
-    pub(super) fn fd(&self) -> RawFd {
-        self.0
-    }
-
-    /// Makes the fd readable.
-    pub(super) fn signal(&self) {
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from a live u64 to our eventfd; a full
-        // counter (EAGAIN) still leaves it readable, which is all we need.
-        let _ = unsafe { libc::write(self.0, (&one as *const u64).cast(), 8) };
-    }
-
-    /// Resets the fd to not readable.
-    pub(super) fn clear(&self) {
-        let mut v: u64 = 0;
-        // SAFETY: reads 8 bytes into a live u64 from our non-blocking eventfd.
-        let _ = unsafe { libc::read(self.0, (&mut v as *mut u64).cast(), 8) };
-    }
-}
-
-impl Drop for EventFd {
-    fn drop(&mut self) {
-        // SAFETY: we own the fd and close it once.
-        unsafe { libc::close(self.0) };
     }
 }
