@@ -194,6 +194,9 @@ fn killed_sender_process_frees_its_capacity_through_the_lease() {
         line.starts_with("kvferry receiver listening on"),
         "unexpected: {line}"
     );
+    // The reader (and the pipe's read end) is gone now: the receiver's later
+    // announcement lines meet EPIPE, which must not stop it (it once did,
+    // `println!` panicking, and every scrape below then failed).
     let sender = |id: &str, requests: &str| {
         Command::new(bin())
             .args([

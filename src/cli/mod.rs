@@ -54,6 +54,20 @@ pub fn init_tracing() {
         .try_init();
 }
 
+/// Writes one line to stdout and flushes it, ignoring errors: a daemon whose
+/// stdout was closed (its parent read the first line and went away, or a
+/// pipe into `head`) keeps serving. `println!` would panic on that EPIPE
+/// (Rust ignores SIGPIPE), killing the daemon mid-run.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, $($arg)*);
+        let _ = out.flush();
+    }};
+}
+pub(crate) use say;
+
 /// Prints a usage error and returns exit code 2.
 pub(crate) fn usage_error(msg: impl std::fmt::Display) -> ExitCode {
     eprintln!("kvferry: {msg}");

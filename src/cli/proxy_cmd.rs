@@ -80,7 +80,7 @@ impl Tracker {
             self.first_seen.remove(&n.req_id);
             self.failed += 1;
             if self.verbose {
-                println!("failed {} ({:?}: {})", n.req_id, f.code, f.reason);
+                super::say!("failed {} ({:?}: {})", n.req_id, f.code, f.reason);
             }
             return;
         }
@@ -94,7 +94,7 @@ impl Tracker {
                     .min(u128::from(u64::MAX)) as u64;
             let _ = self.spread_us.record(us.max(1));
             if self.verbose {
-                println!("ready {} ({} notifications)", n.req_id, n.count);
+                super::say!("ready {} ({} notifications)", n.req_id, n.count);
             }
         }
     }
@@ -169,7 +169,7 @@ pub fn run(a: ProxyArgs) -> ExitCode {
         None => None,
     };
     let started = Instant::now();
-    println!("kvferry proxy listening on {}", listener.endpoint());
+    super::say!("kvferry proxy listening on {}", listener.endpoint());
     let _ = std::io::stdout().flush();
     termination.wait();
     let (notifications, malformed_frames) = listener.totals();
@@ -190,11 +190,11 @@ pub fn run(a: ProxyArgs) -> ExitCode {
     };
     if a.json {
         match serde_json::to_string_pretty(&report) {
-            Ok(s) => println!("{s}"),
+            Ok(s) => super::say!("{s}"),
             Err(e) => return super::runtime_error(format!("cannot encode the report: {e}")),
         }
     } else {
-        println!(
+        super::say!(
             "kvferry proxy: {} notifications, {} requests ready, {} failure notifications ({:.0}/s over {:.1} s), {} malformed frames; rank spread p50 {} µs p99 {} µs max {} µs",
             report.notifications,
             report.requests_ready,

@@ -192,15 +192,15 @@ pub fn run(a: ReceiverArgs) -> ExitCode {
         }
         None => None,
     };
-    println!("kvferry receiver listening on {}", receiver.endpoint());
+    super::say!("kvferry receiver listening on {}", receiver.endpoint());
     if let Some(addr) = receiver.tcp_data_addr() {
-        println!("kvferry receiver tcp data on {addr}");
+        super::say!("kvferry receiver tcp data on {addr}");
     }
     if let Some(m) = &metrics_server {
-        println!("kvferry receiver metrics on {}", m.local_addr());
+        super::say!("kvferry receiver metrics on {}", m.local_addr());
     }
     if a.rdma {
-        println!("kvferry receiver offers rdma");
+        super::say!("kvferry receiver offers rdma");
     }
     let _ = std::io::stdout().flush();
     termination.wait();

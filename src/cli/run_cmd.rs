@@ -130,7 +130,7 @@ pub fn finish(result: Result<runner::RunReport, RunError>, json: bool) -> ExitCo
     };
     if json {
         match serde_json::to_string_pretty(&report) {
-            Ok(s) => println!("{s}"),
+            Ok(s) => super::say!("{s}"),
             Err(e) => return super::runtime_error(format!("cannot encode the report: {e}")),
         }
     } else {
