@@ -5,6 +5,7 @@
 /// The one spin → yield → park policy (it lives in the ring crate, which
 /// depends on nothing else in kvferry).
 pub use kvferry_ring::backoff;
+pub mod attach;
 pub mod cancel;
 pub mod cli;
 mod eventfd;
