@@ -288,11 +288,13 @@ fn sigkill_of_a_decoder_holding_a_request_releases_its_chunks() {
 fn hostile_submissions_are_refused_and_change_nothing() {
     let dir = TempDir::new();
     let r = Arc::new(receiver(16));
-    let _d = daemon(&r, &dir.sock(), |c| c.max_outstanding = 2);
+    let d = daemon(&r, &dir.sock(), |c| c.max_outstanding = 2);
     let s = sender(sender_cfg(8, None));
     let mut a = connect(&dir.sock());
     let mut b = connect(&dir.sock());
     let ta = a.subscribe("owned-by-a").unwrap();
+    // The sessions run on their own threads: let A's subscription land first.
+    wait_for("A's subscription", || d.subscriptions() == 1);
     // B subscribes to A's request: refused.
     let tb = b.subscribe("owned-by-a").unwrap();
     match next(&mut b, "B's duplicate subscription") {
@@ -599,4 +601,22 @@ fn the_python_client_reads_every_byte_from_the_receiver_binary_and_a_killed_one_
     py2.wait_success("python decoder after the kill");
     let _ = recv.kill();
     let _ = recv.wait();
+}
+
+#[test]
+fn the_daemon_replaces_a_stale_socket_but_never_a_live_one_or_a_file() {
+    let dir = TempDir::new();
+    let r = Arc::new(receiver(4));
+    // A regular file at the path: refused, left alone.
+    std::fs::write(dir.sock(), b"precious").unwrap();
+    assert!(DecoderDaemon::start(Arc::clone(&r), AttachConfig::new(dir.sock())).is_err());
+    assert_eq!(std::fs::read(dir.sock()).unwrap(), b"precious");
+    std::fs::remove_file(dir.sock()).unwrap();
+    // A stale socket (nobody listens): replaced.
+    drop(std::os::unix::net::UnixListener::bind(dir.sock()).unwrap());
+    let d = daemon(&r, &dir.sock(), |_| {});
+    // A live daemon's socket: refused, and the live one still serves.
+    assert!(DecoderDaemon::start(Arc::clone(&r), AttachConfig::new(dir.sock())).is_err());
+    let _c = connect(&dir.sock());
+    wait_for("the live daemon's session", || d.clients() == 1);
 }

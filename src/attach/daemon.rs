@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use std::fs;
 use std::io::{self, Write};
 use std::os::fd::{AsFd, AsRawFd};
-use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -91,7 +91,20 @@ impl std::fmt::Debug for DecoderDaemon {
 }
 
 /// Removes a socket file nobody listens on (a previous daemon that died).
+/// Anything else at `path` (a live socket, a regular file) is an error and
+/// is left alone.
 fn remove_stale_socket(path: &Path) -> io::Result<()> {
+    match fs::symlink_metadata(path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+        Ok(m) if !m.file_type().is_socket() => {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                format!("{} exists and is not a socket", path.display()),
+            ))
+        }
+        Ok(_) => {}
+    }
     match UnixStream::connect(path) {
         Ok(_) => Err(io::Error::new(
             io::ErrorKind::AddrInUse,
@@ -145,6 +158,11 @@ impl DecoderDaemon {
     /// The socket clients connect to.
     pub fn socket(&self) -> &Path {
         &self.shared.cfg.socket
+    }
+
+    /// Requests subscribed (pending or held) over all clients.
+    pub fn subscriptions(&self) -> usize {
+        self.shared.subscribed.lock().len()
     }
 
     /// Live attachments.
