@@ -124,6 +124,41 @@ enum TagState {
     Held(u64),
 }
 
+/// Connects to `socket`, reads and checks the hello (status, `role`, entry
+/// sizes of `S` and `E`).
+pub(super) fn handshake<S, E>(
+    socket: &Path,
+    timeout: Duration,
+    role: u32,
+) -> Result<(UnixStream, Hello), AttachError> {
+    let mut sock = UnixStream::connect(socket)?;
+    sock.set_read_timeout(Some(timeout))?;
+    let mut b = [0u8; HELLO_LEN];
+    sock.read_exact(&mut b)?;
+    let hello = Hello::decode(&b)?;
+    if hello.status != STATUS_OK {
+        return Err(AttachError::Refused(hello.status));
+    }
+    if hello.role != role
+        || hello.sq_entry as usize != std::mem::size_of::<S>()
+        || hello.cq_entry as usize != std::mem::size_of::<E>()
+    {
+        return Err(AttachError::Protocol(format!(
+            "role {} or entry sizes {}/{} not this build's",
+            hello.role, hello.sq_entry, hello.cq_entry
+        )));
+    }
+    Ok((sock, hello))
+}
+
+/// Rings the submission doorbell: one byte on the socket (docs/attach.md).
+pub(super) fn doorbell(sock: &mut UnixStream) -> Result<(), AttachError> {
+    sock.write_all(&[1]).map_err(|e| match e.kind() {
+        io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset => AttachError::Closed,
+        _ => AttachError::Io(e),
+    })
+}
+
 /// An attached decoder (see `docs/attach.md`). Not `Sync`: one thread
 /// drives it.
 pub struct DecoderClient {
@@ -150,23 +185,8 @@ impl DecoderClient {
     /// Attaches to the daemon listening on `socket`, waiting at most
     /// `timeout` for its hello.
     pub fn connect(socket: impl AsRef<Path>, timeout: Duration) -> Result<Self, AttachError> {
-        let mut sock = UnixStream::connect(socket.as_ref())?;
-        sock.set_read_timeout(Some(timeout))?;
-        let mut b = [0u8; HELLO_LEN];
-        sock.read_exact(&mut b)?;
-        let hello = Hello::decode(&b)?;
-        if hello.status != STATUS_OK {
-            return Err(AttachError::Refused(hello.status));
-        }
-        if hello.role != ROLE_DECODER
-            || hello.sq_entry as usize != std::mem::size_of::<DecoderSubmit>()
-            || hello.cq_entry as usize != std::mem::size_of::<DecoderEvent>()
-        {
-            return Err(AttachError::Protocol(format!(
-                "role {} or entry sizes {}/{} not this build's",
-                hello.role, hello.sq_entry, hello.cq_entry
-            )));
-        }
+        let (sock, hello) =
+            handshake::<DecoderSubmit, DecoderEvent>(socket.as_ref(), timeout, ROLE_DECODER)?;
         let sq = spsc::shared::open::<DecoderSubmit>(&hello.sq_path)?.producer()?;
         let cq = spsc::shared::open::<DecoderEvent>(&hello.cq_path)?.consumer()?;
         let file = File::open(PathBuf::from(&hello.buffer_path))?;
@@ -207,11 +227,7 @@ impl DecoderClient {
 
     fn submit(&mut self, s: DecoderSubmit) -> Result<(), AttachError> {
         self.sq.push(s).map_err(|_| AttachError::Full)?;
-        // The doorbell: one byte on the socket (see docs/attach.md).
-        self.sock.write_all(&[1]).map_err(|e| match e.kind() {
-            io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset => AttachError::Closed,
-            _ => AttachError::Io(e),
-        })
+        doorbell(&mut self.sock)
     }
 
     /// Subscribes to `req_id`; returns the tag its events carry.

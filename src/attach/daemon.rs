@@ -1,8 +1,8 @@
-//! The receiver side of decoder attach: a listening Unix socket, an accept
-//! thread that checks each peer (uid, client bound) and starts one session
-//! thread per client (`session.rs`).
+//! The daemon side of attach, for every role: a listening Unix socket, an
+//! accept thread that checks each peer (uid, client bound) and starts one
+//! session thread per client (the role's: `session.rs` for decoders,
+//! `prefill.rs` for prefill workers).
 
-use std::collections::HashSet;
 use std::fs;
 use std::io::{self, Write};
 use std::os::fd::{AsFd, AsRawFd};
@@ -14,22 +14,20 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use parking_lot::Mutex;
-
 use super::layout::{Hello, STATUS_INTERNAL, STATUS_TOO_MANY_CLIENTS, STATUS_WRONG_UID};
 use super::poll::{own_uid, peer_uid, poll, readable};
-use super::session::Session;
 use crate::eventfd::EventFd;
-use crate::receiver::Receiver;
 
-/// Limits and paths of a [`DecoderDaemon`].
+/// Limits and paths of an attach daemon ([`DecoderDaemon`](super::DecoderDaemon),
+/// [`PrefillDaemon`](super::PrefillDaemon)).
 #[derive(Debug, Clone)]
 pub struct AttachConfig {
     /// The Unix socket to bind; ring files go to `<socket>.d/`.
     pub socket: PathBuf,
     /// Live attachments at most (default 16).
     pub max_clients: usize,
-    /// Subscriptions plus held requests per client at most (default 64).
+    /// Per client at most (default 64): subscriptions plus held requests
+    /// (decoder); requests, and staged batches (prefill).
     pub max_outstanding: usize,
     /// Submission ring entries (default 256, rounded up to a power of two).
     pub sq_capacity: usize,
@@ -58,32 +56,43 @@ impl AttachConfig {
     }
 }
 
+/// What a role adds to the daemon: its state and its session.
+pub(super) trait Role: Send + Sync + Sized + 'static {
+    /// One client's session.
+    type Session: Send + 'static;
+    /// Sets client `id` up (rings, hello on `sock`).
+    fn open(
+        shared: &Arc<DaemonShared<Self>>,
+        id: u32,
+        sock: &UnixStream,
+    ) -> io::Result<Self::Session>;
+    /// Serves the client until it leaves or the daemon stops; everything
+    /// it held is given back when this returns.
+    fn run(session: Self::Session, sock: UnixStream);
+}
+
 /// State the accept thread and the sessions share.
-pub(super) struct DaemonShared {
-    pub(super) receiver: Arc<Receiver>,
+pub(super) struct DaemonShared<R> {
+    pub(super) role: R,
     pub(super) cfg: AttachConfig,
     pub(super) dir: PathBuf,
-    /// Set once by [`DecoderDaemon::drop`]; every thread polls it.
+    /// Set once by [`Daemon::drop`]; every thread polls it.
     pub(super) stop: EventFd,
-    /// `req_id`s subscribed by any client (one subscriber per request),
-    /// at most `max_clients * max_outstanding` entries.
-    pub(super) subscribed: Mutex<HashSet<String>>,
     /// Live sessions.
     pub(super) live: AtomicUsize,
 }
 
-/// Serves attached decoder processes over a running [`Receiver`] (see
-/// `docs/attach.md`). Dropping it stops accepting, ends every session
-/// (releasing what their clients held) and removes the socket and ring
-/// directory.
-pub struct DecoderDaemon {
-    shared: Arc<DaemonShared>,
+/// A running attach daemon of role `R`. Dropping it stops accepting, ends
+/// every session (giving back what their clients held) and removes the
+/// socket and ring directory.
+pub(super) struct Daemon<R: Role> {
+    pub(super) shared: Arc<DaemonShared<R>>,
     accept: Option<JoinHandle<()>>,
 }
 
-impl std::fmt::Debug for DecoderDaemon {
+impl<R: Role> std::fmt::Debug for Daemon<R> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DecoderDaemon")
+        f.debug_struct("AttachDaemon")
             .field("socket", &self.shared.cfg.socket)
             .field("clients", &self.clients())
             .finish()
@@ -115,10 +124,10 @@ fn remove_stale_socket(path: &Path) -> io::Result<()> {
     }
 }
 
-impl DecoderDaemon {
+impl<R: Role> Daemon<R> {
     /// Binds `cfg.socket` (mode 0600), creates `<socket>.d/` (mode 0700) and
     /// starts the accept thread.
-    pub fn start(receiver: Arc<Receiver>, cfg: AttachConfig) -> io::Result<Self> {
+    pub(super) fn start(role: R, cfg: AttachConfig) -> io::Result<Self> {
         if cfg.max_clients == 0 || cfg.max_outstanding == 0 || cfg.cq_capacity < 2 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -139,11 +148,10 @@ impl DecoderDaemon {
         fs::set_permissions(&cfg.socket, fs::Permissions::from_mode(0o600))?;
         listener.set_nonblocking(true)?;
         let shared = Arc::new(DaemonShared {
-            receiver,
+            role,
             cfg,
             dir,
             stop: EventFd::new()?,
-            subscribed: Mutex::new(HashSet::new()),
             live: AtomicUsize::new(0),
         });
         let s = Arc::clone(&shared);
@@ -156,23 +164,18 @@ impl DecoderDaemon {
     }
 
     /// The socket clients connect to.
-    pub fn socket(&self) -> &Path {
+    pub(super) fn socket(&self) -> &Path {
         &self.shared.cfg.socket
     }
 
-    /// Requests subscribed (pending or held) over all clients.
-    pub fn subscriptions(&self) -> usize {
-        self.shared.subscribed.lock().len()
-    }
-
     /// Live attachments.
-    pub fn clients(&self) -> usize {
+    pub(super) fn clients(&self) -> usize {
         // Relaxed: a statistic.
         self.shared.live.load(Ordering::Relaxed)
     }
 }
 
-impl Drop for DecoderDaemon {
+impl<R: Role> Drop for Daemon<R> {
     fn drop(&mut self) {
         self.shared.stop.signal();
         // Every thread polls the stop eventfd, so these joins end promptly.
@@ -190,7 +193,7 @@ fn refuse(mut sock: UnixStream, status: u32) {
     }
 }
 
-fn accept_loop(shared: &Arc<DaemonShared>, listener: &UnixListener) {
+fn accept_loop<R: Role>(shared: &Arc<DaemonShared<R>>, listener: &UnixListener) {
     let mut sessions: Vec<JoinHandle<()>> = Vec::new();
     let mut next_id: u32 = 0;
     loop {
@@ -237,7 +240,7 @@ fn accept_loop(shared: &Arc<DaemonShared>, listener: &UnixListener) {
             }
             next_id = next_id.wrapping_add(1);
             let id = next_id;
-            let session = match Session::open(Arc::clone(shared), id, &sock) {
+            let session = match R::open(shared, id, &sock) {
                 Ok(s) => s,
                 Err(e) => {
                     tracing::warn!(client = id, error = %e, "attach: cannot set up rings");
@@ -248,9 +251,9 @@ fn accept_loop(shared: &Arc<DaemonShared>, listener: &UnixListener) {
             shared.live.fetch_add(1, Ordering::Relaxed);
             let s = Arc::clone(shared);
             match crate::threads::spawn_named(&format!("attach-{id}"), None, move || {
-                session.run(sock);
+                R::run(session, sock);
                 // Relaxed: a count; the session's effects are ordered by
-                // the receiver's own locks.
+                // the engine's own locks.
                 s.live.fetch_sub(1, Ordering::Relaxed);
             }) {
                 Ok(t) => sessions.push(t),

@@ -20,8 +20,13 @@ pub const MAX_REQ_ID: usize = 112;
 /// `DecoderEvent::tokens` of a chunk without a token count.
 pub const NO_TOKENS: u32 = u32::MAX;
 
-/// Role announced in the hello.
+/// Role announced in the hello: a decoder attached to a receiver.
 pub const ROLE_DECODER: u32 = 1;
+/// Role announced in the hello: a prefill worker attached to a sender.
+pub const ROLE_PREFILL: u32 = 2;
+/// Longest text (req_id of a BEGIN, key of a KEY) a [`PrefillSubmit`]
+/// carries inline.
+pub const MAX_TEXT: usize = 224;
 
 /// Hello status: attached.
 pub const STATUS_OK: u32 = 0;
@@ -37,6 +42,17 @@ pub const OP_SUBSCRIBE: u32 = 1;
 /// Submission op: release the request (or drop the subscription) of `tag`.
 pub const OP_RELEASE: u32 = 2;
 
+/// Prefill op: begin request `text` to receiver index `a` with `b` chunks.
+pub const OP_BEGIN: u32 = 1;
+/// Prefill op: stage `b` slots for batch `a` of `tag`.
+pub const OP_STAGE: u32 = 2;
+/// Prefill op: chunk `b` of batch `a` is `len` bytes named `text`.
+pub const OP_KEY: u32 = 3;
+/// Prefill op: submit the first `b` chunks of batch `a`.
+pub const OP_SUBMIT: u32 = 4;
+/// Prefill op: cancel the request of `tag`.
+pub const OP_CANCEL: u32 = 5;
+
 /// Event kind: the request of `tag` is ready; `a` chunks follow.
 pub const EV_READY: u32 = 1;
 /// Event kind: one chunk of the READY request before it.
@@ -45,6 +61,14 @@ pub const EV_CHUNK: u32 = 2;
 pub const EV_FAILED: u32 = 3;
 /// Event kind: the submission of `tag` was refused; `code` says why.
 pub const EV_REFUSED: u32 = 4;
+/// Event kind (prefill): batch `a` of `tag` is staged; `b` SLOT entries follow.
+pub const EV_STAGED: u32 = 5;
+/// Event kind (prefill): slot `b` of the STAGED batch before it is staging
+/// slot `a`.
+pub const EV_SLOT: u32 = 6;
+/// Event kind (prefill): the request of `tag` completed (every chunk
+/// written, the proxy notified).
+pub const EV_DONE: u32 = 7;
 
 /// Why a submission was refused (`DecoderEvent::code` of a REFUSED event).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
@@ -74,6 +98,17 @@ pub enum Refusal {
     /// The receiver refused to hand the request out.
     #[error("the receiver refused the take")]
     TakeRefused = 8,
+    /// BEGIN naming a receiver index the daemon does not have.
+    #[error("unknown receiver index")]
+    UnknownReceiver = 9,
+    /// The sender refused the BEGIN, STAGE or SUBMIT (duplicate req_id,
+    /// batch too large, keys missing, request ended).
+    #[error("the sender refused the operation")]
+    SenderRefused = 10,
+    /// A KEY or SUBMIT naming a batch the client does not hold, or an
+    /// index or length out of range, or a key not UTF-8.
+    #[error("bad batch, index, length or key")]
+    BadBatch = 11,
 }
 
 impl Refusal {
@@ -89,6 +124,9 @@ impl Refusal {
             UnknownTag,
             TooManyChunks,
             TakeRefused,
+            UnknownReceiver,
+            SenderRefused,
+            BadBatch,
         ]
         .into_iter()
         .find(|r| *r as u32 == code)
@@ -165,7 +203,74 @@ impl DecoderSubmit {
     }
 }
 
-/// A completion-ring entry (daemon → client), 32 bytes.
+/// A prefill submission-ring entry (worker → sender daemon), 256 bytes;
+/// the meaning of `a`, `b`, `len` and `text` depends on `op`
+/// (`docs/attach.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(C)]
+pub struct PrefillSubmit {
+    /// [`OP_BEGIN`], [`OP_STAGE`], [`OP_KEY`], [`OP_SUBMIT`] or [`OP_CANCEL`].
+    pub op: u32,
+    /// KEY: chunk length in bytes.
+    pub len: u32,
+    /// The client's name for the request.
+    pub tag: u64,
+    /// BEGIN: receiver index; STAGE, KEY, SUBMIT: batch id.
+    pub a: u32,
+    /// BEGIN: total chunks; STAGE: slots; KEY: chunk index; SUBMIT: chunks.
+    pub b: u32,
+    /// Reserved, zero.
+    pub reserved: u32,
+    /// Bytes of `text` used.
+    pub text_len: u32,
+    /// BEGIN: the req_id; KEY: the chunk key (UTF-8).
+    pub text: [u8; MAX_TEXT],
+}
+
+// SAFETY: repr(C) struct of integers and a byte array, no padding (asserted
+// below), no pointers: every bit pattern is a valid value.
+unsafe impl Plain for PrefillSubmit {}
+
+impl PrefillSubmit {
+    /// An entry of `op` for `tag` with `a`, `b`, `len` and no text.
+    pub fn of(op: u32, tag: u64, a: u32, b: u32, len: u32) -> Self {
+        Self {
+            op,
+            len,
+            tag,
+            a,
+            b,
+            reserved: 0,
+            text_len: 0,
+            text: [0; MAX_TEXT],
+        }
+    }
+
+    /// [`of`](Self::of) with `text`; `None` if it is empty or longer than
+    /// [`MAX_TEXT`].
+    pub fn with_text(op: u32, tag: u64, a: u32, b: u32, len: u32, text: &str) -> Option<Self> {
+        let t = text.as_bytes();
+        if t.is_empty() || t.len() > MAX_TEXT {
+            return None;
+        }
+        let mut s = Self::of(op, tag, a, b, len);
+        s.text[..t.len()].copy_from_slice(t);
+        s.text_len = t.len() as u32;
+        Some(s)
+    }
+
+    /// The text, validated: `None` if the length is out of range or the
+    /// bytes are not UTF-8.
+    pub fn text(&self) -> Option<&str> {
+        let len = usize::try_from(self.text_len).ok()?;
+        if len == 0 || len > MAX_TEXT {
+            return None;
+        }
+        std::str::from_utf8(&self.text[..len]).ok()
+    }
+}
+
+/// A completion-ring entry (daemon → client), 32 bytes, for both roles.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[repr(C)]
 pub struct DecoderEvent {
@@ -202,6 +307,15 @@ impl DecoderEvent {
 }
 
 const _: () = {
+    assert!(std::mem::size_of::<PrefillSubmit>() == 256);
+    assert!(std::mem::offset_of!(PrefillSubmit, op) == 0);
+    assert!(std::mem::offset_of!(PrefillSubmit, len) == 4);
+    assert!(std::mem::offset_of!(PrefillSubmit, tag) == 8);
+    assert!(std::mem::offset_of!(PrefillSubmit, a) == 16);
+    assert!(std::mem::offset_of!(PrefillSubmit, b) == 20);
+    assert!(std::mem::offset_of!(PrefillSubmit, reserved) == 24);
+    assert!(std::mem::offset_of!(PrefillSubmit, text_len) == 28);
+    assert!(std::mem::offset_of!(PrefillSubmit, text) == 32);
     assert!(std::mem::size_of::<DecoderSubmit>() == 128);
     assert!(std::mem::offset_of!(DecoderSubmit, op) == 0);
     assert!(std::mem::offset_of!(DecoderSubmit, req_id_len) == 4);
@@ -244,13 +358,17 @@ pub struct Hello {
     pub chunk_bytes: u64,
     /// Offset of slot 0 in the receive buffer file.
     pub data_offset: u64,
-    /// Outstanding subscriptions allowed.
+    /// Outstanding subscriptions (decoder) or requests plus batches
+    /// (prefill) allowed.
     pub max_outstanding: u32,
+    /// Prefill: receivers a BEGIN may name (indexes `0..receivers`);
+    /// decoder: 0.
+    pub receivers: u32,
     /// Submission ring file.
     pub sq_path: String,
     /// Completion ring file.
     pub cq_path: String,
-    /// Receive buffer file.
+    /// Receive buffer file (decoder) or staging buffer file (prefill).
     pub buffer_path: String,
 }
 
@@ -310,6 +428,7 @@ impl Hello {
             chunk_bytes: 0,
             data_offset: 0,
             max_outstanding: 0,
+            receivers: 0,
             sq_path: String::new(),
             cq_path: String::new(),
             buffer_path: String::new(),
@@ -330,6 +449,7 @@ impl Hello {
             (32, self.sq_capacity),
             (36, self.cq_capacity),
             (64, self.max_outstanding),
+            (68, self.receivers),
         ] {
             b[off..off + 4].copy_from_slice(&v.to_le_bytes());
         }
@@ -376,6 +496,7 @@ impl Hello {
             chunk_bytes: u64_at(b, 48),
             data_offset: u64_at(b, 56),
             max_outstanding: u32_at(b, 64),
+            receivers: u32_at(b, 68),
             sq_path: path_at(b, OFF_SQ_PATH)?,
             cq_path: path_at(b, OFF_CQ_PATH)?,
             buffer_path: path_at(b, OFF_BUF_PATH)?,
@@ -436,9 +557,9 @@ mod tests {
         }
         assert_eq!(error_from_number(0), None);
         assert_eq!(error_from_number(999), None);
-        for r in 1..=8 {
+        for r in 1..=11 {
             assert_eq!(Refusal::from_code(r).map(|r| r as u32), Some(r));
         }
-        assert_eq!(Refusal::from_code(9), None);
+        assert_eq!(Refusal::from_code(12), None);
     }
 }

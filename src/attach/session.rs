@@ -1,30 +1,106 @@
-//! One attached decoder: its rings, its subscriptions and held requests,
-//! and the loop that serves them until its socket closes (the lease) or the
-//! daemon stops. Everything the client held is released when the loop ends.
+//! Decoder attach: [`DecoderDaemon`] over a [`Receiver`], and one attached
+//! decoder's session: its subscriptions and held requests, served until
+//! its socket closes (the lease) or the daemon stops. Everything the client
+//! held is released when the session ends.
 
-use std::collections::{HashMap, VecDeque};
-use std::io::{self, Read, Write};
-use std::os::fd::{AsFd, AsRawFd};
+use std::collections::{HashMap, HashSet};
+use std::io;
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
+use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
 
-use kvferry_ring::spsc::{self, Consumer, Producer};
+use kvferry_ring::spsc::Consumer;
+use parking_lot::Mutex;
 
-use super::daemon::DaemonShared;
+use super::daemon::{AttachConfig, Daemon, DaemonShared, Role};
 use super::layout::{
-    error_number, DecoderEvent, DecoderSubmit, Hello, Refusal, ATTACH_VERSION, EV_CHUNK, EV_FAILED,
-    EV_READY, EV_REFUSED, NO_TOKENS, OP_RELEASE, OP_SUBSCRIBE, ROLE_DECODER, STATUS_OK,
+    error_number, DecoderEvent, DecoderSubmit, Hello, Refusal, EV_CHUNK, EV_FAILED, EV_READY,
+    EV_REFUSED, NO_TOKENS, OP_RELEASE, OP_SUBSCRIBE, ROLE_DECODER, STATUS_OK,
 };
-use super::poll::{poll, readable};
+use super::poll::readable;
+use super::serve::{open_rings, serve, Completions, RingFiles, Serve};
 use crate::protocol::ErrorCode;
-use crate::receiver::{RequestChunks, RequestHandle, RequestStatus};
+use crate::receiver::{Receiver, RequestChunks, RequestHandle, RequestStatus};
 use crate::region::DATA_OFFSET;
 
-/// How long the loop sleeps between retries while the completion ring is
-/// too full for what it has to post (the client frees it without telling).
-const FULL_RETRY: Duration = Duration::from_millis(1);
+/// The decoder role's daemon state.
+pub(super) struct Decoders {
+    receiver: Arc<Receiver>,
+    /// `req_id`s subscribed by any client (one subscriber per request),
+    /// at most `max_clients * max_outstanding` entries.
+    subscribed: Mutex<HashSet<String>>,
+}
+
+/// Serves attached decoder processes over a running [`Receiver`] (see
+/// `docs/attach.md`). Dropping it stops accepting, ends every session
+/// (releasing what their clients held) and removes the socket and ring
+/// directory.
+#[derive(Debug)]
+pub struct DecoderDaemon(Daemon<Decoders>);
+
+impl DecoderDaemon {
+    /// Binds `cfg.socket` (mode 0600), creates `<socket>.d/` (mode 0700) and
+    /// starts the accept thread.
+    pub fn start(receiver: Arc<Receiver>, cfg: AttachConfig) -> io::Result<Self> {
+        let role = Decoders {
+            receiver,
+            subscribed: Mutex::new(HashSet::new()),
+        };
+        Daemon::start(role, cfg).map(Self)
+    }
+
+    /// The socket clients connect to.
+    pub fn socket(&self) -> &Path {
+        self.0.socket()
+    }
+
+    /// Requests subscribed (pending or held) over all clients.
+    pub fn subscriptions(&self) -> usize {
+        self.0.shared.role.subscribed.lock().len()
+    }
+
+    /// Live attachments.
+    pub fn clients(&self) -> usize {
+        self.0.clients()
+    }
+}
+
+impl Role for Decoders {
+    type Session = Session;
+
+    fn open(shared: &Arc<DaemonShared<Self>>, id: u32, sock: &UnixStream) -> io::Result<Session> {
+        let region = shared.role.receiver.region();
+        let mut hello = Hello::refusal(STATUS_OK);
+        hello.role = ROLE_DECODER;
+        hello.slots = region.capacity_chunks();
+        hello.chunk_bytes = region.chunk_bytes();
+        hello.data_offset = DATA_OFFSET;
+        hello.buffer_path = region.path().to_string_lossy().into_owned();
+        let rings = open_rings::<DecoderSubmit, DecoderEvent, _>(shared, id, sock, hello)?;
+        let sq_cap = rings.sq.capacity();
+        Ok(Session {
+            id,
+            sq: rings.sq,
+            cq: rings.cq,
+            _files: rings.files,
+            tags: HashMap::with_capacity(shared.cfg.max_outstanding),
+            waiting: Vec::with_capacity(shared.cfg.max_outstanding),
+            scratch: Vec::new(),
+            inbox: vec![DecoderSubmit::release(0); sq_cap],
+            shared: Arc::clone(shared),
+        })
+    }
+
+    fn run(mut session: Session, sock: UnixStream) {
+        let span = tracing::debug_span!("attach_session", client = session.id);
+        let _enter = span.enter();
+        tracing::debug!("attached");
+        let shared = Arc::clone(&session.shared);
+        serve(&shared, sock, &mut session);
+        // Dropping `session` releases every held request and subscription.
+    }
+}
 
 /// Where one of the client's tags stands.
 enum Sub {
@@ -42,153 +118,65 @@ struct Entry {
 
 /// One client's session (see the module docs).
 pub(super) struct Session {
-    shared: Arc<DaemonShared>,
+    shared: Arc<DaemonShared<Decoders>>,
     id: u32,
     sq: Consumer<DecoderSubmit>,
-    cq: Producer<DecoderEvent>,
-    files: [PathBuf; 2],
+    /// Single events (FAILED, REFUSED) wait in its outbox for room.
+    cq: Completions<DecoderEvent>,
+    _files: RingFiles,
     tags: HashMap<u64, Entry>,
-    /// Single events (FAILED, REFUSED) waiting for room on the completion
-    /// ring; at most `sq capacity + max_outstanding` (submissions are not
-    /// read while it is that long).
-    outbox: VecDeque<DecoderEvent>,
+    /// Tags of `Sub::Waiting` entries, in the order of their descriptors
+    /// after the first two of the last poll.
+    waiting: Vec<u64>,
     /// Reused buffer for one request's READY + CHUNK entries.
     scratch: Vec<DecoderEvent>,
     /// Reused buffer for drained submissions.
     inbox: Vec<DecoderSubmit>,
 }
 
+impl Serve for Session {
+    fn interest(&mut self, fds: &mut Vec<libc::pollfd>) -> bool {
+        self.waiting.clear();
+        let mut retry = !self.cq.outbox.is_empty();
+        for (tag, e) in &self.tags {
+            match &e.sub {
+                Sub::Waiting(h) => {
+                    fds.push(readable(h.as_raw_fd()));
+                    self.waiting.push(*tag);
+                }
+                Sub::Taken { posted: false, .. } => retry = true,
+                Sub::Taken { posted: true, .. } => {}
+            }
+        }
+        retry
+    }
+
+    fn wake(&mut self, fds: &[libc::pollfd]) {
+        self.cq.flush();
+        self.read_submissions();
+        let waiting = std::mem::take(&mut self.waiting);
+        for (tag, fd) in waiting.iter().zip(fds) {
+            if fd.revents != 0 {
+                self.request_ended(*tag);
+            }
+        }
+        self.waiting = waiting;
+        self.post_taken();
+    }
+}
+
 impl Session {
-    /// Creates the client's ring files, takes the daemon's sides and writes
-    /// the hello on `sock`.
-    pub(super) fn open(shared: Arc<DaemonShared>, id: u32, sock: &UnixStream) -> io::Result<Self> {
-        let sq_path = shared.dir.join(format!("{id}.sq"));
-        let cq_path = shared.dir.join(format!("{id}.cq"));
-        let files = [sq_path.clone(), cq_path.clone()];
-        let result = (|| {
-            let ring_err = |e: kvferry_ring::ShmError| io::Error::other(e.to_string());
-            let sq_ring = spsc::shared::create::<DecoderSubmit>(&sq_path, shared.cfg.sq_capacity)
-                .map_err(ring_err)?;
-            let cq_ring = spsc::shared::create::<DecoderEvent>(&cq_path, shared.cfg.cq_capacity)
-                .map_err(ring_err)?;
-            let sq = sq_ring.consumer().map_err(ring_err)?;
-            let cq = cq_ring.producer().map_err(ring_err)?;
-            let region = shared.receiver.region();
-            let hello = Hello {
-                version: ATTACH_VERSION,
-                role: ROLE_DECODER,
-                status: STATUS_OK,
-                client_id: id,
-                sq_entry: std::mem::size_of::<DecoderSubmit>() as u32,
-                cq_entry: std::mem::size_of::<DecoderEvent>() as u32,
-                sq_capacity: sq_ring.capacity() as u32,
-                cq_capacity: cq_ring.capacity() as u32,
-                slots: region.capacity_chunks(),
-                chunk_bytes: region.chunk_bytes(),
-                data_offset: DATA_OFFSET,
-                max_outstanding: shared.cfg.max_outstanding as u32,
-                sq_path: sq_path.to_string_lossy().into_owned(),
-                cq_path: cq_path.to_string_lossy().into_owned(),
-                buffer_path: region.path().to_string_lossy().into_owned(),
-            };
-            let bytes = hello.encode().ok_or_else(|| {
-                io::Error::new(io::ErrorKind::InvalidInput, "attach paths too long")
-            })?;
-            (&*sock).write_all(&bytes)?;
-            sock.set_nonblocking(true)?;
-            let sq_cap = sq.capacity();
-            Ok(Session {
-                id,
-                sq,
-                cq,
-                files: files.clone(),
-                tags: HashMap::with_capacity(shared.cfg.max_outstanding),
-                outbox: VecDeque::new(),
-                scratch: Vec::new(),
-                inbox: vec![DecoderSubmit::release(0); sq_cap],
-                shared: Arc::clone(&shared),
-            })
-        })();
-        if result.is_err() {
-            for f in &files {
-                let _ = std::fs::remove_file(f);
-            }
-        }
-        result
-    }
-
-    /// Serves the client until its socket closes or the daemon stops.
-    pub(super) fn run(mut self, mut sock: UnixStream) {
-        let span = tracing::debug_span!("attach_session", client = self.id);
-        let _enter = span.enter();
-        tracing::debug!("attached");
-        let mut fds: Vec<libc::pollfd> = Vec::with_capacity(self.shared.cfg.max_outstanding + 2);
-        let mut waiting: Vec<u64> = Vec::with_capacity(self.shared.cfg.max_outstanding);
-        loop {
-            fds.clear();
-            waiting.clear();
-            fds.push(readable(sock.as_raw_fd()));
-            fds.push(readable(self.shared.stop.as_fd().as_raw_fd()));
-            let mut retry = !self.outbox.is_empty();
-            for (tag, e) in &self.tags {
-                match &e.sub {
-                    Sub::Waiting(h) => {
-                        fds.push(readable(h.as_raw_fd()));
-                        waiting.push(*tag);
-                    }
-                    Sub::Taken { posted: false, .. } => retry = true,
-                    Sub::Taken { posted: true, .. } => {}
-                }
-            }
-            if let Err(e) = poll(&mut fds, retry.then_some(FULL_RETRY)) {
-                tracing::warn!(error = %e, "attach: poll failed; detaching the client");
-                break;
-            }
-            if fds[1].revents != 0 {
-                break;
-            }
-            if fds[0].revents != 0 && !drain_doorbell(&mut sock) {
-                tracing::debug!("client gone (socket closed)");
-                break;
-            }
-            self.flush_outbox();
-            self.read_submissions();
-            for (i, tag) in waiting.iter().enumerate() {
-                if fds[i + 2].revents != 0 {
-                    self.request_ended(*tag);
-                }
-            }
-            self.post_taken();
-        }
-        // Dropping `self` releases every held request and subscription.
-    }
-
-    fn flush_outbox(&mut self) {
-        while let Some(ev) = self.outbox.pop_front() {
-            if let Err(ev) = self.cq.push(ev) {
-                self.outbox.push_front(ev);
-                return;
-            }
-        }
-    }
-
-    fn send(&mut self, ev: DecoderEvent) {
-        if !self.outbox.is_empty() || self.cq.push(ev).is_err() {
-            self.outbox.push_back(ev);
-        }
-    }
-
     fn refuse(&mut self, tag: u64, why: Refusal) {
         tracing::debug!(tag, reason = %why, "refused a submission");
-        self.send(DecoderEvent::of(EV_REFUSED, tag, why as u32));
+        self.cq.send(DecoderEvent::of(EV_REFUSED, tag, why as u32));
     }
 
     fn read_submissions(&mut self) {
         // Bounded: not while the outbox is long, and at most one ring's
         // worth per wake-up (a client's bogus tail cannot keep us here).
-        let room = (self.inbox.len() + self.shared.cfg.max_outstanding)
-            .saturating_sub(self.outbox.len())
-            .min(self.inbox.len());
+        let room = self
+            .cq
+            .room(self.inbox.len(), self.shared.cfg.max_outstanding);
         let n = self.sq.pop_into(&mut self.inbox[..room]);
         for i in 0..n {
             let s = self.inbox[i];
@@ -210,10 +198,10 @@ impl Session {
         if self.tags.len() >= self.shared.cfg.max_outstanding {
             return self.refuse(s.tag, Refusal::TooManyOutstanding);
         }
-        if !self.shared.subscribed.lock().insert(req_id.to_owned()) {
+        if !self.shared.role.subscribed.lock().insert(req_id.to_owned()) {
             return self.refuse(s.tag, Refusal::AlreadySubscribed);
         }
-        match self.shared.receiver.watch(req_id) {
+        match self.shared.role.receiver.watch(req_id) {
             Ok(h) => {
                 tracing::debug!(tag = s.tag, req_id, "subscribed");
                 let req_id = req_id.to_owned();
@@ -229,7 +217,7 @@ impl Session {
             }
             Err(e) => {
                 tracing::warn!(error = %e, "attach: cannot watch a request");
-                self.shared.subscribed.lock().remove(req_id);
+                self.shared.role.subscribed.lock().remove(req_id);
                 self.refuse(s.tag, Refusal::TakeRefused);
             }
         }
@@ -239,7 +227,7 @@ impl Session {
         match self.tags.remove(&tag) {
             Some(e) => {
                 tracing::debug!(tag, req_id = %e.req_id, "released");
-                self.shared.subscribed.lock().remove(&e.req_id);
+                self.shared.role.subscribed.lock().remove(&e.req_id);
             }
             None => self.refuse(tag, Refusal::UnknownTag),
         }
@@ -251,8 +239,8 @@ impl Session {
         let Sub::Waiting(h) = &e.sub else { return };
         let failed = match h.status() {
             RequestStatus::Pending => return,
-            RequestStatus::Ready => match self.shared.receiver.take(&e.req_id) {
-                Ok(chunks) if chunks.len() < self.cq.capacity() => {
+            RequestStatus::Ready => match self.shared.role.receiver.take(&e.req_id) {
+                Ok(chunks) if chunks.len() < self.cq.ring.capacity() => {
                     let e = self.tags.get_mut(&tag).expect("looked up above");
                     e.sub = Sub::Taken {
                         chunks,
@@ -270,17 +258,19 @@ impl Session {
             RequestStatus::ShutDown => Ok(ErrorCode::ShuttingDown),
         };
         if let Some(e) = self.tags.remove(&tag) {
-            self.shared.subscribed.lock().remove(&e.req_id);
+            self.shared.role.subscribed.lock().remove(&e.req_id);
         }
         match failed {
-            Ok(code) => self.send(DecoderEvent::of(EV_FAILED, tag, error_number(code))),
+            Ok(code) => self
+                .cq
+                .send(DecoderEvent::of(EV_FAILED, tag, error_number(code))),
             Err(why) => self.refuse(tag, why),
         }
     }
 
     /// Posts every taken request that is not on the ring yet and fits.
     fn post_taken(&mut self) {
-        if !self.outbox.is_empty() {
+        if !self.cq.outbox.is_empty() {
             return;
         }
         for (tag, e) in self.tags.iter_mut() {
@@ -308,7 +298,7 @@ impl Session {
                     tokens: c.tokens().unwrap_or(NO_TOKENS),
                 });
             }
-            let Some(mut batch) = self.cq.reserve(self.scratch.len()) else {
+            let Some(mut batch) = self.cq.ring.reserve(self.scratch.len()) else {
                 return;
             };
             batch.fill_from(&self.scratch);
@@ -319,27 +309,11 @@ impl Session {
     }
 }
 
-/// Reads and discards doorbell bytes; false once the client is gone (EOF,
-/// error, hang-up).
-fn drain_doorbell(sock: &mut UnixStream) -> bool {
-    let mut buf = [0u8; 64];
-    for _ in 0..4 {
-        match sock.read(&mut buf) {
-            Ok(0) => return false,
-            Ok(_) => {}
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(_) => return false,
-        }
-    }
-    true
-}
-
 impl Drop for Session {
     fn drop(&mut self) {
         let entries: Vec<Entry> = self.tags.drain().map(|(_, e)| e).collect();
         {
-            let mut subscribed = self.shared.subscribed.lock();
+            let mut subscribed = self.shared.role.subscribed.lock();
             for e in &entries {
                 subscribed.remove(&e.req_id);
             }
@@ -347,9 +321,6 @@ impl Drop for Session {
         // Outside the subscription lock: dropping a held request's chunks
         // (or a watch) takes the receiver's lock.
         drop(entries);
-        for f in &self.files {
-            let _ = std::fs::remove_file(f);
-        }
         tracing::debug!(client = self.id, "detached; everything it held is released");
     }
 }
