@@ -361,3 +361,148 @@ fn a_cancel_reports_failed_cancelled_and_frees_the_batch() {
     wait_sender_empty(&t.s, "after the cancel");
     wait_receiver_empty(&t.r, "after the cancel");
 }
+
+const BIN: &str = env!("CARGO_BIN_EXE_kvferry");
+
+/// Starts the kvferry binary with `args`; waits for its `announce` line
+/// (and returns the rest of it) and its "attach on" line.
+fn spawn_binary(args: &[&str], role: &str, announce: &str) -> (ChildProc, String) {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("kvferry starts");
+    let out = child.stdout.take().unwrap();
+    let (tx, lines) = mpsc::channel();
+    thread::spawn(move || {
+        for l in BufReader::new(out).lines() {
+            let Ok(l) = l else { break };
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    let p = ChildProc { child, lines };
+    let (mut found, mut attach) = (None, false);
+    let end = deadline();
+    while found.is_none() || !attach {
+        let left = end.saturating_duration_since(Instant::now());
+        let l = p
+            .lines
+            .recv_timeout(left)
+            .unwrap_or_else(|_| panic!("kvferry {role} did not announce itself in {WAIT:?}"));
+        if let Some(e) = l.strip_prefix(announce) {
+            found = Some(e.to_owned());
+        }
+        if l.starts_with(&format!("kvferry {role} attach on ")) {
+            attach = true;
+        }
+    }
+    (p, found.unwrap())
+}
+
+fn python(script: &str, args: &[&str]) -> ChildProc {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/python");
+    let mut child = Command::new("python3")
+        .arg(dir.join(script))
+        .args(args)
+        .env("PYTHONPATH", &dir)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3 runs");
+    let out = child.stdout.take().unwrap();
+    let (tx, lines) = mpsc::channel();
+    thread::spawn(move || {
+        for l in BufReader::new(out).lines() {
+            let Ok(l) = l else { break };
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    ChildProc { child, lines }
+}
+
+/// Byte `j` of chunk `i` is `(i * 31 + j) & 0xff` (what
+/// `clients/python/decoder_check.py` checks).
+fn python_pattern(i: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|j| ((i * 31 + j) & 0xff) as u8).collect()
+}
+
+#[test]
+fn python_and_rust_prefill_workers_feed_a_python_decoder_through_both_binaries() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let dir = TempDir::new();
+    let rsock = dir.0.join("recv.sock");
+    let ssock = dir.0.join("send.sock");
+    let shm = dir.0.join("buf");
+    let chunk = CHUNK.to_string();
+    let (_recv, endpoint) = spawn_binary(
+        &[
+            "receiver",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--capacity-chunks",
+            "8",
+            "--chunk-bytes",
+            &chunk,
+            "--attach",
+            rsock.to_str().unwrap(),
+            "--shm-path",
+            shm.to_str().unwrap(),
+        ],
+        "receiver",
+        "kvferry receiver listening on ",
+    );
+    let (_send, _) = spawn_binary(
+        &[
+            "sender",
+            "--connect",
+            &endpoint,
+            "--chunk-bytes",
+            &chunk,
+            "--staging-slots",
+            "8",
+            "--attach",
+            ssock.to_str().unwrap(),
+        ],
+        "sender",
+        "kvferry sender attach on ",
+    );
+    let rs = rsock.to_str().unwrap();
+    let ss = ssock.to_str().unwrap();
+    // A Python prefill worker writes; a Python decoder reads every byte.
+    let mut dec = python("decoder_check.py", &[rs, "pyp-1", "5", "777", "release"]);
+    dec.expect_line("ATTACH:subscribed");
+    let mut pf = python("prefill_check.py", &[ss, "pyp-1", "5", "777"]);
+    pf.expect_line("PREFILL:ok");
+    pf.wait_success("python prefill worker");
+    dec.expect_line("ATTACH:ok");
+    dec.wait_success("python decoder");
+    // The Rust client writes the same pattern; the Python decoder checks it.
+    let mut dec = python("decoder_check.py", &[rs, "pyp-2", "3", "100", "release"]);
+    dec.expect_line("ATTACH:subscribed");
+    let mut c = PrefillClient::connect(&ssock, WAIT).expect("rust worker attaches");
+    assert_eq!(c.hello().receivers, 1);
+    let tag = c.begin("pyp-2", 0, 3).unwrap();
+    c.stage(tag, 3).unwrap();
+    let b = staged(&mut c, "rust worker's batch");
+    let mut lens = Vec::new();
+    for i in 0..3 {
+        let len = if i == 2 { 100 } else { CHUNK as usize };
+        c.slot_mut(&b, i).unwrap()[..len].copy_from_slice(&python_pattern(i, len));
+        lens.push(len as u32);
+    }
+    let keys: Vec<String> = (0..3).map(|i| format!("pyp-2/{i:03}")).collect();
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    c.submit(b, &keys, &lens).unwrap();
+    match next(&mut c, "rust worker's DONE") {
+        PrefillEvent::Done { tag: t } => assert_eq!(t, tag),
+        other => panic!("expected DONE, got {other:?}"),
+    }
+    dec.expect_line("ATTACH:ok");
+    dec.wait_success("python decoder of the rust worker's request");
+}

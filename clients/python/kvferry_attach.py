@@ -1,9 +1,12 @@
-"""Reference decoder client for kvferry's attach protocol (docs/attach.md).
+"""Reference clients for kvferry's attach protocol (docs/attach.md): a
+decoder attached to `kvferry receiver --attach` and a prefill worker
+attached to `kvferry sender --attach`.
 
 Pure Python 3 standard library: socket (the lease and the submission
 doorbell), mmap + ctypes (the rings' head/tail words and the futex doorbell),
-struct (the entries). Chunk bytes are read in place from the receiver's
-buffer, mapped read-only.
+struct (the entries). A decoder reads chunk bytes in place from the
+receiver's buffer, mapped read-only; a prefill worker fills staging slots in
+place in the sender's staging buffer, mapped writable.
 
 Memory ordering: ring indices are read and written with single aligned
 8-byte accesses (ctypes c_uint64 over the mapping), which on x86-64 have the
@@ -28,12 +31,18 @@ RING_VERSION = 1
 MAX_REQ_ID = 112
 NO_TOKENS = 0xFFFFFFFF
 
+MAX_TEXT = 224
+
 OP_SUBSCRIBE, OP_RELEASE = 1, 2
+OP_BEGIN, OP_STAGE, OP_KEY, OP_SUBMIT, OP_CANCEL = 1, 2, 3, 4, 5
 EV_READY, EV_CHUNK, EV_FAILED, EV_REFUSED = 1, 2, 3, 4
+EV_STAGED, EV_SLOT, EV_DONE = 5, 6, 7
+ROLE_DECODER, ROLE_PREFILL = 1, 2
 
 SUBMIT = struct.Struct("<IIQ112s")   # op, req_id_len, tag, req_id
+PSUBMIT = struct.Struct("<IIQIIII224s")  # op, len, tag, a, b, reserved, text_len, text
 EVENT = struct.Struct("<IIQIIII")    # kind, code, tag, a, b, len, tokens
-assert SUBMIT.size == 128 and EVENT.size == 32
+assert SUBMIT.size == 128 and EVENT.size == 32 and PSUBMIT.size == 256
 
 # Ring control block offsets (docs/ring.md).
 OFF_TAIL, OFF_HEAD = 128, 256
@@ -133,37 +142,52 @@ class Ring:
         return True
 
 
-class DecoderClient:
-    """An attached decoder: subscribe(req_id), next_event(), chunk(), release()."""
+class _Hello:
+    """The daemon's hello, checked (docs/attach.md)."""
 
-    def __init__(self, sock_path, timeout=30.0):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout)
-        self.sock.connect(sock_path)
+    def __init__(self, sock, role, sq_entry_size):
         hello = b""
         while len(hello) < HELLO_LEN:
-            part = self.sock.recv(HELLO_LEN - len(hello))
+            part = sock.recv(HELLO_LEN - len(hello))
             if not part:
                 raise AttachError("daemon closed before its hello (%d bytes)" % len(hello))
             hello += part
         if hello[:8] != HELLO_MAGIC:
             raise AttachError("bad hello magic")
-        (version, role, status, self.client_id, sq_entry, cq_entry, _sqc, _cqc,
+        (version, got_role, status, self.client_id, sq_entry, cq_entry, _sqc, _cqc,
          self.slots, self.chunk_bytes, self.data_offset,
-         self.max_outstanding) = struct.unpack_from("<IIIIIIIIQQQI", hello, 8)
+         self.max_outstanding, self.receivers) = struct.unpack_from("<IIIIIIIIQQQII", hello, 8)
         if version != ATTACH_VERSION:
             raise AttachError("attach version %d, expected %d" % (version, ATTACH_VERSION))
         if status != 0:
             raise AttachError("refused by the daemon (status %d)" % status)
-        if role != 1 or sq_entry != SUBMIT.size or cq_entry != EVENT.size:
+        if got_role != role or sq_entry != sq_entry_size or cq_entry != EVENT.size:
             raise AttachError("unexpected role or entry sizes")
 
         def path(off):
             return hello[off:off + 256].split(b"\0", 1)[0].decode()
 
-        self.sq = Ring(path(72), SUBMIT.size, "producer")
-        self.cq = Ring(path(328), EVENT.size, "consumer")
-        fd = os.open(path(584), os.O_RDONLY)
+        self.sq_path, self.cq_path, self.buffer_path = path(72), path(328), path(584)
+
+
+def _connect(sock_path, timeout):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    sock.connect(sock_path)
+    return sock
+
+
+class DecoderClient:
+    """An attached decoder: subscribe(req_id), next_event(), chunk(), release()."""
+
+    def __init__(self, sock_path, timeout=30.0):
+        self.sock = _connect(sock_path, timeout)
+        h = _Hello(self.sock, ROLE_DECODER, SUBMIT.size)
+        self.client_id, self.slots, self.chunk_bytes = h.client_id, h.slots, h.chunk_bytes
+        self.data_offset, self.max_outstanding = h.data_offset, h.max_outstanding
+        self.sq = Ring(h.sq_path, SUBMIT.size, "producer")
+        self.cq = Ring(h.cq_path, EVENT.size, "consumer")
+        fd = os.open(h.buffer_path, os.O_RDONLY)
         try:
             self.buf = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
         finally:
@@ -228,4 +252,100 @@ class DecoderClient:
         return self.view[off:off + length]
 
     def close(self):
+        self.sock.close()
+
+
+class PrefillClient:
+    """An attached prefill worker: begin(req_id, receiver, total),
+    stage(tag, n), next_event() -> ('staged', tag, batch, [slots]),
+    slot(slot) (a writable memoryview, in place), submit(tag, batch, keys,
+    lens), cancel(tag)."""
+
+    def __init__(self, sock_path, timeout=30.0):
+        self.sock = _connect(sock_path, timeout)
+        h = _Hello(self.sock, ROLE_PREFILL, PSUBMIT.size)
+        self.client_id, self.slots, self.chunk_bytes = h.client_id, h.slots, h.chunk_bytes
+        self.receivers = h.receivers
+        self.sq = Ring(h.sq_path, PSUBMIT.size, "producer")
+        self.cq = Ring(h.cq_path, EVENT.size, "consumer")
+        fd = os.open(h.buffer_path, os.O_RDWR)
+        try:
+            self.buf = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        if len(self.buf) < self.slots * self.chunk_bytes:
+            raise AttachError("staging buffer shorter than its geometry")
+        self.view = memoryview(self.buf)
+        self.next_tag = 1
+        self.next_batch = 1
+
+    def _push(self, op, tag, a=0, b=0, length=0, text=b"", wait=0.0):
+        entry = PSUBMIT.pack(op, length, tag, a, b, 0, len(text), text)
+        deadline = time.monotonic() + wait
+        while not self.sq.push(entry):
+            if time.monotonic() >= deadline:
+                raise AttachError("submission ring full")
+            self.sock.sendall(b"\1")
+            time.sleep(0.0001)
+        self.sock.sendall(b"\1")  # the doorbell
+
+    def begin(self, req_id, receiver, total_chunks):
+        raw = req_id.encode()
+        if not 0 < len(raw) <= MAX_TEXT:
+            raise ValueError("req_id must be 1..%d bytes" % MAX_TEXT)
+        tag = self.next_tag
+        self.next_tag += 1
+        self._push(OP_BEGIN, tag, receiver, total_chunks, 0, raw)
+        return tag
+
+    def stage(self, tag, n):
+        batch = self.next_batch
+        self.next_batch += 1
+        self._push(OP_STAGE, tag, batch, n)
+        return batch
+
+    def slot(self, slot):
+        """A writable memoryview of staging slot `slot`, in place."""
+        off = slot * self.chunk_bytes
+        return self.view[off:off + self.chunk_bytes]
+
+    def submit(self, tag, batch, keys, lens):
+        for i, (k, length) in enumerate(zip(keys, lens)):
+            raw = k.encode()
+            if not 0 < len(raw) <= MAX_TEXT:
+                raise ValueError("key must be 1..%d bytes" % MAX_TEXT)
+            self._push(OP_KEY, tag, batch, i, length, raw, wait=10.0)
+        self._push(OP_SUBMIT, tag, batch, len(keys), wait=10.0)
+
+    def cancel(self, tag):
+        self._push(OP_CANCEL, tag)
+
+    def next_event(self, timeout=30.0):
+        """('staged', tag, batch, [slot]) | ('done', tag) | ('failed', tag,
+        code) | ('refused', tag, code)."""
+        deadline = time.monotonic() + timeout
+        if not self.cq.wait(deadline):
+            raise TimeoutError("no attach event within %.1fs" % timeout)
+        kind, code, tag, a, b, _len, _tok = EVENT.unpack(self.cq.pop())
+        if kind == EV_STAGED:
+            slots = []
+            for i in range(b):
+                raw = self.cq.pop()
+                if raw is None:
+                    raise AttachError("STAGED not followed by its slots")
+                k, _c, t, slot, idx, _l, _t = EVENT.unpack(raw)
+                if k != EV_SLOT or t != tag or idx != i or slot >= self.slots:
+                    raise AttachError("bad SLOT entry")
+                slots.append(slot)
+            return ("staged", tag, a, slots)
+        if kind == EV_DONE:
+            return ("done", tag)
+        if kind == EV_FAILED:
+            return ("failed", tag, code)
+        if kind == EV_REFUSED:
+            return ("refused", tag, code)
+        raise AttachError("unknown event kind %d" % kind)
+
+    def close(self):
+        self.view.release()
         self.sock.close()
