@@ -93,7 +93,6 @@ impl Role for Prefills {
             batches: 0,
             waiting: Vec::with_capacity(shared.cfg.max_outstanding),
             inbox: vec![PrefillSubmit::of(0, 0, 0, 0, 0); sq_cap],
-            keys: Vec::new(),
             shared: Arc::clone(shared),
         })
     }
@@ -144,8 +143,6 @@ pub(super) struct Session {
     /// Tags in the order of their completion descriptors of the last poll.
     waiting: Vec<u64>,
     inbox: Vec<PrefillSubmit>,
-    /// Reused for one SUBMIT's key slices.
-    keys: Vec<(usize, usize)>,
 }
 
 impl Serve for Session {
@@ -351,14 +348,13 @@ impl Session {
         if !complete {
             return self.refuse(s.tag, Refusal::BadBatch);
         }
-        self.keys.clear();
-        self.keys
-            .extend((0..m).map(|i| (i * MAX_TEXT, usize::from(h.key_lens[i]))));
-        // UTF-8 was checked by `PrefillSubmit::text` when each KEY came in.
-        let keys: Vec<&str> = self
-            .keys
-            .iter()
-            .map(|&(off, len)| std::str::from_utf8(&h.key_bytes[off..off + len]).unwrap_or(""))
+        // One allocation per batch. UTF-8 was checked by
+        // `PrefillSubmit::text` when each KEY came in.
+        let keys: Vec<&str> = (0..m)
+            .map(|i| {
+                let key = &h.key_bytes[i * MAX_TEXT..][..usize::from(h.key_lens[i])];
+                std::str::from_utf8(key).unwrap_or("")
+            })
             .collect();
         let result = h.batch.submit(&keys, &h.lens[..m]);
         match result {
