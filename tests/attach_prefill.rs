@@ -506,3 +506,35 @@ fn python_and_rust_prefill_workers_feed_a_python_decoder_through_both_binaries()
     dec.expect_line("ATTACH:ok");
     dec.wait_success("python decoder of the rust worker's request");
 }
+
+#[test]
+fn a_batch_held_when_its_request_fails_stays_the_workers_until_it_acknowledges() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let t = setup(8);
+    let mut a = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
+    let req = unique("pe");
+    let tag = a.begin(&req, 0, 4).unwrap();
+    a.stage(tag, 3).unwrap();
+    let b = staged(&mut a, "batch");
+    // The request ends behind the worker's back (here: cancelled in the
+    // sender's process) while the worker may still be writing its slots.
+    assert!(t.s.cancel_request(&req));
+    let st = t.s.wait(&req, deadline()).expect("sender knows it");
+    assert!(st.is_terminal(), "cancel ends the request, not {st:?}");
+    assert_eq!(
+        t.s.staging_in_use(),
+        3,
+        "the slots stay the worker's until it has seen the end"
+    );
+    match next(&mut a, "FAILED") {
+        PrefillEvent::Failed { tag: t2, code } => {
+            assert_eq!((t2, code), (tag, Some(ErrorCode::Cancelled)))
+        }
+        other => panic!("expected FAILED, got {other:?}"),
+    }
+    assert!(a.slot_mut(&b, 0).is_none(), "no writes after the end");
+    // The client acknowledged with CANCEL: now the slots go back.
+    wait_sender_empty(&t.s, "after the acknowledgement");
+}

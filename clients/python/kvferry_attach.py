@@ -278,6 +278,7 @@ class PrefillClient:
         self.view = memoryview(self.buf)
         self.next_tag = 1
         self.next_batch = 1
+        self.held = set()  # (tag, batch) staged for us and not submitted
 
     def _push(self, op, tag, a=0, b=0, length=0, text=b"", wait=0.0):
         entry = PSUBMIT.pack(op, length, tag, a, b, 0, len(text), text)
@@ -316,9 +317,17 @@ class PrefillClient:
                 raise ValueError("key must be 1..%d bytes" % MAX_TEXT)
             self._push(OP_KEY, tag, batch, i, length, raw, wait=10.0)
         self._push(OP_SUBMIT, tag, batch, len(keys), wait=10.0)
+        self.held.discard((tag, batch))
 
     def cancel(self, tag):
+        self.held = {h for h in self.held if h[0] != tag}
         self._push(OP_CANCEL, tag)
+
+    def _ended(self, tag):
+        # The daemon keeps batches we held at the end until we acknowledge
+        # (we might still be writing them): CANCEL is the acknowledgement.
+        if any(h[0] == tag for h in self.held):
+            self.cancel(tag)
 
     def next_event(self, timeout=30.0):
         """('staged', tag, batch, [slot]) | ('done', tag) | ('failed', tag,
@@ -337,10 +346,13 @@ class PrefillClient:
                 if k != EV_SLOT or t != tag or idx != i or slot >= self.slots:
                     raise AttachError("bad SLOT entry")
                 slots.append(slot)
+            self.held.add((tag, a))
             return ("staged", tag, a, slots)
         if kind == EV_DONE:
+            self._ended(tag)
             return ("done", tag)
         if kind == EV_FAILED:
+            self._ended(tag)
             return ("failed", tag, code)
         if kind == EV_REFUSED:
             return ("refused", tag, code)

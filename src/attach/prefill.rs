@@ -127,6 +127,9 @@ struct Req {
     pending: Vec<(u32, u32)>,
     /// Cancelled by the worker; its terminal status is still reported.
     cancelled: bool,
+    /// Terminal and reported, but the worker still held batches: they stay
+    /// its (it may be writing them) until it acknowledges with CANCEL.
+    ended: bool,
 }
 
 /// One worker's session (see the module docs).
@@ -149,7 +152,7 @@ impl Serve for Session {
     fn interest(&mut self, fds: &mut Vec<libc::pollfd>) -> bool {
         self.waiting.clear();
         let mut retry = !self.cq.outbox.is_empty();
-        for (tag, r) in &self.tags {
+        for (tag, r) in self.tags.iter().filter(|(_, r)| !r.ended) {
             // No eventfd (out of descriptors): a negative fd, which poll
             // ignores; its status is looked at on every retry instead.
             let fd = r.request.completion_fd().map_or(-1, |fd| fd.as_raw_fd());
@@ -229,6 +232,7 @@ impl Session {
                         held: HashMap::new(),
                         pending: Vec::new(),
                         cancelled: false,
+                        ended: false,
                     },
                 );
             }
@@ -239,7 +243,11 @@ impl Session {
     fn stage(&mut self, s: &PrefillSubmit) {
         let cq_cap = self.cq.ring.capacity();
         let full = self.batches >= self.shared.cfg.max_outstanding;
-        let Some(r) = self.tags.get_mut(&s.tag).filter(|r| !r.cancelled) else {
+        let Some(r) = self
+            .tags
+            .get_mut(&s.tag)
+            .filter(|r| !r.cancelled && !r.ended)
+        else {
             return self.refuse(s.tag, Refusal::UnknownTag);
         };
         if r.held.contains_key(&s.a) || r.pending.iter().any(|p| p.0 == s.a) {
@@ -344,6 +352,10 @@ impl Session {
         let Some(h) = r.held.remove(&s.a) else {
             return self.refuse(s.tag, Refusal::BadBatch);
         };
+        if r.ended && r.held.is_empty() {
+            // Nothing left to acknowledge (the submit below is refused).
+            self.tags.remove(&s.tag);
+        }
         self.batches -= 1;
         if !complete {
             return self.refuse(s.tag, Refusal::BadBatch);
@@ -367,17 +379,26 @@ impl Session {
         let Some(r) = self.tags.get_mut(&tag) else {
             return self.refuse(tag, Refusal::UnknownTag);
         };
-        r.cancelled = true;
         self.batches -= r.held.len() + r.pending.len();
+        if r.ended {
+            // The acknowledgement of an end the worker held batches at:
+            // only now may their slots go back.
+            self.tags.remove(&tag);
+            return;
+        }
+        r.cancelled = true;
         r.held.clear();
         r.pending.clear();
         r.request.cancel();
         // Its terminal status (FAILED cancelled) follows on the ring.
     }
 
-    /// Reports `tag`'s request and forgets it if it is terminal.
+    /// Reports `tag`'s request and forgets it if it is terminal (keeping
+    /// batches the worker still holds until it acknowledges).
     fn maybe_ended(&mut self, tag: u64) {
-        let Some(r) = self.tags.get(&tag) else { return };
+        let Some(r) = self.tags.get_mut(&tag).filter(|r| !r.ended) else {
+            return;
+        };
         let ev = match r.request.status() {
             RequestStatus::InProgress => return,
             RequestStatus::Completed => DecoderEvent::of(EV_DONE, tag, 0),
@@ -388,8 +409,12 @@ impl Session {
                 DecoderEvent::of(EV_FAILED, tag, error_number(code))
             }
         };
-        if let Some(r) = self.tags.remove(&tag) {
-            self.batches -= r.held.len() + r.pending.len();
+        self.batches -= r.pending.len();
+        r.pending.clear();
+        if r.held.is_empty() {
+            self.tags.remove(&tag);
+        } else {
+            r.ended = true;
         }
         tracing::debug!(tag, kind = ev.kind, "ended");
         self.cq.send(ev);

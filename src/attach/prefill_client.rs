@@ -313,7 +313,14 @@ impl PrefillClient {
                 if !self.tags.remove(&ev.tag) {
                     return Err(bad("end of a tag not begun"));
                 }
+                let held = self.held.len();
                 self.held.retain(|h| h.0 != ev.tag);
+                if self.held.len() != held {
+                    // The daemon keeps batches we held until we say we no
+                    // longer write them.
+                    self.push_waiting(PrefillSubmit::of(OP_CANCEL, ev.tag, 0, 0, 0))?;
+                    doorbell(&mut self.sock)?;
+                }
                 self.asked.remove(&ev.tag);
                 Ok(if ev.kind == EV_DONE {
                     PrefillEvent::Done { tag: ev.tag }
