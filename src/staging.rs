@@ -124,16 +124,28 @@ impl StagingBuffer {
         let map_err = |source| StagingError::Map { len, source };
         // SAFETY: the name is a NUL-terminated literal; memfd_create takes
         // no other pointer.
-        let fd = unsafe { libc::memfd_create(c"kvferry-staging".as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = unsafe {
+            libc::memfd_create(
+                c"kvferry-staging".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
         if fd < 0 {
             return Err(map_err(std::io::Error::last_os_error()));
         }
         // SAFETY: `fd` was just created and is owned by nobody else.
         let file = unsafe { File::from_raw_fd(fd) };
         file.set_len(len).map_err(map_err)?;
+        // Sealed against resizing, so no process that can open it (an
+        // attached worker) can shrink it under our mapping (SIGBUS).
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        // SAFETY: fcntl on a descriptor we own, with integer arguments.
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+            return Err(map_err(std::io::Error::last_os_error()));
+        }
         // SAFETY: the memfd is private to this process (and to attached
         // workers given its path, which write only slots handed to them);
-        // nobody truncates it while mapped. All access goes through `ptr`.
+        // its size is sealed. All access goes through `ptr`.
         let mut map = unsafe { MmapMut::map_mut(&file) }.map_err(map_err)?;
         let ptr = map.as_mut_ptr();
         Ok(Self {

@@ -538,3 +538,24 @@ fn a_batch_held_when_its_request_fails_stays_the_workers_until_it_acknowledges()
     // The client acknowledged with CANCEL: now the slots go back.
     wait_sender_empty(&t.s, "after the acknowledgement");
 }
+
+#[test]
+fn a_worker_cannot_resize_the_staging_buffer_under_the_sender() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let t = setup(4);
+    let c = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&c.hello().buffer_path)
+        .expect("the worker opens the staging file");
+    let len = f.metadata().unwrap().len();
+    assert_eq!(len, 4 * CHUNK);
+    assert!(
+        f.set_len(0).is_err(),
+        "shrinking is sealed (SIGBUS in the sender otherwise)"
+    );
+    assert!(f.set_len(len * 2).is_err(), "growing is sealed");
+    assert_eq!(f.metadata().unwrap().len(), len);
+}
