@@ -75,6 +75,7 @@
 /// The one spin → yield → park policy (it lives in the ring crate, which
 /// depends on nothing else in kvferry).
 pub(crate) use kvferry_ring::backoff;
+pub mod attach;
 pub mod cancel;
 #[cfg(feature = "cli")]
 pub mod cli;

@@ -1,5 +1,6 @@
-//! The sender's staging buffer: `slots` fixed-size slots in one anonymous,
-//! page-aligned memory mapping that a transport reads writes from (the shm
+//! The sender's staging buffer: `slots` fixed-size slots in one shared,
+//! page-aligned memory mapping of a memfd (so an attached prefill worker
+//! can map it too, `docs/attach.md`) that a transport reads writes from (the shm
 //! copy engine copies out of it; the RDMA transport registers it as a memory
 //! region).
 //!
@@ -7,6 +8,10 @@
 //! by this module: a caller writes only slots it allocated, and the transport
 //! reads a slot only while a write posted from it is in flight (the slot is
 //! freed after its completion was polled).
+
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::path::PathBuf;
 
 use memmap2::MmapMut;
 
@@ -57,14 +62,16 @@ pub enum StagingError {
 }
 
 /// The sender's registered staging memory: `slots` slots of `slot_bytes`
-/// bytes each, slot `i` at byte offset `i * slot_bytes`, in one anonymous
-/// page-aligned mapping (zero-filled). `Send + Sync`: share it as
+/// bytes each, slot `i` at byte offset `i * slot_bytes`, in one shared
+/// page-aligned mapping of a memfd (zero-filled). `Send + Sync`: share it as
 /// `Arc<StagingBuffer>` between the caller threads that fill slots and the
 /// transport that reads them.
 pub struct StagingBuffer {
     /// Owns the mapping; never dereferenced after construction (all access
     /// goes through `ptr`, so no Rust reference to the bytes ever exists).
     _map: MmapMut,
+    /// The memfd behind the mapping (see [`file_path`](Self::file_path)).
+    file: File,
     ptr: *mut u8,
     slots: usize,
     slot_bytes: u64,
@@ -114,11 +121,36 @@ impl StagingBuffer {
         if u32::try_from(slots).is_err() || len > isize::MAX as u64 {
             return Err(overflow());
         }
-        let mut map =
-            MmapMut::map_anon(len as usize).map_err(|source| StagingError::Map { len, source })?;
+        let map_err = |source| StagingError::Map { len, source };
+        // SAFETY: the name is a NUL-terminated literal; memfd_create takes
+        // no other pointer.
+        let fd = unsafe {
+            libc::memfd_create(
+                c"kvferry-staging".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
+        if fd < 0 {
+            return Err(map_err(std::io::Error::last_os_error()));
+        }
+        // SAFETY: `fd` was just created and is owned by nobody else.
+        let file = unsafe { File::from_raw_fd(fd) };
+        file.set_len(len).map_err(map_err)?;
+        // Sealed against resizing, so no process that can open it (an
+        // attached worker) can shrink it under our mapping (SIGBUS).
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        // SAFETY: fcntl on a descriptor we own, with integer arguments.
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+            return Err(map_err(std::io::Error::last_os_error()));
+        }
+        // SAFETY: the memfd is private to this process (and to attached
+        // workers given its path, which write only slots handed to them);
+        // its size is sealed. All access goes through `ptr`.
+        let mut map = unsafe { MmapMut::map_mut(&file) }.map_err(map_err)?;
         let ptr = map.as_mut_ptr();
         Ok(Self {
             _map: map,
+            file,
             ptr,
             slots,
             slot_bytes,
@@ -135,6 +167,16 @@ impl StagingBuffer {
     /// Bytes per slot.
     pub fn slot_bytes(&self) -> u64 {
         self.slot_bytes
+    }
+
+    /// A path another process of this user can open to map the buffer
+    /// (`/proc/<pid>/fd/<memfd>`): slot `i` at offset `i * slot_bytes`.
+    pub fn file_path(&self) -> PathBuf {
+        PathBuf::from(format!(
+            "/proc/{}/fd/{}",
+            std::process::id(),
+            self.file.as_raw_fd()
+        ))
     }
 
     /// Total bytes (`slots * slot_bytes`).

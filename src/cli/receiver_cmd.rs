@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use clap::Args;
 
+use crate::attach::{AttachConfig, DecoderDaemon};
 use crate::metrics::MetricsServer;
 use crate::receiver::bounds::Bounds;
 use crate::receiver::{AcceptorFactory, Receiver, ReceiverConfig, ReceiverError, TcpDataLimits};
@@ -115,6 +116,16 @@ pub struct ReceiverArgs {
     /// its replies) further replies to it are dropped and counted.
     #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(i32).range(1..))]
     pub reply_queue_per_peer: i32,
+    /// Serve attached decoder processes on this Unix socket (ring files in
+    /// `PATH.d/`; see docs/attach.md).
+    #[arg(long)]
+    pub attach: Option<PathBuf>,
+    /// With --attach: live attachments at most.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    pub attach_max_clients: u32,
+    /// With --attach: subscriptions plus held requests per client at most.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    pub attach_max_outstanding: u32,
 }
 
 /// Runs a receiver until SIGINT/SIGTERM.
@@ -192,7 +203,24 @@ pub fn run(a: ReceiverArgs) -> ExitCode {
         }
         None => None,
     };
+    let attach = match &a.attach {
+        Some(path) => {
+            let cfg = AttachConfig {
+                max_clients: a.attach_max_clients as usize,
+                max_outstanding: a.attach_max_outstanding as usize,
+                ..AttachConfig::new(path)
+            };
+            match DecoderDaemon::start(Arc::clone(&receiver), cfg) {
+                Ok(d) => Some(d),
+                Err(e) => return super::runtime_error(format!("--attach {}: {e}", path.display())),
+            }
+        }
+        None => None,
+    };
     super::say!("kvferry receiver listening on {}", receiver.endpoint());
+    if let Some(d) = &attach {
+        super::say!("kvferry receiver attach on {}", d.socket().display());
+    }
     if let Some(addr) = receiver.tcp_data_addr() {
         super::say!("kvferry receiver tcp data on {addr}");
     }
@@ -204,5 +232,7 @@ pub fn run(a: ReceiverArgs) -> ExitCode {
     }
     let _ = std::io::stdout().flush();
     termination.wait();
+    // Ends the sessions (releasing what clients held) before the receiver.
+    drop(attach);
     ExitCode::SUCCESS
 }

@@ -1,14 +1,18 @@
 //! `kvferry sender`: the prefill role as its own process.
 
+use std::io::Write;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 use clap::Args;
 
+use crate::attach::{AttachConfig, PrefillDaemon};
 use crate::metrics::MetricsServer;
-use crate::runner;
-use crate::sender::Sender;
+use crate::runner::{self, RunConfig};
+use crate::sender::{Sender, SenderConfig};
 
 use super::run_cmd::{finish, progress_mode, LoadArgs};
 
@@ -44,6 +48,17 @@ pub struct SenderArgs {
     /// is the number of senders in this process).
     #[command(flatten)]
     pub load: LoadArgs,
+    /// Serve attached prefill workers on this Unix socket instead of
+    /// generating load (ring files in `PATH.d/`; see docs/attach.md); a
+    /// worker's BEGIN names its receiver by index into --connect.
+    #[arg(long)]
+    pub attach: Option<PathBuf>,
+    /// With --attach: live attachments at most.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    pub attach_max_clients: u32,
+    /// With --attach: requests, and staged batches, per worker at most.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    pub attach_max_outstanding: u32,
     /// Print the report as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -70,6 +85,9 @@ pub fn run(a: SenderArgs) -> ExitCode {
     }
     if a.connect.iter().any(|c| c.trim().is_empty()) {
         return super::usage_error("--connect has an empty endpoint");
+    }
+    if let Some(path) = a.attach.clone() {
+        return serve_attached(&a, &cfg, path);
     }
     let server: Mutex<Option<MetricsServer>> = Mutex::new(None);
     let mut metrics_error = None;
@@ -100,4 +118,70 @@ pub fn run(a: SenderArgs) -> ExitCode {
         eprintln!("kvferry: {e}");
     }
     finish(result, a.json)
+}
+
+/// `--attach`: one sender serving attached prefill workers until
+/// SIGINT/SIGTERM.
+fn serve_attached(a: &SenderArgs, cfg: &RunConfig, path: PathBuf) -> ExitCode {
+    let static_peers = match cfg.static_peers() {
+        Ok(p) => p,
+        Err(e) => return super::usage_error(e),
+    };
+    let termination = match super::signals::Termination::install() {
+        Ok(t) => t,
+        Err(e) => return super::runtime_error(format!("cannot install signal handlers: {e}")),
+    };
+    let sender = Sender::new(SenderConfig {
+        sender_id: a.sender_id.clone(),
+        proxy: a.proxy.clone(),
+        staging_slots: cfg.staging_slots,
+        chunk_bytes: cfg.chunk_bytes,
+        max_pending_bytes: cfg.max_pending_bytes,
+        transport: cfg.transport.clone(),
+        static_peers,
+        ..SenderConfig::default()
+    });
+    let sender = match sender {
+        Ok(s) => Arc::new(s),
+        Err(e) => return super::runtime_error(e),
+    };
+    let metrics = match a.metrics {
+        Some(addr) => {
+            let weak = Arc::downgrade(&sender);
+            let render = move || {
+                let live: Vec<Arc<Sender>> = weak.upgrade().into_iter().collect();
+                crate::sender::metrics::render_metrics(&live)
+            };
+            match MetricsServer::start(addr, render) {
+                Ok(m) => Some(m),
+                Err(e) => return super::runtime_error(format!("metrics on {addr}: {e}")),
+            }
+        }
+        None => None,
+    };
+    let acfg = AttachConfig {
+        max_clients: a.attach_max_clients as usize,
+        max_outstanding: a.attach_max_outstanding as usize,
+        ..AttachConfig::new(&path)
+    };
+    let daemon = match PrefillDaemon::start(Arc::clone(&sender), a.connect.clone(), acfg) {
+        Ok(d) => d,
+        Err(e) => return super::runtime_error(format!("--attach {}: {e}", path.display())),
+    };
+    super::say!("kvferry sender attach on {}", daemon.socket().display());
+    if let Some(m) = &metrics {
+        super::say!("kvferry sender metrics on {}", m.local_addr());
+    }
+    let _ = std::io::stdout().flush();
+    termination.wait();
+    // Ends the sessions (cancelling their live requests) before the sender.
+    drop(daemon);
+    drop(metrics);
+    match Arc::try_unwrap(sender) {
+        Ok(s) => {
+            s.close(Instant::now() + Duration::from_secs(5));
+        }
+        Err(s) => drop(s),
+    }
+    ExitCode::SUCCESS
 }

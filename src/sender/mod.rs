@@ -1105,6 +1105,13 @@ impl Sender {
         Ok(())
     }
 
+    /// The staging buffer's file (for an attached worker to map) and its
+    /// slot count and size: slot `i` at offset `i * slot_bytes`.
+    pub fn staging_file(&self) -> (std::path::PathBuf, usize, u64) {
+        let s = &self.shared.staging;
+        (s.file_path(), s.slots(), s.slot_bytes())
+    }
+
     /// Staging slots in use.
     pub fn staging_in_use(&self) -> usize {
         self.shared.slots.in_use()

@@ -342,6 +342,12 @@ impl StagedBatch {
         self.h.shared.cfg.chunk_bytes as usize
     }
 
+    /// The batch's staging slot indexes, in order (see
+    /// [`Sender::staging_file`](super::Sender::staging_file)).
+    pub fn slot_indexes(&self) -> &[u32] {
+        self.set.as_ref().map_or(&[], SlotSet::as_slice)
+    }
+
     /// Slot `i` of the batch, to fill in place (`None` if `i >= len()`).
     pub fn slot_mut(&mut self, i: usize) -> Option<&mut [u8]> {
         let slot = self.set.as_ref()?.as_slice().get(i).copied()?;

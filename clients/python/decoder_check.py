@@ -1,0 +1,52 @@
+"""CI check of the Python decoder client (driven by tests/attach_decoder.rs).
+
+usage: decoder_check.py SOCKET REQ_ID N LAST_LEN MODE
+Subscribes to REQ_ID, prints "ATTACH:subscribed", waits for it, checks every
+byte of its N chunks (byte j of chunk i is (i * 31 + j) & 0xff; all chunks
+are full but the last, LAST_LEN bytes), then in MODE "release" releases it
+and prints "ATTACH:ok"; in MODE "hold" prints "ATTACH:holding" and sleeps
+until killed.
+"""
+
+import sys
+import time
+
+import kvferry_attach
+
+PERIOD = bytes(range(256)) * 2
+
+
+def expected(i, length):
+    start = (i * 31) & 0xFF
+    reps = length // 256 + 2
+    return (PERIOD[start:256] + PERIOD[:start]) * reps
+
+
+def main():
+    sock, req_id, n, last, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    c = kvferry_attach.DecoderClient(sock)
+    tag = c.subscribe(req_id)
+    print("ATTACH:subscribed", flush=True)
+    ev = c.next_event(timeout=30.0)
+    if ev[0] != "ready" or ev[1] != tag:
+        sys.exit("expected READY for tag %d, got %r" % (tag, ev))
+    chunks = ev[3]
+    if len(chunks) != n:
+        sys.exit("expected %d chunks, got %d" % (n, len(chunks)))
+    for i, desc in enumerate(chunks):
+        data = c.chunk(desc)
+        want_len = last if i + 1 == n else c.chunk_bytes
+        if len(data) != want_len:
+            sys.exit("chunk %d: %d bytes, expected %d" % (i, len(data), want_len))
+        if data != expected(i, want_len)[:want_len]:
+            sys.exit("chunk %d differs" % i)
+    if mode == "hold":
+        print("ATTACH:holding", flush=True)
+        time.sleep(120)
+        sys.exit("holder was not killed")
+    c.release(tag)
+    print("ATTACH:ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,363 @@
+"""Reference clients for kvferry's attach protocol (docs/attach.md): a
+decoder attached to `kvferry receiver --attach` and a prefill worker
+attached to `kvferry sender --attach`.
+
+Pure Python 3 standard library: socket (the lease and the submission
+doorbell), mmap + ctypes (the rings' head/tail words and the futex doorbell),
+struct (the entries). A decoder reads chunk bytes in place from the
+receiver's buffer, mapped read-only; a prefill worker fills staging slots in
+place in the sender's staging buffer, mapped writable.
+
+Memory ordering: ring indices are read and written with single aligned
+8-byte accesses (ctypes c_uint64 over the mapping), which on x86-64 have the
+acquire/release semantics the ring protocol needs. Python cannot issue the
+full fence of the futex doorbell protocol, so the completion wait uses a
+short futex timeout (WAKE_SLACK): a wake-up lost to the missing fence costs
+at most that long. Linux x86-64 only (SYS_futex = 202).
+"""
+
+import ctypes
+import mmap
+import os
+import socket
+import struct
+import time
+
+ATTACH_VERSION = 1
+HELLO_LEN = 1024
+HELLO_MAGIC = b"KVFATCH1"
+RING_MAGIC = b"KVFRING1"
+RING_VERSION = 1
+MAX_REQ_ID = 112
+NO_TOKENS = 0xFFFFFFFF
+
+MAX_TEXT = 224
+
+OP_SUBSCRIBE, OP_RELEASE = 1, 2
+OP_BEGIN, OP_STAGE, OP_KEY, OP_SUBMIT, OP_CANCEL = 1, 2, 3, 4, 5
+EV_READY, EV_CHUNK, EV_FAILED, EV_REFUSED = 1, 2, 3, 4
+EV_STAGED, EV_SLOT, EV_DONE = 5, 6, 7
+ROLE_DECODER, ROLE_PREFILL = 1, 2
+
+SUBMIT = struct.Struct("<IIQ112s")   # op, req_id_len, tag, req_id
+PSUBMIT = struct.Struct("<IIQIIII224s")  # op, len, tag, a, b, reserved, text_len, text
+EVENT = struct.Struct("<IIQIIII")    # kind, code, tag, a, b, len, tokens
+assert SUBMIT.size == 128 and EVENT.size == 32 and PSUBMIT.size == 256
+
+# Ring control block offsets (docs/ring.md).
+OFF_TAIL, OFF_HEAD = 128, 256
+OFF_BELL, OFF_NEED_WAKEUP = 384, 388
+OFF_PRODUCER_TAKEN, OFF_CONSUMER_TAKEN = 400, 404
+
+SYS_FUTEX = 202
+FUTEX_WAIT = 0
+WAKE_SLACK = 0.001
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+class Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class AttachError(Exception):
+    """The daemon refused, or broke the protocol."""
+
+
+class Ring:
+    """One side of a kvferry-ring SPSC file."""
+
+    def __init__(self, path, entry_size, side):
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self.mm = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        magic, version, kind, cap, esize = struct.unpack_from("<8sIIQQ", self.mm, 0)
+        slots_offset = struct.unpack_from("<Q", self.mm, 56)[0]
+        if magic != RING_MAGIC or version != RING_VERSION or kind != 1:
+            raise AttachError("%s: not a kvferry SPSC ring v1" % path)
+        if esize != entry_size or cap == 0 or cap & (cap - 1):
+            raise AttachError("%s: entry size %d / capacity %d unexpected" % (path, esize, cap))
+        if len(self.mm) < slots_offset + cap * esize:
+            raise AttachError("%s: truncated" % path)
+        self.cap, self.esize, self.slots = cap, esize, slots_offset
+        self.tail = ctypes.c_uint64.from_buffer(self.mm, OFF_TAIL)
+        self.head = ctypes.c_uint64.from_buffer(self.mm, OFF_HEAD)
+        self.bell = ctypes.c_uint32.from_buffer(self.mm, OFF_BELL)
+        self.need_wakeup = ctypes.c_uint32.from_buffer(self.mm, OFF_NEED_WAKEUP)
+        taken = ctypes.c_uint32.from_buffer(
+            self.mm, OFF_PRODUCER_TAKEN if side == "producer" else OFF_CONSUMER_TAKEN)
+        if taken.value:
+            raise AttachError("%s: %s side already taken" % (path, side))
+        taken.value = 1
+        # Private copies of our own index (we are its only writer).
+        self.pos = self.tail.value if side == "producer" else self.head.value
+
+    def offset(self, pos):
+        return self.slots + (pos & (self.cap - 1)) * self.esize
+
+    # Producer side.
+    def push(self, entry):
+        if self.pos - self.head.value >= self.cap:
+            return False
+        self.mm[self.offset(self.pos):self.offset(self.pos) + self.esize] = entry
+        self.pos += 1
+        self.tail.value = self.pos  # publish (release on x86-64)
+        return True
+
+    # Consumer side.
+    def available(self):
+        return self.tail.value - self.pos  # acquire on x86-64
+
+    def pop(self):
+        if self.available() <= 0:
+            return None
+        off = self.offset(self.pos)
+        entry = bytes(self.mm[off:off + self.esize])
+        self.pos += 1
+        self.head.value = self.pos
+        return entry
+
+    def wait(self, deadline):
+        """Until an entry is available (True) or the deadline (False)."""
+        spins = 0
+        while self.available() <= 0:
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            spins += 1
+            if spins < 64:
+                continue
+            self.need_wakeup.value = 1
+            seen = self.bell.value
+            if self.available() > 0:
+                break
+            left = min(deadline - now, WAKE_SLACK)
+            ts = Timespec(int(left), int((left % 1) * 1e9))
+            _libc.syscall(SYS_FUTEX, ctypes.c_void_p(ctypes.addressof(self.bell)),
+                          FUTEX_WAIT, ctypes.c_uint32(seen), ctypes.byref(ts), None, 0)
+        self.need_wakeup.value = 0
+        return True
+
+
+class _Hello:
+    """The daemon's hello, checked (docs/attach.md)."""
+
+    def __init__(self, sock, role, sq_entry_size):
+        hello = b""
+        while len(hello) < HELLO_LEN:
+            part = sock.recv(HELLO_LEN - len(hello))
+            if not part:
+                raise AttachError("daemon closed before its hello (%d bytes)" % len(hello))
+            hello += part
+        if hello[:8] != HELLO_MAGIC:
+            raise AttachError("bad hello magic")
+        (version, got_role, status, self.client_id, sq_entry, cq_entry, _sqc, _cqc,
+         self.slots, self.chunk_bytes, self.data_offset,
+         self.max_outstanding, self.receivers) = struct.unpack_from("<IIIIIIIIQQQII", hello, 8)
+        if version != ATTACH_VERSION:
+            raise AttachError("attach version %d, expected %d" % (version, ATTACH_VERSION))
+        if status != 0:
+            raise AttachError("refused by the daemon (status %d)" % status)
+        if got_role != role or sq_entry != sq_entry_size or cq_entry != EVENT.size:
+            raise AttachError("unexpected role or entry sizes")
+
+        def path(off):
+            return hello[off:off + 256].split(b"\0", 1)[0].decode()
+
+        self.sq_path, self.cq_path, self.buffer_path = path(72), path(328), path(584)
+
+
+def _connect(sock_path, timeout):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    sock.connect(sock_path)
+    return sock
+
+
+class DecoderClient:
+    """An attached decoder: subscribe(req_id), next_event(), chunk(), release()."""
+
+    def __init__(self, sock_path, timeout=30.0):
+        self.sock = _connect(sock_path, timeout)
+        h = _Hello(self.sock, ROLE_DECODER, SUBMIT.size)
+        self.client_id, self.slots, self.chunk_bytes = h.client_id, h.slots, h.chunk_bytes
+        self.data_offset, self.max_outstanding = h.data_offset, h.max_outstanding
+        self.sq = Ring(h.sq_path, SUBMIT.size, "producer")
+        self.cq = Ring(h.cq_path, EVENT.size, "consumer")
+        fd = os.open(h.buffer_path, os.O_RDONLY)
+        try:
+            self.buf = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        if len(self.buf) < self.data_offset + self.slots * self.chunk_bytes:
+            raise AttachError("receive buffer shorter than its geometry")
+        self.view = memoryview(self.buf)
+        self.tags = {}  # tag -> req_id (subscribed or held)
+        self.next_tag = 1
+
+    def _submit(self, op, tag, req_id=b""):
+        if not self.sq.push(SUBMIT.pack(op, len(req_id), tag, req_id)):
+            raise AttachError("submission ring full")
+        self.sock.sendall(b"\1")  # the doorbell
+
+    def subscribe(self, req_id):
+        raw = req_id.encode()
+        if not 0 < len(raw) <= MAX_REQ_ID:
+            raise ValueError("req_id must be 1..%d bytes" % MAX_REQ_ID)
+        if len(self.tags) >= self.max_outstanding:
+            raise AttachError("too many outstanding requests")
+        tag = self.next_tag
+        self.next_tag += 1
+        self._submit(OP_SUBSCRIBE, tag, raw)
+        self.tags[tag] = req_id
+        return tag
+
+    def release(self, tag):
+        self._submit(OP_RELEASE, tag)
+        self.tags.pop(tag, None)
+
+    def next_event(self, timeout=30.0):
+        """('ready', tag, req_id, [(slot, len, tokens)]) | ('failed', tag,
+        req_id, code) | ('refused', tag, code)."""
+        deadline = time.monotonic() + timeout
+        if not self.cq.wait(deadline):
+            raise TimeoutError("no attach event within %.1fs" % timeout)
+        kind, code, tag, a, _b, _len, _tok = EVENT.unpack(self.cq.pop())
+        if kind == EV_READY:
+            chunks = []
+            for i in range(a):
+                raw = self.cq.pop()
+                if raw is None:
+                    raise AttachError("READY not followed by its chunks")
+                k, _c, t, slot, idx, length, tokens = EVENT.unpack(raw)
+                if (k != EV_CHUNK or t != tag or idx != i or slot >= self.slots
+                        or length > self.chunk_bytes):
+                    raise AttachError("bad CHUNK entry")
+                chunks.append((slot, length, None if tokens == NO_TOKENS else tokens))
+            return ("ready", tag, self.tags.get(tag), chunks)
+        if kind == EV_FAILED:
+            return ("failed", tag, self.tags.pop(tag, None), code)
+        if kind == EV_REFUSED:
+            self.tags.pop(tag, None)
+            return ("refused", tag, code)
+        raise AttachError("unknown event kind %d" % kind)
+
+    def chunk(self, desc):
+        """A read-only memoryview of a held chunk's bytes, in place."""
+        slot, length, _tokens = desc
+        off = self.data_offset + slot * self.chunk_bytes
+        return self.view[off:off + length]
+
+    def close(self):
+        self.sock.close()
+
+
+class PrefillClient:
+    """An attached prefill worker: begin(req_id, receiver, total),
+    stage(tag, n), next_event() -> ('staged', tag, batch, [slots]),
+    slot(slot) (a writable memoryview, in place), submit(tag, batch, keys,
+    lens), cancel(tag)."""
+
+    def __init__(self, sock_path, timeout=30.0):
+        self.sock = _connect(sock_path, timeout)
+        h = _Hello(self.sock, ROLE_PREFILL, PSUBMIT.size)
+        self.client_id, self.slots, self.chunk_bytes = h.client_id, h.slots, h.chunk_bytes
+        self.receivers = h.receivers
+        self.sq = Ring(h.sq_path, PSUBMIT.size, "producer")
+        self.cq = Ring(h.cq_path, EVENT.size, "consumer")
+        fd = os.open(h.buffer_path, os.O_RDWR)
+        try:
+            self.buf = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        if len(self.buf) < self.slots * self.chunk_bytes:
+            raise AttachError("staging buffer shorter than its geometry")
+        self.view = memoryview(self.buf)
+        self.next_tag = 1
+        self.next_batch = 1
+        self.held = set()  # (tag, batch) staged for us and not submitted
+
+    def _push(self, op, tag, a=0, b=0, length=0, text=b"", wait=0.0):
+        entry = PSUBMIT.pack(op, length, tag, a, b, 0, len(text), text)
+        deadline = time.monotonic() + wait
+        while not self.sq.push(entry):
+            if time.monotonic() >= deadline:
+                raise AttachError("submission ring full")
+            self.sock.sendall(b"\1")
+            time.sleep(0.0001)
+        self.sock.sendall(b"\1")  # the doorbell
+
+    def begin(self, req_id, receiver, total_chunks):
+        raw = req_id.encode()
+        if not 0 < len(raw) <= MAX_TEXT:
+            raise ValueError("req_id must be 1..%d bytes" % MAX_TEXT)
+        tag = self.next_tag
+        self.next_tag += 1
+        self._push(OP_BEGIN, tag, receiver, total_chunks, 0, raw)
+        return tag
+
+    def stage(self, tag, n):
+        batch = self.next_batch
+        self.next_batch += 1
+        self._push(OP_STAGE, tag, batch, n)
+        return batch
+
+    def slot(self, slot):
+        """A writable memoryview of staging slot `slot`, in place."""
+        off = slot * self.chunk_bytes
+        return self.view[off:off + self.chunk_bytes]
+
+    def submit(self, tag, batch, keys, lens):
+        for i, (k, length) in enumerate(zip(keys, lens)):
+            raw = k.encode()
+            if not 0 < len(raw) <= MAX_TEXT:
+                raise ValueError("key must be 1..%d bytes" % MAX_TEXT)
+            self._push(OP_KEY, tag, batch, i, length, raw, wait=10.0)
+        self._push(OP_SUBMIT, tag, batch, len(keys), wait=10.0)
+        self.held.discard((tag, batch))
+
+    def cancel(self, tag):
+        self.held = {h for h in self.held if h[0] != tag}
+        self._push(OP_CANCEL, tag)
+
+    def _ended(self, tag):
+        # The daemon keeps batches we held at the end until we acknowledge
+        # (we might still be writing them): CANCEL is the acknowledgement.
+        if any(h[0] == tag for h in self.held):
+            self.cancel(tag)
+
+    def next_event(self, timeout=30.0):
+        """('staged', tag, batch, [slot]) | ('done', tag) | ('failed', tag,
+        code) | ('refused', tag, code)."""
+        deadline = time.monotonic() + timeout
+        if not self.cq.wait(deadline):
+            raise TimeoutError("no attach event within %.1fs" % timeout)
+        kind, code, tag, a, b, _len, _tok = EVENT.unpack(self.cq.pop())
+        if kind == EV_STAGED:
+            slots = []
+            for i in range(b):
+                raw = self.cq.pop()
+                if raw is None:
+                    raise AttachError("STAGED not followed by its slots")
+                k, _c, t, slot, idx, _l, _t = EVENT.unpack(raw)
+                if k != EV_SLOT or t != tag or idx != i or slot >= self.slots:
+                    raise AttachError("bad SLOT entry")
+                slots.append(slot)
+            self.held.add((tag, a))
+            return ("staged", tag, a, slots)
+        if kind == EV_DONE:
+            self._ended(tag)
+            return ("done", tag)
+        if kind == EV_FAILED:
+            self._ended(tag)
+            return ("failed", tag, code)
+        if kind == EV_REFUSED:
+            return ("refused", tag, code)
+        raise AttachError("unknown event kind %d" % kind)
+
+    def close(self):
+        self.view.release()
+        self.sock.close()

@@ -1,0 +1,382 @@
+//! The Rust decoder client: attach to a receiver's socket, subscribe to
+//! requests, read their chunks in place from the read-only receive buffer,
+//! release them.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use kvferry_ring::spsc::{self, Consumer, Producer};
+use kvferry_ring::{ShmError, WaitStatus};
+use memmap2::Mmap;
+
+use super::layout::{
+    error_from_number, DecoderEvent, DecoderSubmit, Hello, HelloError, Refusal, EV_CHUNK,
+    EV_FAILED, EV_READY, EV_REFUSED, HELLO_LEN, MAX_REQ_ID, NO_TOKENS, ROLE_DECODER, STATUS_OK,
+};
+use crate::protocol::ErrorCode;
+
+/// Errors of a [`DecoderClient`].
+#[derive(Debug, thiserror::Error)]
+pub enum AttachError {
+    /// The socket or a file could not be used.
+    #[error("attach: {0}")]
+    Io(#[from] io::Error),
+    /// The hello could not be parsed.
+    #[error("attach hello: {0}")]
+    Hello(#[from] HelloError),
+    /// The daemon refused the attachment with this hello status.
+    #[error("attach refused by the daemon (status {0})")]
+    Refused(u32),
+    /// A ring file failed validation or its side was taken.
+    #[error("attach ring: {0}")]
+    Ring(#[from] ShmError),
+    /// The daemon sent something that breaks the protocol.
+    #[error("attach protocol: {0}")]
+    Protocol(String),
+    /// `req_id` is empty or longer than the inline field.
+    #[error("req_id must be 1..={MAX_REQ_ID} bytes")]
+    BadReqId,
+    /// This client already has its maximum of outstanding requests.
+    #[error("too many outstanding requests")]
+    TooManyOutstanding,
+    /// The submission ring is full (the daemon is behind); retry.
+    #[error("submission ring full")]
+    Full,
+    /// The daemon closed the attachment.
+    #[error("the daemon closed the attachment")]
+    Closed,
+    /// The deadline passed without an event.
+    #[error("no event before the deadline")]
+    Timeout,
+}
+
+/// One chunk of a delivered request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkDesc {
+    /// Slot index in the receive buffer.
+    pub slot: u32,
+    /// Length in bytes.
+    pub len: u32,
+    /// Token count, if the chunk carried one.
+    pub tokens: Option<u32>,
+}
+
+/// A request delivered to this client: its chunks are held for it until
+/// [`DecoderClient::release`] (or the client's exit).
+#[derive(Debug)]
+pub struct Delivery {
+    tag: u64,
+    serial: u64,
+    req_id: String,
+    chunks: Vec<ChunkDesc>,
+}
+
+impl Delivery {
+    /// The request id.
+    pub fn req_id(&self) -> &str {
+        &self.req_id
+    }
+
+    /// The chunks, in key order.
+    pub fn chunks(&self) -> &[ChunkDesc] {
+        &self.chunks
+    }
+
+    /// The tag the subscription returned.
+    pub fn tag(&self) -> u64 {
+        self.tag
+    }
+}
+
+/// What [`DecoderClient::next_event`] returns.
+#[derive(Debug)]
+pub enum Event {
+    /// A subscribed request is complete; read it with
+    /// [`DecoderClient::chunk`], then [`DecoderClient::release`] it.
+    Ready(Delivery),
+    /// A subscribed request failed (`code` is `None` for a code this build
+    /// does not know).
+    Failed {
+        /// The subscription's tag.
+        tag: u64,
+        /// Its request id.
+        req_id: String,
+        /// Why.
+        code: Option<ErrorCode>,
+    },
+    /// The daemon refused a submission.
+    Refused {
+        /// The submission's tag.
+        tag: u64,
+        /// Its request id, if the tag was a subscription.
+        req_id: Option<String>,
+        /// Why (`None` for a code this build does not know).
+        reason: Option<Refusal>,
+    },
+}
+
+enum TagState {
+    Subscribed(String),
+    Held(u64),
+}
+
+/// Connects to `socket`, reads and checks the hello (status, `role`, entry
+/// sizes of `S` and `E`).
+pub(super) fn handshake<S, E>(
+    socket: &Path,
+    timeout: Duration,
+    role: u32,
+) -> Result<(UnixStream, Hello), AttachError> {
+    let mut sock = UnixStream::connect(socket)?;
+    sock.set_read_timeout(Some(timeout))?;
+    let mut b = [0u8; HELLO_LEN];
+    sock.read_exact(&mut b)?;
+    let hello = Hello::decode(&b)?;
+    if hello.status != STATUS_OK {
+        return Err(AttachError::Refused(hello.status));
+    }
+    if hello.role != role
+        || hello.sq_entry as usize != std::mem::size_of::<S>()
+        || hello.cq_entry as usize != std::mem::size_of::<E>()
+    {
+        return Err(AttachError::Protocol(format!(
+            "role {} or entry sizes {}/{} not this build's",
+            hello.role, hello.sq_entry, hello.cq_entry
+        )));
+    }
+    Ok((sock, hello))
+}
+
+/// Rings the submission doorbell: one byte on the socket (docs/attach.md).
+pub(super) fn doorbell(sock: &mut UnixStream) -> Result<(), AttachError> {
+    sock.write_all(&[1]).map_err(|e| match e.kind() {
+        io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset => AttachError::Closed,
+        _ => AttachError::Io(e),
+    })
+}
+
+/// An attached decoder (see `docs/attach.md`). Not `Sync`: one thread
+/// drives it.
+pub struct DecoderClient {
+    sock: UnixStream,
+    sq: Producer<DecoderSubmit>,
+    cq: Consumer<DecoderEvent>,
+    buf: Mmap,
+    hello: Hello,
+    tags: HashMap<u64, TagState>,
+    next_tag: u64,
+    next_serial: u64,
+}
+
+impl std::fmt::Debug for DecoderClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecoderClient")
+            .field("client_id", &self.hello.client_id)
+            .field("outstanding", &self.tags.len())
+            .finish()
+    }
+}
+
+impl DecoderClient {
+    /// Attaches to the daemon listening on `socket`, waiting at most
+    /// `timeout` for its hello.
+    pub fn connect(socket: impl AsRef<Path>, timeout: Duration) -> Result<Self, AttachError> {
+        let (sock, hello) =
+            handshake::<DecoderSubmit, DecoderEvent>(socket.as_ref(), timeout, ROLE_DECODER)?;
+        let sq = spsc::shared::open::<DecoderSubmit>(&hello.sq_path)?.producer()?;
+        let cq = spsc::shared::open::<DecoderEvent>(&hello.cq_path)?.consumer()?;
+        let file = File::open(PathBuf::from(&hello.buffer_path))?;
+        let need = hello
+            .slots
+            .checked_mul(hello.chunk_bytes)
+            .and_then(|d| d.checked_add(hello.data_offset))
+            .ok_or_else(|| AttachError::Protocol("buffer geometry overflows".into()))?;
+        if file.metadata()?.len() < need {
+            return Err(AttachError::Protocol(format!(
+                "buffer file shorter than {need} bytes"
+            )));
+        }
+        // SAFETY: the file is opened read-only and mapped read-only (we
+        // never write through it). The receiver never truncates its buffer
+        // while running, and it writes a slot only while no client holds it:
+        // bytes are read (`chunk`) only for slots of a held `Delivery`.
+        let buf = unsafe { Mmap::map(&file) }?;
+        if (buf.len() as u64) < need {
+            return Err(AttachError::Protocol("buffer mapping too short".into()));
+        }
+        Ok(Self {
+            sock,
+            sq,
+            cq,
+            buf,
+            hello,
+            tags: HashMap::new(),
+            next_tag: 1,
+            next_serial: 1,
+        })
+    }
+
+    /// The daemon's hello (geometry, limits).
+    pub fn hello(&self) -> &Hello {
+        &self.hello
+    }
+
+    fn submit(&mut self, s: DecoderSubmit) -> Result<(), AttachError> {
+        self.sq.push(s).map_err(|_| AttachError::Full)?;
+        doorbell(&mut self.sock)
+    }
+
+    /// Subscribes to `req_id`; returns the tag its events carry.
+    pub fn subscribe(&mut self, req_id: &str) -> Result<u64, AttachError> {
+        if self.tags.len() >= self.hello.max_outstanding as usize {
+            return Err(AttachError::TooManyOutstanding);
+        }
+        let tag = self.next_tag;
+        let s = DecoderSubmit::subscribe(tag, req_id).ok_or(AttachError::BadReqId)?;
+        self.submit(s)?;
+        self.next_tag += 1;
+        self.tags
+            .insert(tag, TagState::Subscribed(req_id.to_owned()));
+        Ok(tag)
+    }
+
+    /// Sends a raw submission, unchecked (for tests of the daemon's
+    /// validation: a client that lies about its tags).
+    #[doc(hidden)]
+    pub fn submit_raw(&mut self, s: DecoderSubmit) -> Result<(), AttachError> {
+        self.submit(s)
+    }
+
+    /// Drops a subscription not delivered yet (its events may still arrive
+    /// and are then ignored by the daemon's bookkeeping as released).
+    pub fn unsubscribe(&mut self, tag: u64) -> Result<(), AttachError> {
+        match self.tags.get(&tag) {
+            Some(TagState::Subscribed(_)) => {
+                self.submit(DecoderSubmit::release(tag))?;
+                self.tags.remove(&tag);
+                Ok(())
+            }
+            _ => Err(AttachError::Protocol(format!(
+                "tag {tag} is not a subscription"
+            ))),
+        }
+    }
+
+    /// Gives a delivered request's slots back to the receiver.
+    pub fn release(&mut self, d: Delivery) -> Result<(), AttachError> {
+        match self.tags.get(&d.tag) {
+            Some(TagState::Held(serial)) if *serial == d.serial => {}
+            _ => return Err(AttachError::Protocol("not this client's delivery".into())),
+        }
+        self.submit(DecoderSubmit::release(d.tag))?;
+        self.tags.remove(&d.tag);
+        Ok(())
+    }
+
+    /// The bytes of chunk `i` of `d`, in place (read-only mapping). `None`
+    /// if `i` is out of range or `d` is not held by this client.
+    pub fn chunk<'a>(&'a self, d: &'a Delivery, i: usize) -> Option<&'a [u8]> {
+        match self.tags.get(&d.tag) {
+            Some(TagState::Held(serial)) if *serial == d.serial => {}
+            _ => return None,
+        }
+        let c = d.chunks.get(i)?;
+        // In range: checked against the geometry when the event arrived.
+        let off = (self.hello.data_offset + u64::from(c.slot) * self.hello.chunk_bytes) as usize;
+        self.buf.get(off..off + c.len as usize)
+    }
+
+    /// Waits until the next event or `deadline`.
+    pub fn next_event(&mut self, deadline: Instant) -> Result<Event, AttachError> {
+        loop {
+            if let Some(ev) = self.cq.pop() {
+                if let Some(out) = self.on_event(ev)? {
+                    return Ok(out);
+                }
+                continue;
+            }
+            match self.cq.wait(Some(deadline)) {
+                WaitStatus::Ready => {}
+                WaitStatus::Closed => return Err(AttachError::Closed),
+                WaitStatus::TimedOut => return Err(AttachError::Timeout),
+            }
+        }
+    }
+
+    fn on_event(&mut self, ev: DecoderEvent) -> Result<Option<Event>, AttachError> {
+        let bad = |what: &str| AttachError::Protocol(format!("{what}: {ev:?}"));
+        match ev.kind {
+            EV_READY => {
+                let Some(TagState::Subscribed(req_id)) = self.tags.get(&ev.tag) else {
+                    return Err(bad("READY for a tag not subscribed"));
+                };
+                let req_id = req_id.clone();
+                let n = ev.a as usize;
+                if n >= self.cq.capacity() {
+                    return Err(bad("READY with more chunks than the ring holds"));
+                }
+                let mut chunks = Vec::with_capacity(n);
+                for i in 0..n {
+                    let c = self
+                        .cq
+                        .pop()
+                        .ok_or_else(|| bad("READY not followed by its chunks"))?;
+                    if c.kind != EV_CHUNK
+                        || c.tag != ev.tag
+                        || c.b as usize != i
+                        || u64::from(c.a) >= self.hello.slots
+                        || u64::from(c.len) > self.hello.chunk_bytes
+                    {
+                        return Err(AttachError::Protocol(format!("bad CHUNK entry {c:?}")));
+                    }
+                    chunks.push(ChunkDesc {
+                        slot: c.a,
+                        len: c.len,
+                        tokens: (c.tokens != NO_TOKENS).then_some(c.tokens),
+                    });
+                }
+                let serial = self.next_serial;
+                self.next_serial += 1;
+                self.tags.insert(ev.tag, TagState::Held(serial));
+                Ok(Some(Event::Ready(Delivery {
+                    tag: ev.tag,
+                    serial,
+                    req_id,
+                    chunks,
+                })))
+            }
+            EV_FAILED => {
+                let Some(TagState::Subscribed(req_id)) = self.tags.remove(&ev.tag) else {
+                    return Err(bad("FAILED for a tag not subscribed"));
+                };
+                Ok(Some(Event::Failed {
+                    tag: ev.tag,
+                    req_id,
+                    code: error_from_number(ev.code),
+                }))
+            }
+            EV_REFUSED => {
+                // A refused RELEASE leaves the tag as it was; a refused
+                // SUBSCRIBE frees it.
+                let req_id = match self.tags.get(&ev.tag) {
+                    Some(TagState::Subscribed(r)) => {
+                        let r = r.clone();
+                        self.tags.remove(&ev.tag);
+                        Some(r)
+                    }
+                    _ => None,
+                };
+                Ok(Some(Event::Refused {
+                    tag: ev.tag,
+                    req_id,
+                    reason: Refusal::from_code(ev.code),
+                }))
+            }
+            _ => Err(bad("unknown event kind")),
+        }
+    }
+}

@@ -1,0 +1,292 @@
+//! The daemon side of attach, for every role: a listening Unix socket, an
+//! accept thread that checks each peer (uid, client bound) and starts one
+//! session thread per client (the role's: `session.rs` for decoders,
+//! `prefill.rs` for prefill workers).
+
+use std::fs;
+use std::io::{self, Write};
+use std::os::fd::{AsFd, AsRawFd};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use super::layout::{Hello, STATUS_INTERNAL, STATUS_TOO_MANY_CLIENTS, STATUS_WRONG_UID};
+use super::poll::{own_uid, peer_uid, poll, readable};
+use crate::eventfd::EventFd;
+
+/// Limits and paths of an attach daemon ([`DecoderDaemon`](super::DecoderDaemon),
+/// [`PrefillDaemon`](super::PrefillDaemon)).
+#[derive(Debug, Clone)]
+pub struct AttachConfig {
+    /// The Unix socket to bind.
+    pub socket: PathBuf,
+    /// The directory the daemon creates (mode 0700, owned by its user) for
+    /// the per-client ring files; the hello names each file by its full
+    /// path. It must be on tmpfs/hugetlbfs (the ring crate refuses
+    /// disk-backed files: a store into a written-back page can block in the
+    /// file system while a ring position is claimed). Default: a fresh
+    /// `/dev/shm/kvferry-attach-<pid>-<n>`. Removed when the daemon stops.
+    pub ring_dir: PathBuf,
+    /// Live attachments at most (default 16).
+    pub max_clients: usize,
+    /// Per client at most (default 64): subscriptions plus held requests
+    /// (decoder); requests, and staged batches (prefill).
+    pub max_outstanding: usize,
+    /// Submission ring entries (default 256, rounded up to a power of two).
+    pub sq_capacity: usize,
+    /// Completion ring entries (default 4096, a power of two); a request
+    /// with more chunks than this minus one is refused.
+    pub cq_capacity: usize,
+}
+
+impl AttachConfig {
+    /// The defaults for `socket`.
+    pub fn new(socket: impl Into<PathBuf>) -> Self {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        // Relaxed: only uniqueness within the process matters.
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let ring_dir = PathBuf::from(format!(
+            "/dev/shm/kvferry-attach-{}-{n}",
+            std::process::id()
+        ));
+        Self {
+            socket: socket.into(),
+            ring_dir,
+            max_clients: 16,
+            max_outstanding: 64,
+            sq_capacity: 256,
+            cq_capacity: 4096,
+        }
+    }
+}
+
+/// What a role adds to the daemon: its state and its session.
+pub(super) trait Role: Send + Sync + Sized + 'static {
+    /// One client's session.
+    type Session: Send + 'static;
+    /// Sets client `id` up (rings, hello on `sock`).
+    fn open(
+        shared: &Arc<DaemonShared<Self>>,
+        id: u32,
+        sock: &UnixStream,
+    ) -> io::Result<Self::Session>;
+    /// Serves the client until it leaves or the daemon stops; everything
+    /// it held is given back when this returns.
+    fn run(session: Self::Session, sock: UnixStream);
+}
+
+/// State the accept thread and the sessions share.
+pub(super) struct DaemonShared<R> {
+    pub(super) role: R,
+    pub(super) cfg: AttachConfig,
+    pub(super) dir: PathBuf,
+    /// Set once by [`Daemon::drop`]; every thread polls it.
+    pub(super) stop: EventFd,
+    /// Live sessions.
+    pub(super) live: AtomicUsize,
+}
+
+/// A running attach daemon of role `R`. Dropping it stops accepting, ends
+/// every session (giving back what their clients held) and removes the
+/// socket and ring directory.
+pub(super) struct Daemon<R: Role> {
+    pub(super) shared: Arc<DaemonShared<R>>,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl<R: Role> std::fmt::Debug for Daemon<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AttachDaemon")
+            .field("socket", &self.shared.cfg.socket)
+            .field("clients", &self.clients())
+            .finish()
+    }
+}
+
+/// Removes a socket file nobody listens on (a previous daemon that died).
+/// Anything else at `path` (a live socket, a regular file) is an error and
+/// is left alone.
+fn remove_stale_socket(path: &Path) -> io::Result<()> {
+    match fs::symlink_metadata(path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+        Ok(m) if !m.file_type().is_socket() => {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                format!("{} exists and is not a socket", path.display()),
+            ))
+        }
+        Ok(_) => {}
+    }
+    match UnixStream::connect(path) {
+        Ok(_) => Err(io::Error::new(
+            io::ErrorKind::AddrInUse,
+            format!("{} is served by a live daemon", path.display()),
+        )),
+        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => fs::remove_file(path),
+        Err(_) => Ok(()),
+    }
+}
+
+impl<R: Role> Daemon<R> {
+    /// Binds `cfg.socket` (mode 0600), creates `cfg.ring_dir` (mode 0700)
+    /// and starts the accept thread.
+    pub(super) fn start(role: R, cfg: AttachConfig) -> io::Result<Self> {
+        if cfg.max_clients == 0 || cfg.max_outstanding == 0 || cfg.cq_capacity < 2 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "attach: max_clients, max_outstanding must be positive and cq_capacity at least 2",
+            ));
+        }
+        remove_stale_socket(&cfg.socket)?;
+        let dir = cfg.ring_dir.clone();
+        match fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Ok(()) => {}
+            // Left by a daemon that died (same pid reused) or planted in a
+            // world-writable /dev/shm: used only if it is a directory this
+            // user owns, and made 0700 again.
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                let m = fs::symlink_metadata(&dir)?;
+                if !m.is_dir() || m.uid() != own_uid() {
+                    return Err(io::Error::new(
+                        io::ErrorKind::AlreadyExists,
+                        format!(
+                            "attach ring directory {} exists and is not a directory of this user",
+                            dir.display()
+                        ),
+                    ));
+                }
+                fs::set_permissions(&dir, fs::Permissions::from_mode(0o700))?
+            }
+            Err(e) => return Err(e),
+        }
+        let listener = UnixListener::bind(&cfg.socket)?;
+        // A peer connecting between bind and chmod is still checked by uid.
+        fs::set_permissions(&cfg.socket, fs::Permissions::from_mode(0o600))?;
+        listener.set_nonblocking(true)?;
+        let shared = Arc::new(DaemonShared {
+            role,
+            cfg,
+            dir,
+            stop: EventFd::new()?,
+            live: AtomicUsize::new(0),
+        });
+        let s = Arc::clone(&shared);
+        let accept =
+            crate::threads::spawn_named("attach-accept", None, move || accept_loop(&s, &listener))?;
+        Ok(Self {
+            shared,
+            accept: Some(accept),
+        })
+    }
+
+    /// The socket clients connect to.
+    pub(super) fn socket(&self) -> &Path {
+        &self.shared.cfg.socket
+    }
+
+    /// Live attachments.
+    pub(super) fn clients(&self) -> usize {
+        // Relaxed: a statistic.
+        self.shared.live.load(Ordering::Relaxed)
+    }
+}
+
+impl<R: Role> Drop for Daemon<R> {
+    fn drop(&mut self) {
+        self.shared.stop.signal();
+        // Every thread polls the stop eventfd, so these joins end promptly.
+        if let Some(t) = self.accept.take() {
+            let _ = t.join();
+        }
+        let _ = fs::remove_file(&self.shared.cfg.socket);
+        let _ = fs::remove_dir(&self.shared.dir);
+    }
+}
+
+fn refuse(mut sock: UnixStream, status: u32) {
+    if let Some(b) = Hello::refusal(status).encode() {
+        let _ = sock.write_all(&b);
+    }
+}
+
+fn accept_loop<R: Role>(shared: &Arc<DaemonShared<R>>, listener: &UnixListener) {
+    let mut sessions: Vec<JoinHandle<()>> = Vec::new();
+    let mut next_id: u32 = 0;
+    loop {
+        let mut fds = [
+            readable(listener.as_raw_fd()),
+            readable(shared.stop.as_fd().as_raw_fd()),
+        ];
+        if let Err(e) = poll(&mut fds, None) {
+            tracing::warn!(error = %e, "attach: poll failed; accept loop ends");
+            break;
+        }
+        if fds[1].revents != 0 {
+            break;
+        }
+        sessions.retain(|t| !t.is_finished());
+        // Bounded: at most a few accepts per wake-up, then poll again.
+        for _ in 0..16 {
+            let sock = match listener.accept() {
+                Ok((s, _)) => s,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => {
+                    tracing::warn!(error = %e, "attach: accept failed");
+                    break;
+                }
+            };
+            let _ = sock.set_nonblocking(false);
+            let _ = sock.set_write_timeout(Some(Duration::from_secs(1)));
+            match peer_uid(&sock) {
+                Ok(uid) if uid == own_uid() => {}
+                Ok(uid) => {
+                    tracing::warn!(uid, "attach: refused a peer of another uid");
+                    refuse(sock, STATUS_WRONG_UID);
+                    continue;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "attach: SO_PEERCRED failed");
+                    continue;
+                }
+            }
+            // Relaxed: only this thread increments; sessions decrement.
+            if shared.live.load(Ordering::Relaxed) >= shared.cfg.max_clients {
+                refuse(sock, STATUS_TOO_MANY_CLIENTS);
+                continue;
+            }
+            next_id = next_id.wrapping_add(1);
+            let id = next_id;
+            let session = match R::open(shared, id, &sock) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(client = id, error = %e, "attach: cannot set up rings");
+                    refuse(sock, STATUS_INTERNAL);
+                    continue;
+                }
+            };
+            shared.live.fetch_add(1, Ordering::Relaxed);
+            let s = Arc::clone(shared);
+            match crate::threads::spawn_named(&format!("attach-{id}"), None, move || {
+                R::run(session, sock);
+                // Relaxed: a count; the session's effects are ordered by
+                // the engine's own locks.
+                s.live.fetch_sub(1, Ordering::Relaxed);
+            }) {
+                Ok(t) => sessions.push(t),
+                Err(e) => {
+                    // The closure (and the session with it) was dropped.
+                    shared.live.fetch_sub(1, Ordering::Relaxed);
+                    tracing::warn!(client = id, error = %e, "attach: cannot spawn a session");
+                }
+            }
+        }
+    }
+    for t in sessions {
+        let _ = t.join();
+    }
+}

@@ -1,0 +1,565 @@
+//! The attach protocol's shared-memory and socket layouts: `#[repr(C)]`
+//! ring entries and the hello, with their sizes and offsets asserted at
+//! compile time. `docs/attach.md` specifies every byte for non-Rust clients.
+
+use kvferry_ring::Plain;
+
+use crate::protocol::ErrorCode;
+
+/// Attach protocol version, carried in the hello; bumped on any change of
+/// an entry layout, the hello or a code's meaning.
+pub const ATTACH_VERSION: u32 = 1;
+/// First 8 bytes of the hello.
+pub const HELLO_MAGIC: [u8; 8] = *b"KVFATCH1";
+/// Size of the hello message in bytes.
+pub const HELLO_LEN: usize = 1024;
+/// Bytes of a path field in the hello (NUL-padded).
+pub const PATH_FIELD: usize = 256;
+/// Longest `req_id` a submission carries inline.
+pub const MAX_REQ_ID: usize = 112;
+/// `DecoderEvent::tokens` of a chunk without a token count.
+pub const NO_TOKENS: u32 = u32::MAX;
+
+/// Role announced in the hello: a decoder attached to a receiver.
+pub const ROLE_DECODER: u32 = 1;
+/// Role announced in the hello: a prefill worker attached to a sender.
+pub const ROLE_PREFILL: u32 = 2;
+/// Longest text (req_id of a BEGIN, key of a KEY) a [`PrefillSubmit`]
+/// carries inline.
+pub const MAX_TEXT: usize = 224;
+
+/// Hello status: attached.
+pub const STATUS_OK: u32 = 0;
+/// Hello status: the daemon already serves its maximum of clients.
+pub const STATUS_TOO_MANY_CLIENTS: u32 = 1;
+/// Hello status: the peer's uid is not the daemon's.
+pub const STATUS_WRONG_UID: u32 = 2;
+/// Hello status: the daemon could not set the attachment up.
+pub const STATUS_INTERNAL: u32 = 3;
+
+/// Submission op: subscribe to `req_id` under `tag`.
+pub const OP_SUBSCRIBE: u32 = 1;
+/// Submission op: release the request (or drop the subscription) of `tag`.
+pub const OP_RELEASE: u32 = 2;
+
+/// Prefill op: begin request `text` to receiver index `a` with `b` chunks.
+pub const OP_BEGIN: u32 = 1;
+/// Prefill op: stage `b` slots for batch `a` of `tag`.
+pub const OP_STAGE: u32 = 2;
+/// Prefill op: chunk `b` of batch `a` is `len` bytes named `text`.
+pub const OP_KEY: u32 = 3;
+/// Prefill op: submit the first `b` chunks of batch `a`.
+pub const OP_SUBMIT: u32 = 4;
+/// Prefill op: cancel the request of `tag`.
+pub const OP_CANCEL: u32 = 5;
+
+/// Event kind: the request of `tag` is ready; `a` chunks follow.
+pub const EV_READY: u32 = 1;
+/// Event kind: one chunk of the READY request before it.
+pub const EV_CHUNK: u32 = 2;
+/// Event kind: the request failed; `code` is its [`ErrorCode`] number.
+pub const EV_FAILED: u32 = 3;
+/// Event kind: the submission of `tag` was refused; `code` says why.
+pub const EV_REFUSED: u32 = 4;
+/// Event kind (prefill): batch `a` of `tag` is staged; `b` SLOT entries follow.
+pub const EV_STAGED: u32 = 5;
+/// Event kind (prefill): slot `b` of the STAGED batch before it is staging
+/// slot `a`.
+pub const EV_SLOT: u32 = 6;
+/// Event kind (prefill): the request of `tag` completed (every chunk
+/// written, the proxy notified).
+pub const EV_DONE: u32 = 7;
+
+/// Why a submission was refused (`DecoderEvent::code` of a REFUSED event).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
+#[repr(u32)]
+pub enum Refusal {
+    /// Unknown `op`.
+    #[error("unknown op")]
+    BadOp = 1,
+    /// `req_id_len` above [`MAX_REQ_ID`], zero, or not UTF-8.
+    #[error("bad req_id")]
+    BadReqId = 2,
+    /// The tag is already outstanding.
+    #[error("tag already outstanding")]
+    DuplicateTag = 3,
+    /// The client's outstanding subscriptions reached the bound.
+    #[error("too many outstanding subscriptions")]
+    TooManyOutstanding = 4,
+    /// Another subscription (of any client) holds this `req_id`.
+    #[error("req_id already subscribed")]
+    AlreadySubscribed = 5,
+    /// RELEASE of a tag the client does not hold.
+    #[error("unknown tag")]
+    UnknownTag = 6,
+    /// The request has more chunks than the completion ring carries.
+    #[error("request too large for the completion ring")]
+    TooManyChunks = 7,
+    /// The receiver refused to hand the request out.
+    #[error("the receiver refused the take")]
+    TakeRefused = 8,
+    /// BEGIN naming a receiver index the daemon does not have.
+    #[error("unknown receiver index")]
+    UnknownReceiver = 9,
+    /// The sender refused the BEGIN, STAGE or SUBMIT (duplicate req_id,
+    /// batch too large, keys missing, request ended).
+    #[error("the sender refused the operation")]
+    SenderRefused = 10,
+    /// A KEY or SUBMIT naming a batch the client does not hold, or an
+    /// index or length out of range, or a key not UTF-8.
+    #[error("bad batch, index, length or key")]
+    BadBatch = 11,
+}
+
+impl Refusal {
+    /// The refusal of wire code `code`, if known.
+    pub fn from_code(code: u32) -> Option<Self> {
+        use Refusal::*;
+        [
+            BadOp,
+            BadReqId,
+            DuplicateTag,
+            TooManyOutstanding,
+            AlreadySubscribed,
+            UnknownTag,
+            TooManyChunks,
+            TakeRefused,
+            UnknownReceiver,
+            SenderRefused,
+            BadBatch,
+        ]
+        .into_iter()
+        .find(|r| *r as u32 == code)
+    }
+}
+
+/// Wire number of an [`ErrorCode`]: 1 + its index in [`ErrorCode::ALL`].
+pub fn error_number(code: ErrorCode) -> u32 {
+    ErrorCode::ALL
+        .iter()
+        .position(|c| *c == code)
+        .map_or(0, |i| i as u32 + 1)
+}
+
+/// The [`ErrorCode`] of wire number `n`, if known.
+pub fn error_from_number(n: u32) -> Option<ErrorCode> {
+    let i = usize::try_from(n.checked_sub(1)?).ok()?;
+    ErrorCode::ALL.get(i).copied()
+}
+
+/// A submission-ring entry (client → daemon), 128 bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(C)]
+pub struct DecoderSubmit {
+    /// [`OP_SUBSCRIBE`] or [`OP_RELEASE`].
+    pub op: u32,
+    /// Bytes of `req_id` used.
+    pub req_id_len: u32,
+    /// The client's name for this request.
+    pub tag: u64,
+    /// The request id (SUBSCRIBE), UTF-8.
+    pub req_id: [u8; MAX_REQ_ID],
+}
+
+// SAFETY: repr(C) struct of integers and a byte array, no padding (asserted
+// below), no pointers: every bit pattern is a valid value.
+unsafe impl Plain for DecoderSubmit {}
+
+impl DecoderSubmit {
+    /// A SUBSCRIBE; `None` if `req_id` is empty or longer than [`MAX_REQ_ID`].
+    pub fn subscribe(tag: u64, req_id: &str) -> Option<Self> {
+        let b = req_id.as_bytes();
+        if b.is_empty() || b.len() > MAX_REQ_ID {
+            return None;
+        }
+        let mut req = [0u8; MAX_REQ_ID];
+        req[..b.len()].copy_from_slice(b);
+        Some(Self {
+            op: OP_SUBSCRIBE,
+            req_id_len: b.len() as u32,
+            tag,
+            req_id: req,
+        })
+    }
+
+    /// A RELEASE of `tag`.
+    pub fn release(tag: u64) -> Self {
+        Self {
+            op: OP_RELEASE,
+            req_id_len: 0,
+            tag,
+            req_id: [0; MAX_REQ_ID],
+        }
+    }
+
+    /// The `req_id`, validated: `None` if the length is out of range or the
+    /// bytes are not UTF-8.
+    pub fn req_id(&self) -> Option<&str> {
+        let len = usize::try_from(self.req_id_len).ok()?;
+        if len == 0 || len > MAX_REQ_ID {
+            return None;
+        }
+        std::str::from_utf8(&self.req_id[..len]).ok()
+    }
+}
+
+/// A prefill submission-ring entry (worker → sender daemon), 256 bytes;
+/// the meaning of `a`, `b`, `len` and `text` depends on `op`
+/// (`docs/attach.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(C)]
+pub struct PrefillSubmit {
+    /// [`OP_BEGIN`], [`OP_STAGE`], [`OP_KEY`], [`OP_SUBMIT`] or [`OP_CANCEL`].
+    pub op: u32,
+    /// KEY: chunk length in bytes.
+    pub len: u32,
+    /// The client's name for the request.
+    pub tag: u64,
+    /// BEGIN: receiver index; STAGE, KEY, SUBMIT: batch id.
+    pub a: u32,
+    /// BEGIN: total chunks; STAGE: slots; KEY: chunk index; SUBMIT: chunks.
+    pub b: u32,
+    /// Reserved, zero.
+    pub reserved: u32,
+    /// Bytes of `text` used.
+    pub text_len: u32,
+    /// BEGIN: the req_id; KEY: the chunk key (UTF-8).
+    pub text: [u8; MAX_TEXT],
+}
+
+// SAFETY: repr(C) struct of integers and a byte array, no padding (asserted
+// below), no pointers: every bit pattern is a valid value.
+unsafe impl Plain for PrefillSubmit {}
+
+impl PrefillSubmit {
+    /// An entry of `op` for `tag` with `a`, `b`, `len` and no text.
+    pub fn of(op: u32, tag: u64, a: u32, b: u32, len: u32) -> Self {
+        Self {
+            op,
+            len,
+            tag,
+            a,
+            b,
+            reserved: 0,
+            text_len: 0,
+            text: [0; MAX_TEXT],
+        }
+    }
+
+    /// [`of`](Self::of) with `text`; `None` if it is empty or longer than
+    /// [`MAX_TEXT`].
+    pub fn with_text(op: u32, tag: u64, a: u32, b: u32, len: u32, text: &str) -> Option<Self> {
+        let t = text.as_bytes();
+        if t.is_empty() || t.len() > MAX_TEXT {
+            return None;
+        }
+        let mut s = Self::of(op, tag, a, b, len);
+        s.text[..t.len()].copy_from_slice(t);
+        s.text_len = t.len() as u32;
+        Some(s)
+    }
+
+    /// The text, validated: `None` if the length is out of range or the
+    /// bytes are not UTF-8.
+    pub fn text(&self) -> Option<&str> {
+        let len = usize::try_from(self.text_len).ok()?;
+        if len == 0 || len > MAX_TEXT {
+            return None;
+        }
+        std::str::from_utf8(&self.text[..len]).ok()
+    }
+}
+
+/// A completion-ring entry (daemon → client), 32 bytes, for both roles.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[repr(C)]
+pub struct DecoderEvent {
+    /// [`EV_READY`], [`EV_CHUNK`], [`EV_FAILED`] or [`EV_REFUSED`].
+    pub kind: u32,
+    /// FAILED: [`error_number`]; REFUSED: a [`Refusal`] code.
+    pub code: u32,
+    /// The request's tag.
+    pub tag: u64,
+    /// READY: chunk count; CHUNK: slot index.
+    pub a: u32,
+    /// CHUNK: chunk index in key order.
+    pub b: u32,
+    /// CHUNK: length in bytes.
+    pub len: u32,
+    /// CHUNK: token count, or [`NO_TOKENS`].
+    pub tokens: u32,
+}
+
+// SAFETY: repr(C) struct of integers without padding (asserted below), no
+// pointers: every bit pattern is a valid value.
+unsafe impl Plain for DecoderEvent {}
+
+impl DecoderEvent {
+    /// An event of `kind` for `tag` with `code`, other fields zero.
+    pub fn of(kind: u32, tag: u64, code: u32) -> Self {
+        Self {
+            kind,
+            code,
+            tag,
+            ..Self::default()
+        }
+    }
+}
+
+const _: () = {
+    assert!(std::mem::size_of::<PrefillSubmit>() == 256);
+    assert!(std::mem::offset_of!(PrefillSubmit, op) == 0);
+    assert!(std::mem::offset_of!(PrefillSubmit, len) == 4);
+    assert!(std::mem::offset_of!(PrefillSubmit, tag) == 8);
+    assert!(std::mem::offset_of!(PrefillSubmit, a) == 16);
+    assert!(std::mem::offset_of!(PrefillSubmit, b) == 20);
+    assert!(std::mem::offset_of!(PrefillSubmit, reserved) == 24);
+    assert!(std::mem::offset_of!(PrefillSubmit, text_len) == 28);
+    assert!(std::mem::offset_of!(PrefillSubmit, text) == 32);
+    assert!(std::mem::size_of::<DecoderSubmit>() == 128);
+    assert!(std::mem::offset_of!(DecoderSubmit, op) == 0);
+    assert!(std::mem::offset_of!(DecoderSubmit, req_id_len) == 4);
+    assert!(std::mem::offset_of!(DecoderSubmit, tag) == 8);
+    assert!(std::mem::offset_of!(DecoderSubmit, req_id) == 16);
+    assert!(std::mem::size_of::<DecoderEvent>() == 32);
+    assert!(std::mem::offset_of!(DecoderEvent, kind) == 0);
+    assert!(std::mem::offset_of!(DecoderEvent, code) == 4);
+    assert!(std::mem::offset_of!(DecoderEvent, tag) == 8);
+    assert!(std::mem::offset_of!(DecoderEvent, a) == 16);
+    assert!(std::mem::offset_of!(DecoderEvent, b) == 20);
+    assert!(std::mem::offset_of!(DecoderEvent, len) == 24);
+    assert!(std::mem::offset_of!(DecoderEvent, tokens) == 28);
+};
+
+/// The hello the daemon writes on a new connection (see `docs/attach.md`
+/// for the byte offsets; [`Hello::encode`] and [`Hello::decode`] are the
+/// one definition of them).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    /// Attach protocol version.
+    pub version: u32,
+    /// [`ROLE_DECODER`].
+    pub role: u32,
+    /// [`STATUS_OK`] or a refusal status.
+    pub status: u32,
+    /// The daemon's number for this client.
+    pub client_id: u32,
+    /// Submission entry size in bytes.
+    pub sq_entry: u32,
+    /// Completion entry size in bytes.
+    pub cq_entry: u32,
+    /// Submission ring capacity.
+    pub sq_capacity: u32,
+    /// Completion ring capacity.
+    pub cq_capacity: u32,
+    /// Slots in the receive buffer.
+    pub slots: u64,
+    /// Bytes per slot.
+    pub chunk_bytes: u64,
+    /// Offset of slot 0 in the receive buffer file.
+    pub data_offset: u64,
+    /// Outstanding subscriptions (decoder) or requests plus batches
+    /// (prefill) allowed.
+    pub max_outstanding: u32,
+    /// Prefill: receivers a BEGIN may name (indexes `0..receivers`);
+    /// decoder: 0.
+    pub receivers: u32,
+    /// Submission ring file.
+    pub sq_path: String,
+    /// Completion ring file.
+    pub cq_path: String,
+    /// Receive buffer file (decoder) or staging buffer file (prefill).
+    pub buffer_path: String,
+}
+
+/// Why a hello could not be decoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HelloError {
+    /// Not a kvferry attach hello.
+    #[error("bad hello magic")]
+    BadMagic,
+    /// A protocol version this build does not speak.
+    #[error("attach protocol version {0}, expected {ATTACH_VERSION}")]
+    Version(u32),
+    /// A path field is not NUL-terminated UTF-8.
+    #[error("bad path field at offset {0}")]
+    BadPath(usize),
+}
+
+const OFF_SQ_PATH: usize = 72;
+const OFF_CQ_PATH: usize = OFF_SQ_PATH + PATH_FIELD;
+const OFF_BUF_PATH: usize = OFF_CQ_PATH + PATH_FIELD;
+const _: () = assert!(OFF_BUF_PATH + PATH_FIELD <= HELLO_LEN);
+
+fn u32_at(b: &[u8; HELLO_LEN], off: usize) -> u32 {
+    let mut w = [0u8; 4];
+    w.copy_from_slice(&b[off..off + 4]);
+    u32::from_le_bytes(w)
+}
+
+fn u64_at(b: &[u8; HELLO_LEN], off: usize) -> u64 {
+    let mut w = [0u8; 8];
+    w.copy_from_slice(&b[off..off + 8]);
+    u64::from_le_bytes(w)
+}
+
+fn path_at(b: &[u8; HELLO_LEN], off: usize) -> Result<String, HelloError> {
+    let field = &b[off..off + PATH_FIELD];
+    let end = field
+        .iter()
+        .position(|&c| c == 0)
+        .ok_or(HelloError::BadPath(off))?;
+    String::from_utf8(field[..end].to_vec()).map_err(|_| HelloError::BadPath(off))
+}
+
+impl Hello {
+    /// A refusal hello with `status` (every other field zero).
+    pub fn refusal(status: u32) -> Self {
+        Self {
+            version: ATTACH_VERSION,
+            role: ROLE_DECODER,
+            status,
+            client_id: 0,
+            sq_entry: 0,
+            cq_entry: 0,
+            sq_capacity: 0,
+            cq_capacity: 0,
+            slots: 0,
+            chunk_bytes: 0,
+            data_offset: 0,
+            max_outstanding: 0,
+            receivers: 0,
+            sq_path: String::new(),
+            cq_path: String::new(),
+            buffer_path: String::new(),
+        }
+    }
+
+    /// The wire form; `None` if a path does not fit its field (with its NUL).
+    pub fn encode(&self) -> Option<[u8; HELLO_LEN]> {
+        let mut b = [0u8; HELLO_LEN];
+        b[0..8].copy_from_slice(&HELLO_MAGIC);
+        for (off, v) in [
+            (8, self.version),
+            (12, self.role),
+            (16, self.status),
+            (20, self.client_id),
+            (24, self.sq_entry),
+            (28, self.cq_entry),
+            (32, self.sq_capacity),
+            (36, self.cq_capacity),
+            (64, self.max_outstanding),
+            (68, self.receivers),
+        ] {
+            b[off..off + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        for (off, v) in [
+            (40, self.slots),
+            (48, self.chunk_bytes),
+            (56, self.data_offset),
+        ] {
+            b[off..off + 8].copy_from_slice(&v.to_le_bytes());
+        }
+        for (off, p) in [
+            (OFF_SQ_PATH, &self.sq_path),
+            (OFF_CQ_PATH, &self.cq_path),
+            (OFF_BUF_PATH, &self.buffer_path),
+        ] {
+            let p = p.as_bytes();
+            if p.len() >= PATH_FIELD || p.contains(&0) {
+                return None;
+            }
+            b[off..off + p.len()].copy_from_slice(p);
+        }
+        Some(b)
+    }
+
+    /// Parses and checks a hello (magic, version, paths).
+    pub fn decode(b: &[u8; HELLO_LEN]) -> Result<Self, HelloError> {
+        if b[0..8] != HELLO_MAGIC {
+            return Err(HelloError::BadMagic);
+        }
+        let version = u32_at(b, 8);
+        if version != ATTACH_VERSION {
+            return Err(HelloError::Version(version));
+        }
+        Ok(Self {
+            version,
+            role: u32_at(b, 12),
+            status: u32_at(b, 16),
+            client_id: u32_at(b, 20),
+            sq_entry: u32_at(b, 24),
+            cq_entry: u32_at(b, 28),
+            sq_capacity: u32_at(b, 32),
+            cq_capacity: u32_at(b, 36),
+            slots: u64_at(b, 40),
+            chunk_bytes: u64_at(b, 48),
+            data_offset: u64_at(b, 56),
+            max_outstanding: u32_at(b, 64),
+            receivers: u32_at(b, 68),
+            sq_path: path_at(b, OFF_SQ_PATH)?,
+            cq_path: path_at(b, OFF_CQ_PATH)?,
+            buffer_path: path_at(b, OFF_BUF_PATH)?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hello_round_trips_and_rejects_garbage() {
+        let mut h = Hello::refusal(STATUS_OK);
+        h.client_id = 7;
+        h.slots = 16;
+        h.chunk_bytes = 4096;
+        h.sq_path = "/tmp/a.sq".into();
+        h.buffer_path = "/dev/shm/b".into();
+        let b = h.encode().unwrap();
+        assert_eq!(&b[0..8], b"KVFATCH1");
+        assert_eq!(u32_at(&b, 20), 7);
+        assert_eq!(u64_at(&b, 40), 16);
+        assert_eq!(&b[72..81], b"/tmp/a.sq");
+        assert_eq!(Hello::decode(&b).unwrap(), h);
+        let mut bad = b;
+        bad[0] = b'X';
+        assert_eq!(Hello::decode(&bad), Err(HelloError::BadMagic));
+        let mut bad = b;
+        bad[8] = 9;
+        assert_eq!(Hello::decode(&bad), Err(HelloError::Version(9)));
+        let mut bad = b;
+        bad[OFF_SQ_PATH..OFF_SQ_PATH + PATH_FIELD].fill(b'a');
+        assert_eq!(Hello::decode(&bad), Err(HelloError::BadPath(OFF_SQ_PATH)));
+        h.cq_path = "x".repeat(PATH_FIELD);
+        assert_eq!(h.encode(), None);
+    }
+
+    #[test]
+    fn submit_validates_req_id() {
+        let s = DecoderSubmit::subscribe(3, "req-1").unwrap();
+        assert_eq!(s.req_id(), Some("req-1"));
+        assert!(DecoderSubmit::subscribe(3, "").is_none());
+        assert!(DecoderSubmit::subscribe(3, &"a".repeat(MAX_REQ_ID + 1)).is_none());
+        let mut bad = s;
+        bad.req_id_len = MAX_REQ_ID as u32 + 1;
+        assert_eq!(bad.req_id(), None);
+        bad.req_id_len = 2;
+        bad.req_id[0] = 0xff;
+        assert_eq!(bad.req_id(), None);
+        assert_eq!(DecoderSubmit::release(3).req_id(), None);
+    }
+
+    #[test]
+    fn error_numbers_round_trip() {
+        for c in ErrorCode::ALL {
+            assert_eq!(error_from_number(error_number(c)), Some(c));
+        }
+        assert_eq!(error_from_number(0), None);
+        assert_eq!(error_from_number(999), None);
+        for r in 1..=11 {
+            assert_eq!(Refusal::from_code(r).map(|r| r as u32), Some(r));
+        }
+        assert_eq!(Refusal::from_code(12), None);
+    }
+}

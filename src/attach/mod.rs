@@ -1,0 +1,28 @@
+//! Attach from another process: decoder processes (in any language) talk to
+//! a running receiver through a Unix socket (the lease and the submission
+//! doorbell) and one pair of shared-memory SPSC rings each (`kvferry-ring`'s
+//! `spsc::shared` files), and read chunk bytes in place from the receive
+//! buffer mapped read-only. `docs/attach.md` specifies every byte.
+//!
+//! - [`DecoderDaemon`]: the receiver side (accept loop, one session thread
+//!   per client), started by `kvferry receiver --attach PATH`.
+//! - [`DecoderClient`]: the Rust client.
+//! - [`PrefillDaemon`]: the sender side for prefill workers, started by
+//!   `kvferry sender --attach PATH`; [`PrefillClient`]: its Rust client.
+//! - [`layout`]: the `#[repr(C)]` entries and the hello.
+
+mod client;
+mod daemon;
+pub mod layout;
+mod poll;
+mod prefill;
+mod prefill_client;
+mod serve;
+mod session;
+
+pub use client::{AttachError, ChunkDesc, DecoderClient, Delivery, Event};
+pub use daemon::AttachConfig;
+pub use layout::Refusal;
+pub use prefill::PrefillDaemon;
+pub use prefill_client::{PrefillClient, PrefillEvent, StagedSlots};
+pub use session::DecoderDaemon;

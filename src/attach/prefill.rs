@@ -1,0 +1,444 @@
+//! Prefill attach: [`PrefillDaemon`] over a running [`Sender`], and one
+//! attached worker's session. The worker maps the staging buffer writable,
+//! fills the slots the session staged for it in place and submits them; the
+//! session drives the sender's public API for it (`begin`, `try_stage`,
+//! `StagedBatch::submit`, `completion_fd`, `cancel`). When the session ends
+//! (socket closed: the worker died or left) its batches not submitted give
+//! their slots back and its live requests are cancelled (fenced, like any
+//! cancel).
+
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::Arc;
+
+use kvferry_ring::spsc::Consumer;
+
+use super::daemon::{AttachConfig, Daemon, DaemonShared, Role};
+use super::layout::{
+    error_number, DecoderEvent, Hello, PrefillSubmit, Refusal, EV_DONE, EV_FAILED, EV_REFUSED,
+    EV_SLOT, EV_STAGED, MAX_TEXT, OP_BEGIN, OP_CANCEL, OP_KEY, OP_STAGE, OP_SUBMIT, ROLE_PREFILL,
+    STATUS_OK,
+};
+use super::poll::readable;
+use super::serve::{open_rings, serve, Completions, RingFiles, Serve};
+use crate::protocol::ErrorCode;
+use crate::sender::{Request, RequestSpec, RequestStatus, Sender, StagedBatch, StoreError};
+
+/// The prefill role's daemon state.
+pub(super) struct Prefills {
+    sender: Arc<Sender>,
+    /// Receiver endpoints a BEGIN names by index.
+    receivers: Vec<String>,
+}
+
+/// Serves attached prefill workers over a running [`Sender`] (see
+/// `docs/attach.md`): admission, staging, transport and ProxyNotif stay in
+/// the sender. Dropping it stops accepting, ends every session (cancelling
+/// its clients' live requests) and removes the socket and ring directory.
+#[derive(Debug)]
+pub struct PrefillDaemon(Daemon<Prefills>);
+
+impl PrefillDaemon {
+    /// Binds `cfg.socket` (mode 0600), creates `cfg.ring_dir` (mode 0700)
+    /// and starts the accept thread. A BEGIN names its receiver by index
+    /// into `receivers` (ZMQ endpoints).
+    pub fn start(
+        sender: Arc<Sender>,
+        receivers: Vec<String>,
+        cfg: AttachConfig,
+    ) -> io::Result<Self> {
+        if receivers.is_empty() || u32::try_from(receivers.len()).is_err() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "attach: a prefill daemon needs at least one receiver",
+            ));
+        }
+        Daemon::start(Prefills { sender, receivers }, cfg).map(Self)
+    }
+
+    /// The socket clients connect to.
+    pub fn socket(&self) -> &Path {
+        self.0.socket()
+    }
+
+    /// The directory of the per-client ring files
+    /// ([`AttachConfig::ring_dir`]).
+    pub fn ring_dir(&self) -> &Path {
+        &self.0.shared.dir
+    }
+
+    /// Live attachments.
+    pub fn clients(&self) -> usize {
+        self.0.clients()
+    }
+}
+
+impl Role for Prefills {
+    type Session = Session;
+
+    fn open(shared: &Arc<DaemonShared<Self>>, id: u32, sock: &UnixStream) -> io::Result<Session> {
+        let (path, slots, slot_bytes) = shared.role.sender.staging_file();
+        let mut hello = Hello::refusal(STATUS_OK);
+        hello.role = ROLE_PREFILL;
+        hello.slots = slots as u64;
+        hello.chunk_bytes = slot_bytes;
+        hello.data_offset = 0;
+        hello.receivers = shared.role.receivers.len() as u32;
+        hello.buffer_path = path.to_string_lossy().into_owned();
+        let rings = open_rings::<PrefillSubmit, DecoderEvent, _>(shared, id, sock, hello)?;
+        let sq_cap = rings.sq.capacity();
+        Ok(Session {
+            id,
+            sq: rings.sq,
+            cq: rings.cq,
+            _files: rings.files,
+            tags: HashMap::with_capacity(shared.cfg.max_outstanding),
+            batches: 0,
+            waiting: Vec::with_capacity(shared.cfg.max_outstanding),
+            inbox: vec![PrefillSubmit::of(0, 0, 0, 0, 0); sq_cap],
+            shared: Arc::clone(shared),
+        })
+    }
+
+    fn run(mut session: Session, sock: UnixStream) {
+        let span = tracing::debug_span!("attach_prefill_session", client = session.id);
+        let _enter = span.enter();
+        tracing::debug!("attached");
+        let shared = Arc::clone(&session.shared);
+        serve(&shared, sock, &mut session);
+        // Dropping `session` cancels its live requests and frees its slots.
+    }
+}
+
+/// A batch staged for the worker, with the keys and lengths its KEY
+/// entries gave (one allocation per batch, none per chunk).
+struct Held {
+    batch: StagedBatch,
+    /// `MAX_TEXT` bytes per chunk; key `i` is `key_bytes[i * MAX_TEXT..][..key_lens[i]]`.
+    key_bytes: Vec<u8>,
+    /// 0: no KEY yet.
+    key_lens: Vec<u16>,
+    lens: Vec<u32>,
+}
+
+/// One request of the worker.
+struct Req {
+    request: Request,
+    /// Batches staged and not submitted, by the worker's batch id.
+    held: HashMap<u32, Held>,
+    /// STAGEs waiting for admission or free staging: (batch id, slots).
+    pending: Vec<(u32, u32)>,
+    /// Cancelled by the worker; its terminal status is still reported.
+    cancelled: bool,
+    /// Terminal and reported, but the worker still held batches: they stay
+    /// its (it may be writing them) until it acknowledges with CANCEL.
+    ended: bool,
+}
+
+/// One worker's session (see the module docs).
+pub(super) struct Session {
+    shared: Arc<DaemonShared<Prefills>>,
+    id: u32,
+    sq: Consumer<PrefillSubmit>,
+    cq: Completions<DecoderEvent>,
+    _files: RingFiles,
+    /// At most `max_outstanding` requests.
+    tags: HashMap<u64, Req>,
+    /// Held plus pending batches over all tags, at most `max_outstanding`.
+    batches: usize,
+    /// Tags in the order of their completion descriptors of the last poll.
+    waiting: Vec<u64>,
+    inbox: Vec<PrefillSubmit>,
+}
+
+impl Serve for Session {
+    fn interest(&mut self, fds: &mut Vec<libc::pollfd>) -> bool {
+        self.waiting.clear();
+        let mut retry = !self.cq.outbox.is_empty();
+        for (tag, r) in self.tags.iter().filter(|(_, r)| !r.ended) {
+            // No eventfd (out of descriptors): a negative fd, which poll
+            // ignores; its status is looked at on every retry instead.
+            let fd = r.request.completion_fd().map_or(-1, |fd| fd.as_raw_fd());
+            retry |= fd < 0 || !r.pending.is_empty();
+            fds.push(readable(fd));
+            self.waiting.push(*tag);
+        }
+        retry
+    }
+
+    fn wake(&mut self, fds: &[libc::pollfd]) {
+        self.cq.flush();
+        self.read_submissions();
+        let waiting = std::mem::take(&mut self.waiting);
+        for (tag, fd) in waiting.iter().zip(fds) {
+            if fd.revents != 0 || fd.fd < 0 {
+                self.maybe_ended(*tag);
+            }
+        }
+        self.waiting = waiting;
+        self.stage_pending();
+    }
+}
+
+impl Session {
+    fn refuse(&mut self, tag: u64, why: Refusal) {
+        tracing::debug!(tag, reason = %why, "refused a submission");
+        self.cq.send(DecoderEvent::of(EV_REFUSED, tag, why as u32));
+    }
+
+    fn refuse_store(&mut self, tag: u64, e: &StoreError) {
+        tracing::debug!(tag, error = %e, "the sender refused");
+        self.refuse(tag, Refusal::SenderRefused);
+    }
+
+    fn read_submissions(&mut self) {
+        // Bounded as the decoder's: at most one ring's worth per wake-up,
+        // none while the outbox is long.
+        let room = self
+            .cq
+            .room(self.inbox.len(), self.shared.cfg.max_outstanding);
+        let n = self.sq.pop_into(&mut self.inbox[..room]);
+        for i in 0..n {
+            let s = self.inbox[i];
+            match s.op {
+                OP_BEGIN => self.begin(&s),
+                OP_STAGE => self.stage(&s),
+                OP_KEY => self.key(&s),
+                OP_SUBMIT => self.submit(&s),
+                OP_CANCEL => self.cancel(s.tag),
+                _ => self.refuse(s.tag, Refusal::BadOp),
+            }
+        }
+    }
+
+    fn begin(&mut self, s: &PrefillSubmit) {
+        if self.tags.contains_key(&s.tag) {
+            return self.refuse(s.tag, Refusal::DuplicateTag);
+        }
+        if self.tags.len() >= self.shared.cfg.max_outstanding {
+            return self.refuse(s.tag, Refusal::TooManyOutstanding);
+        }
+        let Some(req_id) = s.text() else {
+            return self.refuse(s.tag, Refusal::BadReqId);
+        };
+        let Some(receiver) = self.shared.role.receivers.get(s.a as usize) else {
+            return self.refuse(s.tag, Refusal::UnknownReceiver);
+        };
+        let spec = RequestSpec::new(req_id, receiver.as_str(), s.b as usize);
+        match self.shared.role.sender.begin(spec) {
+            Ok(request) => {
+                tracing::debug!(tag = s.tag, req_id, "begun");
+                self.tags.insert(
+                    s.tag,
+                    Req {
+                        request,
+                        held: HashMap::new(),
+                        pending: Vec::new(),
+                        cancelled: false,
+                        ended: false,
+                    },
+                );
+            }
+            Err(e) => self.refuse_store(s.tag, &e),
+        }
+    }
+
+    fn stage(&mut self, s: &PrefillSubmit) {
+        let cq_cap = self.cq.ring.capacity();
+        let full = self.batches >= self.shared.cfg.max_outstanding;
+        let Some(r) = self
+            .tags
+            .get_mut(&s.tag)
+            .filter(|r| !r.cancelled && !r.ended)
+        else {
+            return self.refuse(s.tag, Refusal::UnknownTag);
+        };
+        if r.held.contains_key(&s.a) || r.pending.iter().any(|p| p.0 == s.a) {
+            return self.refuse(s.tag, Refusal::DuplicateTag);
+        }
+        // STAGED and its SLOT entries go on the ring in one reservation.
+        if s.b as usize >= cq_cap {
+            return self.refuse(s.tag, Refusal::TooManyChunks);
+        }
+        if full {
+            return self.refuse(s.tag, Refusal::TooManyOutstanding);
+        }
+        r.pending.push((s.a, s.b));
+        self.batches += 1;
+    }
+
+    /// Tries every pending STAGE (FIFO per request) while the completion
+    /// ring has room for its entries.
+    fn stage_pending(&mut self) {
+        if !self.cq.outbox.is_empty() {
+            return;
+        }
+        let mut refused: Vec<(u64, StoreError)> = Vec::new();
+        for (tag, r) in self.tags.iter_mut() {
+            while let Some(&(id, n)) = r.pending.first() {
+                match r.request.try_stage(n as usize) {
+                    Ok(batch) => {
+                        // A reservation publishes even when dropped, so it
+                        // is only taken once the batch exists; without room
+                        // the batch goes back and is retried.
+                        let Some(mut entries) = self.cq.ring.reserve(n as usize + 1) else {
+                            return;
+                        };
+                        let mut staged = DecoderEvent::of(EV_STAGED, *tag, 0);
+                        staged.a = id;
+                        staged.b = n;
+                        let _ = entries.set(0, staged);
+                        for (i, slot) in batch.slot_indexes().iter().enumerate() {
+                            let mut ev = DecoderEvent::of(EV_SLOT, *tag, 0);
+                            ev.a = *slot;
+                            ev.b = i as u32;
+                            let _ = entries.set(i + 1, ev);
+                        }
+                        entries.commit();
+                        r.pending.remove(0);
+                        let n = n as usize;
+                        r.held.insert(
+                            id,
+                            Held {
+                                batch,
+                                key_bytes: vec![0; n * MAX_TEXT],
+                                key_lens: vec![0; n],
+                                lens: vec![0; n],
+                            },
+                        );
+                        tracing::debug!(tag, batch = id, slots = n, "staged");
+                    }
+                    // Not admitted yet, or no staging free: retry later.
+                    Err(StoreError::NotAdmitted | StoreError::NoStagingNow) => break,
+                    Err(e) => {
+                        r.pending.remove(0);
+                        self.batches -= 1;
+                        refused.push((*tag, e));
+                    }
+                }
+            }
+        }
+        for (tag, e) in refused {
+            self.refuse_store(tag, &e);
+        }
+    }
+
+    fn key(&mut self, s: &PrefillSubmit) {
+        let text = s.text().map(str::len);
+        let ok = (|| {
+            let h = self.tags.get_mut(&s.tag)?.held.get_mut(&s.a)?;
+            let i = s.b as usize;
+            let len = text?;
+            if i >= h.key_lens.len() || u64::from(s.len) > h.batch.slot_bytes() as u64 {
+                return None;
+            }
+            h.key_bytes[i * MAX_TEXT..i * MAX_TEXT + len].copy_from_slice(&s.text[..len]);
+            h.key_lens[i] = len as u16;
+            h.lens[i] = s.len;
+            Some(())
+        })();
+        if ok.is_none() {
+            self.refuse(s.tag, Refusal::BadBatch);
+        }
+    }
+
+    fn submit(&mut self, s: &PrefillSubmit) {
+        let Some(r) = self.tags.get_mut(&s.tag) else {
+            return self.refuse(s.tag, Refusal::UnknownTag);
+        };
+        let m = s.b as usize;
+        let complete = r
+            .held
+            .get(&s.a)
+            .is_some_and(|h| m <= h.key_lens.len() && h.key_lens[..m].iter().all(|&l| l > 0));
+        // A refused SUBMIT gives the batch back (its slots are freed).
+        let Some(h) = r.held.remove(&s.a) else {
+            return self.refuse(s.tag, Refusal::BadBatch);
+        };
+        if r.ended && r.held.is_empty() {
+            // Nothing left to acknowledge (the submit below is refused).
+            self.tags.remove(&s.tag);
+        }
+        self.batches -= 1;
+        if !complete {
+            return self.refuse(s.tag, Refusal::BadBatch);
+        }
+        // One allocation per batch. UTF-8 was checked by
+        // `PrefillSubmit::text` when each KEY came in.
+        let keys: Vec<&str> = (0..m)
+            .map(|i| {
+                let key = &h.key_bytes[i * MAX_TEXT..][..usize::from(h.key_lens[i])];
+                std::str::from_utf8(key).unwrap_or("")
+            })
+            .collect();
+        let result = h.batch.submit(&keys, &h.lens[..m]);
+        match result {
+            Ok(()) => tracing::debug!(tag = s.tag, batch = s.a, chunks = m, "submitted"),
+            Err(e) => self.refuse_store(s.tag, &e),
+        }
+    }
+
+    fn cancel(&mut self, tag: u64) {
+        let Some(r) = self.tags.get_mut(&tag) else {
+            return self.refuse(tag, Refusal::UnknownTag);
+        };
+        self.batches -= r.held.len() + r.pending.len();
+        if r.ended {
+            // The acknowledgement of an end the worker held batches at:
+            // only now may their slots go back.
+            self.tags.remove(&tag);
+            return;
+        }
+        r.cancelled = true;
+        r.held.clear();
+        r.pending.clear();
+        r.request.cancel();
+        // Its terminal status (FAILED cancelled) follows on the ring.
+    }
+
+    /// Reports `tag`'s request and forgets it if it is terminal (keeping
+    /// batches the worker still holds until it acknowledges).
+    fn maybe_ended(&mut self, tag: u64) {
+        let Some(r) = self.tags.get_mut(&tag).filter(|r| !r.ended) else {
+            return;
+        };
+        let ev = match r.request.status() {
+            RequestStatus::InProgress => return,
+            RequestStatus::Completed => DecoderEvent::of(EV_DONE, tag, 0),
+            RequestStatus::Cancelled => {
+                DecoderEvent::of(EV_FAILED, tag, error_number(ErrorCode::Cancelled))
+            }
+            RequestStatus::Failed { code, .. } => {
+                DecoderEvent::of(EV_FAILED, tag, error_number(code))
+            }
+        };
+        self.batches -= r.pending.len();
+        r.pending.clear();
+        if r.held.is_empty() {
+            self.tags.remove(&tag);
+        } else {
+            r.ended = true;
+        }
+        tracing::debug!(tag, kind = ev.kind, "ended");
+        self.cq.send(ev);
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        for (_, r) in self.tags.drain() {
+            // Unsubmitted batches first: their slots go back at once.
+            drop(r.held);
+            if !r.request.status().is_terminal() {
+                r.request.cancel();
+            }
+        }
+        tracing::debug!(
+            client = self.id,
+            "detached; its requests are cancelled and its staging returned"
+        );
+    }
+}

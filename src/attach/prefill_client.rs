@@ -1,0 +1,345 @@
+//! The Rust prefill-worker client: attach to a sender daemon, begin
+//! requests, fill staged slots in place in the shared staging buffer and
+//! submit them with their keys.
+
+use std::collections::{HashMap, HashSet};
+use std::fs::OpenOptions;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use kvferry_ring::spsc::{self, Consumer, Producer};
+use kvferry_ring::WaitStatus;
+use memmap2::MmapMut;
+
+use super::client::{doorbell, handshake, AttachError};
+use super::layout::{
+    error_from_number, DecoderEvent, Hello, PrefillSubmit, Refusal, EV_DONE, EV_FAILED, EV_REFUSED,
+    EV_SLOT, EV_STAGED, MAX_TEXT, OP_BEGIN, OP_CANCEL, OP_KEY, OP_STAGE, OP_SUBMIT, ROLE_PREFILL,
+};
+use crate::protocol::ErrorCode;
+
+/// Staging slots the daemon handed to this worker for one batch: fill them
+/// with [`PrefillClient::slot_mut`], then [`PrefillClient::submit`].
+#[derive(Debug)]
+pub struct StagedSlots {
+    tag: u64,
+    id: u32,
+    slots: Vec<u32>,
+}
+
+impl StagedSlots {
+    /// The request's tag.
+    pub fn tag(&self) -> u64 {
+        self.tag
+    }
+
+    /// Number of slots.
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// True for a batch of no slots (an empty last batch).
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+}
+
+/// What [`PrefillClient::next_event`] returns.
+#[derive(Debug)]
+pub enum PrefillEvent {
+    /// A STAGE was answered: its slots are this worker's to fill.
+    Staged(StagedSlots),
+    /// The request of `tag` completed: every chunk written, the proxy
+    /// notified.
+    Done {
+        /// The request's tag.
+        tag: u64,
+    },
+    /// The request of `tag` failed or was cancelled.
+    Failed {
+        /// The request's tag.
+        tag: u64,
+        /// Why (`None` for a code this build does not know).
+        code: Option<ErrorCode>,
+    },
+    /// The daemon refused a submission about `tag`.
+    Refused {
+        /// The submission's tag.
+        tag: u64,
+        /// Why (`None` for a code this build does not know).
+        reason: Option<Refusal>,
+    },
+}
+
+/// An attached prefill worker (see `docs/attach.md`). Not `Sync`: one
+/// thread drives it.
+pub struct PrefillClient {
+    sock: UnixStream,
+    sq: Producer<PrefillSubmit>,
+    cq: Consumer<DecoderEvent>,
+    staging: MmapMut,
+    hello: Hello,
+    /// Live requests (tags).
+    tags: HashSet<u64>,
+    /// Batches staged for this worker and not submitted: (tag, id).
+    held: HashSet<(u64, u32)>,
+    /// Batch ids asked for and not answered yet, per tag.
+    asked: HashMap<u64, u32>,
+    next_tag: u64,
+    next_batch: u32,
+}
+
+impl std::fmt::Debug for PrefillClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefillClient")
+            .field("client_id", &self.hello.client_id)
+            .field("requests", &self.tags.len())
+            .finish()
+    }
+}
+
+/// How long [`PrefillClient::submit`] waits for room on a full submission
+/// ring.
+const FULL_WAIT: Duration = Duration::from_secs(10);
+
+impl PrefillClient {
+    /// Attaches to the sender daemon listening on `socket`, waiting at
+    /// most `timeout` for its hello, and maps its staging buffer writable.
+    pub fn connect(socket: impl AsRef<Path>, timeout: Duration) -> Result<Self, AttachError> {
+        let (sock, hello) =
+            handshake::<PrefillSubmit, DecoderEvent>(socket.as_ref(), timeout, ROLE_PREFILL)?;
+        let sq = spsc::shared::open::<PrefillSubmit>(&hello.sq_path)?.producer()?;
+        let cq = spsc::shared::open::<DecoderEvent>(&hello.cq_path)?.consumer()?;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&hello.buffer_path)?;
+        let need = hello
+            .slots
+            .checked_mul(hello.chunk_bytes)
+            .ok_or_else(|| AttachError::Protocol("staging geometry overflows".into()))?;
+        // SAFETY: the file is the sender's staging memfd, never truncated
+        // while the daemon runs. This client writes only slots the daemon
+        // staged for it (`slot_mut` checks that the batch is held) and only
+        // before submitting them; the daemon's transport reads a slot only
+        // after the SUBMIT, and no other process of another user can open it.
+        let staging = unsafe { MmapMut::map_mut(&file) }?;
+        if (staging.len() as u64) < need {
+            return Err(AttachError::Protocol("staging mapping too short".into()));
+        }
+        Ok(Self {
+            sock,
+            sq,
+            cq,
+            staging,
+            hello,
+            tags: HashSet::new(),
+            held: HashSet::new(),
+            asked: HashMap::new(),
+            next_tag: 1,
+            next_batch: 1,
+        })
+    }
+
+    /// The daemon's hello (geometry, limits, receiver count).
+    pub fn hello(&self) -> &Hello {
+        &self.hello
+    }
+
+    fn push(&mut self, s: PrefillSubmit) -> Result<(), AttachError> {
+        self.sq.push(s).map_err(|_| AttachError::Full)?;
+        doorbell(&mut self.sock)
+    }
+
+    /// Pushes `s`, waiting (ringing the doorbell) while the ring is full,
+    /// up to [`FULL_WAIT`].
+    fn push_waiting(&mut self, s: PrefillSubmit) -> Result<(), AttachError> {
+        let deadline = Instant::now() + FULL_WAIT;
+        let mut s = s;
+        loop {
+            match self.sq.push(s) {
+                Ok(()) => return Ok(()),
+                Err(back) if Instant::now() < deadline => {
+                    s = back;
+                    doorbell(&mut self.sock)?;
+                    std::thread::sleep(Duration::from_micros(100));
+                }
+                Err(_) => return Err(AttachError::Full),
+            }
+        }
+    }
+
+    /// Begins request `req_id` (1..=[`MAX_TEXT`] bytes) of `total_chunks`
+    /// chunks to the daemon's receiver number `receiver`; returns its tag.
+    pub fn begin(
+        &mut self,
+        req_id: &str,
+        receiver: u32,
+        total_chunks: u32,
+    ) -> Result<u64, AttachError> {
+        let tag = self.next_tag;
+        let s = PrefillSubmit::with_text(OP_BEGIN, tag, receiver, total_chunks, 0, req_id)
+            .ok_or(AttachError::BadReqId)?;
+        self.push(s)?;
+        self.next_tag += 1;
+        self.tags.insert(tag);
+        Ok(tag)
+    }
+
+    /// Asks for `n` staging slots for request `tag`; they come as a
+    /// [`PrefillEvent::Staged`] once the request is admitted and the slots
+    /// are free.
+    pub fn stage(&mut self, tag: u64, n: u32) -> Result<(), AttachError> {
+        if !self.tags.contains(&tag) {
+            return Err(AttachError::Protocol(format!("tag {tag} is not a request")));
+        }
+        let id = self.next_batch;
+        self.push(PrefillSubmit::of(OP_STAGE, tag, id, n, 0))?;
+        self.next_batch = self.next_batch.wrapping_add(1);
+        *self.asked.entry(tag).or_default() += 1;
+        Ok(())
+    }
+
+    /// Slot `i` of a held batch, to fill in place (`None` if out of range
+    /// or not held).
+    pub fn slot_mut(&mut self, b: &StagedSlots, i: usize) -> Option<&mut [u8]> {
+        if !self.held.contains(&(b.tag, b.id)) {
+            return None;
+        }
+        let slot = *b.slots.get(i)?;
+        let sb = self.hello.chunk_bytes as usize;
+        // In range: checked against the geometry when STAGED arrived.
+        let off = slot as usize * sb;
+        self.staging.get_mut(off..off + sb)
+    }
+
+    /// Hands the first `keys.len()` slots of `b` to the sender: chunk `i`
+    /// is named `keys[i]` (1..=[`MAX_TEXT`] bytes) and is `lens[i]` bytes.
+    pub fn submit(
+        &mut self,
+        b: StagedSlots,
+        keys: &[&str],
+        lens: &[u32],
+    ) -> Result<(), AttachError> {
+        if !self.held.contains(&(b.tag, b.id)) {
+            return Err(AttachError::Protocol("not this client's batch".into()));
+        }
+        if keys.len() != lens.len() || keys.len() > b.slots.len() {
+            return Err(AttachError::Protocol(
+                "keys, lens and slots disagree".into(),
+            ));
+        }
+        for (i, (k, &len)) in keys.iter().zip(lens).enumerate() {
+            let s = PrefillSubmit::with_text(OP_KEY, b.tag, b.id, i as u32, len, k)
+                .ok_or(AttachError::BadReqId)?;
+            self.push_waiting(s)?;
+        }
+        self.push_waiting(PrefillSubmit::of(
+            OP_SUBMIT,
+            b.tag,
+            b.id,
+            keys.len() as u32,
+            0,
+        ))?;
+        doorbell(&mut self.sock)?;
+        self.held.remove(&(b.tag, b.id));
+        Ok(())
+    }
+
+    /// Cancels request `tag` (its FAILED event follows).
+    pub fn cancel(&mut self, tag: u64) -> Result<(), AttachError> {
+        self.held.retain(|h| h.0 != tag);
+        self.push(PrefillSubmit::of(OP_CANCEL, tag, 0, 0, 0))
+    }
+
+    /// Sends a raw submission, unchecked (for tests of the daemon's
+    /// validation: a worker that lies).
+    #[doc(hidden)]
+    pub fn submit_raw(&mut self, s: PrefillSubmit) -> Result<(), AttachError> {
+        self.push(s)
+    }
+
+    /// Waits until the next event or `deadline`.
+    pub fn next_event(&mut self, deadline: Instant) -> Result<PrefillEvent, AttachError> {
+        loop {
+            if let Some(ev) = self.cq.pop() {
+                return self.on_event(ev);
+            }
+            match self.cq.wait(Some(deadline)) {
+                WaitStatus::Ready => {}
+                WaitStatus::Closed => return Err(AttachError::Closed),
+                WaitStatus::TimedOut => return Err(AttachError::Timeout),
+            }
+        }
+    }
+
+    fn on_event(&mut self, ev: DecoderEvent) -> Result<PrefillEvent, AttachError> {
+        let bad = |what: &str| AttachError::Protocol(format!("{what}: {ev:?}"));
+        match ev.kind {
+            EV_STAGED => {
+                let asked = self.asked.get_mut(&ev.tag).filter(|n| **n > 0);
+                let Some(asked) = asked else {
+                    return Err(bad("STAGED not asked for"));
+                };
+                *asked -= 1;
+                let n = ev.b as usize;
+                if n >= self.cq.capacity() {
+                    return Err(bad("STAGED with more slots than the ring holds"));
+                }
+                let mut slots = Vec::with_capacity(n);
+                for i in 0..n {
+                    let c = self
+                        .cq
+                        .pop()
+                        .ok_or_else(|| bad("STAGED not followed by its slots"))?;
+                    if c.kind != EV_SLOT
+                        || c.tag != ev.tag
+                        || c.b as usize != i
+                        || u64::from(c.a) >= self.hello.slots
+                    {
+                        return Err(AttachError::Protocol(format!("bad SLOT entry {c:?}")));
+                    }
+                    slots.push(c.a);
+                }
+                self.held.insert((ev.tag, ev.a));
+                Ok(PrefillEvent::Staged(StagedSlots {
+                    tag: ev.tag,
+                    id: ev.a,
+                    slots,
+                }))
+            }
+            EV_DONE | EV_FAILED => {
+                if !self.tags.remove(&ev.tag) {
+                    return Err(bad("end of a tag not begun"));
+                }
+                let held = self.held.len();
+                self.held.retain(|h| h.0 != ev.tag);
+                if self.held.len() != held {
+                    // The daemon keeps batches we held until we say we no
+                    // longer write them.
+                    self.push_waiting(PrefillSubmit::of(OP_CANCEL, ev.tag, 0, 0, 0))?;
+                    doorbell(&mut self.sock)?;
+                }
+                self.asked.remove(&ev.tag);
+                Ok(if ev.kind == EV_DONE {
+                    PrefillEvent::Done { tag: ev.tag }
+                } else {
+                    PrefillEvent::Failed {
+                        tag: ev.tag,
+                        code: error_from_number(ev.code),
+                    }
+                })
+            }
+            // Changes no bookkeeping here: a refused BEGIN's tag gets no
+            // end event (the caller knows which submission it was).
+            EV_REFUSED => Ok(PrefillEvent::Refused {
+                tag: ev.tag,
+                reason: Refusal::from_code(ev.code),
+            }),
+            _ => Err(bad("unknown event kind")),
+        }
+    }
+}
+
+const _: () = assert!(MAX_TEXT <= u16::MAX as usize);

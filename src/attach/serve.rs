@@ -1,0 +1,170 @@
+//! What every attach session shares, whatever its role: the ring files and
+//! the hello, the completion ring with its bounded outbox, and the poll
+//! loop (socket doorbell and lease, daemon stop, the role's descriptors).
+
+use std::collections::VecDeque;
+use std::io::{self, Read, Write};
+use std::os::fd::{AsFd, AsRawFd};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use kvferry_ring::spsc::{self, Consumer, Producer};
+use kvferry_ring::Plain;
+
+use super::daemon::{AttachConfig, DaemonShared};
+use super::layout::{Hello, ATTACH_VERSION, STATUS_OK};
+use super::poll::{poll, readable};
+
+/// How long the loop sleeps between retries while a session has work it
+/// cannot do yet (a full completion ring the client frees without telling,
+/// staging not free yet).
+pub(super) const RETRY: Duration = Duration::from_millis(1);
+
+/// A session's two ring files, removed when it ends.
+pub(super) struct RingFiles([PathBuf; 2]);
+
+impl Drop for RingFiles {
+    fn drop(&mut self) {
+        for f in &self.0 {
+            let _ = std::fs::remove_file(f);
+        }
+    }
+}
+
+/// The daemon's sides of a session's rings.
+pub(super) struct Rings<S: Plain, E: Plain> {
+    pub(super) sq: Consumer<S>,
+    pub(super) cq: Completions<E>,
+    pub(super) files: RingFiles,
+}
+
+/// Creates client `id`'s ring files in the daemon's directory, fills the
+/// ring fields of `hello` (the role fills the rest) and writes it on `sock`,
+/// which is then made non-blocking.
+pub(super) fn open_rings<S: Plain, E: Plain, R>(
+    shared: &DaemonShared<R>,
+    id: u32,
+    sock: &UnixStream,
+    mut hello: Hello,
+) -> io::Result<Rings<S, E>> {
+    let cfg: &AttachConfig = &shared.cfg;
+    let sq_path = shared.dir.join(format!("{id}.sq"));
+    let cq_path = shared.dir.join(format!("{id}.cq"));
+    // Made first, so the files go on any error below.
+    let files = RingFiles([sq_path.clone(), cq_path.clone()]);
+    let ring_err = |e: kvferry_ring::ShmError| io::Error::other(e.to_string());
+    let sq_ring = spsc::shared::create::<S>(&sq_path, cfg.sq_capacity).map_err(ring_err)?;
+    let cq_ring = spsc::shared::create::<E>(&cq_path, cfg.cq_capacity).map_err(ring_err)?;
+    let sq = sq_ring.consumer().map_err(ring_err)?;
+    let cq = cq_ring.producer().map_err(ring_err)?;
+    hello.version = ATTACH_VERSION;
+    hello.status = STATUS_OK;
+    hello.client_id = id;
+    hello.sq_entry = std::mem::size_of::<S>() as u32;
+    hello.cq_entry = std::mem::size_of::<E>() as u32;
+    hello.sq_capacity = sq_ring.capacity() as u32;
+    hello.cq_capacity = cq_ring.capacity() as u32;
+    hello.max_outstanding = cfg.max_outstanding as u32;
+    hello.sq_path = sq_path.to_string_lossy().into_owned();
+    hello.cq_path = cq_path.to_string_lossy().into_owned();
+    let bytes = hello
+        .encode()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "attach paths too long"))?;
+    (&*sock).write_all(&bytes)?;
+    sock.set_nonblocking(true)?;
+    Ok(Rings {
+        sq,
+        cq: Completions {
+            ring: cq,
+            outbox: VecDeque::new(),
+        },
+        files,
+    })
+}
+
+/// The completion ring and the single events waiting for room on it. The
+/// outbox is bounded by its users: they read no submissions while it holds
+/// `sq capacity + max_outstanding` events.
+pub(super) struct Completions<E: Plain> {
+    pub(super) ring: Producer<E>,
+    pub(super) outbox: VecDeque<E>,
+}
+
+impl<E: Plain> Completions<E> {
+    /// Posts `ev` after everything already waiting.
+    pub(super) fn send(&mut self, ev: E) {
+        if !self.outbox.is_empty() {
+            self.outbox.push_back(ev);
+        } else if let Err(ev) = self.ring.push(ev) {
+            self.outbox.push_back(ev);
+        }
+    }
+
+    /// Moves waiting events to the ring while it has room.
+    pub(super) fn flush(&mut self) {
+        while let Some(ev) = self.outbox.pop_front() {
+            if let Err(ev) = self.ring.push(ev) {
+                self.outbox.push_front(ev);
+                return;
+            }
+        }
+    }
+
+    /// Submissions to read now: at most `batch`, fewer while the outbox is
+    /// long (`batch + max_outstanding` at most).
+    pub(super) fn room(&self, batch: usize, max_outstanding: usize) -> usize {
+        (batch + max_outstanding)
+            .saturating_sub(self.outbox.len())
+            .min(batch)
+    }
+}
+
+/// A role's session, driven by [`serve`].
+pub(super) trait Serve {
+    /// Appends the descriptors whose readability wakes the session; true
+    /// if it also needs a wake-up after [`RETRY`].
+    fn interest(&mut self, fds: &mut Vec<libc::pollfd>) -> bool;
+    /// Handles a wake-up: submissions, and `fds` (those of `interest`, with
+    /// their `revents`).
+    fn wake(&mut self, fds: &[libc::pollfd]);
+}
+
+/// Serves `session` until its socket closes (the lease) or `shared` stops.
+pub(super) fn serve<R>(shared: &DaemonShared<R>, mut sock: UnixStream, session: &mut impl Serve) {
+    let mut fds: Vec<libc::pollfd> = Vec::with_capacity(shared.cfg.max_outstanding + 2);
+    loop {
+        fds.clear();
+        fds.push(readable(sock.as_raw_fd()));
+        fds.push(readable(shared.stop.as_fd().as_raw_fd()));
+        let retry = session.interest(&mut fds);
+        if let Err(e) = poll(&mut fds, retry.then_some(RETRY)) {
+            tracing::warn!(error = %e, "attach: poll failed; detaching the client");
+            return;
+        }
+        if fds[1].revents != 0 {
+            return;
+        }
+        if fds[0].revents != 0 && !drain_doorbell(&mut sock) {
+            tracing::debug!("client gone (socket closed)");
+            return;
+        }
+        session.wake(&fds[2..]);
+    }
+}
+
+/// Reads and discards doorbell bytes; false once the client is gone (EOF,
+/// error, hang-up).
+fn drain_doorbell(sock: &mut UnixStream) -> bool {
+    let mut buf = [0u8; 64];
+    for _ in 0..4 {
+        match sock.read(&mut buf) {
+            Ok(0) => return false,
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return false,
+        }
+    }
+    true
+}

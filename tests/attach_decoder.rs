@@ -1,0 +1,624 @@
+//! Decoder attach (`docs/attach.md`): decoder processes attached to a
+//! receiver through the Unix socket and shared-memory rings read every byte
+//! in place; a decoder killed with SIGKILL while holding a request gives its
+//! slots back; hostile submissions change nothing; the bounds and the uid
+//! check refuse. Children are this test binary re-executed (role in an env
+//! var) or the real `kvferry receiver` binary. Every wait has a deadline.
+#![cfg(not(feature = "shuttle-model"))]
+
+#[path = "common_sender/mod.rs"]
+mod common_sender;
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::sync::{mpsc, Arc};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use common_sender::{deadline, receiver, sender, sender_cfg, unique, wait_for, CHUNK, WAIT};
+use kvferry::attach::layout::{DecoderSubmit, STATUS_TOO_MANY_CLIENTS};
+use kvferry::attach::{AttachConfig, AttachError, DecoderClient, DecoderDaemon, Event, Refusal};
+use kvferry::protocol::ErrorCode;
+use kvferry::receiver::Receiver;
+use kvferry::sender::{RequestSpec, Sender, TransferSpec};
+
+const ROLE: &str = "KVFERRY_ATTACH_ROLE";
+const SOCK: &str = "KVFERRY_ATTACH_SOCK";
+const REQ: &str = "KVFERRY_ATTACH_REQ";
+const COUNT: &str = "KVFERRY_ATTACH_COUNT";
+const LAST: &str = "KVFERRY_ATTACH_LAST";
+const BIN: &str = env!("CARGO_BIN_EXE_kvferry");
+
+/// Chunk `i` of `n` of `req_id`: full [`CHUNK`] bytes but the last, which
+/// is `last` bytes; the content depends on the request, the index and the
+/// position, so a chunk read from the wrong slot or offset is caught.
+fn chunk(req_id: &str, i: usize, n: usize, last: usize) -> Vec<u8> {
+    let len = if i + 1 == n { last } else { CHUNK as usize };
+    let seed = req_id
+        .bytes()
+        .fold((i as u32).wrapping_mul(2_654_435_761), |a, b| {
+            a.rotate_left(5) ^ u32::from(b)
+        });
+    (0..len)
+        .map(|j| (seed.wrapping_add(j as u32).wrapping_mul(0x9e37_79b9) >> 24) as u8)
+        .collect()
+}
+
+fn store(s: &Sender, endpoint: &str, req_id: &str, n: usize, last: usize) {
+    let spec = TransferSpec::new(req_id, endpoint, n, true);
+    let keys: Vec<String> = (0..n).map(|i| format!("{req_id}/{i:03}")).collect();
+    let bufs: Vec<Vec<u8>> = (0..n).map(|i| chunk(req_id, i, n, last)).collect();
+    let chunks: Vec<&[u8]> = bufs.iter().map(Vec::as_slice).collect();
+    s.store(&spec, &keys, &chunks).expect("stored");
+}
+
+/// A socket path in a fresh private temp directory, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> Self {
+        let d = std::env::temp_dir().join(unique("kvferry-attach"));
+        std::fs::create_dir_all(&d).unwrap();
+        TempDir(d)
+    }
+    fn sock(&self) -> PathBuf {
+        self.0.join("attach.sock")
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn daemon(r: &Arc<Receiver>, sock: &Path, tweak: impl FnOnce(&mut AttachConfig)) -> DecoderDaemon {
+    let mut cfg = AttachConfig::new(sock);
+    tweak(&mut cfg);
+    DecoderDaemon::start(Arc::clone(r), cfg).expect("daemon starts")
+}
+
+fn connect(sock: &Path) -> DecoderClient {
+    DecoderClient::connect(sock, WAIT).expect("attaches")
+}
+
+fn next(c: &mut DecoderClient, what: &str) -> Event {
+    c.next_event(deadline())
+        .unwrap_or_else(|e| panic!("no event for {what}: {e}"))
+}
+
+/// Reads and checks every byte of a delivered request.
+fn verify(c: &DecoderClient, d: &kvferry::attach::Delivery, n: usize, last: usize) {
+    assert_eq!(d.chunks().len(), n, "chunk count of {}", d.req_id());
+    for i in 0..n {
+        let bytes = c.chunk(d, i).expect("chunk in range");
+        assert!(
+            bytes == chunk(d.req_id(), i, n, last).as_slice(),
+            "chunk {i} of {} differs",
+            d.req_id()
+        );
+    }
+    assert_eq!(d.chunks()[n - 1].len as usize, last);
+    assert!(c.chunk(d, n).is_none());
+}
+
+/// The re-executed child: attach, subscribe, read and check the request,
+/// then release it and exit ("decoder") or hold it until killed ("holder").
+fn child_main(role: &str) {
+    let sock = PathBuf::from(std::env::var(SOCK).unwrap());
+    let req = std::env::var(REQ).unwrap();
+    let n: usize = std::env::var(COUNT).unwrap().parse().unwrap();
+    let last: usize = std::env::var(LAST).unwrap().parse().unwrap();
+    let mut c = connect(&sock);
+    let tag = c.subscribe(&req).expect("subscribes");
+    println!("ATTACH:subscribed");
+    match next(&mut c, "the child's request") {
+        Event::Ready(d) => {
+            assert_eq!(d.tag(), tag);
+            verify(&c, &d, n, last);
+            if role == "holder" {
+                println!("ATTACH:holding");
+                // Bounded: the parent kills us long before this.
+                thread::sleep(WAIT * 2);
+                panic!("holder was not killed");
+            }
+            c.release(d).expect("released");
+            println!("ATTACH:ok");
+        }
+        other => panic!("expected READY, got {other:?}"),
+    }
+}
+
+/// A child process, killed on drop; its stdout lines arrive on a channel.
+struct ChildProc {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+}
+
+fn lines_of(out: ChildStdout) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        for l in BufReader::new(out).lines() {
+            let Ok(l) = l else { break };
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+impl ChildProc {
+    fn decoder(test: &str, role: &str, sock: &Path, req: &str, n: usize, last: usize) -> Self {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", test, "--nocapture", "--test-threads=1"])
+            .env(ROLE, role)
+            .env(SOCK, sock)
+            .env(REQ, req)
+            .env(COUNT, n.to_string())
+            .env(LAST, last.to_string())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let lines = lines_of(child.stdout.take().unwrap());
+        ChildProc { child, lines }
+    }
+
+    /// Waits for a stdout line containing `marker`; fails naming it.
+    fn expect_line(&self, marker: &str) -> String {
+        let end = deadline();
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) if l.contains(marker) => return l,
+                Ok(_) => {}
+                Err(_) => panic!("child never printed {marker:?} within {WAIT:?}"),
+            }
+        }
+    }
+
+    fn wait_success(&mut self, what: &str) {
+        let end = deadline();
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                assert!(st.success(), "{what}: child failed with {st}");
+                return;
+            }
+            assert!(Instant::now() < end, "{what}: child hung (killed)");
+            thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn sigkill(&mut self) {
+        // Child::kill sends SIGKILL.
+        self.child.kill().unwrap();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for ChildProc {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn allocated(r: &Receiver) -> usize {
+    r.stats().allocated_chunks
+}
+
+#[test]
+fn a_decoder_process_reads_every_byte_in_place_and_its_release_frees_the_slots() {
+    if let Ok(role) = std::env::var(ROLE) {
+        return child_main(&role);
+    }
+    let dir = TempDir::new();
+    let r = Arc::new(receiver(16));
+    let d = daemon(&r, &dir.sock(), |_| {});
+    let s = sender(sender_cfg(8, None));
+    let mut child = ChildProc::decoder(
+        "a_decoder_process_reads_every_byte_in_place_and_its_release_frees_the_slots",
+        "decoder",
+        &dir.sock(),
+        "dec-1",
+        5,
+        1000,
+    );
+    child.expect_line("ATTACH:subscribed");
+    store(&s, r.endpoint(), "dec-1", 5, 1000);
+    child.expect_line("ATTACH:ok");
+    child.wait_success("decoder child");
+    wait_for("the released slots back in the receiver", || {
+        allocated(&r) == 0
+    });
+    wait_for("the session to end", || d.clients() == 0);
+}
+
+#[test]
+fn sigkill_of_a_decoder_holding_a_request_releases_its_chunks() {
+    if let Ok(role) = std::env::var(ROLE) {
+        return child_main(&role);
+    }
+    let dir = TempDir::new();
+    let r = Arc::new(receiver(8));
+    let d = daemon(&r, &dir.sock(), |_| {});
+    let s = sender(sender_cfg(8, None));
+    let mut child = ChildProc::decoder(
+        "sigkill_of_a_decoder_holding_a_request_releases_its_chunks",
+        "holder",
+        &dir.sock(),
+        "held-1",
+        6,
+        CHUNK as usize,
+    );
+    child.expect_line("ATTACH:subscribed");
+    store(&s, r.endpoint(), "held-1", 6, CHUNK as usize);
+    child.expect_line("ATTACH:holding");
+    assert_eq!(allocated(&r), 6, "the holder's chunks stay allocated");
+    assert_eq!(d.clients(), 1);
+    let ring_dir = d.ring_dir().to_owned();
+    assert_eq!(std::fs::read_dir(&ring_dir).unwrap().count(), 2);
+    child.sigkill();
+    wait_for("the killed decoder's chunks to be released", || {
+        allocated(&r) == 0
+    });
+    wait_for("the session to end", || d.clients() == 0);
+    wait_for("its ring files to be removed", || {
+        std::fs::read_dir(&ring_dir).unwrap().count() == 0
+    });
+    // The whole buffer is usable again: a request of every slot passes.
+    let mut c = connect(&dir.sock());
+    c.subscribe("after-kill").unwrap();
+    store(&s, r.endpoint(), "after-kill", 8, 7);
+    match next(&mut c, "after-kill") {
+        Event::Ready(del) => {
+            verify(&c, &del, 8, 7);
+            c.release(del).unwrap();
+        }
+        other => panic!("expected READY, got {other:?}"),
+    }
+    wait_for("after-kill released", || allocated(&r) == 0);
+}
+
+#[test]
+fn hostile_submissions_are_refused_and_change_nothing() {
+    let dir = TempDir::new();
+    let r = Arc::new(receiver(16));
+    let d = daemon(&r, &dir.sock(), |c| c.max_outstanding = 2);
+    let s = sender(sender_cfg(8, None));
+    let mut a = connect(&dir.sock());
+    let mut b = connect(&dir.sock());
+    let ta = a.subscribe("owned-by-a").unwrap();
+    // The sessions run on their own threads: let A's subscription land first.
+    wait_for("A's subscription", || d.subscriptions() == 1);
+    // B subscribes to A's request: refused.
+    let tb = b.subscribe("owned-by-a").unwrap();
+    match next(&mut b, "B's duplicate subscription") {
+        Event::Refused {
+            tag,
+            reason: Some(Refusal::AlreadySubscribed),
+            ..
+        } => assert_eq!(tag, tb),
+        other => panic!("expected AlreadySubscribed, got {other:?}"),
+    }
+    // B releases A's tag (a tag B does not hold): refused, A unaffected.
+    b.submit_raw(DecoderSubmit::release(ta)).unwrap();
+    match next(&mut b, "B's release of A's tag") {
+        Event::Refused {
+            tag,
+            reason: Some(Refusal::UnknownTag),
+            ..
+        } => assert_eq!(tag, ta),
+        other => panic!("expected UnknownTag, got {other:?}"),
+    }
+    // Garbage ops and req_ids.
+    let mut bad = DecoderSubmit::subscribe(900, "x").unwrap();
+    bad.op = 77;
+    b.submit_raw(bad).unwrap();
+    let mut bad_len = DecoderSubmit::subscribe(901, "y").unwrap();
+    bad_len.req_id_len = 10_000;
+    b.submit_raw(bad_len).unwrap();
+    let mut bad_utf8 = DecoderSubmit::subscribe(902, "zz").unwrap();
+    bad_utf8.req_id[0] = 0xff;
+    b.submit_raw(bad_utf8).unwrap();
+    for (want_tag, want) in [
+        (900, Refusal::BadOp),
+        (901, Refusal::BadReqId),
+        (902, Refusal::BadReqId),
+    ] {
+        match next(&mut b, "a garbage submission") {
+            Event::Refused { tag, reason, .. } => {
+                assert_eq!((tag, reason), (want_tag, Some(want)))
+            }
+            other => panic!("expected {want:?}, got {other:?}"),
+        }
+    }
+    // Duplicate tag, then the outstanding bound (2).
+    b.submit_raw(DecoderSubmit::subscribe(5, "b-1").unwrap())
+        .unwrap();
+    b.submit_raw(DecoderSubmit::subscribe(5, "b-2").unwrap())
+        .unwrap();
+    b.submit_raw(DecoderSubmit::subscribe(6, "b-3").unwrap())
+        .unwrap();
+    b.submit_raw(DecoderSubmit::subscribe(7, "b-4").unwrap())
+        .unwrap();
+    for (want_tag, want) in [(5, Refusal::DuplicateTag), (7, Refusal::TooManyOutstanding)] {
+        match next(&mut b, "a bounded submission") {
+            Event::Refused { tag, reason, .. } => {
+                assert_eq!((tag, reason), (want_tag, Some(want)))
+            }
+            other => panic!("expected {want:?}, got {other:?}"),
+        }
+    }
+    // A still gets its request, whole.
+    store(&s, r.endpoint(), "owned-by-a", 3, 17);
+    match next(&mut a, "A's request") {
+        Event::Ready(d) => {
+            assert_eq!(d.tag(), ta);
+            verify(&a, &d, 3, 17);
+            // A delivery is only readable through its own client.
+            assert!(b.chunk(&d, 0).is_none());
+            a.release(d).unwrap();
+        }
+        other => panic!("expected READY, got {other:?}"),
+    }
+    wait_for("A's release", || allocated(&r) == 0);
+}
+
+#[test]
+fn a_failed_request_is_reported_with_its_code() {
+    let dir = TempDir::new();
+    let r = Arc::new(receiver(8));
+    let _d = daemon(&r, &dir.sock(), |_| {});
+    let s = sender(sender_cfg(8, None));
+    let mut c = connect(&dir.sock());
+    let tag = c.subscribe("fails").unwrap();
+    let req = s
+        .begin(RequestSpec::new("fails", r.endpoint(), 4))
+        .expect("begins");
+    wait_for("admitted", || req.is_admitted());
+    assert!(s.cancel_request("fails"));
+    match next(&mut c, "the failure") {
+        Event::Failed {
+            tag: t,
+            req_id,
+            code,
+        } => {
+            assert_eq!((t, req_id.as_str()), (tag, "fails"));
+            assert_eq!(code, Some(ErrorCode::Cancelled));
+        }
+        other => panic!("expected FAILED, got {other:?}"),
+    }
+    // The tag is free again: the request id can be subscribed anew.
+    c.subscribe("fails").unwrap();
+}
+
+#[test]
+fn past_max_clients_a_new_attachment_is_refused() {
+    let dir = TempDir::new();
+    let r = Arc::new(receiver(4));
+    let d = daemon(&r, &dir.sock(), |c| c.max_clients = 1);
+    let first = connect(&dir.sock());
+    wait_for("the first session", || d.clients() == 1);
+    match DecoderClient::connect(dir.sock(), WAIT) {
+        Err(AttachError::Refused(s)) => assert_eq!(s, STATUS_TOO_MANY_CLIENTS),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    drop(first);
+    wait_for("the first session to end", || d.clients() == 0);
+    let _again = connect(&dir.sock());
+}
+
+/// Runs python3 as uid 65534 (nobody) to connect to `sock`; returns what it
+/// printed: "EACCES" or the hello status.
+fn connect_as_nobody(sock: &Path) -> String {
+    let script = "import socket,struct,sys\n\
+s=socket.socket(socket.AF_UNIX)\n\
+try:\n  s.connect(sys.argv[1])\n\
+except PermissionError:\n  print('EACCES'); sys.exit(0)\n\
+b=b''\n\
+while len(b)<1024:\n  d=s.recv(1024-len(b))\n  if not d: break\n  b+=d\n\
+print('status', struct.unpack_from('<I', b, 16)[0] if len(b)>=20 else 'none')\n";
+    use std::os::unix::process::CommandExt;
+    let out = Command::new("python3")
+        .args(["-c", script])
+        .arg(sock)
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .expect("python3 runs");
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+#[test]
+fn another_user_cannot_attach() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!(
+            "another_user_cannot_attach: needs root to run a second uid; checked the modes only"
+        );
+    }
+    let dir = TempDir::new();
+    std::fs::set_permissions(&dir.0, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let r = Arc::new(receiver(4));
+    let d = daemon(&r, &dir.sock(), |_| {});
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&dir.sock()), 0o600);
+    assert_eq!(mode(d.ring_dir()), 0o700);
+    // SAFETY: as above.
+    if unsafe { libc::geteuid() } != 0 {
+        return;
+    }
+    assert_eq!(connect_as_nobody(&dir.sock()), "EACCES");
+    // Past the file mode (opened up here on purpose), SO_PEERCRED refuses.
+    std::fs::set_permissions(dir.sock(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    assert_eq!(connect_as_nobody(&dir.sock()), "status 2");
+}
+
+/// Starts `kvferry receiver --attach SOCK`; returns it with its endpoint.
+fn spawn_receiver_binary(sock: &Path, shm: &Path) -> (ChildProc, String) {
+    let mut child = Command::new(BIN)
+        .args(["receiver", "--listen", "tcp://127.0.0.1:0"])
+        .args([
+            "--capacity-chunks",
+            "4",
+            "--chunk-bytes",
+            &CHUNK.to_string(),
+        ])
+        .arg("--attach")
+        .arg(sock)
+        .arg("--shm-path")
+        .arg(shm)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("kvferry receiver starts");
+    let lines = lines_of(child.stdout.take().unwrap());
+    // Killed on drop, so a failing test leaves no daemon behind.
+    let p = ChildProc { child, lines };
+    let (mut endpoint, mut attach) = (None, false);
+    let end = deadline();
+    while endpoint.is_none() || !attach {
+        let left = end.saturating_duration_since(Instant::now());
+        let l = p
+            .lines
+            .recv_timeout(left)
+            .unwrap_or_else(|_| panic!("kvferry receiver did not announce itself in {WAIT:?}"));
+        if let Some(e) = l.strip_prefix("kvferry receiver listening on ") {
+            endpoint = Some(e.to_owned());
+        }
+        if l.starts_with("kvferry receiver attach on ") {
+            attach = true;
+        }
+    }
+    (p, endpoint.unwrap())
+}
+
+#[test]
+fn the_receiver_binary_serves_attached_decoders_and_survives_a_killed_one() {
+    if let Ok(role) = std::env::var(ROLE) {
+        return child_main(&role);
+    }
+    let dir = TempDir::new();
+    let shm = dir.0.join("buf");
+    let (mut recv, endpoint) = spawn_receiver_binary(&dir.sock(), &shm);
+    let s = sender(sender_cfg(8, None));
+    // A holder process takes the whole buffer (4 slots), then dies.
+    let mut holder = ChildProc::decoder(
+        "the_receiver_binary_serves_attached_decoders_and_survives_a_killed_one",
+        "holder",
+        &dir.sock(),
+        "bin-held",
+        4,
+        CHUNK as usize,
+    );
+    holder.expect_line("ATTACH:subscribed");
+    store(&s, &endpoint, "bin-held", 4, CHUNK as usize);
+    holder.expect_line("ATTACH:holding");
+    holder.sigkill();
+    // Only if the dead holder's slots came back can a second 4-chunk
+    // request be admitted and delivered.
+    let mut c = connect(&dir.sock());
+    c.subscribe("bin-next").unwrap();
+    store(&s, &endpoint, "bin-next", 4, 99);
+    match next(&mut c, "bin-next") {
+        Event::Ready(d) => {
+            verify(&c, &d, 4, 99);
+            c.release(d).unwrap();
+        }
+        other => panic!("expected READY, got {other:?}"),
+    }
+    drop(c);
+    // SAFETY: kill with a pid we spawned and still own (not yet reaped).
+    unsafe { libc::kill(recv.child.id() as i32, libc::SIGTERM) };
+    let end = deadline();
+    loop {
+        if let Some(st) = recv.child.try_wait().unwrap() {
+            assert!(st.success(), "receiver exit {st}");
+            break;
+        }
+        if Instant::now() > end {
+            let _ = recv.child.kill();
+            panic!("kvferry receiver did not exit on SIGTERM");
+        }
+        thread::sleep(Duration::from_millis(5));
+    }
+    assert!(!dir.sock().exists(), "the socket is removed at exit");
+}
+
+/// The pattern `clients/python/decoder_check.py` checks: byte `j` of chunk
+/// `i` is `(i * 31 + j) & 0xff`.
+fn store_for_python(s: &Sender, endpoint: &str, req_id: &str, n: usize, last: usize) {
+    let spec = TransferSpec::new(req_id, endpoint, n, true);
+    let keys: Vec<String> = (0..n).map(|i| format!("{req_id}/{i:03}")).collect();
+    let bufs: Vec<Vec<u8>> = (0..n)
+        .map(|i| {
+            let len = if i + 1 == n { last } else { CHUNK as usize };
+            (0..len).map(|j| ((i * 31 + j) & 0xff) as u8).collect()
+        })
+        .collect();
+    let chunks: Vec<&[u8]> = bufs.iter().map(Vec::as_slice).collect();
+    s.store(&spec, &keys, &chunks).expect("stored");
+}
+
+fn python_decoder(sock: &Path, req: &str, n: usize, last: usize, mode: &str) -> ChildProc {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/python");
+    let mut child = Command::new("python3")
+        .arg(dir.join("decoder_check.py"))
+        .arg(sock)
+        .args([req, &n.to_string(), &last.to_string(), mode])
+        .env("PYTHONPATH", &dir)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3 runs");
+    let lines = lines_of(child.stdout.take().unwrap());
+    ChildProc { child, lines }
+}
+
+#[test]
+fn the_python_client_reads_every_byte_from_the_receiver_binary_and_a_killed_one_releases() {
+    let dir = TempDir::new();
+    let shm = dir.0.join("buf");
+    let (mut recv, endpoint) = spawn_receiver_binary(&dir.sock(), &shm);
+    let s = sender(sender_cfg(8, None));
+    let mut py = python_decoder(&dir.sock(), "py-1", 3, 123, "release");
+    py.expect_line("ATTACH:subscribed");
+    store_for_python(&s, &endpoint, "py-1", 3, 123);
+    py.expect_line("ATTACH:ok");
+    py.wait_success("python decoder");
+    // A Python holder takes all 4 slots and is SIGKILLed; a second request
+    // of 4 chunks is delivered only if its slots came back.
+    let mut holder = python_decoder(&dir.sock(), "py-held", 4, 10, "hold");
+    holder.expect_line("ATTACH:subscribed");
+    store_for_python(&s, &endpoint, "py-held", 4, 10);
+    holder.expect_line("ATTACH:holding");
+    holder.sigkill();
+    let mut py2 = python_decoder(&dir.sock(), "py-2", 4, CHUNK as usize, "release");
+    py2.expect_line("ATTACH:subscribed");
+    store_for_python(&s, &endpoint, "py-2", 4, CHUNK as usize);
+    py2.expect_line("ATTACH:ok");
+    py2.wait_success("python decoder after the kill");
+    recv.sigkill();
+}
+
+#[test]
+fn the_daemon_replaces_a_stale_socket_but_never_a_live_one_or_a_file() {
+    let dir = TempDir::new();
+    let r = Arc::new(receiver(4));
+    // A regular file at the path: refused, left alone.
+    std::fs::write(dir.sock(), b"precious").unwrap();
+    assert!(DecoderDaemon::start(Arc::clone(&r), AttachConfig::new(dir.sock())).is_err());
+    assert_eq!(std::fs::read(dir.sock()).unwrap(), b"precious");
+    std::fs::remove_file(dir.sock()).unwrap();
+    // A stale socket (nobody listens): replaced.
+    drop(std::os::unix::net::UnixListener::bind(dir.sock()).unwrap());
+    let d = daemon(&r, &dir.sock(), |_| {});
+    // A live daemon's socket: refused, and the live one still serves.
+    assert!(DecoderDaemon::start(Arc::clone(&r), AttachConfig::new(dir.sock())).is_err());
+    let _c = connect(&dir.sock());
+    wait_for("the live daemon's session", || d.clients() == 1);
+}

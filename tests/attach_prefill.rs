@@ -1,0 +1,561 @@
+//! Prefill attach (`docs/attach.md`): a worker process attached to a
+//! sender daemon fills staging slots in place and submits them with their
+//! keys; the receiver holds every byte it wrote. A worker killed with
+//! SIGKILL mid-request gets its requests cancelled and its staging back
+//! (sender and receiver end holding nothing). Hostile submissions are
+//! refused and change nothing. Children are this test binary re-executed
+//! (role in an env var). Every wait has a deadline.
+#![cfg(not(feature = "shuttle-model"))]
+
+#[path = "common_sender/mod.rs"]
+mod common_sender;
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{mpsc, Arc};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use common_sender::{
+    deadline, key, receiver, sender, sender_cfg, unique, wait_for, wait_receiver_empty,
+    wait_sender_empty, CHUNK, WAIT,
+};
+use kvferry::attach::layout::{PrefillSubmit, OP_KEY, OP_SUBMIT};
+use kvferry::attach::{
+    AttachConfig, PrefillClient, PrefillDaemon, PrefillEvent, Refusal, StagedSlots,
+};
+use kvferry::protocol::ErrorCode;
+use kvferry::receiver::Receiver;
+use kvferry::sender::Sender;
+
+const ROLE: &str = "KVFERRY_PREFILL_ROLE";
+const SOCK: &str = "KVFERRY_PREFILL_SOCK";
+const REQ: &str = "KVFERRY_PREFILL_REQ";
+const COUNT: &str = "KVFERRY_PREFILL_COUNT";
+/// Request number used in the keys (kvferry key format).
+const REQUEST: u64 = 7;
+
+/// Chunk `i` of `n` of `req_id`: full [`CHUNK`] bytes but the last (half a
+/// chunk); content depends on the request and the index.
+fn chunk(req_id: &str, i: usize, n: usize) -> Vec<u8> {
+    let len = if i + 1 == n {
+        CHUNK as usize / 2 + 3
+    } else {
+        CHUNK as usize
+    };
+    let seed = req_id
+        .bytes()
+        .fold((i as u32).wrapping_mul(2_654_435_761), |a, b| {
+            a.rotate_left(5) ^ u32::from(b)
+        });
+    (0..len)
+        .map(|j| (seed.wrapping_add(j as u32).wrapping_mul(0x9e37_79b9) >> 24) as u8)
+        .collect()
+}
+
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> Self {
+        let d = std::env::temp_dir().join(unique("kvferry-prefill"));
+        std::fs::create_dir_all(&d).unwrap();
+        TempDir(d)
+    }
+    fn sock(&self) -> PathBuf {
+        self.0.join("prefill.sock")
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+struct Setup {
+    r: Arc<Receiver>,
+    s: Arc<Sender>,
+    d: PrefillDaemon,
+    _dir: TempDir,
+}
+
+fn setup(staging: usize) -> Setup {
+    let dir = TempDir::new();
+    let r = Arc::new(receiver(64));
+    let s = Arc::new(sender(sender_cfg(staging, None)));
+    let d = PrefillDaemon::start(
+        Arc::clone(&s),
+        vec![r.endpoint().to_owned()],
+        AttachConfig::new(dir.sock()),
+    )
+    .expect("daemon starts");
+    Setup { r, s, d, _dir: dir }
+}
+
+fn next(c: &mut PrefillClient, what: &str) -> PrefillEvent {
+    c.next_event(deadline())
+        .unwrap_or_else(|e| panic!("no event for {what}: {e}"))
+}
+
+fn staged(c: &mut PrefillClient, what: &str) -> StagedSlots {
+    match next(c, what) {
+        PrefillEvent::Staged(b) => b,
+        other => panic!("{what}: expected STAGED, got {other:?}"),
+    }
+}
+
+/// Fills `b` with chunks `first..first + b.len()` of `req_id` and submits.
+fn fill_and_submit(c: &mut PrefillClient, b: StagedSlots, req_id: &str, first: usize, n: usize) {
+    let mut keys = Vec::new();
+    let mut lens = Vec::new();
+    for j in 0..b.len() {
+        let i = first + j;
+        let data = chunk(req_id, i, n);
+        c.slot_mut(&b, j).expect("held slot")[..data.len()].copy_from_slice(&data);
+        keys.push(key(req_id, REQUEST, i as u32, n as u32));
+        lens.push(data.len() as u32);
+    }
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    c.submit(b, &keys, &lens).expect("submitted");
+}
+
+/// The re-executed child: attach, write the request in two batches and
+/// wait for DONE ("worker"), or submit one batch, stage another and hang
+/// until killed ("holder").
+fn child_main(role: &str) {
+    let sock = PathBuf::from(std::env::var(SOCK).unwrap());
+    let req = std::env::var(REQ).unwrap();
+    let n: usize = std::env::var(COUNT).unwrap().parse().unwrap();
+    let mut c = PrefillClient::connect(&sock, WAIT).expect("child attaches");
+    let tag = c.begin(&req, 0, n as u32).unwrap();
+    let half = n / 2;
+    c.stage(tag, half as u32).unwrap();
+    let b = staged(&mut c, "first batch");
+    fill_and_submit(&mut c, b, &req, 0, n);
+    c.stage(tag, (n - half) as u32).unwrap();
+    let b = staged(&mut c, "second batch");
+    if role == "holder" {
+        println!("HOLDING");
+        thread::sleep(WAIT * 2);
+        panic!("holder was not killed");
+    }
+    fill_and_submit(&mut c, b, &req, half, n);
+    match next(&mut c, "DONE") {
+        PrefillEvent::Done { tag: t } => assert_eq!(t, tag),
+        other => panic!("expected DONE, got {other:?}"),
+    }
+    println!("WORKER DONE");
+}
+
+struct ChildProc {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+}
+
+impl ChildProc {
+    fn spawn(test: &str, role: &str, sock: &Path, req: &str, n: usize) -> Self {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", test, "--nocapture", "--test-threads=1"])
+            .env(ROLE, role)
+            .env(SOCK, sock)
+            .env(REQ, req)
+            .env(COUNT, n.to_string())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        thread::spawn(move || {
+            for l in BufReader::new(out).lines() {
+                let Ok(l) = l else { break };
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        ChildProc { child, lines }
+    }
+
+    fn expect_line(&self, marker: &str) {
+        let end = deadline();
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) if l.contains(marker) => return,
+                Ok(_) => {}
+                Err(_) => panic!("child never printed {marker:?} within {WAIT:?}"),
+            }
+        }
+    }
+
+    fn wait_success(&mut self, what: &str) {
+        let end = deadline();
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                assert!(st.success(), "{what}: child failed with {st}");
+                return;
+            }
+            assert!(Instant::now() < end, "{what}: child hung (killed)");
+            thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for ChildProc {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Checks every byte of `req_id` at the receiver, then releases it.
+fn verify_at_receiver(r: &Receiver, req_id: &str, n: usize) {
+    r.wait_ready(req_id, deadline())
+        .unwrap_or_else(|e| panic!("{req_id} never ready at the receiver: {e}"));
+    let mut held = Vec::new();
+    for i in 0..n {
+        let k = key(req_id, REQUEST, i as u32, n as u32);
+        let c = r.get(&k).unwrap_or_else(|| panic!("key {k} not held"));
+        assert!(
+            c.bytes() == chunk(req_id, i, n).as_slice(),
+            "chunk {i} of {req_id} differs at the receiver"
+        );
+        held.push(c);
+    }
+}
+
+#[test]
+fn a_worker_process_fills_staging_in_place_and_the_receiver_holds_every_byte() {
+    if let Ok(role) = std::env::var(ROLE) {
+        return child_main(&role);
+    }
+    let t = setup(16);
+    let req = unique("pf");
+    let n = 10;
+    let mut w = ChildProc::spawn(
+        "a_worker_process_fills_staging_in_place_and_the_receiver_holds_every_byte",
+        "worker",
+        t.d.socket(),
+        &req,
+        n,
+    );
+    verify_at_receiver(&t.r, &req, n);
+    w.expect_line("WORKER DONE");
+    w.wait_success("worker");
+    wait_sender_empty(&t.s, "after the worker's request");
+    wait_for("the session to end", || t.d.clients() == 0);
+    wait_receiver_empty(&t.r, "after the decoder released the request");
+}
+
+#[test]
+fn sigkill_of_a_worker_mid_request_cancels_it_and_returns_its_staging() {
+    if let Ok(role) = std::env::var(ROLE) {
+        return child_main(&role);
+    }
+    let t = setup(16);
+    let req = unique("pk");
+    let n = 8;
+    let mut w = ChildProc::spawn(
+        "sigkill_of_a_worker_mid_request_cancels_it_and_returns_its_staging",
+        "holder",
+        t.d.socket(),
+        &req,
+        n,
+    );
+    w.expect_line("HOLDING");
+    // It holds half the request's slots staged and unsubmitted.
+    assert!(t.s.staging_in_use() > 0, "the holder's batch holds staging");
+    w.child.kill().unwrap();
+    let _ = w.child.wait();
+    wait_for("the session to end", || t.d.clients() == 0);
+    let st =
+        t.s.wait(&req, deadline())
+            .expect("sender knows the request");
+    assert!(
+        st.is_terminal() && !matches!(st, kvferry::sender::RequestStatus::Completed),
+        "the killed worker's request ends cancelled, not {st:?}"
+    );
+    wait_sender_empty(&t.s, "after the worker was killed");
+    assert_eq!(t.s.active_requests(), 0);
+    wait_receiver_empty(&t.r, "after the worker was killed");
+}
+
+#[test]
+fn hostile_submissions_are_refused_and_change_nothing() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let t = setup(8);
+    let mut a = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
+    let mut b = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
+    let req = unique("ph");
+    let n = 4;
+    let ta = a.begin(&req, 0, n as u32).unwrap();
+    // Its STAGED proves the BEGIN was served (sessions run on their own
+    // threads).
+    a.stage(ta, n as u32).unwrap();
+    let batch = staged(&mut a, "a's batch");
+    // Same req_id from another worker: the sender refuses the duplicate.
+    let tb = b.begin(&req, 0, n as u32).unwrap();
+    match next(&mut b, "duplicate BEGIN") {
+        PrefillEvent::Refused { tag, reason } => {
+            assert_eq!((tag, reason), (tb, Some(Refusal::SenderRefused)))
+        }
+        other => panic!("expected REFUSED, got {other:?}"),
+    }
+    // Unknown receiver index; STAGE/SUBMIT/CANCEL of a tag b does not own.
+    let tx = b.begin("other", 5, 1).unwrap();
+    let refused = |c: &mut PrefillClient, want: Refusal, what: &str| match next(c, what) {
+        PrefillEvent::Refused { reason, .. } => assert_eq!(reason, Some(want), "{what}"),
+        other => panic!("{what}: expected REFUSED, got {other:?}"),
+    };
+    refused(&mut b, Refusal::UnknownReceiver, "receiver index 5");
+    let _ = tx;
+    b.submit_raw(PrefillSubmit::of(OP_SUBMIT, ta, 1, 1, 0))
+        .unwrap();
+    refused(&mut b, Refusal::UnknownTag, "SUBMIT of a's tag");
+    b.submit_raw(PrefillSubmit::of(99, ta, 0, 0, 0)).unwrap();
+    refused(&mut b, Refusal::BadOp, "unknown op");
+    // a's request is untouched: a bad KEY is refused, then it completes.
+    a.submit_raw(PrefillSubmit::with_text(OP_KEY, ta, 12345, 0, 10, "k").unwrap())
+        .unwrap();
+    refused(&mut a, Refusal::BadBatch, "KEY of a batch not held");
+    // Too large a STAGE for the staging buffer: the sender refuses it.
+    a.stage(ta, 1000).unwrap();
+    refused(
+        &mut a,
+        Refusal::SenderRefused,
+        "STAGE past the staging buffer",
+    );
+    fill_and_submit(&mut a, batch, &req, 0, n);
+    match next(&mut a, "a's DONE") {
+        PrefillEvent::Done { tag } => assert_eq!(tag, ta),
+        other => panic!("expected DONE, got {other:?}"),
+    }
+    verify_at_receiver(&t.r, &req, n);
+    wait_sender_empty(&t.s, "after the hostile test");
+}
+
+#[test]
+fn a_cancel_reports_failed_cancelled_and_frees_the_batch() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let t = setup(8);
+    let mut a = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
+    let req = unique("pc");
+    let tag = a.begin(&req, 0, 4).unwrap();
+    a.stage(tag, 2).unwrap();
+    let _b = staged(&mut a, "batch");
+    assert_eq!(t.s.staging_in_use(), 2);
+    a.cancel(tag).unwrap();
+    match next(&mut a, "FAILED") {
+        PrefillEvent::Failed { tag: t2, code } => {
+            assert_eq!((t2, code), (tag, Some(ErrorCode::Cancelled)))
+        }
+        other => panic!("expected FAILED, got {other:?}"),
+    }
+    wait_sender_empty(&t.s, "after the cancel");
+    wait_receiver_empty(&t.r, "after the cancel");
+}
+
+const BIN: &str = env!("CARGO_BIN_EXE_kvferry");
+
+/// Starts the kvferry binary with `args`; waits for its `announce` line
+/// (and returns the rest of it) and its "attach on" line.
+fn spawn_binary(args: &[&str], role: &str, announce: &str) -> (ChildProc, String) {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("kvferry starts");
+    let out = child.stdout.take().unwrap();
+    let (tx, lines) = mpsc::channel();
+    thread::spawn(move || {
+        for l in BufReader::new(out).lines() {
+            let Ok(l) = l else { break };
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    let p = ChildProc { child, lines };
+    let (mut found, mut attach) = (None, false);
+    let end = deadline();
+    while found.is_none() || !attach {
+        let left = end.saturating_duration_since(Instant::now());
+        let l = p
+            .lines
+            .recv_timeout(left)
+            .unwrap_or_else(|_| panic!("kvferry {role} did not announce itself in {WAIT:?}"));
+        if let Some(e) = l.strip_prefix(announce) {
+            found = Some(e.to_owned());
+        }
+        if l.starts_with(&format!("kvferry {role} attach on ")) {
+            attach = true;
+        }
+    }
+    (p, found.unwrap())
+}
+
+fn python(script: &str, args: &[&str]) -> ChildProc {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/python");
+    let mut child = Command::new("python3")
+        .arg(dir.join(script))
+        .args(args)
+        .env("PYTHONPATH", &dir)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3 runs");
+    let out = child.stdout.take().unwrap();
+    let (tx, lines) = mpsc::channel();
+    thread::spawn(move || {
+        for l in BufReader::new(out).lines() {
+            let Ok(l) = l else { break };
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    ChildProc { child, lines }
+}
+
+/// Byte `j` of chunk `i` is `(i * 31 + j) & 0xff` (what
+/// `clients/python/decoder_check.py` checks).
+fn python_pattern(i: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|j| ((i * 31 + j) & 0xff) as u8).collect()
+}
+
+#[test]
+fn python_and_rust_prefill_workers_feed_a_python_decoder_through_both_binaries() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let dir = TempDir::new();
+    let rsock = dir.0.join("recv.sock");
+    let ssock = dir.0.join("send.sock");
+    let shm = dir.0.join("buf");
+    let chunk = CHUNK.to_string();
+    let (_recv, endpoint) = spawn_binary(
+        &[
+            "receiver",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--capacity-chunks",
+            "8",
+            "--chunk-bytes",
+            &chunk,
+            "--attach",
+            rsock.to_str().unwrap(),
+            "--shm-path",
+            shm.to_str().unwrap(),
+        ],
+        "receiver",
+        "kvferry receiver listening on ",
+    );
+    let (_send, _) = spawn_binary(
+        &[
+            "sender",
+            "--connect",
+            &endpoint,
+            "--chunk-bytes",
+            &chunk,
+            "--staging-slots",
+            "8",
+            "--attach",
+            ssock.to_str().unwrap(),
+        ],
+        "sender",
+        "kvferry sender attach on ",
+    );
+    let rs = rsock.to_str().unwrap();
+    let ss = ssock.to_str().unwrap();
+    // A Python prefill worker writes; a Python decoder reads every byte.
+    let mut dec = python("decoder_check.py", &[rs, "pyp-1", "5", "777", "release"]);
+    dec.expect_line("ATTACH:subscribed");
+    let mut pf = python("prefill_check.py", &[ss, "pyp-1", "5", "777"]);
+    pf.expect_line("PREFILL:ok");
+    pf.wait_success("python prefill worker");
+    dec.expect_line("ATTACH:ok");
+    dec.wait_success("python decoder");
+    // The Rust client writes the same pattern; the Python decoder checks it.
+    let mut dec = python("decoder_check.py", &[rs, "pyp-2", "3", "100", "release"]);
+    dec.expect_line("ATTACH:subscribed");
+    let mut c = PrefillClient::connect(&ssock, WAIT).expect("rust worker attaches");
+    assert_eq!(c.hello().receivers, 1);
+    let tag = c.begin("pyp-2", 0, 3).unwrap();
+    c.stage(tag, 3).unwrap();
+    let b = staged(&mut c, "rust worker's batch");
+    let mut lens = Vec::new();
+    for i in 0..3 {
+        let len = if i == 2 { 100 } else { CHUNK as usize };
+        c.slot_mut(&b, i).unwrap()[..len].copy_from_slice(&python_pattern(i, len));
+        lens.push(len as u32);
+    }
+    let keys: Vec<String> = (0..3).map(|i| format!("pyp-2/{i:03}")).collect();
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    c.submit(b, &keys, &lens).unwrap();
+    match next(&mut c, "rust worker's DONE") {
+        PrefillEvent::Done { tag: t } => assert_eq!(t, tag),
+        other => panic!("expected DONE, got {other:?}"),
+    }
+    dec.expect_line("ATTACH:ok");
+    dec.wait_success("python decoder of the rust worker's request");
+}
+
+#[test]
+fn a_batch_held_when_its_request_fails_stays_the_workers_until_it_acknowledges() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let t = setup(8);
+    let mut a = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
+    let req = unique("pe");
+    let tag = a.begin(&req, 0, 4).unwrap();
+    a.stage(tag, 3).unwrap();
+    let b = staged(&mut a, "batch");
+    // The request ends behind the worker's back (here: cancelled in the
+    // sender's process) while the worker may still be writing its slots.
+    assert!(t.s.cancel_request(&req));
+    let st = t.s.wait(&req, deadline()).expect("sender knows it");
+    assert!(st.is_terminal(), "cancel ends the request, not {st:?}");
+    assert_eq!(
+        t.s.staging_in_use(),
+        3,
+        "the slots stay the worker's until it has seen the end"
+    );
+    match next(&mut a, "FAILED") {
+        PrefillEvent::Failed { tag: t2, code } => {
+            assert_eq!((t2, code), (tag, Some(ErrorCode::Cancelled)))
+        }
+        other => panic!("expected FAILED, got {other:?}"),
+    }
+    assert!(a.slot_mut(&b, 0).is_none(), "no writes after the end");
+    // The client acknowledged with CANCEL: now the slots go back.
+    wait_sender_empty(&t.s, "after the acknowledgement");
+}
+
+#[test]
+fn a_worker_cannot_resize_the_staging_buffer_under_the_sender() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let t = setup(4);
+    let c = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&c.hello().buffer_path)
+        .expect("the worker opens the staging file");
+    let len = f.metadata().unwrap().len();
+    assert_eq!(len, 4 * CHUNK);
+    assert!(
+        f.set_len(0).is_err(),
+        "shrinking is sealed (SIGBUS in the sender otherwise)"
+    );
+    assert!(f.set_len(len * 2).is_err(), "growing is sealed");
+    assert_eq!(f.metadata().unwrap().len(), len);
+}
