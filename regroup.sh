@@ -37,8 +37,9 @@ import os, re, subprocess, textwrap
 # group -> (doc of the group module, [module, ...])
 GROUPS = {
     "control": ("The control plane: the wire protocol, the proxy listener, "
-                "the receiver (decode side) and the sender (prefill side).",
-                ["protocol", "proxy", "receiver", "sender"]),
+                "the receiver (decode side), the sender (prefill side) and attach "
+                "(other processes reaching both through shared-memory rings).",
+                ["attach", "protocol", "proxy", "receiver", "sender"]),
     "primitives": ("Engine primitives the control plane is built from: the "
                    "admission ledger, the slot allocator, the staging buffer, "
                    "the receive region, cancellation, bounded recent maps, "

@@ -75,36 +75,39 @@
 /// The one spin → yield → park policy (it lives in the ring crate, which
 /// depends on nothing else in kvferry).
 pub(crate) use kvferry_ring::backoff;
-pub mod attach;
-pub mod cancel;
+// Files are grouped by layer under src/<group>/ (regroup.sh); the
+// module paths stay flat: each module is re-exported here.
+mod app;
+mod control;
+mod primitives;
+mod telemetry;
+mod util;
 #[cfg(feature = "cli")]
-pub mod cli;
-mod eventfd;
-pub mod ledger;
-pub(crate) mod log_budget;
-pub mod metrics;
-pub mod protocol;
-pub mod proxy;
-pub mod receiver;
-/// Byte-bounded "recently seen" maps; internal (not a stable API).
-#[doc(hidden)]
-pub mod recent;
-pub mod region;
+pub use app::cli;
 #[cfg(feature = "cli")]
-pub mod runner;
-pub mod sender;
-pub mod slots;
-pub mod staging;
-pub mod stats;
-mod sync;
-/// Named, optionally pinned threads; internal (not a stable API).
+pub use app::runner;
+pub use control::attach;
+pub use control::protocol;
+pub use control::proxy;
+pub use control::receiver;
+pub use control::sender;
+pub use primitives::cancel;
+use primitives::eventfd;
+pub use primitives::ledger;
 #[doc(hidden)]
-pub mod threads;
+pub use primitives::recent;
+pub use primitives::region;
+pub use primitives::slots;
+pub use primitives::staging;
+use primitives::sync;
+pub use telemetry::metrics;
+pub use telemetry::stats;
+pub(crate) use util::log_budget;
+#[doc(hidden)]
+pub use util::threads;
+#[doc(hidden)]
+pub use util::zmq_io;
 pub mod transport;
-/// The process-wide ZMQ context and the socket plumbing; public only for
-/// the integration tests' raw sockets.
-#[doc(hidden)]
-pub mod zmq_io;
 
 // The types a user names, at the root.
 pub use protocol::{Descriptor, ErrorCode, Limits};

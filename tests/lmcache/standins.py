@@ -33,7 +33,7 @@ else imported is LMCache 0.5.6 as published on PyPI):
    torch. The stand-in hands out fixed-size slots of one buffer; a slot's
    `meta.address` is its index (what LMCache's receiver puts in
    `remote_indexes`). Optionally the buffer is a kvferry buffer file
-   (header + slots, docs of `src/region.rs`) so a kvferry sender can write
+   (header + slots, docs of `src/primitives/region.rs`) so a kvferry sender can write
    into it with its shm data plane. Memory objects carry LMCache's real
    `MemoryObjMetadata` and `MemoryFormat`.
 6. The transfer channel (`pd_backend_async.CreateTransferChannel`,
@@ -164,7 +164,7 @@ KVF_DATA_OFFSET = 4096
 
 
 def create_kvferry_buffer(path, chunk_bytes, capacity):
-    """Creates a kvferry buffer file (layout of src/region.rs)."""
+    """Creates a kvferry buffer file (layout of src/primitives/region.rs)."""
     with open(path, "wb") as f:
         f.write(KVF_MAGIC + struct.pack("<IIQQQ", 1, 0, chunk_bytes, capacity, KVF_DATA_OFFSET))
         f.truncate(KVF_DATA_OFFSET + chunk_bytes * capacity)

@@ -1,5 +1,5 @@
 //! A stateright model of kvferry's admission protocol: N senders (the rules
-//! of src/sender, transcribed), one receiver (the real
+//! of src/control/sender, transcribed), one receiver (the real
 //! `kvferry::receiver::core::ReceiverCore`, rebuilt from the log of its
 //! inputs), FIFO channels per sender↔receiver pair in each direction, a
 //! transport that completes posted writes in any order, a decoder and a

@@ -1,4 +1,4 @@
-//! The sender's rules, transcribed from src/sender/{mod,ctrl,poll}.rs (the
+//! The sender's rules, transcribed from src/control/sender/{mod,ctrl,poll}.rs (the
 //! engine has no pure sender core). Each function names the engine function
 //! it mirrors; docs/model-check.md maps them line by line.
 

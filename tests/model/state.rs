@@ -19,7 +19,7 @@ pub enum Status {
     Failed,
 }
 
-/// `ReqState` of src/sender/table.rs.
+/// `ReqState` of src/control/sender/table.rs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum RState {
     /// First AllocRequest not yet answered.
@@ -59,7 +59,7 @@ pub struct SBatch {
     pub writes: Vec<(u8, u8)>,
 }
 
-/// One request on the sender (`Req` of src/sender/table.rs).
+/// One request on the sender (`Req` of src/control/sender/table.rs).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct SReq {
     pub state: RState,
@@ -82,7 +82,7 @@ pub struct SReq {
     pub batches: Vec<SBatch>,
 }
 
-/// What an unanswered message was (`Outstanding` of src/sender/peer.rs).
+/// What an unanswered message was (`Outstanding` of src/control/sender/peer.rs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Out {
     /// AllocRequest of `(req, batch)`.

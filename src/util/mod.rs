@@ -1,0 +1,13 @@
+//! Plumbing: named threads and pinning, the ZMQ context and reactor,
+//! rate-limited logging.
+
+pub(crate) mod log_budget;
+
+/// Named, optionally pinned threads; internal (not a stable API).
+#[doc(hidden)]
+pub mod threads;
+
+/// The process-wide ZMQ context and the socket plumbing; public only for
+/// the integration tests' raw sockets.
+#[doc(hidden)]
+pub mod zmq_io;
