@@ -1406,14 +1406,23 @@ impl Ctrl {
     }
 
     /// Records a terminal status; callbacks run after the lock is released.
-    /// A request that ends failed or cancelled tells the proxy (once).
+    /// A request to a kvferry receiver that ends failed or cancelled tells
+    /// the proxy (once).
     fn finish(&mut self, t: &mut Table, req_id: &str, status: RequestStatus) {
         let receiver = t.reqs.get(req_id).map(|r| r.receiver.clone());
         let live = t
             .reqs
             .get(req_id)
             .is_some_and(|r| !matches!(r.state, ReqState::Done(_)));
-        if live {
+        // ProxyFailed is a kvferry extension: only a receiver that answered
+        // Hello proves a kvferry deployment. A sender talking to an LMCache
+        // receiver serves an LMCache proxy, whose strict decoders would
+        // refuse the unknown tag (tests/lmcache: kvferry_sender_vs_lmcache_receiver).
+        let kvferry_peer = receiver
+            .as_ref()
+            .and_then(|e| self.peer_by_endpoint.get(e))
+            .is_some_and(|&i| matches!(self.peers[i].mode, Mode::Extended | Mode::Reconnecting));
+        if live && kvferry_peer {
             match &status {
                 RequestStatus::Failed { code, reason } => self.notify_failed(req_id, *code, reason),
                 RequestStatus::Cancelled => {

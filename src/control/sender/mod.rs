@@ -66,8 +66,8 @@ pub struct SenderConfig {
     /// The proxy's PULL endpoint for ProxyNotif (none: no notifications).
     pub proxy: Option<String>,
     /// Also push a `ProxyFailed` (kvferry extension) to the proxy when a
-    /// request fails or is cancelled, so the router stops waiting for it
-    /// (default `true`). Turn off for a proxy whose decoder stops at an
+    /// request to a kvferry receiver (one that answered `Hello`) fails or is
+    /// cancelled, so the router stops waiting for it (default `true`). Turn off for a proxy whose decoder stops at an
     /// unknown message type (docs/protocol.md, "ProxyFailed").
     pub proxy_failures: bool,
     /// Staging slots (each `chunk_bytes`); must hold the largest batch.
