@@ -20,10 +20,14 @@ use crate::stats::{Counter, Stage};
 use crate::transport::{PeerIndex, Poster, RemoteBuffer, WriteOp};
 use crate::zmq_io::{readable, Reactor};
 
+use super::core::{AbortStep, ReplyStep, Rules};
 use super::peer::{Mode, Outstanding, Peer};
 use super::table::{BatchData, InFlight, ReqState, Table};
 use super::wire::AllocRequestRef;
 use super::{RequestStatus, Shared};
+
+/// The engine's sender rules (the model check also runs others).
+const RULES: Rules = Rules::KVFERRY;
 
 /// Longest sleep with no timer due (a safety net; real work wakes the thread).
 const MAX_SLEEP: Duration = Duration::from_secs(3600);
@@ -231,10 +235,7 @@ impl Ctrl {
                 let t = self.shared.table.lock();
                 t.reqs
                     .values()
-                    .filter(|r| {
-                        r.receiver == endpoint
-                            && matches!(r.state, ReqState::Pending | ReqState::Admitted)
-                    })
+                    .filter(|r| r.receiver == endpoint && r.p.state.live())
                     .map(|r| r.req_id.clone())
                     .collect()
             };
@@ -273,7 +274,7 @@ impl Ctrl {
                 let ep = &self.peers[i].endpoint;
                 t.reqs
                     .values()
-                    .any(|r| &r.receiver == ep && matches!(r.state, ReqState::Aborting(_)))
+                    .any(|r| &r.receiver == ep && matches!(r.p.state, ReqState::Aborting(_)))
             };
             if !aborting {
                 self.rehello(i);
@@ -367,13 +368,10 @@ impl Ctrl {
         let Some(req_id) = t.batches.get(&id).map(|b| b.req_id.clone()) else {
             return;
         };
-        let live = t
-            .reqs
-            .get(&req_id)
-            .is_some_and(|r| matches!(r.state, ReqState::Pending | ReqState::Admitted));
+        let live = t.reqs.get(&req_id).is_some_and(|r| r.p.state.live());
         if live {
             if let Some(r) = t.reqs.get_mut(&req_id) {
-                r.queued.push_back(id);
+                r.p.queued.push_back(id);
             }
         } else if let Some(b) = t.batches.remove(&id) {
             self.release_data(b.data, b.bytes);
@@ -577,9 +575,7 @@ impl Ctrl {
                 continue;
             }
             let idle = match p.mode {
-                Mode::Legacy => {
-                    p.fifo.is_empty() && p.waiting.is_empty() && p.legacy_active.is_none()
-                }
+                Mode::Legacy => p.fifo.is_empty() && p.waiting.is_empty() && p.turn.is_free(),
                 _ => true, // Failed
             };
             if late.ack.is_none() || !idle {
@@ -771,37 +767,19 @@ impl Ctrl {
         let Some(mut b) = t.batches.remove(&id) else {
             return;
         };
-        let req_id = b.req_id.clone();
-        self.dirty.insert(req_id.clone());
-        let Some(r) = t.reqs.get_mut(&req_id) else {
+        self.dirty.insert(b.req_id.clone());
+        let Some(r) = t.reqs.get_mut(&b.req_id) else {
             drop(t);
             return self.release_data(b.data, b.bytes);
         };
-        r.awaiting_reply = r.awaiting_reply.saturating_sub(1);
-        let n = b.keys.len();
         let capacity = self.peers[i]
             .remote
             .as_ref()
             .map_or(0, |rb| rb.capacity_chunks);
-        let super::reply::Mapped {
-            remote: remote_pos,
-            already_sent: dedup,
-        } = match super::reply::map_reply(n, capacity, &resp) {
-            Ok(m) => m,
-            Err((code, reason)) => {
-                debug!(req_id = %req_id, code = code.as_str(), %reason, "batch refused; aborting the request");
-                r.abort_with(RequestStatus::Failed { code, reason });
-                drop(t);
-                return self.release_data(b.data, b.bytes);
-            }
-        };
-        if !matches!(r.state, ReqState::Pending | ReqState::Admitted) {
-            // Aborting: the receiver's slots go back with the CancelNotif.
-            drop(t);
-            return self.release_data(b.data, b.bytes);
-        }
-        if r.state == ReqState::Pending {
-            r.admit();
+        let n = b.keys.len();
+        let reply = r.p.on_reply(id, n, b.is_last, capacity, &resp);
+        if reply.admitted {
+            r.signal.set_admitted();
             if let Some(sent) = r.first_sent_at {
                 self.shared
                     .stats
@@ -809,41 +787,39 @@ impl Ctrl {
             }
             self.shared.stats.inc(Counter::Admitted);
         }
-        r.completed_chunks += dedup.len();
-        if b.is_last {
-            r.last_replied = true;
-        }
+        let (remote, dedup) = match reply.step {
+            ReplyStep::Abort => {
+                r.aborted();
+                drop(t);
+                return self.release_data(b.data, b.bytes);
+            }
+            ReplyStep::Release => {
+                drop(t);
+                return self.release_data(b.data, b.bytes);
+            }
+            ReplyStep::Write { remote, dedup } => (remote, dedup),
+        };
         let writes: SmallVec<[u32; 16]> = (0..n as u32)
             .filter(|j| !dedup.contains(&(*j as usize)))
             .collect();
-        if writes.is_empty() {
-            drop(t);
-            return self.release_data(b.data, b.bytes);
-        }
-        // Dedup'd chunks release their staging at once.
-        if let BatchData::Staged(set) = &mut b.data {
-            if !dedup.is_empty() {
+        match &mut b.data {
+            // Dedup'd chunks release their staging at once.
+            BatchData::Staged(set) if !dedup.is_empty() => {
                 let slots = set.as_slice();
                 let freed = crate::slots::SlotSet::from_slots(dedup.iter().map(|&j| slots[j]));
                 let kept =
                     crate::slots::SlotSet::from_slots(writes.iter().map(|&j| slots[j as usize]));
                 self.free_staging(freed);
                 *set = kept;
-                let lens: SmallVec<[u32; 16]> =
-                    writes.iter().map(|&j| b.lens[j as usize]).collect();
-                let remote: Vec<i64> = writes.iter().map(|&j| remote_pos[j as usize]).collect();
-                b.lens = lens;
-                b.remote = remote;
+                b.lens = writes.iter().map(|&j| b.lens[j as usize]).collect();
+                b.remote = writes.iter().map(|&j| remote[j as usize]).collect();
                 b.writes = (0..writes.len() as u32).collect();
-            } else {
-                b.remote = remote_pos;
+            }
+            _ => {
+                b.remote = remote;
                 b.writes = writes;
             }
-        } else {
-            b.remote = remote_pos;
-            b.writes = writes;
         }
-        r.unstaged.push_back(id);
         t.batches.insert(id, b);
     }
 
@@ -858,14 +834,14 @@ impl Ctrl {
                     Some(&i) => Ok(i),
                     None => Err(r.receiver.clone()),
                 };
-                (r.state.clone(), peer)
+                (r.p.state.clone(), peer)
             })
         }) else {
             return;
         };
         match state {
             ReqState::Done(_) => {}
-            ReqState::Aborting(status) => self.progress_abort(req_id, status),
+            ReqState::Aborting(_) => self.progress_abort(req_id),
             ReqState::Pending | ReqState::Admitted => {
                 let i = match peer.or_else(|receiver| self.peer_for(&receiver)) {
                     Ok(i) => i,
@@ -878,7 +854,7 @@ impl Ctrl {
                         // all landed before the loss still completes.
                         let complete = {
                             let t = self.shared.table.lock();
-                            t.reqs.get(req_id).is_some_and(|r| r.is_complete())
+                            t.reqs.get(req_id).is_some_and(|r| r.p.is_complete())
                         };
                         if complete {
                             self.progress_live(req_id, i);
@@ -916,57 +892,40 @@ impl Ctrl {
         let legacy = self.peers[i].mode == Mode::Legacy;
         let shared = Arc::clone(&self.shared);
         let mut t = shared.table.lock();
-        let Some(r) = t.reqs.get(req_id) else { return };
-        let admitted = r.state == ReqState::Admitted;
         // 1. Send what may be sent.
-        let sendable = if admitted {
-            r.queued.len()
-        } else if !r.first_sent && !r.queued.is_empty() {
-            if legacy
-                && self.peers[i]
-                    .legacy_active
-                    .as_deref()
-                    .is_some_and(|a| a != req_id)
-            {
-                0
-            } else {
-                1
-            }
-        } else {
-            0
+        let Some(r) = t.reqs.get_mut(req_id) else {
+            return;
         };
-        for _ in 0..sendable {
-            let Some(id) = t.reqs.get_mut(req_id).and_then(|r| r.queued.pop_front()) else {
+        let turn = legacy.then_some(&mut self.peers[i].turn);
+        let me = &r.req_id;
+        for _ in 0..r.p.sendable(RULES, turn, me) {
+            let Some(r) = t.reqs.get_mut(req_id) else {
                 break;
             };
+            let Some((id, first)) = r.p.next_to_send() else {
+                break;
+            };
+            if first {
+                r.first_sent_at = Some(Instant::now());
+            }
             self.send_batch(&mut t, i, id);
         }
-        if legacy && sendable > 0 {
-            self.peers[i].legacy_active = Some(req_id.to_owned());
-        }
-        // 2. Stage and post answered batches. Not strictly in order: a batch
-        // whose bytes wait in the pending area for staging must not hold back
-        // an already-staged batch behind it, which may hold the very staging
-        // slots it waits for (deadlock found by tests/model_check.rs).
-        let ids: SmallVec<[u64; 8]> = t
-            .reqs
-            .get(req_id)
-            .map(|r| r.unstaged.iter().copied().collect())
-            .unwrap_or_default();
-        for id in ids {
-            if self.stage_and_post(&mut t, i, req_id, id) {
-                if let Some(r) = t.reqs.get_mut(req_id) {
-                    r.unstaged.retain(|&x| x != id);
-                }
-            }
-        }
+        // 2. Stage and post answered batches (the core decides the order).
+        // The request's progress is taken out of the table while the shell
+        // stages and posts (it needs the table's batches and writes).
+        let Some(r) = t.reqs.get_mut(req_id) else {
+            return;
+        };
+        let mut p = std::mem::take(&mut r.p);
+        p.post_answered(RULES, |id| self.stage_and_post(&mut t, i, req_id, id));
+        let Some(r) = t.reqs.get_mut(req_id) else {
+            return;
+        };
+        r.p = p;
         // 3. Complete.
-        if t.reqs.get(req_id).is_some_and(|r| r.is_complete()) {
+        if r.p.is_complete() {
             let now = Instant::now();
-            let (last, bytes) = t
-                .reqs
-                .get(req_id)
-                .map_or((None, 0), |r| (r.last_completion_at, r.bytes));
+            let (last, bytes) = (r.last_completion_at, r.bytes);
             self.notify_complete(i, req_id);
             if let Some(last) = last {
                 self.shared
@@ -992,11 +951,6 @@ impl Ctrl {
             self.next_seq
         });
         r.keys_sent.extend_from(&b.keys);
-        r.awaiting_reply += 1;
-        if !r.first_sent {
-            r.first_sent = true;
-            r.first_sent_at = Some(now);
-        }
         self.shared
             .stats
             .record(Stage::Pending, now.saturating_duration_since(b.stored_at));
@@ -1039,10 +993,11 @@ impl Ctrl {
     }
 
     /// Moves an answered batch into staging if needed and queues its writes.
-    /// Returns false if staging is full (retried when slots free up).
-    fn stage_and_post(&mut self, t: &mut Table, i: usize, req_id: &str, id: u64) -> bool {
+    /// Returns how many writes it queued, or `None` if staging is full
+    /// (retried when slots free up).
+    fn stage_and_post(&mut self, t: &mut Table, i: usize, req_id: &str, id: u64) -> Option<usize> {
         let Some(b) = t.batches.get_mut(&id) else {
-            return true;
+            return Some(0);
         };
         if let BatchData::Pending(bytes) = &b.data {
             let t0 = Instant::now();
@@ -1060,14 +1015,12 @@ impl Ctrl {
                         // Cannot happen: store() refuses batches larger than staging.
                         Err(err) => {
                             warn!(error = %err, "batch larger than staging");
-                            return false;
+                            return None;
                         }
                     }
                 }
             };
-            let Some(set) = request.take() else {
-                return false;
-            };
+            let set = request.take()?;
             self.staging_requests.remove(&id);
             let mut offsets: SmallVec<[usize; 16]> = SmallVec::with_capacity(b.lens.len());
             let mut off = 0usize;
@@ -1094,23 +1047,22 @@ impl Ctrl {
             self.shared.stats.record_since(Stage::StagingWait, t0);
         }
         let Some(b) = t.batches.remove(&id) else {
-            return true;
+            return Some(0);
         };
         let (Some(peer), Some(remote)) = (self.peers[i].index, self.peers[i].remote.as_ref())
         else {
             self.release_data(b.data, b.bytes);
-            return true;
+            return Some(0);
         };
         let rbytes = remote.chunk_bytes;
         let set = match b.data {
             BatchData::Staged(set) => set,
             BatchData::Registered { src, lease } => {
-                self.post_registered(
+                return Some(self.post_registered(
                     t, req_id, peer, rbytes, &b.writes, &b.remote, &b.lens, &src, lease,
-                );
-                return true;
+                ));
             }
-            BatchData::Pending(_) | BatchData::Empty => return true,
+            BatchData::Pending(_) | BatchData::Empty => return Some(0),
         };
         let now = Instant::now();
         // One write per chunk, then the transport's coalescer merges runs
@@ -1151,19 +1103,17 @@ impl Ctrl {
                     peer,
                 },
             );
-            if let Some(r) = t.reqs.get_mut(req_id) {
-                r.in_flight_ops += 1;
-            }
             self.backlog.push_back(op);
         }
         // Cannot hold anything: the runs cover every chunk.
         self.free_staging(set);
-        true
+        Some(self.runs.len())
     }
 
     /// Queues the writes of a batch from registered memory (chunk `j` of the
     /// batch at `src[j]`, to receiver slot `remote[j]`), coalesced like
     /// staged ones; each op holds the batch's lease until it completes.
+    /// Returns how many writes it queued.
     #[allow(clippy::too_many_arguments)]
     fn post_registered(
         &mut self,
@@ -1176,7 +1126,7 @@ impl Ctrl {
         lens: &[u32],
         src: &[(u32, u64)],
         lease: Arc<super::registered::WriteLease>,
-    ) {
+    ) -> usize {
         let now = Instant::now();
         self.chunk_ops.clear();
         for (k, &j) in writes.iter().enumerate() {
@@ -1210,11 +1160,9 @@ impl Ctrl {
                     peer,
                 },
             );
-            if let Some(r) = t.reqs.get_mut(req_id) {
-                r.in_flight_ops += 1;
-            }
             self.backlog.push_back(op);
         }
+        self.runs.len()
     }
 
     /// Posts queued writes as far as transport credit allows.
@@ -1234,7 +1182,7 @@ impl Ctrl {
                         if let Some(w) = t.inflight.remove(&op.work_id) {
                             self.free_staging(w.slots);
                             if let Some(r) = t.reqs.get_mut(&*w.req_id) {
-                                r.in_flight_ops = r.in_flight_ops.saturating_sub(1);
+                                r.p.write_withdrawn();
                                 r.abort_with(RequestStatus::Failed {
                                     code: ErrorCode::WriteFailed,
                                     reason: format!("transport error: {e}"),
@@ -1251,7 +1199,7 @@ impl Ctrl {
 
     /// Abort path: drop unsent work, wait for in-flight writes, then fence
     /// with CancelNotif (invariant 7).
-    fn progress_abort(&mut self, req_id: &str, status: RequestStatus) {
+    fn progress_abort(&mut self, req_id: &str) {
         // Writes not yet handed to the transport are simply not posted.
         let shared = Arc::clone(&self.shared);
         let mut t = shared.table.lock();
@@ -1271,7 +1219,7 @@ impl Ctrl {
                 if let Some(f) = t.inflight.remove(&w) {
                     self.free_staging(f.slots);
                     if let Some(r) = t.reqs.get_mut(req_id) {
-                        r.in_flight_ops = r.in_flight_ops.saturating_sub(1);
+                        r.p.write_withdrawn();
                     }
                 }
             }
@@ -1279,34 +1227,26 @@ impl Ctrl {
         let Some(r) = t.reqs.get_mut(req_id) else {
             return;
         };
-        let drop_ids: Vec<u64> = r.queued.drain(..).chain(r.unstaged.drain(..)).collect();
-        let (in_flight, first_sent, cancel_sent) = (r.in_flight_ops, r.first_sent, r.cancel_sent);
-        for id in drop_ids {
+        let mut p = std::mem::take(&mut r.p);
+        let step = p.abort_step(|id| {
             // Withdraws its place in the staging queue (or gives back slots
             // granted but not taken).
             self.staging_requests.remove(&id);
             if let Some(b) = t.batches.remove(&id) {
-                self.release_data(b.data, b.bytes);
+                self.shared.release_data(b.data, b.bytes);
             }
-        }
-        if in_flight > 0 || cancel_sent {
-            return; // the poll thread calls us again when the writes are done
-        }
-        let receiver = t
-            .reqs
-            .get(req_id)
-            .map(|r| r.receiver.clone())
-            .unwrap_or_default();
-        if first_sent {
-            let keys = t
-                .reqs
-                .get_mut(req_id)
-                .map(|r| std::mem::take(&mut r.keys_sent).to_vec())
-                .unwrap_or_default();
-            if let Some(r) = t.reqs.get_mut(req_id) {
-                r.cancel_sent = true;
-            }
-            if let Some(&i) = self.peer_by_endpoint.get(&receiver) {
+        });
+        let Some(r) = t.reqs.get_mut(req_id) else {
+            return;
+        };
+        r.p = p;
+        // Wait: the poll thread calls us again when the writes are done.
+        let AbortStep::Finish { cancel, status } = step else {
+            return;
+        };
+        if cancel {
+            let keys = std::mem::take(&mut r.keys_sent).to_vec();
+            if let Some(&i) = self.peer_by_endpoint.get(&r.receiver) {
                 self.send_cancel(i, req_id, keys);
             }
         }
@@ -1413,7 +1353,7 @@ impl Ctrl {
         let live = t
             .reqs
             .get(req_id)
-            .is_some_and(|r| !matches!(r.state, ReqState::Done(_)));
+            .is_some_and(|r| !matches!(r.p.state, ReqState::Done(_)));
         // ProxyFailed is a kvferry extension: only a receiver that answered
         // Hello proves a kvferry deployment. A sender talking to an LMCache
         // receiver serves an LMCache proxy, whose strict decoders would
@@ -1435,13 +1375,12 @@ impl Ctrl {
         self.finished.push((req_id.to_owned(), status));
         // LMCache mode: the receiver is free for the next request.
         if let Some(&i) = receiver.as_ref().and_then(|e| self.peer_by_endpoint.get(e)) {
-            if self.peers[i].legacy_active.as_deref() == Some(req_id) {
-                self.peers[i].legacy_active = None;
+            if self.peers[i].turn.release(req_id) {
                 let next: Vec<String> = t
                     .reqs
                     .values()
                     .filter(|r| {
-                        r.receiver == self.peers[i].endpoint && r.state == ReqState::Pending
+                        r.receiver == self.peers[i].endpoint && r.p.state == ReqState::Pending
                     })
                     .map(|r| r.req_id.clone())
                     .collect();
@@ -1467,7 +1406,7 @@ impl Ctrl {
         let ids: Vec<String> = t
             .reqs
             .values()
-            .filter(|r| &r.receiver == endpoint && !matches!(r.state, ReqState::Done(_)))
+            .filter(|r| &r.receiver == endpoint && !matches!(r.p.state, ReqState::Done(_)))
             .map(|r| r.req_id.clone())
             .collect();
         drop(t);
@@ -1517,7 +1456,7 @@ impl Ctrl {
                     let ep = &self.peers[i].endpoint;
                     t.reqs
                         .values()
-                        .any(|r| &r.receiver == ep && !matches!(r.state, ReqState::Done(_)))
+                        .any(|r| &r.receiver == ep && !matches!(r.p.state, ReqState::Done(_)))
                 };
                 if active {
                     self.buf.clear();

@@ -21,6 +21,8 @@
 //! admitted request needs to finish. See `docs/architecture.md`.
 
 mod completion;
+#[doc(hidden)]
+pub mod core;
 mod ctrl;
 mod error;
 mod keys;
@@ -275,7 +277,7 @@ impl Shared {
         let (id, h) = {
             let mut t = self.table.lock();
             if let Some(r) = t.reqs.get(&spec.req_id) {
-                return match &r.state {
+                return match &r.p.state {
                     ReqState::Done(s) => Err(StoreError::RequestEnded(s.clone())),
                     _ if reuse => Ok(Request {
                         h: Arc::new(handle(r)),
@@ -376,33 +378,33 @@ impl Shared {
             // the terminal status).
             return Err(StoreError::RequestEnded(h.signal.status()));
         };
-        match &req.state {
+        match &req.p.state {
             ReqState::Done(s) => return Err(StoreError::RequestEnded(s.clone())),
             ReqState::Aborting(RequestStatus::Cancelled) => return Err(StoreError::Cancelled),
             // Failing: report the failure it will end with.
             ReqState::Aborting(s) => return Err(StoreError::RequestEnded(s.clone())),
             _ => {}
         }
-        if req.last_stored {
+        if req.p.last_stored {
             return Err(StoreError::AfterLastBatch {
                 req_id: req_id.to_owned(),
             });
         }
-        if req.stored_chunks + n > req.total {
+        if req.p.stored_chunks + n > req.total {
             return Err(StoreError::TooManyChunks {
                 req_id: req_id.to_owned(),
-                chunks: req.stored_chunks + n,
+                chunks: req.p.stored_chunks + n,
                 total: req.total,
             });
         }
-        let is_last = is_last.unwrap_or(req.stored_chunks + n == req.total);
+        let is_last = is_last.unwrap_or(req.p.stored_chunks + n == req.total);
         if n == 0 && !is_last {
             return Err(StoreError::EmptyBatchNotLast);
         }
-        req.stored_chunks += n;
-        req.last_stored |= is_last;
+        req.p.stored_chunks += n;
+        req.p.last_stored |= is_last;
         Ok(Reserved {
-            admitted: req.state == ReqState::Admitted,
+            admitted: req.p.state == ReqState::Admitted,
             is_last,
         })
     }
@@ -411,9 +413,9 @@ impl Shared {
     fn unreserve(&self, req_id: &str, n: usize, is_last: bool) {
         let mut t = self.table.lock();
         if let Some(r) = t.reqs.get_mut(req_id) {
-            r.stored_chunks -= n;
+            r.p.stored_chunks -= n;
             if is_last {
-                r.last_stored = false;
+                r.p.last_stored = false;
             }
         }
     }
@@ -438,10 +440,7 @@ impl Shared {
         let keys = KeyList::from_keys(keys);
         let id = {
             let mut t = self.table.lock();
-            let live = t
-                .reqs
-                .get(req_id)
-                .filter(|r| matches!(r.state, ReqState::Pending | ReqState::Admitted));
+            let live = t.reqs.get(req_id).filter(|r| r.p.state.live());
             let Some(req) = live else {
                 drop(t);
                 let bytes = lens.iter().map(|&l| l as usize).sum();
@@ -663,7 +662,7 @@ impl Shared {
     /// The one mapping for every wait that a request's cancel token ends.
     pub(crate) fn stopped(&self, req_id: &str, signal: &Signal) -> StoreError {
         let t = self.table.lock();
-        match t.reqs.get(req_id).map(|r| &r.state) {
+        match t.reqs.get(req_id).map(|r| &r.p.state) {
             Some(ReqState::Aborting(RequestStatus::Cancelled)) => StoreError::Cancelled,
             Some(ReqState::Aborting(s) | ReqState::Done(s)) => StoreError::RequestEnded(s.clone()),
             // Live (a token fired by close) or forgotten: the handle's view.
@@ -986,7 +985,7 @@ impl Sender {
             .lock()
             .reqs
             .values()
-            .filter(|r| !matches!(r.state, ReqState::Done(_)))
+            .filter(|r| !matches!(r.p.state, ReqState::Done(_)))
             .count()
     }
 
@@ -1140,7 +1139,7 @@ impl Sender {
             .lock()
             .reqs
             .values()
-            .filter(|r| !matches!(r.state, ReqState::Done(_)))
+            .filter(|r| !matches!(r.p.state, ReqState::Done(_)))
             .map(Req::describe)
             .collect()
     }
@@ -1161,7 +1160,7 @@ impl Sender {
         let quiet = |t: &Table| {
             t.reqs
                 .values()
-                .all(|r| matches!(r.state, ReqState::Done(_)))
+                .all(|r| matches!(r.p.state, ReqState::Done(_)))
         };
         {
             let mut t = self.shared.table.lock();
@@ -1177,7 +1176,7 @@ impl Sender {
             let t = self.shared.table.lock();
             t.reqs
                 .iter()
-                .filter(|(_, r)| !matches!(r.state, ReqState::Done(_)))
+                .filter(|(_, r)| !matches!(r.p.state, ReqState::Done(_)))
                 .map(|(k, _)| k.clone())
                 .collect()
         };

@@ -13,6 +13,8 @@ use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
 use crate::protocol::Descriptor;
+
+use super::core::Turn;
 use crate::transport::{PeerIndex, RemoteBuffer};
 
 /// What a reply answers.
@@ -71,7 +73,7 @@ pub(super) struct Peer {
     /// Legacy mode: encoded messages waiting for the outstanding one.
     pub waiting: VecDeque<(Outstanding, Vec<u8>)>,
     /// Legacy mode: the one request being transferred.
-    pub legacy_active: Option<String>,
+    pub turn: Turn<String>,
     pub last_heartbeat: Instant,
     /// Incarnation of the socket (the identity changes when it is replaced).
     pub generation: u32,
@@ -110,7 +112,7 @@ impl Peer {
             by_seq: HashMap::new(),
             fifo: VecDeque::new(),
             waiting: VecDeque::new(),
-            legacy_active: None,
+            turn: Turn::default(),
             last_heartbeat: Instant::now(),
             generation,
             rehandshake: false,

@@ -53,20 +53,21 @@ pub(super) fn run(shared: Arc<Shared>, mut completions: Box<dyn Completions>) {
                 let Some(r) = t.reqs.get_mut(&*w.req_id) else {
                     continue;
                 };
-                r.in_flight_ops = r.in_flight_ops.saturating_sub(1);
+                let (aborted, attention) =
+                    r.p.write_done(w.chunks as usize, c.ok(), || RequestStatus::Failed {
+                        code: ErrorCode::WriteFailed,
+                        reason: format!("write failed: {}", c.status()),
+                    });
                 if c.ok() {
-                    r.completed_chunks += w.chunks as usize;
                     r.bytes += w.bytes;
                     r.last_completion_at = Some(now);
                     shared.stats.add(Counter::Chunks, u64::from(w.chunks));
                     shared.stats.add(Counter::Bytes, w.bytes);
-                } else if r.abort_with(RequestStatus::Failed {
-                    code: ErrorCode::WriteFailed,
-                    reason: format!("write failed: {}", c.status()),
-                }) {
+                } else if aborted {
+                    r.aborted();
                     debug!(req_id = %w.req_id, status = %c.status(), "write failed; aborting the request");
                 }
-                if r.in_flight_ops == 0 || !c.ok() {
+                if attention {
                     t.attention.push(w.req_id.to_string());
                 }
                 nudge = true;

@@ -14,6 +14,7 @@ use crate::slots::SlotSet;
 use crate::transport::PeerIndex;
 
 use super::completion::Signal;
+use super::core::{Phase, Progress};
 use super::keys::KeyList;
 use super::registered::WriteLease;
 use super::{RequestSpec, RequestStatus};
@@ -58,19 +59,8 @@ pub(crate) struct Batch {
     pub writes: SmallVec<[u32; 16]>,
 }
 
-/// A request's lifecycle on the sender.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum ReqState {
-    /// First AllocRequest not yet answered.
-    Pending,
-    /// The receiver admitted it.
-    Admitted,
-    /// Cancelled or failed; waiting for in-flight writes before CancelNotif.
-    /// Holds the terminal status to report.
-    Aborting(RequestStatus),
-    /// Terminal.
-    Done(RequestStatus),
-}
+/// A request's lifecycle on the sender (see [`Phase`]).
+pub(crate) type ReqState = Phase<RequestStatus>;
 
 /// Source of [`Req::order`].
 static NEXT_ORDER: AtomicU64 = AtomicU64::new(0);
@@ -91,24 +81,11 @@ pub(crate) struct Req {
     pub fmt: i64,
     pub shape: Vec<i64>,
     pub dtype: String,
-    pub state: ReqState,
+    /// The protocol state (decisions in `core.rs`).
+    pub p: Progress<RequestStatus>,
     pub cancel: CancelToken,
     /// What the request's handles read (admission, terminal status).
     pub signal: Arc<Signal>,
-    /// Batches received from callers, not yet sent, in order.
-    pub queued: VecDeque<u64>,
-    /// AllocRequests sent and not answered.
-    pub awaiting_reply: usize,
-    /// Answered batches whose bytes still wait for staging slots.
-    pub unstaged: VecDeque<u64>,
-    /// Writes posted (or waiting for transport credit) and not completed.
-    pub in_flight_ops: usize,
-    pub stored_chunks: usize,
-    pub completed_chunks: usize,
-    pub last_stored: bool,
-    pub last_replied: bool,
-    pub first_sent: bool,
-    pub cancel_sent: bool,
     /// Every key named in an AllocRequest (for CancelNotif).
     pub keys_sent: KeyList,
     pub first_sent_at: Option<Instant>,
@@ -134,19 +111,9 @@ impl Req {
                 spec.shape.clone()
             },
             dtype: spec.dtype.clone(),
-            state: ReqState::Pending,
+            p: Progress::default(),
             cancel: CancelToken::new(),
             signal,
-            queued: VecDeque::new(),
-            awaiting_reply: 0,
-            unstaged: VecDeque::new(),
-            in_flight_ops: 0,
-            stored_chunks: 0,
-            completed_chunks: 0,
-            last_stored: false,
-            last_replied: false,
-            first_sent: false,
-            cancel_sent: false,
             keys_sent: KeyList::default(),
             first_sent_at: None,
             last_completion_at: None,
@@ -158,42 +125,25 @@ impl Req {
     /// records the status to report, wakes the callers blocked for it
     /// (staging waits and admission waits). False if it is not live.
     pub fn abort_with(&mut self, status: RequestStatus) -> bool {
-        if !matches!(self.state, ReqState::Pending | ReqState::Admitted) {
+        if !self.p.abort_with(status) {
             return false;
         }
-        self.state = ReqState::Aborting(status);
-        self.cancel.cancel();
-        self.signal.wake();
+        self.aborted();
         true
     }
 
-    /// Marks the request admitted (first reply) and tells its handles.
-    pub fn admit(&mut self) {
-        if self.state == ReqState::Pending {
-            self.state = ReqState::Admitted;
-            self.signal.set_admitted();
-        }
+    /// The core moved the request to `Aborting`: wake its callers.
+    pub fn aborted(&self) {
+        self.cancel.cancel();
+        self.signal.wake();
     }
 
     /// The status callers see.
     pub fn status(&self) -> RequestStatus {
-        match &self.state {
+        match &self.p.state {
             ReqState::Done(s) => s.clone(),
             _ => RequestStatus::InProgress,
         }
-    }
-
-    /// Every write completed, the last batch answered, nothing left to send:
-    /// the request is complete (invariant 3's condition).
-    pub fn is_complete(&self) -> bool {
-        self.state == ReqState::Admitted
-            && self.last_stored
-            && self.last_replied
-            && self.queued.is_empty()
-            && self.unstaged.is_empty()
-            && self.awaiting_reply == 0
-            && self.in_flight_ops == 0
-            && self.completed_chunks == self.stored_chunks
     }
 
     /// One line for state dumps.
@@ -202,16 +152,16 @@ impl Req {
             "req {} -> {}: {:?}, stored {}/{} completed {}, queued {}, awaiting reply {}, unstaged {}, in flight {}, last stored {} replied {}",
             self.req_id,
             self.receiver,
-            self.state,
-            self.stored_chunks,
+            self.p.state,
+            self.p.stored_chunks,
             self.total,
-            self.completed_chunks,
-            self.queued.len(),
-            self.awaiting_reply,
-            self.unstaged.len(),
-            self.in_flight_ops,
-            self.last_stored,
-            self.last_replied
+            self.p.completed_chunks,
+            self.p.queued.len(),
+            self.p.awaiting_reply,
+            self.p.unstaged.len(),
+            self.p.in_flight_ops,
+            self.p.last_stored,
+            self.p.last_replied
         )
     }
 }
@@ -258,13 +208,13 @@ impl Table {
     pub fn finish(&mut self, req_id: &str, status: RequestStatus) {
         if let Some(r) = self.reqs.get_mut(req_id) {
             r.signal.set_terminal(status.clone());
-            r.state = ReqState::Done(status);
+            r.p.finish(status);
             self.terminal_order.push_back(req_id.to_owned());
         }
         while self.terminal_order.len() > TERMINAL_MEMORY {
             if let Some(old) = self.terminal_order.pop_front() {
                 if matches!(
-                    self.reqs.get(&old).map(|r| &r.state),
+                    self.reqs.get(&old).map(|r| &r.p.state),
                     Some(ReqState::Done(_))
                 ) {
                     self.reqs.remove(&old);

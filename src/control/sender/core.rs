@@ -1,0 +1,393 @@
+//! The sender's per-request protocol decisions, I/O-free: what a request may
+//! send, what a reply to one of its batches means, which answered batches
+//! are posted, when it is complete, and how an abort is fenced
+//! (invariant 7: in-flight writes end before CancelNotif).
+//!
+//! [`Progress`] is one request's protocol state as plain data (no sockets,
+//! no transport, no clock, no staging handles); the ctrl and poll threads
+//! (`ctrl.rs`, `poll.rs`) execute what it decides. The model check
+//! (`tests/model/`) drives the same code, so the rules it checks are the
+//! engine's, not a transcription. Peer-level state (handshake modes, the
+//! LMCache-mode send queue, timers) stays in the shell; see
+//! docs/architecture.md, "Sender core".
+//!
+//! Generic over the terminal status `S` so the model can use a small
+//! `Hash` status; the engine uses [`RequestStatus`](super::RequestStatus).
+
+use std::collections::VecDeque;
+
+use smallvec::SmallVec;
+
+use crate::protocol::{AllocResponse, ErrorCode};
+
+/// The terminal statuses the core produces.
+pub trait Status: Clone {
+    /// A failure with a code and a reason.
+    fn failed(code: ErrorCode, reason: String) -> Self;
+}
+
+impl Status for super::RequestStatus {
+    fn failed(code: ErrorCode, reason: String) -> Self {
+        super::RequestStatus::Failed { code, reason }
+    }
+}
+
+/// Sender rules. The engine always runs [`Rules::KVFERRY`]; the other
+/// values exist for the model check, which shows that it finds the
+/// deadlocks of the designs they describe (docs/model-check.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Rules {
+    /// A request not yet admitted sends only its first batch (kvferry).
+    /// Off: every queued batch is sent at once (LMCache's transfer tasks).
+    pub gate_unadmitted: bool,
+    /// Answered batches are posted strictly in order, stopping at the first
+    /// that cannot get staging (LMCache; kvferry before the staging-order
+    /// fix, which deadlocks). Off: every postable batch is posted.
+    pub stage_in_order: bool,
+}
+
+impl Rules {
+    /// kvferry's rules.
+    pub const KVFERRY: Rules = Rules {
+        gate_unadmitted: true,
+        stage_in_order: false,
+    };
+}
+
+/// A request's lifecycle on the sender.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Phase<S> {
+    /// First AllocRequest not yet answered.
+    Pending,
+    /// The receiver admitted it.
+    Admitted,
+    /// Cancelled or failed; waiting for in-flight writes before
+    /// CancelNotif. Holds the terminal status to report.
+    Aborting(S),
+    /// Terminal.
+    Done(S),
+}
+
+impl<S> Phase<S> {
+    /// `Pending` or `Admitted`.
+    pub fn live(&self) -> bool {
+        matches!(self, Phase::Pending | Phase::Admitted)
+    }
+}
+
+/// Whose turn it is on a receiver that serves one request at a time
+/// (kvferry against an LMCache receiver: `Mode::Legacy`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Turn<H>(Option<H>);
+
+impl<H> Default for Turn<H> {
+    fn default() -> Self {
+        Turn(None)
+    }
+}
+
+impl<H: PartialEq + Clone> Turn<H> {
+    /// No request holds the receiver.
+    pub fn is_free(&self) -> bool {
+        self.0.is_none()
+    }
+
+    /// Gives the turn back if `me` holds it; true if it did (the oldest
+    /// waiting request may go next).
+    pub fn release<Q: PartialEq + ?Sized>(&mut self, me: &Q) -> bool
+    where
+        H: std::borrow::Borrow<Q>,
+    {
+        if self.0.as_ref().is_some_and(|h| h.borrow() == me) {
+            self.0 = None;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// One request's protocol state (batches are named by the shell's ids).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Progress<S> {
+    /// Where the request is in its lifecycle.
+    pub state: Phase<S>,
+    /// Batches received from callers, not yet sent, in order.
+    pub queued: VecDeque<u64>,
+    /// AllocRequests sent and not answered.
+    pub awaiting_reply: usize,
+    /// Answered batches not yet posted (their bytes may wait for staging).
+    pub unstaged: VecDeque<u64>,
+    /// Writes posted (or waiting for transport credit) and not completed.
+    pub in_flight_ops: usize,
+    /// Chunks the callers stored.
+    pub stored_chunks: usize,
+    /// Chunks written, or already held by the receiver.
+    pub completed_chunks: usize,
+    /// The caller stored the last batch.
+    pub last_stored: bool,
+    /// The last batch was answered.
+    pub last_replied: bool,
+    /// The first AllocRequest went out.
+    pub first_sent: bool,
+    /// The CancelNotif went out.
+    pub cancel_sent: bool,
+}
+
+impl<S> Default for Progress<S> {
+    /// A new request: pending, nothing stored (allocation-free).
+    fn default() -> Self {
+        Self {
+            state: Phase::Pending,
+            queued: VecDeque::new(),
+            awaiting_reply: 0,
+            unstaged: VecDeque::new(),
+            in_flight_ops: 0,
+            stored_chunks: 0,
+            completed_chunks: 0,
+            last_stored: false,
+            last_replied: false,
+            first_sent: false,
+            cancel_sent: false,
+        }
+    }
+}
+
+/// What a reply to one batch means for it.
+#[derive(Debug, PartialEq, Eq)]
+pub enum ReplyStep {
+    /// The receiver refused it (or sent a reply no correct receiver
+    /// sends): the request became `Aborting` (wake its waiters) and the
+    /// batch's data is released.
+    Abort,
+    /// Release the batch's data, nothing to write: the request is no
+    /// longer live, or the receiver holds every chunk already.
+    Release,
+    /// Write chunk position `j` to receiver slot `remote[j]`, except the
+    /// `dedup` positions the receiver already holds (release their
+    /// staging). The batch now waits in `unstaged` to be posted.
+    Write {
+        /// Receiver slot per chunk position (`-1` for dedup'd ones).
+        remote: Vec<i64>,
+        /// Chunk positions the receiver already holds, ascending.
+        dedup: SmallVec<[usize; 16]>,
+    },
+}
+
+/// A reply's effect, with whether it admitted the request.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Reply {
+    /// This reply admitted the request (`Pending` → `Admitted`).
+    pub admitted: bool,
+    /// What to do with the batch.
+    pub step: ReplyStep,
+}
+
+/// The next step of an aborting request.
+#[derive(Debug, PartialEq, Eq)]
+pub enum AbortStep<S> {
+    /// Writes are still in flight (their completions call again), or the
+    /// abort already ended.
+    Wait,
+    /// Fenced: send CancelNotif if `cancel` (something was sent), then end
+    /// with `status`.
+    Finish {
+        /// Send CancelNotif (for every key named so far).
+        cancel: bool,
+        /// The terminal status.
+        status: S,
+    },
+}
+
+impl<S: Status> Progress<S> {
+    /// Starts the abort path of a live request; false if it is not live.
+    pub fn abort_with(&mut self, status: S) -> bool {
+        if !self.state.live() {
+            return false;
+        }
+        self.state = Phase::Aborting(status);
+        true
+    }
+
+    /// Every write completed, the last batch answered, nothing left to
+    /// send: the request is complete (invariant 3's condition).
+    pub fn is_complete(&self) -> bool {
+        matches!(self.state, Phase::Admitted)
+            && self.last_stored
+            && self.last_replied
+            && self.queued.is_empty()
+            && self.unstaged.is_empty()
+            && self.awaiting_reply == 0
+            && self.in_flight_ops == 0
+            && self.completed_chunks == self.stored_chunks
+    }
+
+    /// How many queued batches may be sent now: all once admitted; before,
+    /// only the first (one AllocRequest asks for admission), and on a
+    /// one-request-at-a-time receiver (`turn`) only when no other request
+    /// holds it. Sending takes the turn for `me`. Pop them with
+    /// [`next_to_send`](Self::next_to_send).
+    pub fn sendable<H: PartialEq + Clone>(
+        &self,
+        rules: Rules,
+        turn: Option<&mut Turn<H>>,
+        me: &H,
+    ) -> usize {
+        let n = if matches!(self.state, Phase::Admitted) || !rules.gate_unadmitted {
+            self.queued.len()
+        } else if !self.first_sent && !self.queued.is_empty() {
+            let busy = turn
+                .as_ref()
+                .is_some_and(|t| t.0.as_ref().is_some_and(|a| a != me));
+            usize::from(!busy)
+        } else {
+            0
+        };
+        if let Some(t) = turn.filter(|_| n > 0) {
+            t.0 = Some(me.clone());
+        }
+        n
+    }
+
+    /// Takes the next queued batch to send its AllocRequest; true in the
+    /// second place if it is the request's first.
+    pub fn next_to_send(&mut self) -> Option<(u64, bool)> {
+        let id = self.queued.pop_front()?;
+        self.awaiting_reply += 1;
+        let first = !self.first_sent;
+        self.first_sent = true;
+        Some((id, first))
+    }
+
+    /// The reply `resp` to batch `id` of `n` chunks (`is_last`: the
+    /// request's last batch), from a receiver of `capacity` slots.
+    pub fn on_reply(
+        &mut self,
+        id: u64,
+        n: usize,
+        is_last: bool,
+        capacity: u64,
+        resp: &AllocResponse,
+    ) -> Reply {
+        self.awaiting_reply = self.awaiting_reply.saturating_sub(1);
+        let mapped = match super::reply::map_reply(n, capacity, resp) {
+            Ok(m) => m,
+            Err((code, reason)) => {
+                tracing::debug!(code = code.as_str(), %reason, "batch refused; aborting the request");
+                let aborted = self.abort_with(S::failed(code, reason));
+                let step = if aborted {
+                    ReplyStep::Abort
+                } else {
+                    ReplyStep::Release
+                };
+                return Reply {
+                    admitted: false,
+                    step,
+                };
+            }
+        };
+        if !self.state.live() {
+            // Aborting: the receiver's slots go back with the CancelNotif.
+            return Reply {
+                admitted: false,
+                step: ReplyStep::Release,
+            };
+        }
+        let admitted = matches!(self.state, Phase::Pending);
+        if admitted {
+            self.state = Phase::Admitted;
+        }
+        let dedup = mapped.already_sent;
+        self.completed_chunks += dedup.len();
+        if is_last {
+            self.last_replied = true;
+        }
+        if dedup.len() >= n {
+            return Reply {
+                admitted,
+                step: ReplyStep::Release,
+            };
+        }
+        self.unstaged.push_back(id);
+        Reply {
+            admitted,
+            step: ReplyStep::Write {
+                remote: mapped.remote,
+                dedup,
+            },
+        }
+    }
+
+    /// Posts answered batches: `post(id)` stages and posts batch `id`,
+    /// returning the writes it queued, or `None` if its bytes must wait for
+    /// staging. A waiting batch does not hold back the ones behind it
+    /// (they may hold the very staging slots it waits for: the deadlock
+    /// found by tests/model_check.rs), unless `rules.stage_in_order`.
+    pub fn post_answered(&mut self, rules: Rules, mut post: impl FnMut(u64) -> Option<usize>) {
+        let mut k = 0;
+        while k < self.unstaged.len() {
+            match post(self.unstaged[k]) {
+                Some(ops) => {
+                    self.in_flight_ops += ops;
+                    self.unstaged.remove(k);
+                }
+                None if rules.stage_in_order => break,
+                None => k += 1,
+            }
+        }
+    }
+
+    /// A posted write (of `chunks` chunks) ended: landed if `ok`, else the
+    /// request aborts with `failure()`. True in the first place if this
+    /// started the abort (wake the request's waiters); true in the second
+    /// if ctrl must look at the request (its last write ended, or one
+    /// failed).
+    pub fn write_done(
+        &mut self,
+        chunks: usize,
+        ok: bool,
+        failure: impl FnOnce() -> S,
+    ) -> (bool, bool) {
+        self.in_flight_ops = self.in_flight_ops.saturating_sub(1);
+        let aborted = if ok {
+            self.completed_chunks += chunks;
+            false
+        } else {
+            self.abort_with(failure())
+        };
+        (aborted, self.in_flight_ops == 0 || !ok)
+    }
+
+    /// A write that was never handed to the transport was withdrawn.
+    pub fn write_withdrawn(&mut self) {
+        self.in_flight_ops = self.in_flight_ops.saturating_sub(1);
+    }
+
+    /// One step of the abort path: drops unsent and unposted batches
+    /// (`release(id)` each), then, once no write is in flight, fences with
+    /// CancelNotif (if anything was sent) and ends.
+    pub fn abort_step(&mut self, mut release: impl FnMut(u64)) -> AbortStep<S> {
+        let Phase::Aborting(status) = &self.state else {
+            return AbortStep::Wait;
+        };
+        let status = status.clone();
+        for id in self.queued.drain(..).chain(self.unstaged.drain(..)) {
+            release(id);
+        }
+        if self.in_flight_ops > 0 || self.cancel_sent {
+            return AbortStep::Wait;
+        }
+        let cancel = self.first_sent;
+        self.cancel_sent |= cancel;
+        AbortStep::Finish { cancel, status }
+    }
+
+    /// Ends the request with `status`.
+    pub fn finish(&mut self, status: S) {
+        self.state = Phase::Done(status);
+    }
+}
+
+#[cfg(test)]
+#[path = "core_tests.rs"]
+mod tests;
