@@ -23,7 +23,7 @@ pub struct Rules {
     /// task that sends as soon as it holds the lock.
     pub gate_unadmitted: bool,
     /// With `one_outstanding`: only one request at a time per receiver
-    /// (kvferry `Peer::legacy_active`).
+    /// (kvferry `Peer::turn`, the core's `Turn`).
     pub one_request_at_a_time: bool,
     /// `progress_live` stages and posts answered batches strictly in order,
     /// stopping at the first one that cannot get staging (the engine before

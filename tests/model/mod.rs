@@ -163,21 +163,35 @@ impl Pd {
         };
         let rc = &self.cfg.reqs[r];
         let start: usize = rc.batches[..b].iter().map(|&n| n as usize).sum();
-        for (i, &key) in rc.batch_keys(b).iter().enumerate() {
-            let Some(&slot) = reply.remote.get(i) else {
-                continue;
+        let keys = rc.batch_keys(b);
+        // The wire's one reading of a reply's shape (the sender's too).
+        let Ok(p) = kvferry::protocol::placement(keys.len(), &reply.to_response()) else {
+            return;
+        };
+        for &i in &p.already_sent {
+            // A dedup hit pins the written copy: find it by key.
+            let key = keys[i];
+            // (The reply does not say which copy: prefer one still held.)
+            let copy = |held: bool| {
+                (0..st.slot_data.len())
+                    .find(|&x| st.slot_data[x] == Some(key) && (!held || st.slot_hold[x] != 0))
             };
-            let x = slot as usize;
-            if reply.already.contains(&(i as i64)) {
+            if let Some(x) = copy(true).or_else(|| copy(false)) {
                 st.slot_hold[x] |= 1 << r;
-            } else {
-                if st.slot_hold[x] != 0 {
-                    st.viol |= viol::SLOT_SHARED;
-                }
-                st.slot_hold[x] = 1 << r;
-                st.slot_key[x] = Some(key);
-                st.slot_data[x] = None;
+                st.req_slot[r][start + i] = Some(x as u8);
             }
+        }
+        for &(i, slot) in &p.writes {
+            let x = slot as usize;
+            if x >= st.slot_hold.len() {
+                continue;
+            }
+            if st.slot_hold[x] != 0 {
+                st.viol |= viol::SLOT_SHARED;
+            }
+            st.slot_hold[x] = 1 << r;
+            st.slot_key[x] = Some(keys[i]);
+            st.slot_data[x] = None;
             st.req_slot[r][start + i] = Some(slot as u8);
         }
     }
@@ -288,7 +302,7 @@ impl Model for Pd {
                 s.all_ended(&m.cfg)
                     && s.reqs
                         .iter()
-                        .all(|q| q.state == RState::Done(Status::Completed))
+                        .all(|q| q.p.state == RState::Done(Status::Completed))
             }),
         ]
     }
@@ -298,7 +312,7 @@ impl Model for Pd {
 /// ready at the receiver; with kvferry's extensions the reverse holds too.
 fn agree(m: &Pd, s: &State) -> bool {
     s.reqs.iter().enumerate().all(|(r, q)| {
-        let completed = q.state == RState::Done(Status::Completed);
+        let completed = q.p.state == RState::Done(Status::Completed);
         let ready = s.rx_outcome[r] == Some(true);
         (!completed || ready) && (!m.cfg.rules.hello || !ready || completed)
     })
@@ -319,13 +333,13 @@ pub fn describe(m: &Pd, s: &State) -> String {
     for (r, q) in s.reqs.iter().enumerate() {
         out += &format!(
             "r{r}: {:?}, stored {}/{} batches, queued {:?}, awaiting reply {}, unstaged {:?}, in flight {}; ",
-            q.state,
+            q.p.state,
             q.stored,
             m.cfg.reqs[r].batches.len(),
-            q.queued,
-            q.awaiting_reply,
-            q.unstaged,
-            q.in_flight_ops
+            q.p.queued,
+            q.p.awaiting_reply,
+            q.p.unstaged,
+            q.p.in_flight_ops
         );
     }
     out

@@ -1,10 +1,25 @@
-//! The sender's rules, transcribed from src/control/sender/{mod,ctrl,poll}.rs (the
-//! engine has no pure sender core). Each function names the engine function
-//! it mirrors; docs/model-check.md maps them line by line.
+//! The sender: the ctrl thread's per-request decisions are the real
+//! `kvferry::sender::core::Progress` (send gate, reply handling, posting
+//! order, completion, fenced abort, write completion); this file executes
+//! them on the model's state as ctrl.rs and poll.rs do on the engine's
+//! (staging and pending-area accounting, the peer's send queue, the wire).
+//! The caller side (`store`, `unblock`) and the LMCache-mode peer queue are
+//! still transcribed from src/control/sender/{mod,ctrl}.rs; docs/model-check.md
+//! maps them.
+
+use kvferry::sender::core::{AbortStep, Phase, ReplyStep, Rules as CoreRules};
 
 use super::config::Cfg;
 use super::rx::{decode_seq, Wire};
 use super::state::{viol, Data, Out, RState, Reply, State, Status, Write};
+
+/// The core's rules for the configuration.
+fn rules(cfg: &Cfg) -> CoreRules {
+    CoreRules {
+        gate_unadmitted: cfg.rules.gate_unadmitted,
+        stage_in_order: cfg.rules.stage_in_order,
+    }
+}
 
 /// `Sender::store` for the next batch of `r`, up to publishing it on the
 /// submission ring (ctrl's `enqueue` is folded in: the ring is FIFO).
@@ -12,7 +27,7 @@ use super::state::{viol, Data, Out, RState, Reply, State, Status, Write};
 pub fn store(cfg: &Cfg, st: &mut State, r: usize) -> bool {
     let s = cfg.reqs[r].sender;
     let q = &st.reqs[r];
-    if st.snd[s].blocked_on.is_some() || !q.state.live() {
+    if st.snd[s].blocked_on.is_some() || !q.p.state.live() {
         return false;
     }
     let b = q.stored as usize;
@@ -20,7 +35,7 @@ pub fn store(cfg: &Cfg, st: &mut State, r: usize) -> bool {
         return false;
     }
     let n = cfg.reqs[r].batches[b];
-    let staged_path = q.state == RState::Admitted || cfg.rules.stage_before_admission;
+    let staged_path = q.p.state == RState::Admitted || cfg.rules.stage_before_admission;
     if !staged_path && st.snd[s].pending_used + n > cfg.pending_max {
         // Backpressure: the caller gets the error at once and retries later.
         return false;
@@ -28,9 +43,9 @@ pub fn store(cfg: &Cfg, st: &mut State, r: usize) -> bool {
     let last = b + 1 == cfg.reqs[r].batches.len();
     let q = &mut st.reqs[r];
     q.registered = true;
-    q.stored_chunks += n;
+    q.p.stored_chunks += n as usize;
     if last {
-        q.last_stored = true;
+        q.p.last_stored = true;
     }
     if staged_path {
         // `slots.alloc(n, deadline, cancel)`: all-or-nothing, FIFO, blocking.
@@ -50,7 +65,7 @@ pub fn store(cfg: &Cfg, st: &mut State, r: usize) -> bool {
 fn publish(st: &mut State, r: usize, b: usize, data: Data) {
     let q = &mut st.reqs[r];
     q.batches[b].data = data;
-    q.queued.push_back(b as u8);
+    q.p.queued.push_back(b as u64);
     q.stored += 1;
 }
 
@@ -64,12 +79,12 @@ pub fn unblock(cfg: &Cfg, st: &mut State, s: usize) -> bool {
     let b = st.reqs[r].stored as usize;
     let n = cfg.reqs[r].batches[b];
     let last = b + 1 == cfg.reqs[r].batches.len();
-    if !st.reqs[r].state.live() {
+    if !st.reqs[r].p.state.live() {
         // AllocError::Cancelled → `undo`, StoreError::Cancelled.
         let q = &mut st.reqs[r];
-        q.stored_chunks -= n;
+        q.p.stored_chunks -= n as usize;
         if last {
-            q.last_stored = false;
+            q.p.last_stored = false;
         }
         st.snd[s].blocked_on = None;
         return true;
@@ -86,11 +101,7 @@ pub fn unblock(cfg: &Cfg, st: &mut State, s: usize) -> bool {
 /// `Sender::cancel_request`.
 pub fn cancel(cfg: &Cfg, st: &mut State, r: usize) -> bool {
     let q = &mut st.reqs[r];
-    if !cfg.reqs[r].may_abort || !q.registered || !q.state.live() {
-        return false;
-    }
-    q.state = RState::Aborting(Status::Cancelled);
-    true
+    cfg.reqs[r].may_abort && q.registered && q.p.abort_with(Status::Cancelled)
 }
 
 /// Returns a batch's bytes (`release_data`).
@@ -137,82 +148,62 @@ fn send(cfg: &Cfg, st: &mut State, s: usize, o: Out) {
 /// `progress_live`). The model runs it whenever it changes something; the
 /// engine runs it when `r` is dirty.
 pub fn progress(cfg: &Cfg, st: &mut State, r: usize) {
-    match st.reqs[r].state {
-        RState::Done(_) => {}
-        RState::Aborting(status) => progress_abort(cfg, st, r, status),
-        RState::Pending | RState::Admitted => progress_live(cfg, st, r),
+    match st.reqs[r].p.state {
+        Phase::Done(_) => {}
+        Phase::Aborting(_) => progress_abort(cfg, st, r),
+        Phase::Pending | Phase::Admitted => progress_live(cfg, st, r),
     }
 }
 
-fn progress_abort(cfg: &Cfg, st: &mut State, r: usize, status: Status) {
+/// `Ctrl::progress_abort`: the core's `abort_step`.
+fn progress_abort(cfg: &Cfg, st: &mut State, r: usize) {
     let s = cfg.reqs[r].sender;
-    let drop_ids: Vec<u8> = {
-        let q = &mut st.reqs[r];
-        q.queued.drain(..).chain(q.unstaged.drain(..)).collect()
-    };
-    for b in drop_ids {
+    let mut dropped = Vec::new();
+    let step = st.reqs[r].p.abort_step(|b| dropped.push(b));
+    for b in dropped {
         release(cfg, st, r, b as usize);
     }
-    let q = &st.reqs[r];
-    if q.in_flight_ops > 0 || q.cancel_sent {
-        return;
+    if let AbortStep::Finish { cancel, status } = step {
+        if cancel {
+            send(cfg, st, s, Out::Cancel(r as u8));
+        }
+        finish(cfg, st, r, status);
     }
-    if q.first_sent {
-        st.reqs[r].cancel_sent = true;
-        send(cfg, st, s, Out::Cancel(r as u8));
-    }
-    finish(cfg, st, r, status);
 }
 
+/// `Ctrl::finish`: the request ends; a one-request-at-a-time receiver is
+/// free for the next.
 fn finish(cfg: &Cfg, st: &mut State, r: usize, status: Status) {
-    st.reqs[r].state = RState::Done(status);
+    st.reqs[r].p.finish(status);
     let s = cfg.reqs[r].sender;
-    if st.snd[s].legacy_active == Some(r as u8) {
-        st.snd[s].legacy_active = None;
-    }
+    st.snd[s].turn.release(&(r as u8));
 }
 
+/// `Ctrl::progress_live`: send what the core allows, post answered batches
+/// in the core's order, complete.
 fn progress_live(cfg: &Cfg, st: &mut State, r: usize) {
     let s = cfg.reqs[r].sender;
-    let q = &st.reqs[r];
     // 1. Send what may be sent.
-    let sendable = if q.state == RState::Admitted || !cfg.rules.gate_unadmitted {
-        q.queued.len()
-    } else if !q.first_sent && !q.queued.is_empty() {
-        if cfg.rules.one_request_at_a_time
-            && st.snd[s].legacy_active.is_some_and(|a| a as usize != r)
-        {
-            0
-        } else {
-            1
-        }
-    } else {
-        0
-    };
+    let turn = cfg
+        .rules
+        .one_request_at_a_time
+        .then_some(&mut st.snd[s].turn);
+    let sendable = st.reqs[r].p.sendable(rules(cfg), turn, &(r as u8));
     for _ in 0..sendable {
-        let Some(b) = st.reqs[r].queued.pop_front() else {
+        let Some((b, _first)) = st.reqs[r].p.next_to_send() else {
             break;
         };
         let q = &mut st.reqs[r];
-        q.awaiting_reply += 1;
-        q.first_sent = true;
-        q.sent = q.sent.max(b + 1);
-        send(cfg, st, s, Out::Batch(r as u8, b));
+        q.sent = q.sent.max(b as u8 + 1);
+        send(cfg, st, s, Out::Batch(r as u8, b as u8));
     }
-    if cfg.rules.one_request_at_a_time && sendable > 0 {
-        st.snd[s].legacy_active = Some(r as u8);
-    }
-    // 2. Stage and post answered batches (`stage_and_post` on each).
-    let ids: Vec<u8> = st.reqs[r].unstaged.iter().copied().collect();
-    for b in ids {
-        if stage_and_post(cfg, st, r, b) {
-            st.reqs[r].unstaged.retain(|&x| x != b);
-        } else if cfg.rules.stage_in_order {
-            break;
-        }
-    }
+    // 2. Stage and post answered batches (`stage_and_post` on each), the
+    // progress taken out of the state meanwhile as ctrl does.
+    let mut p = std::mem::take(&mut st.reqs[r].p);
+    p.post_answered(rules(cfg), |b| stage_and_post(cfg, st, r, b as u8));
+    st.reqs[r].p = p;
     // 3. Complete.
-    if is_complete(&st.reqs[r]) {
+    if st.reqs[r].p.is_complete() {
         notify_proxy(cfg, st, r);
         if cfg.rules.hello {
             st.to_rx[s].push_back(Wire::Done { req: r as u8 });
@@ -221,16 +212,17 @@ fn progress_live(cfg: &Cfg, st: &mut State, r: usize) {
     }
 }
 
-/// `Ctrl::stage_and_post`: false if the batch's bytes are in the pending
-/// area and staging cannot take them now.
-fn stage_and_post(cfg: &Cfg, st: &mut State, r: usize, b: u8) -> bool {
+/// `Ctrl::stage_and_post`: `None` if the batch's bytes are in the pending
+/// area and staging cannot take them now; else the writes posted (one: the
+/// batch's chunks are contiguous on both sides, so they coalesce).
+fn stage_and_post(cfg: &Cfg, st: &mut State, r: usize, b: u8) -> Option<usize> {
     let s = cfg.reqs[r].sender;
     let bi = b as usize;
     if let Data::Pending(n) = st.reqs[r].batches[bi].data {
         let w = st.reqs[r].batches[bi].writes.len() as u8;
         // `slots.try_alloc`: FIFO semaphore, refuses while a caller waits.
         if st.snd[s].blocked_on.is_some() || st.snd[s].staging_free < w {
-            return false;
+            return None;
         }
         st.snd[s].staging_free -= w;
         st.snd[s].pending_used -= n;
@@ -253,20 +245,7 @@ fn stage_and_post(cfg: &Cfg, st: &mut State, r: usize, b: u8) -> bool {
             chunks,
         },
     );
-    st.reqs[r].in_flight_ops += 1;
-    true
-}
-
-/// `Req::is_complete`.
-fn is_complete(q: &super::state::SReq) -> bool {
-    q.state == RState::Admitted
-        && q.last_stored
-        && q.last_replied
-        && q.queued.is_empty()
-        && q.unstaged.is_empty()
-        && q.awaiting_reply == 0
-        && q.in_flight_ops == 0
-        && q.completed_chunks == q.stored_chunks
+    Some(1)
 }
 
 /// The proxy receives ProxyNotif (PUSH/PULL; nothing depends on when it is
@@ -309,57 +288,40 @@ pub fn on_reply(cfg: &Cfg, st: &mut State, s: usize) -> bool {
     true
 }
 
-/// `Ctrl::on_batch_reply`.
+/// `Ctrl::on_batch_reply`: the core reads the reply; the data follows.
 fn on_batch_reply(cfg: &Cfg, st: &mut State, r: usize, b: usize, resp: &Reply) {
     let s = cfg.reqs[r].sender;
     let keys = cfg.reqs[r].batch_keys(b);
     let n = keys.len();
-    let q = &mut st.reqs[r];
-    q.awaiting_reply = q.awaiting_reply.saturating_sub(1);
-    let bad_shape = resp.remote.len() != n.max(1) && !(n == 0 && resp.remote.is_empty());
-    let out_of_range = resp
-        .remote
-        .iter()
-        .any(|&x| x < 0 || x >= cfg.capacity as i64)
-        || resp.already.iter().any(|&x| x < 0 || x as usize >= n);
-    if resp.failed || bad_shape || out_of_range {
-        if q.state.live() {
-            q.state = RState::Aborting(Status::Failed);
-        }
-        return release(cfg, st, r, b);
-    }
-    if !q.state.live() {
-        return release(cfg, st, r, b);
-    }
-    if q.state == RState::Pending {
-        q.state = RState::Admitted;
-    }
-    q.completed_chunks += resp.already.len() as u8;
-    if b + 1 == cfg.reqs[r].batches.len() {
-        q.last_replied = true;
-    }
+    let last = b + 1 == cfg.reqs[r].batches.len();
+    let reply = st.reqs[r]
+        .p
+        .on_reply(b as u64, n, last, cfg.capacity as u64, &resp.to_response());
+    let (remote, dedup) = match reply.step {
+        ReplyStep::Abort | ReplyStep::Release => return release(cfg, st, r, b),
+        ReplyStep::Write { remote, dedup } => (remote, dedup),
+    };
     let writes: Vec<(u8, u8)> = (0..n)
-        .filter(|j| !resp.already.contains(&(*j as i64)))
-        .map(|j| (keys[j], resp.remote[j] as u8))
+        .filter(|j| !dedup.contains(j))
+        .map(|j| (keys[j], remote[j] as u8))
         .collect();
-    if writes.is_empty() {
-        return release(cfg, st, r, b);
-    }
-    if let Data::Staged(m) = q.batches[b].data {
-        if !resp.already.is_empty() {
+    let q = &mut st.reqs[r];
+    let freed = match q.batches[b].data {
+        // Dedup'd chunks release their staging at once.
+        Data::Staged(m) if !dedup.is_empty() => {
             q.batches[b].data = Data::Staged(writes.len() as u8);
-            let freed = m - writes.len() as u8;
-            q.batches[b].writes = writes;
-            q.unstaged.push_back(b as u8);
-            return give_staging(cfg, st, s, freed);
+            Some(m - writes.len() as u8)
         }
-    }
+        _ => None,
+    };
     q.batches[b].writes = writes;
-    q.unstaged.push_back(b as u8);
+    if let Some(freed) = freed {
+        give_staging(cfg, st, s, freed);
+    }
 }
 
 /// A posted write completes (it landed at the receiver) and the poll thread
-/// handles the completion (`poll::run`).
+/// handles the completion (`poll::run`: the core's `write_done`).
 pub fn complete(cfg: &Cfg, st: &mut State, i: usize) {
     let w = st.writes.remove(i);
     let r = w.req as usize;
@@ -372,7 +334,7 @@ pub fn complete(cfg: &Cfg, st: &mut State, i: usize) {
     }
     let s = cfg.reqs[r].sender;
     give_staging(cfg, st, s, w.chunks.len() as u8);
-    let q = &mut st.reqs[r];
-    q.in_flight_ops -= 1;
-    q.completed_chunks += w.chunks.len() as u8;
+    st.reqs[r]
+        .p
+        .write_done(w.chunks.len(), true, || Status::Failed);
 }

@@ -5,6 +5,10 @@
 
 use std::collections::VecDeque;
 
+use kvferry::protocol::AllocResponse;
+use kvferry::sender::core::{Phase, Progress, Turn};
+use kvferry::ErrorCode;
+
 use super::config::Cfg;
 use super::rx::{RxIn, RxView, Wire};
 
@@ -19,25 +23,14 @@ pub enum Status {
     Failed,
 }
 
-/// `ReqState` of src/control/sender/table.rs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum RState {
-    /// First AllocRequest not yet answered.
-    Pending,
-    /// The receiver admitted it.
-    Admitted,
-    /// Waiting for in-flight writes before CancelNotif.
-    Aborting(Status),
-    /// Terminal.
-    Done(Status),
-}
-
-impl RState {
-    /// `Pending | Admitted`.
-    pub fn live(self) -> bool {
-        matches!(self, RState::Pending | RState::Admitted)
+impl kvferry::sender::core::Status for Status {
+    fn failed(_: ErrorCode, _: String) -> Self {
+        Status::Failed
     }
 }
+
+/// A request's lifecycle: the real core's `Phase`.
+pub type RState = Phase<Status>;
 
 /// Where a batch's bytes are (`BatchData`), in chunks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -59,24 +52,17 @@ pub struct SBatch {
     pub writes: Vec<(u8, u8)>,
 }
 
-/// One request on the sender (`Req` of src/control/sender/table.rs).
+/// One request on the sender: the real core's protocol state
+/// (`Progress`, batch ids = batch indexes) plus what the caller side and the
+/// model's bookkeeping need.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct SReq {
-    pub state: RState,
+    /// The sender core's state of the request.
+    pub p: Progress<Status>,
     /// `store` was called at least once (the table has an entry).
     pub registered: bool,
     /// Batches the caller finished storing.
     pub stored: u8,
-    pub queued: VecDeque<u8>,
-    pub awaiting_reply: u8,
-    pub unstaged: VecDeque<u8>,
-    pub in_flight_ops: u8,
-    pub stored_chunks: u8,
-    pub completed_chunks: u8,
-    pub last_stored: bool,
-    pub last_replied: bool,
-    pub first_sent: bool,
-    pub cancel_sent: bool,
     /// Batches whose AllocRequest was sent (`keys_sent`).
     pub sent: u8,
     pub batches: Vec<SBatch>,
@@ -104,8 +90,9 @@ pub struct Snd {
     pub fifo: Option<Out>,
     /// One-outstanding mode: messages queued behind it.
     pub waiting: VecDeque<Out>,
-    /// One-request-at-a-time mode: the request being transferred.
-    pub legacy_active: Option<u8>,
+    /// One-request-at-a-time mode: the request being transferred (the
+    /// core's `Turn`).
+    pub turn: Turn<u8>,
 }
 
 /// An AllocResponse on the wire (receiver → sender).
@@ -115,6 +102,22 @@ pub struct Reply {
     pub remote: Vec<i64>,
     pub already: Vec<i64>,
     pub failed: bool,
+}
+
+impl Reply {
+    /// The `AllocResponse` it stands for (what the sender core reads).
+    pub fn to_response(&self) -> AllocResponse {
+        if self.failed {
+            AllocResponse::failure(
+                self.remote.len().max(1),
+                self.seq,
+                ErrorCode::AllocationFailed,
+                "refused",
+            )
+        } else {
+            AllocResponse::ok(self.remote.clone(), self.already.clone(), self.seq)
+        }
+    }
 }
 
 /// A write posted to the transport (one op per batch: the batch's chunks
@@ -194,19 +197,9 @@ impl State {
             Vec::new()
         };
         let sreq = |r: usize| SReq {
-            state: RState::Pending,
+            p: Progress::default(),
             registered: false,
             stored: 0,
-            queued: VecDeque::new(),
-            awaiting_reply: 0,
-            unstaged: VecDeque::new(),
-            in_flight_ops: 0,
-            stored_chunks: 0,
-            completed_chunks: 0,
-            last_stored: false,
-            last_replied: false,
-            first_sent: false,
-            cancel_sent: false,
             sent: 0,
             batches: vec![
                 SBatch {
@@ -229,7 +222,7 @@ impl State {
                     blocked_on: None,
                     fifo: None,
                     waiting: VecDeque::new(),
-                    legacy_active: None,
+                    turn: Turn::default(),
                 };
                 cfg.senders
             ],
@@ -248,7 +241,7 @@ impl State {
     /// Every request ended: terminal on its sender, and a completed one
     /// consumed by the decoder.
     pub fn all_ended(&self, cfg: &Cfg) -> bool {
-        self.reqs.iter().enumerate().all(|(r, q)| match q.state {
+        self.reqs.iter().enumerate().all(|(r, q)| match q.p.state {
             RState::Done(Status::Completed) => self.consumed[r] as usize == cfg.reqs[r].total(),
             RState::Done(_) => true,
             _ => false,
