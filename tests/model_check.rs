@@ -1,6 +1,7 @@
 //! Model checks of the admission protocol (issue 6): every interleaving of
-//! small configurations, with kvferry's sender rules and the real receiver
-//! core (`kvferry::receiver::core::ReceiverCore`). See docs/model-check.md.
+//! small configurations, with the real sender core
+//! (`kvferry::sender::core`) and the real receiver core
+//! (`kvferry::receiver::core::ReceiverCore`). See docs/model-check.md.
 //!
 //! `cargo test --test model_check` runs the CI configurations (seconds in
 //! debug); `cargo test --release --test model_check -- --ignored` runs the

@@ -1,5 +1,6 @@
-//! A stateright model of kvferry's admission protocol: N senders (the rules
-//! of src/control/sender, transcribed), one receiver (the real
+//! A stateright model of kvferry's admission protocol: N senders (the real
+//! `kvferry::sender::core` decisions, executed on the model state by
+//! `sender.rs`; the caller side transcribed), one receiver (the real
 //! `kvferry::receiver::core::ReceiverCore`, rebuilt from the log of its
 //! inputs), FIFO channels per sender↔receiver pair in each direction, a
 //! transport that completes posted writes in any order, a decoder and a
@@ -156,8 +157,8 @@ impl Pd {
                 (r, Some(b)) => (r as usize, b as usize),
                 _ => return,
             },
-            None => match st.snd[s].fifo {
-                Some(state::Out::Batch(r, b)) => (r as usize, b as usize),
+            None => match st.snd[s].out.outstanding() {
+                Some(&state::Out::Batch(r, b)) => (r as usize, b as usize),
                 _ => return,
             },
         };
@@ -326,8 +327,8 @@ pub fn describe(m: &Pd, s: &State) -> String {
     );
     for (i, sn) in s.snd.iter().enumerate() {
         out += &format!(
-            "sender {i}: staging free {}/{}, pending {}, caller blocked on {:?}, outstanding {:?}, waiting {:?}; ",
-            sn.staging_free, m.cfg.staging, sn.pending_used, sn.blocked_on, sn.fifo, sn.waiting
+            "sender {i}: staging free {}/{}, pending {}, caller blocked on {:?}, in-order queue {:?}; ",
+            sn.staging_free, m.cfg.staging, sn.pending_used, sn.blocked_on, sn.out
         );
     }
     for (r, q) in s.reqs.iter().enumerate() {

@@ -3,9 +3,9 @@
 //! order, completion, fenced abort, write completion); this file executes
 //! them on the model's state as ctrl.rs and poll.rs do on the engine's
 //! (staging and pending-area accounting, the peer's send queue, the wire).
-//! The caller side (`store`, `unblock`) and the LMCache-mode peer queue are
-//! still transcribed from src/control/sender/{mod,ctrl}.rs; docs/model-check.md
-//! maps them.
+//! The LMCache-mode send queue is the core's `InOrder` too. The caller side
+//! (`store`, `unblock`) is still transcribed from src/control/sender/mod.rs;
+//! docs/model-check.md maps every function.
 
 use kvferry::sender::core::{AbortStep, Phase, ReplyStep, Rules as CoreRules};
 
@@ -125,15 +125,8 @@ fn give_staging(cfg: &Cfg, st: &mut State, s: usize, n: u8) {
 }
 
 /// Sends a message on sender `s`'s DEALER (`send_batch` / `send_cancel`):
-/// pipelined, or behind the one outstanding message.
+/// pipelined, or through the core's one-at-a-time queue.
 fn send(cfg: &Cfg, st: &mut State, s: usize, o: Out) {
-    if cfg.rules.one_outstanding && st.snd[s].fifo.is_some() {
-        st.snd[s].waiting.push_back(o);
-        return;
-    }
-    if cfg.rules.one_outstanding {
-        st.snd[s].fifo = Some(o);
-    }
     let w = match o {
         Out::Batch(req, batch) => Wire::Alloc { req, batch },
         Out::Cancel(req) => Wire::Cancel {
@@ -141,7 +134,9 @@ fn send(cfg: &Cfg, st: &mut State, s: usize, o: Out) {
             sent: st.reqs[req as usize].sent,
         },
     };
-    st.to_rx[s].push_back(w);
+    if !cfg.rules.one_outstanding || st.snd[s].out.send(o, (), || w.clone()) {
+        st.to_rx[s].push_back(w);
+    }
 }
 
 /// `Ctrl::progress` for request `r` (dispatching to `progress_abort` or
@@ -269,21 +264,19 @@ pub fn on_reply(cfg: &Cfg, st: &mut State, s: usize) -> bool {
     let Some(reply) = st.to_tx[s].pop_front() else {
         return false;
     };
-    let o = match reply.seq {
+    let (o, next) = match reply.seq {
         Some(seq) => match decode_seq(seq) {
-            (r, Some(b)) => Some(Out::Batch(r, b)),
-            (r, None) => Some(Out::Cancel(r)),
+            (r, Some(b)) => (Some(Out::Batch(r, b)), None),
+            (r, None) => (Some(Out::Cancel(r)), None),
         },
-        None => st.snd[s].fifo.take(),
+        None => st.snd[s].out.answered(()),
     };
     if let Some(Out::Batch(r, b)) = o {
         on_batch_reply(cfg, st, r as usize, b as usize, &reply);
     }
-    if cfg.rules.one_outstanding && st.snd[s].fifo.is_none() {
-        // `send_waiting`.
-        if let Some(next) = st.snd[s].waiting.pop_front() {
-            send(cfg, st, s, next);
-        }
+    // `send_next`.
+    if let Some(w) = next {
+        st.to_rx[s].push_back(w);
     }
     true
 }

@@ -6,7 +6,7 @@
 use std::collections::VecDeque;
 
 use kvferry::protocol::AllocResponse;
-use kvferry::sender::core::{Phase, Progress, Turn};
+use kvferry::sender::core::{InOrder, Phase, Progress, Turn};
 use kvferry::ErrorCode;
 
 use super::config::Cfg;
@@ -86,10 +86,9 @@ pub struct Snd {
     /// The caller thread is blocked in the staging allocation of the next
     /// batch of this request.
     pub blocked_on: Option<u8>,
-    /// One-outstanding mode: the unanswered message.
-    pub fifo: Option<Out>,
-    /// One-outstanding mode: messages queued behind it.
-    pub waiting: VecDeque<Out>,
+    /// One-outstanding mode: the unanswered message and the ones queued
+    /// behind it (the core's `InOrder`, as `Peer::in_order`).
+    pub out: InOrder<Out, Wire, ()>,
     /// One-request-at-a-time mode: the request being transferred (the
     /// core's `Turn`).
     pub turn: Turn<u8>,
@@ -220,8 +219,7 @@ impl State {
                     staging_free: cfg.staging,
                     pending_used: 0,
                     blocked_on: None,
-                    fifo: None,
-                    waiting: VecDeque::new(),
+                    out: InOrder::default(),
                     turn: Turn::default(),
                 };
                 cfg.senders

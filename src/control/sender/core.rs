@@ -107,6 +107,74 @@ impl<H: PartialEq + Clone> Turn<H> {
     }
 }
 
+/// The messages to a receiver that answers one at a time, in order (an
+/// LMCache receiver: its replies carry no `seq`). At most one message is
+/// outstanding; the others wait in send order, already encoded (`B`).
+/// `O` names what a message was, `T` when it went out (the shell's clock).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct InOrder<O, B, T> {
+    outstanding: Option<(O, T)>,
+    waiting: VecDeque<(O, B)>,
+}
+
+impl<O, B, T> Default for InOrder<O, B, T> {
+    fn default() -> Self {
+        Self {
+            outstanding: None,
+            waiting: VecDeque::new(),
+        }
+    }
+}
+
+impl<O, B, T: Copy> InOrder<O, B, T> {
+    /// Queues message `o` at `now`: true if it must go out now (nothing is
+    /// outstanding); else it waits, as `payload()`.
+    pub fn send(&mut self, o: O, now: T, payload: impl FnOnce() -> B) -> bool {
+        if self.outstanding.is_some() {
+            self.waiting.push_back((o, payload()));
+            return false;
+        }
+        self.outstanding = Some((o, now));
+        true
+    }
+
+    /// A reply came (at `now`): what it answers, and the next waiting
+    /// message, now outstanding, to send.
+    pub fn answered(&mut self, now: T) -> (Option<O>, Option<B>) {
+        let o = self.outstanding.take().map(|(o, _)| o);
+        let next = self.waiting.pop_front().map(|(n, bytes)| {
+            self.outstanding = Some((n, now));
+            bytes
+        });
+        (o, next)
+    }
+
+    /// What the unanswered message is.
+    pub fn outstanding(&self) -> Option<&O> {
+        self.outstanding.as_ref().map(|(o, _)| o)
+    }
+
+    /// When the unanswered message went out.
+    pub fn sent_at(&self) -> Option<T> {
+        self.outstanding.as_ref().map(|&(_, t)| t)
+    }
+
+    /// Nothing outstanding, nothing waiting.
+    pub fn is_idle(&self) -> bool {
+        self.outstanding.is_none() && self.waiting.is_empty()
+    }
+
+    /// Forgets every message (the connection is replaced): the outstanding
+    /// one first, then the waiting ones in order.
+    pub fn drain(&mut self) -> impl Iterator<Item = O> + '_ {
+        self.outstanding
+            .take()
+            .map(|(o, _)| o)
+            .into_iter()
+            .chain(self.waiting.drain(..).map(|(o, _)| o))
+    }
+}
+
 /// One request's protocol state (batches are named by the shell's ids).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Progress<S> {

@@ -255,3 +255,35 @@ fn an_abort_before_anything_was_sent_ends_without_a_cancel() {
     assert_eq!(p.abort_step(|_| unreachable!()), AbortStep::Wait);
     assert!(!p.state.live());
 }
+
+#[test]
+fn an_in_order_receiver_gets_one_message_at_a_time_in_send_order() {
+    let mut q = InOrder::<u32, &str, u8>::default();
+    assert!(q.is_idle());
+    assert!(q.send(1, 10, || unreachable!("sent at once, not stored")));
+    assert!(!q.send(2, 11, || "two"), "waits behind the outstanding one");
+    assert!(!q.send(3, 12, || "three"));
+    assert_eq!((q.outstanding(), q.sent_at()), (Some(&1), Some(10)));
+    assert_eq!(q.answered(20), (Some(1), Some("two")));
+    // The next one counts as sent when it is let go, not when queued.
+    assert_eq!((q.outstanding(), q.sent_at()), (Some(&2), Some(20)));
+    assert_eq!(q.answered(21), (Some(2), Some("three")));
+    assert_eq!(q.answered(22), (Some(3), None));
+    assert!(q.is_idle());
+    assert_eq!(
+        q.answered(23),
+        (None, None),
+        "a stray reply answers nothing"
+    );
+}
+
+#[test]
+fn draining_an_in_order_queue_forgets_outstanding_then_waiting() {
+    let mut q = InOrder::<u32, (), ()>::default();
+    q.send(1, (), || ());
+    q.send(2, (), || ());
+    q.send(3, (), || ());
+    assert_eq!(q.drain().collect::<Vec<_>>(), [1, 2, 3]);
+    assert!(q.is_idle());
+    assert!(q.send(4, (), || ()), "a fresh connection sends at once");
+}

@@ -575,7 +575,7 @@ impl Ctrl {
                 continue;
             }
             let idle = match p.mode {
-                Mode::Legacy => p.fifo.is_empty() && p.waiting.is_empty() && p.turn.is_free(),
+                Mode::Legacy => p.in_order.is_idle() && p.turn.is_free(),
                 _ => true, // Failed
             };
             if late.ack.is_none() || !idle {
@@ -627,7 +627,8 @@ impl Ctrl {
                 warn!(endpoint = %self.peers[i].endpoint, error = %e, "undecodable reply");
                 // In LMCache mode the reply slot is still consumed in order.
                 if self.peers[i].mode == Mode::Legacy {
-                    if let Some((o, _)) = self.peers[i].fifo.pop_front() {
+                    let (o, next) = self.peers[i].in_order.answered(Instant::now());
+                    if let Some(o) = o {
                         self.answer(
                             i,
                             o,
@@ -638,8 +639,8 @@ impl Ctrl {
                                 "undecodable reply",
                             ),
                         );
-                        self.send_waiting(i);
                     }
+                    self.send_next(i, next);
                 }
                 return;
             }
@@ -730,23 +731,21 @@ impl Ctrl {
                 }
             }
             (Mode::Legacy, Message::AllocResponse(resp)) => {
-                if let Some((o, _)) = self.peers[i].fifo.pop_front() {
+                let (o, next) = self.peers[i].in_order.answered(Instant::now());
+                if let Some(o) = o {
                     self.answer(i, o, resp);
                 }
-                self.send_waiting(i);
+                self.send_next(i, next);
             }
             (_, other) => debug!(?other, "unexpected message from a receiver ignored"),
         }
     }
 
-    fn send_waiting(&mut self, i: usize) {
-        let p = &mut self.peers[i];
-        if p.fifo.is_empty() {
-            if let Some((o, bytes)) = p.waiting.pop_front() {
-                if let Err(e) = p.send_raw(&bytes) {
-                    warn!(error = %e, "send failed");
-                }
-                p.fifo.push_back((o, Instant::now()));
+    /// Sends the message an LMCache-mode peer's queue let go next.
+    fn send_next(&mut self, i: usize, next: Option<Vec<u8>>) {
+        if let Some(bytes) = next {
+            if let Err(e) = self.peers[i].send_raw(&bytes) {
+                warn!(error = %e, "send failed");
             }
         }
     }
@@ -979,14 +978,12 @@ impl Ctrl {
                 p.by_seq.insert(seq, (Outstanding::Batch(id), now));
             }
             None => {
-                if p.fifo.is_empty() {
+                if p.in_order
+                    .send(Outstanding::Batch(id), now, || self.buf.clone())
+                {
                     if let Err(e) = p.send_raw(&self.buf) {
                         warn!(error = %e, "AllocRequest send failed");
                     }
-                    p.fifo.push_back((Outstanding::Batch(id), now));
-                } else {
-                    p.waiting
-                        .push_back((Outstanding::Batch(id), self.buf.clone()));
                 }
             }
         }
@@ -1284,13 +1281,13 @@ impl Ctrl {
                 }
                 p.by_seq.insert(seq, (o, now));
             }
-            None if p.fifo.is_empty() => {
-                if let Err(e) = p.send_raw(&self.buf) {
-                    warn!(error = %e, "CancelNotif send failed");
+            None => {
+                if p.in_order.send(o, now, || self.buf.clone()) {
+                    if let Err(e) = p.send_raw(&self.buf) {
+                        warn!(error = %e, "CancelNotif send failed");
+                    }
                 }
-                p.fifo.push_back((o, now));
             }
-            None => p.waiting.push_back((o, self.buf.clone())),
         }
     }
 
@@ -1495,8 +1492,7 @@ impl Ctrl {
         let late: Vec<Outstanding> = if self.peers[i].mode == Mode::Legacy {
             // Order is lost: start a fresh connection and fail all in it.
             let p = &mut self.peers[i];
-            let mut v: Vec<Outstanding> = p.fifo.drain(..).map(|(o, _)| o).collect();
-            v.extend(p.waiting.drain(..).map(|(o, _)| o));
+            let v: Vec<Outstanding> = p.in_order.drain().collect();
             self.renew_socket(i);
             v
         } else {

@@ -9,12 +9,12 @@
 //! which keeps a parked request from blocking the batches of an admitted one
 //! behind the single outstanding slot).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::time::Instant;
 
 use crate::protocol::Descriptor;
 
-use super::core::Turn;
+use super::core::{InOrder, Turn};
 use crate::transport::{PeerIndex, RemoteBuffer};
 
 /// What a reply answers.
@@ -68,10 +68,9 @@ pub(super) struct Peer {
     pub prepared: Option<Descriptor>,
     /// Extended mode: sent and unanswered, by seq.
     pub by_seq: HashMap<u64, (Outstanding, Instant)>,
-    /// Legacy mode: sent and unanswered (at most one), in order.
-    pub fifo: VecDeque<(Outstanding, Instant)>,
-    /// Legacy mode: encoded messages waiting for the outstanding one.
-    pub waiting: VecDeque<(Outstanding, Vec<u8>)>,
+    /// Legacy mode: the one unanswered message and the encoded ones
+    /// waiting for it.
+    pub in_order: InOrder<Outstanding, Vec<u8>, Instant>,
     /// Legacy mode: the one request being transferred.
     pub turn: Turn<String>,
     pub last_heartbeat: Instant,
@@ -110,8 +109,7 @@ impl Peer {
             remote: None,
             prepared: None,
             by_seq: HashMap::new(),
-            fifo: VecDeque::new(),
-            waiting: VecDeque::new(),
+            in_order: InOrder::default(),
             turn: Turn::default(),
             last_heartbeat: Instant::now(),
             generation,
@@ -163,7 +161,7 @@ impl Peer {
         self.by_seq
             .values()
             .map(|(_, t)| *t)
-            .chain(self.fifo.iter().map(|(_, t)| *t))
+            .chain(self.in_order.sent_at())
             .min()
     }
 }
