@@ -251,6 +251,15 @@ pub struct Reply {
     pub step: ReplyStep,
 }
 
+/// What a write completion means for its request.
+#[derive(Debug, PartialEq, Eq)]
+pub struct WriteDone {
+    /// This failure started the abort: wake the request's waiters.
+    pub aborted: bool,
+    /// ctrl must look at the request (its last write ended, or one failed).
+    pub attention: bool,
+}
+
 /// The next step of an aborting request.
 #[derive(Debug, PartialEq, Eq)]
 pub enum AbortStep<S> {
@@ -406,16 +415,13 @@ impl<S: Status> Progress<S> {
     }
 
     /// A posted write (of `chunks` chunks) ended: landed if `ok`, else the
-    /// request aborts with `failure()`. True in the first place if this
-    /// started the abort (wake the request's waiters); true in the second
-    /// if ctrl must look at the request (its last write ended, or one
-    /// failed).
+    /// request aborts with `failure()`.
     pub fn write_done(
         &mut self,
         chunks: usize,
         ok: bool,
         failure: impl FnOnce() -> S,
-    ) -> (bool, bool) {
+    ) -> WriteDone {
         self.in_flight_ops = self.in_flight_ops.saturating_sub(1);
         let aborted = if ok {
             self.completed_chunks += chunks;
@@ -423,7 +429,10 @@ impl<S: Status> Progress<S> {
         } else {
             self.abort_with(failure())
         };
-        (aborted, self.in_flight_ops == 0 || !ok)
+        WriteDone {
+            aborted,
+            attention: self.in_flight_ops == 0 || !ok,
+        }
     }
 
     /// A write that was never handed to the transport was withdrawn.

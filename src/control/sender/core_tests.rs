@@ -188,9 +188,21 @@ fn complete_only_once_every_write_landed_and_the_last_batch_was_answered() {
     assert!(!p.is_complete(), "batches not posted");
     p.post_answered(Rules::KVFERRY, |_| Some(1));
     assert!(!p.is_complete(), "writes in flight");
-    assert_eq!(p.write_done(2, true, || unreachable!()), (false, false));
+    assert_eq!(
+        p.write_done(2, true, || unreachable!()),
+        WriteDone {
+            aborted: false,
+            attention: false
+        }
+    );
     assert!(!p.is_complete(), "one write still in flight");
-    assert_eq!(p.write_done(2, true, || unreachable!()), (false, true));
+    assert_eq!(
+        p.write_done(2, true, || unreachable!()),
+        WriteDone {
+            aborted: false,
+            attention: true
+        }
+    );
     assert!(p.is_complete());
     p.last_replied = false;
     assert!(!p.is_complete(), "last batch unanswered");
@@ -204,11 +216,20 @@ fn a_failed_write_aborts_the_request_once() {
         code: ErrorCode::WriteFailed,
         reason: "x".into(),
     };
-    assert_eq!(p.write_done(2, false, fail), (true, true));
+    assert_eq!(
+        p.write_done(2, false, fail),
+        WriteDone {
+            aborted: true,
+            attention: true
+        }
+    );
     assert_eq!(p.completed_chunks, 0);
     assert_eq!(
         p.write_done(2, false, fail),
-        (false, true),
+        WriteDone {
+            aborted: false,
+            attention: true
+        },
         "already aborting"
     );
     assert!(matches!(p.state, Phase::Aborting(_)));

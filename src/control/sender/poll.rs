@@ -53,7 +53,7 @@ pub(super) fn run(shared: Arc<Shared>, mut completions: Box<dyn Completions>) {
                 let Some(r) = t.reqs.get_mut(&*w.req_id) else {
                     continue;
                 };
-                let (aborted, attention) =
+                let done =
                     r.p.write_done(w.chunks as usize, c.ok(), || RequestStatus::Failed {
                         code: ErrorCode::WriteFailed,
                         reason: format!("write failed: {}", c.status()),
@@ -63,11 +63,11 @@ pub(super) fn run(shared: Arc<Shared>, mut completions: Box<dyn Completions>) {
                     r.last_completion_at = Some(now);
                     shared.stats.add(Counter::Chunks, u64::from(w.chunks));
                     shared.stats.add(Counter::Bytes, w.bytes);
-                } else if aborted {
+                } else if done.aborted {
                     r.aborted();
                     debug!(req_id = %w.req_id, status = %c.status(), "write failed; aborting the request");
                 }
-                if attention {
+                if done.attention {
                     t.attention.push(w.req_id.to_string());
                 }
                 nudge = true;
