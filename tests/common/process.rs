@@ -169,6 +169,14 @@ impl ChildLines {
         Some(found.into_iter().flatten().collect())
     }
 
+    /// Every line until stdout closes (the child exited); fails (killing
+    /// the child) naming `what` if it stays open past [`PROC_WAIT`].
+    pub fn rest(&self, child: &mut Child, what: &str) -> Vec<String> {
+        let end = Instant::now() + PROC_WAIT;
+        let what = format!("{what} to close its stdout");
+        std::iter::from_fn(|| self.next(child, end, &what)).collect()
+    }
+
     /// The first line containing `marker`. Fails (killing the child) if
     /// none comes within [`PROC_WAIT`] or stdout closes first.
     pub fn expect_containing(&self, child: &mut Child, marker: &str) -> String {
