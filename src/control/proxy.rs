@@ -384,7 +384,11 @@ impl ProxyListener {
         self.shared.stop.store(true, Ordering::Release);
         let _ = self.shared.waker.wake();
         if let Some(t) = self.thread.take() {
-            let _ = t.join();
+            let _ = crate::threads::join_within(
+                t,
+                crate::threads::STOP_JOIN_DEADLINE,
+                "proxy listener",
+            );
         }
         self.shared.counts.lock().shut_down = true;
         self.shared.cv.notify_all();

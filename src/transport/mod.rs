@@ -26,7 +26,7 @@ pub mod shm;
 pub mod tcp;
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 pub use coalesce::coalesce;
 pub use config::{TransportConfig, DEFAULT_RING_CAPACITY, MAX_RING_CAPACITY};
@@ -127,6 +127,16 @@ pub trait Poster: Send {
     /// The most ops that can be in flight at once (the completion ring's
     /// capacity).
     fn credits(&self) -> usize;
+
+    /// The longest dropping this poster waits for its engine to deliver
+    /// what is in flight and exit (after which the engine is detached, see
+    /// [`crate::threads::join_within`]); an owner that joins the thread
+    /// dropping the poster waits at least this long.
+    ///
+    /// Default: [`crate::threads::STOP_JOIN_DEADLINE`].
+    fn drop_deadline(&self) -> Duration {
+        crate::threads::STOP_JOIN_DEADLINE
+    }
 }
 
 /// What [`Completions::poll`] found.

@@ -279,9 +279,11 @@ impl TcpData {
         self.ctl.stop.store(true, Ordering::Release);
         let _ = self.waker.wake();
         if let Some(t) = self.thread.take() {
-            if t.join().is_err() {
-                tracing::debug!("tcp data thread panicked");
-            }
+            let _ = crate::threads::join_within(
+                t,
+                crate::threads::STOP_JOIN_DEADLINE,
+                "receiver tcp data",
+            );
         }
     }
 }

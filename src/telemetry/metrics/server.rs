@@ -170,11 +170,13 @@ impl MetricsServer {
         self.shared.stop.store(true, Ordering::Release);
         match self.waker.wake() {
             Ok(()) => {
-                if thread.join().is_err() {
-                    tracing::debug!("metrics accept thread panicked");
-                }
+                let _ = crate::threads::join_within(
+                    thread,
+                    crate::threads::STOP_JOIN_DEADLINE,
+                    "metrics accept",
+                );
             }
-            // Without a wake-up the join could block forever: detach instead.
+            // Without a wake-up the thread would not see the flag: detach it.
             Err(e) => {
                 tracing::debug!(error = %e, "cannot wake the metrics accept thread; detaching it")
             }

@@ -101,9 +101,8 @@ impl Drop for ShmPoster {
         // exits and closes the completion ring.
         drop(self.sq.take());
         if let Some(engine) = self.engine.take() {
-            if engine.join().is_err() {
-                tracing::debug!("shm copy engine panicked");
-            }
+            let limit = self.drop_deadline();
+            let _ = crate::threads::join_within(engine, limit, "shm copy engine");
         }
     }
 }

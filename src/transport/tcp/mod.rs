@@ -151,6 +151,7 @@ impl Transport for TcpTransport {
             credits,
             handle,
             self.connect_timeout,
+            self.io_timeout,
         );
         let completions = TcpCompletions { cq: cq_rx, shared };
         Ok((Box::new(poster), Box::new(completions)))
