@@ -1,9 +1,10 @@
-//! Child processes and scratch directories of the black-box tests: a
-//! private temp directory removed on drop, a child killed on drop with its
-//! stdout lines read on a thread, a free loopback port, a bounded wait for
-//! exit. Standalone (no kvferry items), so a test file can include just
-//! this: `#[path = "common/process.rs"] mod process;` (`tests/common`
-//! re-exports it too).
+//! Threads, child processes and scratch directories of the black-box
+//! tests: a test thread joined with a deadline, a private temp directory
+//! removed on drop, a child killed on drop with its stdout lines read on a
+//! thread, a free loopback port, a bounded wait for exit. Self-contained,
+//! so a test file can include just this:
+//! `#[path = "common/process.rs"] mod process;` (`tests/common` re-exports
+//! it too).
 //!
 //! Every wait has a deadline ([`PROC_WAIT`] unless the caller passes one);
 //! hitting it kills the child and fails the test naming what hung.
@@ -15,12 +16,40 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::thread;
+use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 /// How long a child may take to print a line or to exit before the test
 /// is declared hung (generous: the CI machine is loaded).
 pub const PROC_WAIT: Duration = Duration::from_secs(30);
+
+/// A thread of the test, called `what`; see [`spawn_thread`].
+pub struct Spawned<T> {
+    handle: JoinHandle<T>,
+    what: &'static str,
+}
+
+/// Runs `f` on a new thread called `what`.
+pub fn spawn_thread<T: Send + 'static>(
+    what: &'static str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Spawned<T> {
+    let handle = thread::Builder::new()
+        .name(what.to_owned())
+        .spawn(f)
+        .expect("spawn a test thread");
+    Spawned { handle, what }
+}
+
+impl<T> Spawned<T> {
+    /// The thread's value; fails the test naming the thread if it is still
+    /// running after [`PROC_WAIT`] or panicked (kvferry's own bounded join,
+    /// [`kvferry::threads::join_within`]).
+    pub fn join(self) -> T {
+        kvferry::threads::join_within(self.handle, PROC_WAIT, self.what)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+}
 
 /// A fresh directory `<tmp>/<prefix>-<pid>-<n>`, removed (with its
 /// contents) on drop.
