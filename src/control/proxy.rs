@@ -260,9 +260,7 @@ impl ProxyListener {
         });
         let thread = {
             let shared = Arc::clone(&shared);
-            std::thread::Builder::new()
-                .name("kvf-proxy".into())
-                .spawn(move || listen(shared, sock, reactor))?
+            crate::threads::spawn_named("kvf-proxy", None, move || listen(shared, sock, reactor))?
         };
         Ok(Self {
             shared,

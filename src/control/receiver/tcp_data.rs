@@ -213,7 +213,7 @@ impl TcpData {
         let ctl = Arc::new(Ctl::default());
         let thread = {
             let ctl = Arc::clone(&ctl);
-            std::thread::Builder::new().name(name).spawn(move || {
+            crate::threads::spawn_named(&name, None, move || {
                 DataThread {
                     poll,
                     listener,

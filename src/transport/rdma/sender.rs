@@ -105,17 +105,8 @@ impl RdmaTransport {
             _mr: mr.clone(),
             stall_timeout: self.cfg.stall_timeout,
         };
-        let pin = self.cfg.pin_cpu;
-        let handle = std::thread::Builder::new()
-            .name(CQ_THREAD_NAME.into())
-            .spawn(move || {
-                if let Some(cpu) = pin {
-                    if !core_affinity::set_for_current(core_affinity::CoreId { id: cpu }) {
-                        tracing::debug!(cpu, "could not pin the rdma cq thread");
-                    }
-                }
-                thread.run();
-            })?;
+        let handle =
+            crate::threads::spawn_named(CQ_THREAD_NAME, self.cfg.pin_cpu, move || thread.run())?;
         let credits = rx.capacity().min(credits);
         let poster = RdmaPoster {
             cfg: self.cfg,
