@@ -172,14 +172,64 @@ pub enum JoinError {
 /// and detaches it ([`JoinError::TimedOut`]); it never blocks past
 /// `limit`. A panicked thread is [`JoinError::Panicked`] (logged at debug
 /// level), a thread joining itself [`JoinError::OwnThread`].
+///
+/// Not for a thread that may still touch memory a caller owns: see
+/// [`join_or_wait`].
 pub fn join_within<T>(handle: JoinHandle<T>, limit: Duration, what: &str) -> Result<T, JoinError> {
-    let thread = what.to_owned();
+    let handle = finished_within(handle, limit, what)?;
+    if !handle.is_finished() {
+        tracing::warn!(
+            thread = what,
+            os_name = handle.thread().name().unwrap_or("<unnamed>"),
+            ?limit,
+            "thread did not finish within its stop deadline; detaching it"
+        );
+        return Err(JoinError::TimedOut {
+            thread: what.to_owned(),
+            waited: limit,
+        });
+    }
+    join_now(handle, what)
+}
+
+/// [`join_within`] for a thread that may still read or write memory its
+/// owner's caller owns (registered sender memory, a receive buffer at a
+/// pointer): detaching it would let it touch that memory after the drop
+/// returned, which the `unsafe` contracts of
+/// [`Sender::register`](crate::sender::Sender::register) and
+/// [`RecvBuffer::from_raw`](crate::region::RecvBuffer::from_raw) promise
+/// never happens. So at the deadline it logs an error naming the thread
+/// and then waits for it without one: a hang that says what hung rather
+/// than a use-after-free. Errors: [`JoinError::Panicked`],
+/// [`JoinError::OwnThread`] (never `TimedOut`).
+pub fn join_or_wait<T>(handle: JoinHandle<T>, limit: Duration, what: &str) -> Result<T, JoinError> {
+    let handle = finished_within(handle, limit, what)?;
+    if !handle.is_finished() {
+        tracing::error!(
+            thread = what,
+            os_name = handle.thread().name().unwrap_or("<unnamed>"),
+            ?limit,
+            "thread did not finish within its stop deadline; it may still touch caller memory, so waiting for it"
+        );
+    }
+    join_now(handle, what)
+}
+
+/// Waits up to `limit` for `handle`'s thread to finish (see
+/// [`join_within`]); returns the handle either way, or `OwnThread`.
+fn finished_within<T>(
+    handle: JoinHandle<T>,
+    limit: Duration,
+    what: &str,
+) -> Result<JoinHandle<T>, JoinError> {
     if handle.thread().id() == std::thread::current().id() {
         tracing::debug!(
             thread = what,
             "not joining the current thread; detaching it"
         );
-        return Err(JoinError::OwnThread { thread });
+        return Err(JoinError::OwnThread {
+            thread: what.to_owned(),
+        });
     }
     let end = Instant::now() + limit;
     let mut backoff = crate::sync::backoff();
@@ -187,26 +237,22 @@ pub fn join_within<T>(handle: JoinHandle<T>, limit: Duration, what: &str) -> Res
     while !handle.is_finished() {
         let now = Instant::now();
         if now >= end {
-            tracing::warn!(
-                thread = what,
-                os_name = handle.thread().name().unwrap_or("<unnamed>"),
-                ?limit,
-                "thread did not finish within its stop deadline; detaching it"
-            );
-            return Err(JoinError::TimedOut {
-                thread,
-                waited: limit,
-            });
+            break;
         }
         if backoff.snooze() == kvferry_ring::backoff::Step::ShouldPark {
             std::thread::park_timeout(nap.min(end - now));
             nap = (nap * 2).min(JOIN_MAX_NAP);
         }
     }
-    // Finished: this join returns at once.
+    Ok(handle)
+}
+
+fn join_now<T>(handle: JoinHandle<T>, what: &str) -> Result<T, JoinError> {
     handle.join().map_err(|_| {
         tracing::debug!(thread = what, "thread panicked");
-        JoinError::Panicked { thread }
+        JoinError::Panicked {
+            thread: what.to_owned(),
+        }
     })
 }
 
@@ -357,6 +403,25 @@ mod tests {
         );
         assert!(e.to_string().contains("kvf-test-stuck"), "{e}");
         drop(tx); // the detached thread ends
+    }
+
+    #[test]
+    fn join_or_wait_waits_past_its_deadline_for_a_thread_that_ends_late() {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let h = spawn_named("kvf-test-late", None, move || {
+            let _ = rx.recv();
+            9
+        })
+        .unwrap();
+        // Released only after a while, so the zero deadline has passed
+        // with the thread still blocked: join_within would detach it.
+        let releaser = spawn_named("kvf-test-release", None, move || {
+            std::thread::sleep(Duration::from_millis(20));
+            drop(tx);
+        })
+        .unwrap();
+        assert_eq!(join_or_wait(h, Duration::ZERO, "kvf-test-late"), Ok(9));
+        join_within(releaser, STOP_JOIN_DEADLINE, "kvf-test-release").unwrap();
     }
 
     #[test]

@@ -279,7 +279,9 @@ impl TcpData {
         self.ctl.stop.store(true, Ordering::Release);
         let _ = self.waker.wake();
         if let Some(t) = self.thread.take() {
-            let _ = crate::threads::join_within(
+            // It writes into the receive buffer, which may be caller
+            // memory (RecvBuffer::from_raw): never detached.
+            let _ = crate::threads::join_or_wait(
                 t,
                 crate::threads::STOP_JOIN_DEADLINE,
                 "receiver tcp data",

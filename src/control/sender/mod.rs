@@ -1200,9 +1200,11 @@ impl Sender {
         // Release: pairs with the Acquire load in the ctrl loop.
         self.shared.stop.store(true, Ordering::Release);
         let _ = self.shared.waker.wake();
-        use crate::threads::{join_within, STOP_JOIN_DEADLINE};
+        use crate::threads::{join_or_wait, join_within, STOP_JOIN_DEADLINE};
+        // ctrl owns the transport, whose engine may still read registered
+        // memory: never detached (see join_or_wait).
         if let Some(t) = self.ctrl.take() {
-            let _ = join_within(t, self.stop_limit, "sender ctrl");
+            let _ = join_or_wait(t, self.stop_limit, "sender ctrl");
         }
         if let Some(t) = self.poll.take() {
             let _ = join_within(t, self.stop_limit, "sender poll");

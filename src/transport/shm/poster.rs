@@ -102,7 +102,8 @@ impl Drop for ShmPoster {
         drop(self.sq.take());
         if let Some(engine) = self.engine.take() {
             let limit = self.drop_deadline();
-            let _ = crate::threads::join_within(engine, limit, "shm copy engine");
+            // It may be copying from registered memory: never detached.
+            let _ = crate::threads::join_or_wait(engine, limit, "shm copy engine");
         }
     }
 }

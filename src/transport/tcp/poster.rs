@@ -222,7 +222,8 @@ impl Drop for TcpPoster {
         let _ = self.waker.wake();
         if let Some(engine) = self.engine.take() {
             let limit = self.drop_deadline();
-            let _ = crate::threads::join_within(engine, limit, super::ENGINE_THREAD_NAME);
+            // It may be sending from registered memory: never detached.
+            let _ = crate::threads::join_or_wait(engine, limit, super::ENGINE_THREAD_NAME);
         }
     }
 }
