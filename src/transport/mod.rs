@@ -128,9 +128,11 @@ pub trait Poster: Send {
     /// capacity).
     fn credits(&self) -> usize;
 
-    /// The longest dropping this poster waits for its engine to deliver
-    /// what is in flight and exit (after which the engine is detached, see
-    /// [`crate::threads::join_within`]); an owner that joins the thread
+    /// How long dropping this poster waits for its engine to deliver what
+    /// is in flight and exit before it reports the engine stuck (and then
+    /// detaches it, or keeps waiting for an engine that may read caller
+    /// memory: [`crate::threads::join_within`],
+    /// [`crate::threads::join_or_wait`]); an owner that joins the thread
     /// dropping the poster waits at least this long.
     ///
     /// Default: [`crate::threads::STOP_JOIN_DEADLINE`].
