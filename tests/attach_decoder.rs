@@ -8,21 +8,22 @@
 
 #[path = "common_sender/mod.rs"]
 mod common_sender;
+#[path = "common/process.rs"]
+mod process;
 
-use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdout, Command, Stdio};
-use std::sync::{mpsc, Arc};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::thread;
-use std::time::{Duration, Instant};
 
-use common_sender::{deadline, receiver, sender, sender_cfg, unique, wait_for, CHUNK, WAIT};
+use common_sender::{deadline, receiver, sender, sender_cfg, wait_for, CHUNK, WAIT};
 use kvferry::attach::layout::{DecoderSubmit, STATUS_TOO_MANY_CLIENTS};
 use kvferry::attach::{AttachConfig, AttachError, DecoderClient, DecoderDaemon, Event, Refusal};
 use kvferry::protocol::ErrorCode;
 use kvferry::receiver::Receiver;
 use kvferry::sender::{RequestSpec, Sender, TransferSpec};
+use process::{wait_exit, ChildProc, TempDir};
 
 const ROLE: &str = "KVFERRY_ATTACH_ROLE";
 const SOCK: &str = "KVFERRY_ATTACH_SOCK";
@@ -52,26 +53,6 @@ fn store(s: &Sender, endpoint: &str, req_id: &str, n: usize, last: usize) {
     let bufs: Vec<Vec<u8>> = (0..n).map(|i| chunk(req_id, i, n, last)).collect();
     let chunks: Vec<&[u8]> = bufs.iter().map(Vec::as_slice).collect();
     s.store(&spec, &keys, &chunks).expect("stored");
-}
-
-/// A socket path in a fresh private temp directory, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new() -> Self {
-        let d = std::env::temp_dir().join(unique("kvferry-attach"));
-        std::fs::create_dir_all(&d).unwrap();
-        TempDir(d)
-    }
-    fn sock(&self) -> PathBuf {
-        self.0.join("attach.sock")
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 fn daemon(r: &Arc<Receiver>, sock: &Path, tweak: impl FnOnce(&mut AttachConfig)) -> DecoderDaemon {
@@ -131,80 +112,24 @@ fn child_main(role: &str) {
     }
 }
 
-/// A child process, killed on drop; its stdout lines arrive on a channel.
-struct ChildProc {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-}
-
-fn lines_of(out: ChildStdout) -> mpsc::Receiver<String> {
-    let (tx, rx) = mpsc::channel();
-    thread::spawn(move || {
-        for l in BufReader::new(out).lines() {
-            let Ok(l) = l else { break };
-            if tx.send(l).is_err() {
-                break;
-            }
-        }
-    });
-    rx
-}
-
-impl ChildProc {
-    fn decoder(test: &str, role: &str, sock: &Path, req: &str, n: usize, last: usize) -> Self {
-        let mut child = Command::new(std::env::current_exe().unwrap())
+/// The re-executed test binary as a decoder child (killed on drop).
+fn decoder_child(
+    test: &str,
+    role: &str,
+    sock: &Path,
+    req: &str,
+    n: usize,
+    last: usize,
+) -> ChildProc {
+    ChildProc::spawn(
+        Command::new(std::env::current_exe().unwrap())
             .args(["--exact", test, "--nocapture", "--test-threads=1"])
             .env(ROLE, role)
             .env(SOCK, sock)
             .env(REQ, req)
             .env(COUNT, n.to_string())
-            .env(LAST, last.to_string())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let lines = lines_of(child.stdout.take().unwrap());
-        ChildProc { child, lines }
-    }
-
-    /// Waits for a stdout line containing `marker`; fails naming it.
-    fn expect_line(&self, marker: &str) -> String {
-        let end = deadline();
-        loop {
-            let left = end.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) if l.contains(marker) => return l,
-                Ok(_) => {}
-                Err(_) => panic!("child never printed {marker:?} within {WAIT:?}"),
-            }
-        }
-    }
-
-    fn wait_success(&mut self, what: &str) {
-        let end = deadline();
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                assert!(st.success(), "{what}: child failed with {st}");
-                return;
-            }
-            assert!(Instant::now() < end, "{what}: child hung (killed)");
-            thread::sleep(Duration::from_millis(5));
-        }
-    }
-
-    fn sigkill(&mut self) {
-        // Child::kill sends SIGKILL.
-        self.child.kill().unwrap();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for ChildProc {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
+            .env(LAST, last.to_string()),
+    )
 }
 
 fn allocated(r: &Receiver) -> usize {
@@ -216,11 +141,11 @@ fn a_decoder_process_reads_every_byte_in_place_and_its_release_frees_the_slots()
     if let Ok(role) = std::env::var(ROLE) {
         return child_main(&role);
     }
-    let dir = TempDir::new();
+    let dir = TempDir::new("kvferry-attach");
     let r = Arc::new(receiver(16));
     let d = daemon(&r, &dir.sock(), |_| {});
     let s = sender(sender_cfg(8, None));
-    let mut child = ChildProc::decoder(
+    let mut child = decoder_child(
         "a_decoder_process_reads_every_byte_in_place_and_its_release_frees_the_slots",
         "decoder",
         &dir.sock(),
@@ -243,11 +168,11 @@ fn sigkill_of_a_decoder_holding_a_request_releases_its_chunks() {
     if let Ok(role) = std::env::var(ROLE) {
         return child_main(&role);
     }
-    let dir = TempDir::new();
+    let dir = TempDir::new("kvferry-attach");
     let r = Arc::new(receiver(8));
     let d = daemon(&r, &dir.sock(), |_| {});
     let s = sender(sender_cfg(8, None));
-    let mut child = ChildProc::decoder(
+    let mut child = decoder_child(
         "sigkill_of_a_decoder_holding_a_request_releases_its_chunks",
         "holder",
         &dir.sock(),
@@ -286,7 +211,7 @@ fn sigkill_of_a_decoder_holding_a_request_releases_its_chunks() {
 
 #[test]
 fn hostile_submissions_are_refused_and_change_nothing() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("kvferry-attach");
     let r = Arc::new(receiver(16));
     let d = daemon(&r, &dir.sock(), |c| c.max_outstanding = 2);
     let s = sender(sender_cfg(8, None));
@@ -371,7 +296,7 @@ fn hostile_submissions_are_refused_and_change_nothing() {
 
 #[test]
 fn a_failed_request_is_reported_with_its_code() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("kvferry-attach");
     let r = Arc::new(receiver(8));
     let _d = daemon(&r, &dir.sock(), |_| {});
     let s = sender(sender_cfg(8, None));
@@ -399,7 +324,7 @@ fn a_failed_request_is_reported_with_its_code() {
 
 #[test]
 fn past_max_clients_a_new_attachment_is_refused() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("kvferry-attach");
     let r = Arc::new(receiver(4));
     let d = daemon(&r, &dir.sock(), |c| c.max_clients = 1);
     let first = connect(&dir.sock());
@@ -442,7 +367,7 @@ fn another_user_cannot_attach() {
             "another_user_cannot_attach: needs root to run a second uid; checked the modes only"
         );
     }
-    let dir = TempDir::new();
+    let dir = TempDir::new("kvferry-attach");
     std::fs::set_permissions(&dir.0, std::fs::Permissions::from_mode(0o755)).unwrap();
     let r = Arc::new(receiver(4));
     let d = daemon(&r, &dir.sock(), |_| {});
@@ -461,41 +386,29 @@ fn another_user_cannot_attach() {
 
 /// Starts `kvferry receiver --attach SOCK`; returns it with its endpoint.
 fn spawn_receiver_binary(sock: &Path, shm: &Path) -> (ChildProc, String) {
-    let mut child = Command::new(BIN)
-        .args(["receiver", "--listen", "tcp://127.0.0.1:0"])
-        .args([
-            "--capacity-chunks",
-            "4",
-            "--chunk-bytes",
-            &CHUNK.to_string(),
-        ])
-        .arg("--attach")
-        .arg(sock)
-        .arg("--shm-path")
-        .arg(shm)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("kvferry receiver starts");
-    let lines = lines_of(child.stdout.take().unwrap());
     // Killed on drop, so a failing test leaves no daemon behind.
-    let p = ChildProc { child, lines };
-    let (mut endpoint, mut attach) = (None, false);
-    let end = deadline();
-    while endpoint.is_none() || !attach {
-        let left = end.saturating_duration_since(Instant::now());
-        let l = p
-            .lines
-            .recv_timeout(left)
-            .unwrap_or_else(|_| panic!("kvferry receiver did not announce itself in {WAIT:?}"));
-        if let Some(e) = l.strip_prefix("kvferry receiver listening on ") {
-            endpoint = Some(e.to_owned());
-        }
-        if l.starts_with("kvferry receiver attach on ") {
-            attach = true;
-        }
-    }
-    (p, endpoint.unwrap())
+    let mut p = ChildProc::spawn(
+        Command::new(BIN)
+            .args(["receiver", "--listen", "tcp://127.0.0.1:0"])
+            .args([
+                "--capacity-chunks",
+                "4",
+                "--chunk-bytes",
+                &CHUNK.to_string(),
+            ])
+            .arg("--attach")
+            .arg(sock)
+            .arg("--shm-path")
+            .arg(shm)
+            .stdin(Stdio::null()),
+    );
+    let endpoint = p
+        .after_prefixes(&[
+            "kvferry receiver listening on ",
+            "kvferry receiver attach on ",
+        ])
+        .remove(0);
+    (p, endpoint)
 }
 
 #[test]
@@ -503,12 +416,12 @@ fn the_receiver_binary_serves_attached_decoders_and_survives_a_killed_one() {
     if let Ok(role) = std::env::var(ROLE) {
         return child_main(&role);
     }
-    let dir = TempDir::new();
+    let dir = TempDir::new("kvferry-attach");
     let shm = dir.0.join("buf");
     let (mut recv, endpoint) = spawn_receiver_binary(&dir.sock(), &shm);
     let s = sender(sender_cfg(8, None));
     // A holder process takes the whole buffer (4 slots), then dies.
-    let mut holder = ChildProc::decoder(
+    let mut holder = decoder_child(
         "the_receiver_binary_serves_attached_decoders_and_survives_a_killed_one",
         "holder",
         &dir.sock(),
@@ -535,18 +448,8 @@ fn the_receiver_binary_serves_attached_decoders_and_survives_a_killed_one() {
     drop(c);
     // SAFETY: kill with a pid we spawned and still own (not yet reaped).
     unsafe { libc::kill(recv.child.id() as i32, libc::SIGTERM) };
-    let end = deadline();
-    loop {
-        if let Some(st) = recv.child.try_wait().unwrap() {
-            assert!(st.success(), "receiver exit {st}");
-            break;
-        }
-        if Instant::now() > end {
-            let _ = recv.child.kill();
-            panic!("kvferry receiver did not exit on SIGTERM");
-        }
-        thread::sleep(Duration::from_millis(5));
-    }
+    let st = wait_exit(&mut recv.child, "kvferry receiver after SIGTERM");
+    assert!(st.success(), "receiver exit {st}");
     assert!(!dir.sock().exists(), "the socket is removed at exit");
 }
 
@@ -567,21 +470,18 @@ fn store_for_python(s: &Sender, endpoint: &str, req_id: &str, n: usize, last: us
 
 fn python_decoder(sock: &Path, req: &str, n: usize, last: usize, mode: &str) -> ChildProc {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/python");
-    let mut child = Command::new("python3")
-        .arg(dir.join("decoder_check.py"))
-        .arg(sock)
-        .args([req, &n.to_string(), &last.to_string(), mode])
-        .env("PYTHONPATH", &dir)
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("python3 runs");
-    let lines = lines_of(child.stdout.take().unwrap());
-    ChildProc { child, lines }
+    ChildProc::spawn(
+        Command::new("python3")
+            .arg(dir.join("decoder_check.py"))
+            .arg(sock)
+            .args([req, &n.to_string(), &last.to_string(), mode])
+            .env("PYTHONPATH", &dir),
+    )
 }
 
 #[test]
 fn the_python_client_reads_every_byte_from_the_receiver_binary_and_a_killed_one_releases() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("kvferry-attach");
     let shm = dir.0.join("buf");
     let (mut recv, endpoint) = spawn_receiver_binary(&dir.sock(), &shm);
     let s = sender(sender_cfg(8, None));
@@ -607,7 +507,7 @@ fn the_python_client_reads_every_byte_from_the_receiver_binary_and_a_killed_one_
 
 #[test]
 fn the_daemon_replaces_a_stale_socket_but_never_a_live_one_or_a_file() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("kvferry-attach");
     let r = Arc::new(receiver(4));
     // A regular file at the path: refused, left alone.
     std::fs::write(dir.sock(), b"precious").unwrap();

@@ -9,13 +9,13 @@
 
 #[path = "common_sender/mod.rs"]
 mod common_sender;
+#[path = "common/process.rs"]
+mod process;
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::{mpsc, Arc};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::thread;
-use std::time::{Duration, Instant};
 
 use common_sender::{
     deadline, key, receiver, sender, sender_cfg, unique, wait_for, wait_receiver_empty,
@@ -28,6 +28,7 @@ use kvferry::attach::{
 use kvferry::protocol::ErrorCode;
 use kvferry::receiver::Receiver;
 use kvferry::sender::Sender;
+use process::{ChildProc, TempDir};
 
 const ROLE: &str = "KVFERRY_PREFILL_ROLE";
 const SOCK: &str = "KVFERRY_PREFILL_SOCK";
@@ -54,25 +55,6 @@ fn chunk(req_id: &str, i: usize, n: usize) -> Vec<u8> {
         .collect()
 }
 
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new() -> Self {
-        let d = std::env::temp_dir().join(unique("kvferry-prefill"));
-        std::fs::create_dir_all(&d).unwrap();
-        TempDir(d)
-    }
-    fn sock(&self) -> PathBuf {
-        self.0.join("prefill.sock")
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 struct Setup {
     r: Arc<Receiver>,
     s: Arc<Sender>,
@@ -81,7 +63,7 @@ struct Setup {
 }
 
 fn setup(staging: usize) -> Setup {
-    let dir = TempDir::new();
+    let dir = TempDir::new("kvferry-prefill");
     let r = Arc::new(receiver(64));
     let s = Arc::new(sender(sender_cfg(staging, None)));
     let d = PrefillDaemon::start(
@@ -148,67 +130,16 @@ fn child_main(role: &str) {
     println!("WORKER DONE");
 }
 
-struct ChildProc {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-}
-
-impl ChildProc {
-    fn spawn(test: &str, role: &str, sock: &Path, req: &str, n: usize) -> Self {
-        let mut child = Command::new(std::env::current_exe().unwrap())
+/// The re-executed test binary as a worker child (killed on drop).
+fn worker_child(test: &str, role: &str, sock: &Path, req: &str, n: usize) -> ChildProc {
+    ChildProc::spawn(
+        Command::new(std::env::current_exe().unwrap())
             .args(["--exact", test, "--nocapture", "--test-threads=1"])
             .env(ROLE, role)
             .env(SOCK, sock)
             .env(REQ, req)
-            .env(COUNT, n.to_string())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let out = child.stdout.take().unwrap();
-        let (tx, lines) = mpsc::channel();
-        thread::spawn(move || {
-            for l in BufReader::new(out).lines() {
-                let Ok(l) = l else { break };
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
-        ChildProc { child, lines }
-    }
-
-    fn expect_line(&self, marker: &str) {
-        let end = deadline();
-        loop {
-            let left = end.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) if l.contains(marker) => return,
-                Ok(_) => {}
-                Err(_) => panic!("child never printed {marker:?} within {WAIT:?}"),
-            }
-        }
-    }
-
-    fn wait_success(&mut self, what: &str) {
-        let end = deadline();
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                assert!(st.success(), "{what}: child failed with {st}");
-                return;
-            }
-            assert!(Instant::now() < end, "{what}: child hung (killed)");
-            thread::sleep(Duration::from_millis(5));
-        }
-    }
-}
-
-impl Drop for ChildProc {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
+            .env(COUNT, n.to_string()),
+    )
 }
 
 /// Checks every byte of `req_id` at the receiver, then releases it.
@@ -235,7 +166,7 @@ fn a_worker_process_fills_staging_in_place_and_the_receiver_holds_every_byte() {
     let t = setup(16);
     let req = unique("pf");
     let n = 10;
-    let mut w = ChildProc::spawn(
+    let mut w = worker_child(
         "a_worker_process_fills_staging_in_place_and_the_receiver_holds_every_byte",
         "worker",
         t.d.socket(),
@@ -258,7 +189,7 @@ fn sigkill_of_a_worker_mid_request_cancels_it_and_returns_its_staging() {
     let t = setup(16);
     let req = unique("pk");
     let n = 8;
-    let mut w = ChildProc::spawn(
+    let mut w = worker_child(
         "sigkill_of_a_worker_mid_request_cancels_it_and_returns_its_staging",
         "holder",
         t.d.socket(),
@@ -367,61 +298,20 @@ const BIN: &str = env!("CARGO_BIN_EXE_kvferry");
 /// Starts the kvferry binary with `args`; waits for its `announce` line
 /// (and returns the rest of it) and its "attach on" line.
 fn spawn_binary(args: &[&str], role: &str, announce: &str) -> (ChildProc, String) {
-    let mut child = Command::new(BIN)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("kvferry starts");
-    let out = child.stdout.take().unwrap();
-    let (tx, lines) = mpsc::channel();
-    thread::spawn(move || {
-        for l in BufReader::new(out).lines() {
-            let Ok(l) = l else { break };
-            if tx.send(l).is_err() {
-                break;
-            }
-        }
-    });
-    let p = ChildProc { child, lines };
-    let (mut found, mut attach) = (None, false);
-    let end = deadline();
-    while found.is_none() || !attach {
-        let left = end.saturating_duration_since(Instant::now());
-        let l = p
-            .lines
-            .recv_timeout(left)
-            .unwrap_or_else(|_| panic!("kvferry {role} did not announce itself in {WAIT:?}"));
-        if let Some(e) = l.strip_prefix(announce) {
-            found = Some(e.to_owned());
-        }
-        if l.starts_with(&format!("kvferry {role} attach on ")) {
-            attach = true;
-        }
-    }
-    (p, found.unwrap())
+    let mut p = ChildProc::spawn(Command::new(BIN).args(args).stdin(Stdio::null()));
+    let attach = format!("kvferry {role} attach on ");
+    let found = p.after_prefixes(&[announce, &attach]).remove(0);
+    (p, found)
 }
 
 fn python(script: &str, args: &[&str]) -> ChildProc {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/python");
-    let mut child = Command::new("python3")
-        .arg(dir.join(script))
-        .args(args)
-        .env("PYTHONPATH", &dir)
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("python3 runs");
-    let out = child.stdout.take().unwrap();
-    let (tx, lines) = mpsc::channel();
-    thread::spawn(move || {
-        for l in BufReader::new(out).lines() {
-            let Ok(l) = l else { break };
-            if tx.send(l).is_err() {
-                break;
-            }
-        }
-    });
-    ChildProc { child, lines }
+    ChildProc::spawn(
+        Command::new("python3")
+            .arg(dir.join(script))
+            .args(args)
+            .env("PYTHONPATH", &dir),
+    )
 }
 
 /// Byte `j` of chunk `i` is `(i * 31 + j) & 0xff` (what
@@ -435,7 +325,7 @@ fn python_and_rust_prefill_workers_feed_a_python_decoder_through_both_binaries()
     if std::env::var(ROLE).is_ok() {
         return;
     }
-    let dir = TempDir::new();
+    let dir = TempDir::new("kvferry-prefill");
     let rsock = dir.0.join("recv.sock");
     let ssock = dir.0.join("send.sock");
     let shm = dir.0.join("buf");

@@ -182,3 +182,54 @@ fn an_unusable_endpoint_is_a_runtime_error() {
     assert_eq!(st.code(), Some(1), "status {st}, stderr: {err}");
     assert!(err.contains("bogus://nowhere"), "{err}");
 }
+
+/// Starts `kvferry receiver` on a default buffer path (no `--shm-path`)
+/// and returns it with the buffer file its HelloAck announces.
+fn receiver_with_default_buffer() -> (ChildProc, PathBuf) {
+    let mut p = ChildProc::spawn(
+        Command::new(BIN)
+            .args(["receiver", "--listen", "tcp://127.0.0.1:0"])
+            .args(["--capacity-chunks", "2", "--chunk-bytes", "4096"])
+            .stdin(Stdio::null()),
+    );
+    let endpoint = p
+        .after_prefixes(&["kvferry receiver listening on "])
+        .remove(0);
+    let ack = Client::connect(&endpoint, "stale-test").hello();
+    let shm = match &ack.descriptor {
+        Descriptor::Shm { path, .. } => PathBuf::from(path),
+        other => panic!("expected an shm descriptor, got {other:?}"),
+    };
+    assert!(shm.exists(), "buffer file {} exists", shm.display());
+    (p, shm)
+}
+
+#[test]
+fn a_receiver_removes_the_buffer_a_sigkilled_one_left_and_never_a_live_ones() {
+    let (mut live, live_shm) = receiver_with_default_buffer();
+    let (mut killed, killed_shm) = receiver_with_default_buffer();
+    killed.sigkill();
+    assert!(
+        killed_shm.exists(),
+        "SIGKILL leaves {} behind (nothing can remove it at exit)",
+        killed_shm.display()
+    );
+    let (mut next, next_shm) = receiver_with_default_buffer();
+    assert!(
+        !killed_shm.exists(),
+        "the next receiver removed the dead one's {}",
+        killed_shm.display()
+    );
+    assert!(
+        live_shm.exists(),
+        "a live receiver's {} is untouched",
+        live_shm.display()
+    );
+    for (p, shm) in [(&mut live, &live_shm), (&mut next, &next_shm)] {
+        // SAFETY: plain FFI call with a valid pid of our own child and a valid signal.
+        unsafe { libc::kill(p.child.id() as libc::pid_t, libc::SIGTERM) };
+        let st = wait_exit(&mut p.child, "a receiver after SIGTERM");
+        assert_eq!(st.code(), Some(0), "exit status {st}");
+        assert!(!shm.exists(), "{} removed on exit", shm.display());
+    }
+}

@@ -380,6 +380,32 @@ fn sender_with_backoff(transport: Box<dyn Transport>, rehello_backoff: Duration)
     .expect("sender starts")
 }
 
+/// A receiver whose acceptor takes `accept_delay` to accept, and a sender
+/// over a recording "rdma" transport that waits `hello_timeout` for a
+/// `HelloAck` (the late-HelloAck tests of issue 14).
+fn late_ack_pair(log: &Log, accept_delay: Duration, hello_timeout: Duration) -> (Receiver, Sender) {
+    let receiver = Receiver::start(kvferry::receiver::ReceiverConfig {
+        acceptor: Some(slow_acceptor(
+            log,
+            Arc::default(),
+            &Kill::default(),
+            accept_delay,
+        )),
+        ..receiver_cfg(16)
+    })
+    .expect("receiver starts");
+    let sender = Sender::with_transport(
+        kvferry::sender::SenderConfig {
+            transport: "rdma".into(),
+            hello_timeout,
+            ..sender_cfg(8, None)
+        },
+        Box::new(recording(log, None)),
+    )
+    .expect("sender starts");
+    (receiver, sender)
+}
+
 /// Runs request `req` (3 chunks) and returns its status; consumes it at the
 /// receiver when it completes.
 fn run_one(s: &Sender, r: &Receiver, req: &str) -> RequestStatus {
@@ -473,26 +499,8 @@ fn a_refused_accept_fails_the_request_with_the_receivers_reason() {
 #[test]
 fn a_hello_ack_later_than_hello_timeout_still_connects_the_receiver() {
     let log = Log::default();
-    let receiver = Receiver::start(kvferry::receiver::ReceiverConfig {
-        acceptor: Some(slow_acceptor(
-            &log,
-            Arc::default(),
-            &Kill::default(),
-            Duration::from_millis(600),
-        )),
-        ..receiver_cfg(16)
-    })
-    .expect("receiver starts");
-    let transport = Box::new(recording(&log, None));
-    let sender = Sender::with_transport(
-        kvferry::sender::SenderConfig {
-            transport: "rdma".into(),
-            hello_timeout: Duration::from_millis(100),
-            ..sender_cfg(8, None)
-        },
-        transport,
-    )
-    .expect("sender starts");
+    let (receiver, sender) =
+        late_ack_pair(&log, Duration::from_millis(600), Duration::from_millis(100));
     for _ in 0..3 {
         assert_eq!(
             run_one(&sender, &receiver, &unique("late-ack")),
@@ -853,26 +861,8 @@ fn a_hello_ack_after_the_hello_timeout_upgrades_the_receiver_to_kvferry_mode() {
     // descriptor, fails its requests) until the HelloAck arrives, then
     // upgrades it to kvferry mode instead of staying in LMCache mode for good.
     let log = Log::default();
-    let receiver = Receiver::start(kvferry::receiver::ReceiverConfig {
-        acceptor: Some(slow_acceptor(
-            &log,
-            Arc::default(),
-            &Kill::default(),
-            Duration::from_millis(300),
-        )),
-        ..receiver_cfg(16)
-    })
-    .expect("receiver starts");
-    let transport = Box::new(recording(&log, None));
-    let sender = Sender::with_transport(
-        kvferry::sender::SenderConfig {
-            transport: "rdma".into(),
-            hello_timeout: Duration::from_millis(50),
-            ..sender_cfg(8, None)
-        },
-        transport,
-    )
-    .expect("sender starts");
+    let (receiver, sender) =
+        late_ack_pair(&log, Duration::from_millis(300), Duration::from_millis(50));
     let end = deadline();
     let mut failed = 0;
     loop {

@@ -2,34 +2,18 @@
 //! public API (single-threaded and small multi-threaded scenarios).
 #![cfg(not(feature = "shuttle-model"))]
 
+#[path = "common/process.rs"]
+mod process;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use kvferry::ledger::{AdmissionQueue, AdmitError, Ledger, LedgerStats, OverAllocate};
+use process::spawn_thread as spawn;
 
 const HANG: Duration = Duration::from_secs(10);
-
-/// Runs `f` on a thread; `join` fails the test naming `what` if it hangs.
-struct Spawned<T>(mpsc::Receiver<T>, &'static str);
-fn spawn<T: Send + 'static>(
-    what: &'static str,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> Spawned<T> {
-    let (tx, rx) = mpsc::channel();
-    thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    Spawned(rx, what)
-}
-impl<T> Spawned<T> {
-    fn join(self) -> T {
-        self.0
-            .recv_timeout(HANG)
-            .unwrap_or_else(|_| panic!("thread hung or panicked: {}", self.1))
-    }
-}
 
 #[test]
 fn try_admit_allocate_release_and_stats() {

@@ -8,12 +8,15 @@
 //! kvferry's own threads (caller, ctrl, poll, announcer, copy engine) are
 //! counted. The assertion is on a count, never on a time.
 
+#[path = "common/process.rs"]
+mod process;
+
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
+
+use process::ChildProc;
 
 use kvferry::sender::{RequestSpec, RequestStatus, Sender, SenderConfig};
 
@@ -70,47 +73,27 @@ const LARGE: usize = 64;
 const SLACK_PER_REQUEST: u64 = 16;
 const WAIT: Duration = Duration::from_secs(30);
 
-/// The receiver child, killed on drop (also when an assertion fails).
-struct ReceiverProcess(Child);
-
-impl Drop for ReceiverProcess {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn spawn_receiver() -> (ReceiverProcess, String) {
-    let mut child = Command::new(BIN)
-        .args([
-            "receiver",
-            "--listen",
-            "tcp://127.0.0.1:0",
-            "--capacity-chunks",
-            "256",
-            "--chunk-bytes",
-            &CHUNK.to_string(),
-            "--consume",
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn kvferry receiver");
-    let stdout = child.stdout.take().expect("stdout piped");
-    let child = ReceiverProcess(child);
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if let Some(ep) = line.strip_prefix("kvferry receiver listening on ") {
-                let _ = tx.send(ep.trim().to_owned());
-            }
-        }
-    });
-    let endpoint = rx
-        .recv_timeout(WAIT)
-        .expect("hung waiting for `kvferry receiver listening on ...`");
+/// The receiver child, killed on drop (also when an assertion fails),
+/// and its endpoint.
+fn spawn_receiver() -> (ChildProc, String) {
+    let mut child = ChildProc::spawn(
+        Command::new(BIN)
+            .args([
+                "receiver",
+                "--listen",
+                "tcp://127.0.0.1:0",
+                "--capacity-chunks",
+                "256",
+                "--chunk-bytes",
+                &CHUNK.to_string(),
+                "--consume",
+            ])
+            .stdin(Stdio::null())
+            .stderr(Stdio::null()),
+    );
+    let endpoint = child
+        .after_prefixes(&["kvferry receiver listening on "])
+        .remove(0);
     (child, endpoint)
 }
 

@@ -1,13 +1,16 @@
 //! Behaviour of the staging-slot allocator through the public API.
 #![cfg(not(feature = "shuttle-model"))]
 
+#[path = "common/process.rs"]
+mod process;
+
 use std::collections::HashSet;
-use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use kvferry::cancel::CancelToken;
 use kvferry::slots::{AllocError, SlotAllocator, SlotSet};
+use process::spawn_thread as spawn;
 
 const HANG: Duration = Duration::from_secs(10);
 
@@ -16,25 +19,6 @@ fn wait_until(what: &str, cond: impl Fn() -> bool) {
     while !cond() {
         assert!(Instant::now() < end, "hung waiting for: {what}");
         thread::sleep(Duration::from_millis(1));
-    }
-}
-
-struct Spawned<T>(mpsc::Receiver<T>, &'static str);
-fn spawn<T: Send + 'static>(
-    what: &'static str,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> Spawned<T> {
-    let (tx, rx) = mpsc::channel();
-    thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    Spawned(rx, what)
-}
-impl<T> Spawned<T> {
-    fn join(self) -> T {
-        self.0
-            .recv_timeout(HANG)
-            .unwrap_or_else(|_| panic!("thread hung or panicked: {}", self.1))
     }
 }
 

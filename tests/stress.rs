@@ -8,14 +8,18 @@
 //!   capacity and its metrics return to zero;
 //! - a soak, opt-in: `KVFERRY_SOAK_SECS=600 cargo test --release --test stress -- --ignored`.
 
+#[path = "common/process.rs"]
+mod process;
+
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvferry::runner::{self, ChunkRange, Progress, RunConfig};
+use process::{free_port, KillOnDrop as Proc};
 
 fn small(requests: usize) -> RunConfig {
     RunConfig {
@@ -120,23 +124,6 @@ fn rogue_client_does_not_disturb_a_run() {
 
 fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_kvferry")
-}
-
-/// A child process killed when dropped (tests never leave one behind).
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
 }
 
 fn scrape(addr: SocketAddr) -> Option<String> {

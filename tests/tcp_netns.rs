@@ -16,15 +16,17 @@
 //! passes. The namespaces are deleted by a drop guard, also on failure.
 #![cfg(not(feature = "shuttle-model"))]
 
+#[path = "common/process.rs"]
+mod process;
+
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Read};
+use std::io::Read;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvferry::runner::payload::{ChunkId, Payloads, HEADER};
+use process::{wait_exit_within, ChildLines, KillOnDrop as Proc};
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvferry");
 /// Longest any single wait may take before the test is declared hung.
@@ -71,18 +73,6 @@ impl Drop for Namespaces {
     }
 }
 
-/// A child process killed (if still running) when dropped.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if let Ok(None) = self.0.try_wait() {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-}
-
 /// A file removed when dropped (the receiver's buffer if it was killed).
 struct RemoveOnDrop(PathBuf);
 
@@ -90,21 +80,6 @@ impl Drop for RemoveOnDrop {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
     }
-}
-
-/// Lines of `child`'s stdout, read on a thread.
-fn stdout_lines(child: &mut Child) -> mpsc::Receiver<String> {
-    let out = child.stdout.take().expect("stdout piped");
-    let (tx, rx) = mpsc::channel();
-    thread::spawn(move || {
-        for line in BufReader::new(out).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    rx
 }
 
 fn stderr_of(child: &mut Child) -> String {
@@ -117,14 +92,7 @@ fn stderr_of(child: &mut Child) -> String {
 
 /// Waits for `child` to exit; fails naming `what` after [`HANG`].
 fn wait_exit(child: &mut Child, what: &str) -> std::process::ExitStatus {
-    let end = Instant::now() + HANG;
-    loop {
-        if let Some(st) = child.try_wait().expect("try_wait") {
-            return st;
-        }
-        assert!(Instant::now() < end, "hung waiting for {what} to exit");
-        thread::sleep(Duration::from_millis(10));
-    }
+    wait_exit_within(child, what, HANG)
 }
 
 /// Bytes received so far on `dev` in namespace `ns`.
@@ -214,33 +182,21 @@ fn sender_and_receiver_in_two_namespaces_over_veth() {
             .spawn()
             .expect("spawn ip netns exec kvferry receiver"),
     );
-    let lines = stdout_lines(&mut receiver.0);
-    let (mut endpoint, mut data) = (None, None);
-    let end = Instant::now() + HANG;
-    while endpoint.is_none() || data.is_none() {
-        match lines.recv_timeout(Duration::from_millis(50)) {
-            Ok(l) => {
-                if let Some(e) = l.strip_prefix("kvferry receiver listening on ") {
-                    endpoint = Some(e.trim().to_owned());
-                } else if let Some(d) = l.strip_prefix("kvferry receiver tcp data on ") {
-                    data = Some(d.trim().to_owned());
-                }
-            }
-            Err(mpsc::RecvTimeoutError::Timeout) => {}
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                let st = wait_exit(&mut receiver.0, "the receiver (stdout closed)");
-                panic!(
-                    "receiver exited before announcing ({st}): {}",
-                    stderr_of(&mut receiver.0)
-                );
-            }
-        }
-        assert!(
-            Instant::now() < end,
-            "hung waiting for the receiver's `listening on` and `tcp data on` lines"
+    let lines = ChildLines::take(&mut receiver.0);
+    let announced = lines.after_prefixes(
+        &mut receiver.0,
+        &[
+            "kvferry receiver listening on ",
+            "kvferry receiver tcp data on ",
+        ],
+    );
+    let Some([endpoint, data]) = announced.map(|v| <[String; 2]>::try_from(v).unwrap()) else {
+        let st = wait_exit(&mut receiver.0, "the receiver (stdout closed)");
+        panic!(
+            "receiver exited before announcing ({st}): {}",
+            stderr_of(&mut receiver.0)
         );
-    }
-    let (endpoint, data) = (endpoint.unwrap(), data.unwrap());
+    };
     assert!(
         data.starts_with(&format!("{ip_a}:")),
         "tcp data listener on the veth address: {data}"
@@ -263,9 +219,9 @@ fn sender_and_receiver_in_two_namespaces_over_veth() {
             .spawn()
             .expect("spawn ip netns exec kvferry sender"),
     );
-    let out = stdout_lines(&mut sender.0);
+    let out = ChildLines::take(&mut sender.0);
+    let report = out.rest(&mut sender.0, "the sender").join("\n");
     let st = wait_exit(&mut sender.0, "the sender");
-    let report: String = out.iter().collect::<Vec<_>>().join("\n");
     let err = stderr_of(&mut sender.0);
     assert!(
         st.success(),

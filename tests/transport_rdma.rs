@@ -506,6 +506,57 @@ fn runner_over_rdma_moves_every_request_without_leaks() {
     }
 }
 
+/// The receiver side of the two tests below: [`SLOTS`] slots of [`CHUNK`]
+/// bytes, offering rdma on this host's device.
+fn rdma_offering_cfg() -> kvferry::receiver::ReceiverConfig {
+    kvferry::receiver::ReceiverConfig {
+        capacity_chunks: SLOTS as usize,
+        chunk_bytes: CHUNK,
+        acceptor: Some(kvferry::receiver::AcceptorFactory::rdma(env_cfg())),
+        ..kvferry::receiver::ReceiverConfig::default()
+    }
+}
+
+/// Stores three full chunks (bytes `fill`, `fill + 1`, `fill + 2`) under
+/// `keys` as request `req_id` from a fresh rdma sender (8 staging slots of
+/// [`CHUNK`]), waits until `receiver` holds them, and checks each one's
+/// bytes; `also` checks more of each held chunk (its key, the chunk, the
+/// bytes written).
+fn store_three_over_rdma(
+    receiver: &kvferry::receiver::Receiver,
+    req_id: &str,
+    keys: [&str; 3],
+    fill: u8,
+    mut also: impl FnMut(&str, &kvferry::receiver::ChunkRef, &[u8]),
+) {
+    use kvferry::sender::{RequestStatus, Sender, SenderConfig, TransferSpec};
+    let sender = Sender::with_transport(
+        SenderConfig {
+            staging_slots: 8,
+            chunk_bytes: CHUNK,
+            transport: "rdma".into(),
+            ..SenderConfig::default()
+        },
+        Box::new(RdmaTransport::new(env_cfg()).unwrap()),
+    )
+    .unwrap();
+    let chunks: Vec<Vec<u8>> = (0..3u8).map(|i| vec![fill + i; CHUNK as usize]).collect();
+    let refs: Vec<&[u8]> = chunks.iter().map(Vec::as_slice).collect();
+    let spec = TransferSpec::new(req_id, receiver.endpoint(), 3, true);
+    sender.store(&spec, &keys, &refs).unwrap();
+    let deadline = Instant::now() + DEADLINE;
+    assert_eq!(
+        sender.wait(req_id, deadline),
+        Some(RequestStatus::Completed)
+    );
+    receiver.wait_ready(req_id, deadline).unwrap();
+    for (k, want) in keys.iter().zip(&chunks) {
+        let got = receiver.get(k).expect("key held");
+        assert_eq!(got.bytes(), &want[..], "bytes of {k}");
+        also(k, &got, want);
+    }
+}
+
 /// The receiver's RDMA acceptor behind `Receiver::start`: a sender built
 /// with an explicit `RdmaConfig` reaches it through Hello, and the bytes it
 /// stores arrive in the receiver's slots.
@@ -514,41 +565,14 @@ fn a_sender_reaches_a_receiver_that_offers_rdma() {
     if !device_or_skip("a_sender_reaches_a_receiver_that_offers_rdma") {
         return;
     }
-    use kvferry::receiver::{AcceptorFactory, Receiver, ReceiverConfig};
-    use kvferry::sender::{RequestStatus, Sender, SenderConfig, TransferSpec};
-    let cfg = RdmaConfig::from_env(&TransportConfig::default()).unwrap();
-    let receiver = Receiver::start(ReceiverConfig {
-        capacity_chunks: SLOTS as usize,
-        chunk_bytes: CHUNK,
-        acceptor: Some(AcceptorFactory::rdma(cfg.clone())),
-        ..ReceiverConfig::default()
-    })
-    .unwrap();
-    let sender = Sender::with_transport(
-        SenderConfig {
-            staging_slots: 8,
-            chunk_bytes: CHUNK,
-            transport: "rdma".into(),
-            ..SenderConfig::default()
-        },
-        Box::new(RdmaTransport::new(cfg).unwrap()),
-    )
-    .unwrap();
-    let chunks: Vec<Vec<u8>> = (0..3u8).map(|i| vec![0xA0 + i; CHUNK as usize]).collect();
-    let refs: Vec<&[u8]> = chunks.iter().map(Vec::as_slice).collect();
-    let keys = ["k0", "k1", "k2"];
-    let spec = TransferSpec::new("rdma-hello", receiver.endpoint(), 3, true);
-    sender.store(&spec, &keys, &refs).unwrap();
-    let deadline = Instant::now() + DEADLINE;
-    assert_eq!(
-        sender.wait("rdma-hello", deadline),
-        Some(RequestStatus::Completed)
+    let receiver = kvferry::receiver::Receiver::start(rdma_offering_cfg()).unwrap();
+    store_three_over_rdma(
+        &receiver,
+        "rdma-hello",
+        ["k0", "k1", "k2"],
+        0xA0,
+        |_, _, _| {},
     );
-    receiver.wait_ready("rdma-hello", deadline).unwrap();
-    for (k, want) in keys.iter().zip(&chunks) {
-        let got = receiver.get(k).expect("key held");
-        assert_eq!(got.bytes(), &want[..], "bytes of {k}");
-    }
 }
 
 /// A receiver over caller memory at a pointer (`RecvBuffer::from_raw`):
@@ -560,64 +584,35 @@ fn rdma_writes_land_in_caller_memory() {
     if !device_or_skip("rdma_writes_land_in_caller_memory") {
         return;
     }
-    use kvferry::receiver::{AcceptorFactory, Receiver, ReceiverConfig, RecvBuffer};
-    use kvferry::sender::{RequestStatus, Sender, SenderConfig, TransferSpec};
+    use kvferry::receiver::{Receiver, RecvBuffer};
     let len = (SLOTS * CHUNK) as usize;
     let layout = std::alloc::Layout::from_size_align(len, 4096).unwrap();
     // SAFETY: non-zero size; freed at the end of the test, after the
     // receiver and every borrow of its chunks.
     let mem = unsafe { std::alloc::alloc_zeroed(layout) };
     assert!(!mem.is_null());
-    let cfg = env_cfg();
     // SAFETY: `mem` stays allocated until after the receiver is dropped
     // below, and only the receiver writes it meanwhile.
     let buffer = unsafe { RecvBuffer::from_raw(mem, len) };
-    let receiver = Receiver::start_with_buffer(
-        ReceiverConfig {
-            capacity_chunks: SLOTS as usize,
-            chunk_bytes: CHUNK,
-            acceptor: Some(AcceptorFactory::rdma(cfg.clone())),
-            ..ReceiverConfig::default()
-        },
-        buffer,
-    )
-    .unwrap();
+    let receiver = Receiver::start_with_buffer(rdma_offering_cfg(), buffer).unwrap();
     assert_eq!(receiver.region().data_ptr(), mem);
-    let sender = Sender::with_transport(
-        SenderConfig {
-            staging_slots: 8,
-            chunk_bytes: CHUNK,
-            transport: "rdma".into(),
-            ..SenderConfig::default()
+    store_three_over_rdma(
+        &receiver,
+        "rdma-caller-mem",
+        ["m0", "m1", "m2"],
+        0xC0,
+        |k, got, want| {
+            // SAFETY: the slot is inside `mem` (slot < SLOTS) and borrowed
+            // by `got`, so nothing writes it while we read.
+            let mine = unsafe {
+                std::slice::from_raw_parts(
+                    mem.add(got.slot() as usize * CHUNK as usize),
+                    CHUNK as usize,
+                )
+            };
+            assert_eq!(mine, want, "bytes of {k} in the caller's memory");
         },
-        Box::new(RdmaTransport::new(cfg).unwrap()),
-    )
-    .unwrap();
-    let chunks: Vec<Vec<u8>> = (0..3u8).map(|i| vec![0xC0 + i; CHUNK as usize]).collect();
-    let refs: Vec<&[u8]> = chunks.iter().map(Vec::as_slice).collect();
-    let keys = ["m0", "m1", "m2"];
-    let spec = TransferSpec::new("rdma-caller-mem", receiver.endpoint(), 3, true);
-    sender.store(&spec, &keys, &refs).unwrap();
-    let deadline = Instant::now() + DEADLINE;
-    assert_eq!(
-        sender.wait("rdma-caller-mem", deadline),
-        Some(RequestStatus::Completed)
     );
-    receiver.wait_ready("rdma-caller-mem", deadline).unwrap();
-    for (k, want) in keys.iter().zip(&chunks) {
-        let got = receiver.get(k).expect("key held");
-        assert_eq!(got.bytes(), &want[..], "bytes of {k}");
-        // SAFETY: the slot is inside `mem` (slot < SLOTS) and borrowed by
-        // `got`, so nothing writes it while we read.
-        let mine = unsafe {
-            std::slice::from_raw_parts(
-                mem.add(got.slot() as usize * CHUNK as usize),
-                CHUNK as usize,
-            )
-        };
-        assert_eq!(mine, &want[..], "bytes of {k} in the caller's memory");
-    }
-    drop(sender);
     drop(receiver);
     // SAFETY: allocated above with `layout`; the receiver (and its memory
     // region) is gone.

@@ -260,9 +260,7 @@ impl ProxyListener {
         });
         let thread = {
             let shared = Arc::clone(&shared);
-            std::thread::Builder::new()
-                .name("kvf-proxy".into())
-                .spawn(move || listen(shared, sock, reactor))?
+            crate::threads::spawn_named("kvf-proxy", None, move || listen(shared, sock, reactor))?
         };
         Ok(Self {
             shared,
@@ -384,7 +382,11 @@ impl ProxyListener {
         self.shared.stop.store(true, Ordering::Release);
         let _ = self.shared.waker.wake();
         if let Some(t) = self.thread.take() {
-            let _ = t.join();
+            let _ = crate::threads::join_within(
+                t,
+                crate::threads::STOP_JOIN_DEADLINE,
+                "proxy listener",
+            );
         }
         self.shared.counts.lock().shut_down = true;
         self.shared.cv.notify_all();

@@ -52,6 +52,10 @@ use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+mod stale;
+pub use stale::remove_stale_buffers;
 
 use memmap2::{MmapMut, MmapOptions};
 
@@ -287,13 +291,7 @@ impl Region {
             path: path.to_owned(),
             source,
         };
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(path)
-            .map_err(io)?;
+        let file = open_locked(path).map_err(io)?;
         file.set_len(len).map_err(io)?;
         // SAFETY: the file was just created and sized by us; other processes
         // only map it after learning its path from our HelloAck, and they only
@@ -308,7 +306,8 @@ impl Region {
                 _map: map,
                 path: path.to_owned(),
                 remove: true,
-                _file: None,
+                // Holds the creator's lock (see `stale`) while the region lives.
+                _file: Some(file),
             },
             chunk_bytes,
             capacity_chunks,
@@ -541,11 +540,46 @@ unsafe impl Sync for Region {}
 // built it (`data` points into memory that outlives the region's owner).
 unsafe impl Send for Region {}
 
+/// Opens (creating or truncating) a buffer file for `Region::create` and
+/// takes the creator's shared lock on it, which tells the stale-file sweep
+/// ([`remove_stale_buffers`]) that a live receiver owns it. A sweep that
+/// holds the file's exclusive lock at this instant is removing a dead
+/// receiver's file at the same name (pid reuse): open again, up to 100
+/// times 1 ms, and the name is a fresh file by then. On a file system
+/// without `flock` the file stays unlocked: only the sweep's pid check
+/// then protects it.
+fn open_locked(path: &Path) -> std::io::Result<File> {
+    let mut tries = 0;
+    loop {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(path)?;
+        match stale::lock_shared(&file) {
+            Ok(()) => return Ok(file),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && tries < 100 => {
+                tries += 1;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Err(e),
+            Err(e) => {
+                tracing::debug!(path = %path.display(), error = %e, "cannot lock the buffer file");
+                return Ok(file);
+            }
+        }
+    }
+}
+
 static NEXT_REGION: AtomicU64 = AtomicU64::new(0);
 
 /// A fresh default path for a buffer file: `/dev/shm/kvferry-<pid>-<n>.buf`
-/// when `/dev/shm` exists, else the system temp dir.
+/// when `/dev/shm` exists, else the system temp dir. The first call of a
+/// process first removes the files dead receivers left there
+/// ([`remove_stale_buffers`]).
 pub fn default_region_path() -> PathBuf {
+    static SWEPT: std::sync::Once = std::sync::Once::new();
     // Relaxed: the counter only has to hand out distinct numbers.
     let n = NEXT_REGION.fetch_add(1, Ordering::Relaxed);
     let dir = Path::new("/dev/shm");
@@ -554,6 +588,9 @@ pub fn default_region_path() -> PathBuf {
     } else {
         std::env::temp_dir()
     };
+    SWEPT.call_once(|| {
+        remove_stale_buffers(&dir);
+    });
     dir.join(format!("kvferry-{}-{n}.buf", std::process::id()))
 }
 

@@ -263,6 +263,10 @@ impl Poster for FaultPoster {
         self.posted.wrapping_sub(delivered) as usize
     }
 
+    fn drop_deadline(&self) -> Duration {
+        self.inner.drop_deadline()
+    }
+
     fn credits(&self) -> usize {
         self.inner.credits()
     }

@@ -26,7 +26,7 @@ pub mod shm;
 pub mod tcp;
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 pub use coalesce::coalesce;
 pub use config::{TransportConfig, DEFAULT_RING_CAPACITY, MAX_RING_CAPACITY};
@@ -127,6 +127,18 @@ pub trait Poster: Send {
     /// The most ops that can be in flight at once (the completion ring's
     /// capacity).
     fn credits(&self) -> usize;
+
+    /// How long dropping this poster waits for its engine to deliver what
+    /// is in flight and exit before it reports the engine stuck (and then
+    /// detaches it, or keeps waiting for an engine that may read caller
+    /// memory: [`crate::threads::join_within`],
+    /// [`crate::threads::join_or_wait`]); an owner that joins the thread
+    /// dropping the poster waits at least this long.
+    ///
+    /// Default: [`crate::threads::STOP_JOIN_DEADLINE`].
+    fn drop_deadline(&self) -> Duration {
+        crate::threads::STOP_JOIN_DEADLINE
+    }
 }
 
 /// What [`Completions::poll`] found.

@@ -15,10 +15,16 @@
 //! A pin request for a CPU outside the snapshot (or one the kernel refuses)
 //! is not an error for the thread: it logs a `tracing` warning and runs
 //! unpinned.
+//!
+//! Stopping: every drop or stop path that waits for one of its threads
+//! joins it with [`join_within`](crate::threads::join_within), never with a bare `JoinHandle::join`:
+//! a thread stuck in a syscall or a peer's hands then costs the caller a
+//! bounded wait and a warning naming it, not a hung process.
 
 use std::io;
 use std::sync::OnceLock;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 /// Why a thread could not be pinned.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -117,6 +123,137 @@ where
             }
             f()
         })
+}
+
+/// How long a drop or stop path waits for a thread it asked to stop, where
+/// the owner has no better bound (a transport derives its own from its I/O
+/// timeouts). kvferry's threads poll a stop signal and end within
+/// milliseconds of it, so a thread still running after this is stuck.
+pub const STOP_JOIN_DEADLINE: Duration = Duration::from_secs(5);
+
+/// Longest nap between two checks of [`join_within`] once spinning and
+/// yielding are exhausted.
+const JOIN_MAX_NAP: Duration = Duration::from_millis(5);
+
+/// Why [`join_within`] returned without the thread's value.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum JoinError {
+    /// The thread was still running at the deadline; it was detached (it
+    /// keeps running and its resources stay alive until it ends).
+    #[error("thread {thread} did not finish within {waited:?}; detached")]
+    TimedOut {
+        /// What the caller called the thread.
+        thread: String,
+        /// How long the caller waited.
+        waited: Duration,
+    },
+    /// The thread panicked (its panic message was already printed).
+    #[error("thread {thread} panicked")]
+    Panicked {
+        /// What the caller called the thread.
+        thread: String,
+    },
+    /// The caller is the thread itself (e.g. a callback dropped the last
+    /// owner of the engine): joining would deadlock, so it was detached.
+    #[error("thread {thread} cannot join itself; detached")]
+    OwnThread {
+        /// What the caller called the thread.
+        thread: String,
+    },
+}
+
+/// Waits at most `limit` for the thread of `handle` (called `what` in logs
+/// and errors) to finish and returns its value.
+///
+/// A `JoinHandle` cannot be joined with a timeout, so this waits for
+/// [`JoinHandle::is_finished`] with the project's spin → yield backoff,
+/// then naps of at most 5 ms until the deadline; an idle wait costs no
+/// CPU to speak of. At the deadline it logs a warning naming the thread
+/// and detaches it ([`JoinError::TimedOut`]); it never blocks past
+/// `limit`. A panicked thread is [`JoinError::Panicked`] (logged at debug
+/// level), a thread joining itself [`JoinError::OwnThread`].
+///
+/// Not for a thread that may still touch memory a caller owns: see
+/// [`join_or_wait`].
+pub fn join_within<T>(handle: JoinHandle<T>, limit: Duration, what: &str) -> Result<T, JoinError> {
+    let handle = finished_within(handle, limit, what)?;
+    if !handle.is_finished() {
+        tracing::warn!(
+            thread = what,
+            os_name = handle.thread().name().unwrap_or("<unnamed>"),
+            ?limit,
+            "thread did not finish within its stop deadline; detaching it"
+        );
+        return Err(JoinError::TimedOut {
+            thread: what.to_owned(),
+            waited: limit,
+        });
+    }
+    join_now(handle, what)
+}
+
+/// [`join_within`] for a thread that may still read or write memory its
+/// owner's caller owns (registered sender memory, a receive buffer at a
+/// pointer): detaching it would let it touch that memory after the drop
+/// returned, which the `unsafe` contracts of
+/// [`Sender::register`](crate::sender::Sender::register) and
+/// [`RecvBuffer::from_raw`](crate::region::RecvBuffer::from_raw) promise
+/// never happens. So at the deadline it logs an error naming the thread
+/// and then waits for it without one: a hang that says what hung rather
+/// than a use-after-free. Errors: [`JoinError::Panicked`],
+/// [`JoinError::OwnThread`] (never `TimedOut`).
+pub fn join_or_wait<T>(handle: JoinHandle<T>, limit: Duration, what: &str) -> Result<T, JoinError> {
+    let handle = finished_within(handle, limit, what)?;
+    if !handle.is_finished() {
+        tracing::error!(
+            thread = what,
+            os_name = handle.thread().name().unwrap_or("<unnamed>"),
+            ?limit,
+            "thread did not finish within its stop deadline; it may still touch caller memory, so waiting for it"
+        );
+    }
+    join_now(handle, what)
+}
+
+/// Waits up to `limit` for `handle`'s thread to finish (see
+/// [`join_within`]); returns the handle either way, or `OwnThread`.
+fn finished_within<T>(
+    handle: JoinHandle<T>,
+    limit: Duration,
+    what: &str,
+) -> Result<JoinHandle<T>, JoinError> {
+    if handle.thread().id() == std::thread::current().id() {
+        tracing::debug!(
+            thread = what,
+            "not joining the current thread; detaching it"
+        );
+        return Err(JoinError::OwnThread {
+            thread: what.to_owned(),
+        });
+    }
+    let end = Instant::now() + limit;
+    let mut backoff = crate::sync::backoff();
+    let mut nap = Duration::from_micros(50);
+    while !handle.is_finished() {
+        let now = Instant::now();
+        if now >= end {
+            break;
+        }
+        if backoff.snooze() == kvferry_ring::backoff::Step::ShouldPark {
+            std::thread::park_timeout(nap.min(end - now));
+            nap = (nap * 2).min(JOIN_MAX_NAP);
+        }
+    }
+    Ok(handle)
+}
+
+fn join_now<T>(handle: JoinHandle<T>, what: &str) -> Result<T, JoinError> {
+    handle.join().map_err(|_| {
+        tracing::debug!(thread = what, "thread panicked");
+        JoinError::Panicked {
+            thread: what.to_owned(),
+        }
+    })
 }
 
 /// Hands out CPU ids from a configured list round-robin, one per thread
@@ -238,6 +375,81 @@ mod tests {
                 .expect("thread with an unavailable cpu must not panic");
             assert_eq!(mask, parent, "cpu {cpu}");
         }
+    }
+
+    #[test]
+    fn join_within_returns_the_value_of_a_finished_thread() {
+        let h = spawn_named("kvf-test-join", None, || 7).unwrap();
+        assert_eq!(join_within(h, STOP_JOIN_DEADLINE, "kvf-test-join"), Ok(7));
+    }
+
+    #[test]
+    fn join_within_times_out_on_a_thread_that_never_ends_and_names_it() {
+        // The thread ends only when the test lets it (after the join gave
+        // up), so the join cannot have seen it finish.
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let h = spawn_named("kvf-test-stuck", None, move || {
+            let _ = rx.recv();
+        })
+        .unwrap();
+        let limit = Duration::from_millis(20);
+        let e = join_within(h, limit, "kvf-test-stuck").unwrap_err();
+        assert_eq!(
+            e,
+            JoinError::TimedOut {
+                thread: "kvf-test-stuck".into(),
+                waited: limit
+            }
+        );
+        assert!(e.to_string().contains("kvf-test-stuck"), "{e}");
+        drop(tx); // the detached thread ends
+    }
+
+    #[test]
+    fn join_or_wait_waits_past_its_deadline_for_a_thread_that_ends_late() {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let h = spawn_named("kvf-test-late", None, move || {
+            let _ = rx.recv();
+            9
+        })
+        .unwrap();
+        // Released only after a while, so the zero deadline has passed
+        // with the thread still blocked: join_within would detach it.
+        let releaser = spawn_named("kvf-test-release", None, move || {
+            std::thread::sleep(Duration::from_millis(20));
+            drop(tx);
+        })
+        .unwrap();
+        assert_eq!(join_or_wait(h, Duration::ZERO, "kvf-test-late"), Ok(9));
+        join_within(releaser, STOP_JOIN_DEADLINE, "kvf-test-release").unwrap();
+    }
+
+    #[test]
+    fn join_within_reports_a_panic_and_refuses_to_join_itself() {
+        let h = spawn_named("kvf-test-panic", None, || panic!("on purpose")).unwrap();
+        assert_eq!(
+            join_within(h, STOP_JOIN_DEADLINE, "kvf-test-panic"),
+            Err(JoinError::Panicked {
+                thread: "kvf-test-panic".into()
+            })
+        );
+        // A thread handed its own handle (as a callback that drops the
+        // last owner of an engine is) gets OwnThread, not a deadlock.
+        let (htx, hrx) = std::sync::mpsc::channel::<JoinHandle<()>>();
+        let (otx, orx) = std::sync::mpsc::channel();
+        let h = spawn_named("kvf-test-self", None, move || {
+            let me = hrx.recv().unwrap();
+            let _ = otx.send(join_within(me, STOP_JOIN_DEADLINE, "kvf-test-self"));
+        })
+        .unwrap();
+        htx.send(h).unwrap();
+        assert_eq!(
+            orx.recv_timeout(STOP_JOIN_DEADLINE)
+                .expect("hung: a thread joining itself"),
+            Err(JoinError::OwnThread {
+                thread: "kvf-test-self".into()
+            })
+        );
     }
 
     #[test]

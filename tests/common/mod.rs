@@ -7,11 +7,9 @@
 //! naming what it waited for.
 #![allow(dead_code)] // each test file uses its own subset
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
-use std::process::{Child, ExitStatus};
-use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -399,79 +397,6 @@ pub fn metric(body: &str, name_and_labels: &str) -> Option<f64> {
 
 // ----- kvferry as a child process --------------------------------------------
 
-/// A loopback port that was free a moment ago (bound on port 0, then
-/// closed: another process may take it meanwhile, so callers retry).
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-}
-
-/// Waits for `child` to exit; kills it and fails naming `what` after [`HANG`].
-pub fn wait_exit(child: &mut Child, what: &str) -> ExitStatus {
-    let end = deadline();
-    loop {
-        if let Some(st) = child.try_wait().expect("try_wait") {
-            return st;
-        }
-        if Instant::now() >= end {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("hung waiting for the process to exit: {what}");
-        }
-        thread::sleep(Duration::from_millis(5));
-    }
-}
-
-/// The lines a child writes to its (piped) stdout, read by a thread so the
-/// pipe never fills.
-pub struct ChildLines(mpsc::Receiver<String>);
-
-impl ChildLines {
-    /// Takes `child`'s stdout (it must be piped).
-    pub fn take(child: &mut Child) -> Self {
-        let stdout = child.stdout.take().expect("stdout piped");
-        let (tx, rx) = mpsc::channel();
-        thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        ChildLines(rx)
-    }
-
-    /// The next line; `None` once stdout closed (the child exited). At
-    /// `end`, kills the child and fails naming `what`.
-    pub fn next(&self, child: &mut Child, end: Instant, what: &str) -> Option<String> {
-        match self
-            .0
-            .recv_timeout(end.saturating_duration_since(Instant::now()))
-        {
-            Ok(line) => Some(line),
-            Err(mpsc::RecvTimeoutError::Disconnected) => None,
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("hung waiting for {what}");
-            }
-        }
-    }
-
-    /// The rest (trimmed) of the first line starting with `prefix`, such as
-    /// `kvferry receiver listening on `; `None` if stdout closed first.
-    /// Fails (killing the child) after [`HANG`].
-    pub fn after_prefix(&self, child: &mut Child, prefix: &str) -> Option<String> {
-        let end = deadline();
-        let what = format!("the line `{prefix}...`");
-        loop {
-            let line = self.next(child, end, &what)?;
-            if let Some(rest) = line.strip_prefix(prefix) {
-                return Some(rest.trim().to_owned());
-            }
-        }
-    }
-}
+mod process;
+#[allow(unused_imports)] // each test file uses its own subset
+pub use process::*;

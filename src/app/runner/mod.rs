@@ -297,7 +297,9 @@ fn execute(
     // Release: pairs with the Acquire loads in the worker loops.
     run.stop.store(true, Ordering::Release);
     if !watch.deadlock {
-        handles.join();
+        // Every request is terminal: the workers only finish what they are
+        // in, each wait of theirs bounded by the stall timeout.
+        handles.join(run.cfg.stall_timeout() + crate::threads::STOP_JOIN_DEADLINE);
     }
     // Stop consumers and senders; measure leaks once the engine settled.
     let elapsed = started.elapsed();

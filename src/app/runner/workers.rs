@@ -26,15 +26,20 @@ pub(super) struct Handles {
 }
 
 impl Handles {
-    /// Waits for the prefillers, then lets the decoders drain and stop.
-    pub fn join(self) {
-        for p in self.prefillers {
-            let _ = p.join();
-        }
+    /// Waits for the prefillers, then lets the decoders drain and stop;
+    /// each group gets `limit` in all (a worker still running then is
+    /// detached with a warning, see [`crate::threads::join_within`]).
+    pub fn join(self, limit: Duration) {
+        let join_all = |threads: Vec<JoinHandle<()>>, what: &str| {
+            let end = Instant::now() + limit;
+            for t in threads {
+                let left = end.saturating_duration_since(Instant::now());
+                let _ = crate::threads::join_within(t, left, what);
+            }
+        };
+        join_all(self.prefillers, "runner prefiller");
         drop(self.decoder_tx);
-        for d in self.decoders {
-            let _ = d.join();
-        }
+        join_all(self.decoders, "runner decoder");
     }
 }
 

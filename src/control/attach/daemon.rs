@@ -199,9 +199,14 @@ impl<R: Role> Daemon<R> {
 impl<R: Role> Drop for Daemon<R> {
     fn drop(&mut self) {
         self.shared.stop.signal();
-        // Every thread polls the stop eventfd, so these joins end promptly.
+        // Every thread polls the stop eventfd, so these joins end promptly;
+        // the accept thread joins the sessions (one shared deadline) first.
         if let Some(t) = self.accept.take() {
-            let _ = t.join();
+            let _ = crate::threads::join_within(
+                t,
+                crate::threads::STOP_JOIN_DEADLINE * 2,
+                "attach accept",
+            );
         }
         let _ = fs::remove_file(&self.shared.cfg.socket);
         let _ = fs::remove_dir(&self.shared.dir);
@@ -286,7 +291,9 @@ fn accept_loop<R: Role>(shared: &Arc<DaemonShared<R>>, listener: &UnixListener) 
             }
         }
     }
+    let end = std::time::Instant::now() + crate::threads::STOP_JOIN_DEADLINE;
     for t in sessions {
-        let _ = t.join();
+        let left = end.saturating_duration_since(std::time::Instant::now());
+        let _ = crate::threads::join_within(t, left, "attach session");
     }
 }

@@ -697,7 +697,8 @@ impl Receiver {
         self.shared.stop.store(true, Ordering::Release);
         let _ = self.shared.waker.wake();
         if let Some(t) = self.thread.take() {
-            let _ = t.join();
+            let _ =
+                crate::threads::join_within(t, crate::threads::STOP_JOIN_DEADLINE, "receiver ctrl");
         }
         if let Some(mut tcp) = self.tcp.take() {
             tcp.stop();

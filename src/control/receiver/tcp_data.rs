@@ -213,7 +213,7 @@ impl TcpData {
         let ctl = Arc::new(Ctl::default());
         let thread = {
             let ctl = Arc::clone(&ctl);
-            std::thread::Builder::new().name(name).spawn(move || {
+            crate::threads::spawn_named(&name, None, move || {
                 DataThread {
                     poll,
                     listener,
@@ -279,9 +279,13 @@ impl TcpData {
         self.ctl.stop.store(true, Ordering::Release);
         let _ = self.waker.wake();
         if let Some(t) = self.thread.take() {
-            if t.join().is_err() {
-                tracing::debug!("tcp data thread panicked");
-            }
+            // It writes into the receive buffer, which may be caller
+            // memory (RecvBuffer::from_raw): never detached.
+            let _ = crate::threads::join_or_wait(
+                t,
+                crate::threads::STOP_JOIN_DEADLINE,
+                "receiver tcp data",
+            );
         }
     }
 }

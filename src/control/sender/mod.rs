@@ -740,6 +740,9 @@ pub struct Sender {
     ctrl: Option<JoinHandle<()>>,
     poll: Option<JoinHandle<()>>,
     announcer: Option<JoinHandle<()>>,
+    /// How long stopping waits for the ctrl and poll threads: they drop
+    /// the transport, which may wait that long for its engine.
+    stop_limit: Duration,
 }
 
 impl std::fmt::Debug for Sender {
@@ -801,6 +804,7 @@ impl Sender {
                 .map_err(|e| SenderError::Staging(e.to_string()))?,
         );
         let (poster, completions) = transport.start(Arc::clone(&staging))?;
+        let stop_limit = crate::threads::STOP_JOIN_DEADLINE + poster.drop_deadline();
         let reactor = crate::zmq_io::Reactor::new()?;
         let (submit, submissions) = kvferry_ring::mpsc::channel::<u64>(SUBMIT_RING);
         let shared = Arc::new(Shared {
@@ -838,6 +842,7 @@ impl Sender {
             ctrl: Some(ctrl),
             poll: Some(poll),
             announcer: Some(announcer),
+            stop_limit,
         })
     }
 
@@ -1194,19 +1199,20 @@ impl Sender {
         // Release: pairs with the Acquire load in the ctrl loop.
         self.shared.stop.store(true, Ordering::Release);
         let _ = self.shared.waker.wake();
+        use crate::threads::{join_or_wait, join_within, STOP_JOIN_DEADLINE};
+        // ctrl owns the transport, whose engine may still read registered
+        // memory: never detached (see join_or_wait).
         if let Some(t) = self.ctrl.take() {
-            let _ = t.join();
+            let _ = join_or_wait(t, self.stop_limit, "sender ctrl");
         }
         if let Some(t) = self.poll.take() {
-            let _ = t.join();
+            let _ = join_within(t, self.stop_limit, "sender poll");
         }
         self.shared.announcer.stop();
         if let Some(t) = self.announcer.take() {
             // A callback that drops the last owner of this sender runs on
-            // the announcer thread itself: it must not join itself.
-            if t.thread().id() != std::thread::current().id() {
-                let _ = t.join();
-            }
+            // the announcer thread itself: join_within then leaves it.
+            let _ = join_within(t, STOP_JOIN_DEADLINE, "sender announcer");
         }
         cancelled
     }

@@ -170,11 +170,13 @@ impl MetricsServer {
         self.shared.stop.store(true, Ordering::Release);
         match self.waker.wake() {
             Ok(()) => {
-                if thread.join().is_err() {
-                    tracing::debug!("metrics accept thread panicked");
-                }
+                let _ = crate::threads::join_within(
+                    thread,
+                    crate::threads::STOP_JOIN_DEADLINE,
+                    "metrics accept",
+                );
             }
-            // Without a wake-up the join could block forever: detach instead.
+            // Without a wake-up the thread would not see the flag: detach it.
             Err(e) => {
                 tracing::debug!(error = %e, "cannot wake the metrics accept thread; detaching it")
             }
@@ -407,17 +409,7 @@ impl Server {
             }
             if matches!(c.phase, Phase::Head { .. }) {
                 tracing::debug!(peer = %c.peer, "metrics client too slow; answering 408");
-                let (version, status, body, extra, with_body) = error_reply(&RequestError::Timeout);
-                respond(
-                    c,
-                    version,
-                    status,
-                    &body,
-                    extra,
-                    with_body,
-                    now,
-                    &self.shared,
-                );
+                respond(c, error_reply(&RequestError::Timeout), now, &self.shared);
                 if let Next::Close = advance(c, &self.shared) {
                     self.close(i);
                 }
@@ -463,18 +455,9 @@ fn busy(mut stream: TcpStream, peer: SocketAddr) {
     }
 }
 
-/// Switches `c` to sending a response.
-#[allow(clippy::too_many_arguments)]
-fn respond(
-    c: &mut Conn,
-    version: Version,
-    status: Status,
-    body: &[u8],
-    extra: &str,
-    with_body: bool,
-    now: Instant,
-    shared: &Shared,
-) {
+/// Switches `c` to sending `reply`.
+fn respond(c: &mut Conn, reply: Reply, now: Instant, shared: &Shared) {
+    let (version, status, body, extra, with_body) = reply;
     let content_type = if status == Status::Ok {
         CONTENT_TYPE
     } else {
@@ -482,7 +465,7 @@ fn respond(
     };
     tracing::debug!(peer = %c.peer, status = status.line(), "metrics request");
     c.phase = Phase::Respond {
-        out: response_bytes(version, status, content_type, extra, body, with_body),
+        out: response_bytes(version, status, content_type, extra, &body, with_body),
         at: 0,
     };
     c.deadline = now + shared.config.head_timeout.max(Duration::from_millis(1));
@@ -495,33 +478,18 @@ fn advance(c: &mut Conn, shared: &Shared) -> Next {
         match &mut c.phase {
             Phase::Head { buf, len } => {
                 if let Some(end) = find_head_end(&buf[..*len]) {
-                    let (version, status, body, extra, with_body) = match parse_head(&buf[..end]) {
+                    let reply = match parse_head(&buf[..end]) {
                         Ok(head) => route(&head, shared),
                         Err(e) => error_reply(&e),
                     };
-                    respond(
-                        c,
-                        version,
-                        status,
-                        &body,
-                        extra,
-                        with_body,
-                        Instant::now(),
-                        shared,
-                    );
+                    respond(c, reply, Instant::now(), shared);
                     continue;
                 }
                 if *len >= buf.len() {
                     let limit = buf.len();
-                    let (version, status, body, extra, with_body) =
-                        error_reply(&RequestError::HeadTooLarge { limit });
                     respond(
                         c,
-                        version,
-                        status,
-                        &body,
-                        extra,
-                        with_body,
+                        error_reply(&RequestError::HeadTooLarge { limit }),
                         Instant::now(),
                         shared,
                     );
@@ -533,15 +501,9 @@ fn advance(c: &mut Conn, shared: &Shared) -> Next {
                         return Next::Close;
                     }
                     Ok(0) => {
-                        let (version, status, body, extra, with_body) =
-                            error_reply(&RequestError::Truncated);
                         respond(
                             c,
-                            version,
-                            status,
-                            &body,
-                            extra,
-                            with_body,
+                            error_reply(&RequestError::Truncated),
                             Instant::now(),
                             shared,
                         );

@@ -10,7 +10,6 @@
 //! only the receiver's side), see docs/rdma.md.
 
 use std::collections::HashMap;
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -106,19 +105,8 @@ impl RdmaTransport {
             _mr: mr.clone(),
             stall_timeout: self.cfg.stall_timeout,
         };
-        let pin = self.cfg.pin_cpu;
-        let (exited_tx, exited) = std::sync::mpsc::sync_channel::<()>(1);
-        let handle = std::thread::Builder::new()
-            .name(CQ_THREAD_NAME.into())
-            .spawn(move || {
-                if let Some(cpu) = pin {
-                    if !core_affinity::set_for_current(core_affinity::CoreId { id: cpu }) {
-                        tracing::debug!(cpu, "could not pin the rdma cq thread");
-                    }
-                }
-                thread.run();
-                let _ = exited_tx.send(());
-            })?;
+        let handle =
+            crate::threads::spawn_named(CQ_THREAD_NAME, self.cfg.pin_cpu, move || thread.run())?;
         let credits = rx.capacity().min(credits);
         let poster = RdmaPoster {
             cfg: self.cfg,
@@ -133,7 +121,6 @@ impl RdmaTransport {
             max_wr,
             steps: Vec::new(),
             thread: Some(handle),
-            exited,
         };
         Ok((poster, RdmaCompletions { rx, shared }))
     }
@@ -172,9 +159,6 @@ pub struct RdmaPoster {
     max_wr: u32,
     steps: Vec<Step>,
     thread: Option<JoinHandle<()>>,
-    /// Signalled by the CQ thread as it exits (the drop waits on it with a
-    /// deadline; `JoinHandle::join` has none).
-    exited: Receiver<()>,
 }
 
 impl std::fmt::Debug for RdmaPoster {
@@ -406,12 +390,10 @@ impl Poster for RdmaPoster {
     fn credits(&self) -> usize {
         self.credits
     }
-}
 
-impl RdmaPoster {
-    /// How long the drop waits for the CQ thread: a stalled queue pair is
-    /// fenced after one stall timeout and its ops given up after another,
-    /// so the thread is done by then unless the device itself hangs.
+    /// A stalled queue pair is fenced after one stall timeout and its ops
+    /// given up after another, so the CQ thread is done by then unless the
+    /// device itself hangs.
     fn drop_deadline(&self) -> Duration {
         self.cfg.stall_timeout * 2 + Duration::from_secs(2)
     }
@@ -425,22 +407,12 @@ impl Drop for RdmaPoster {
         self.shared.close();
         let Some(t) = self.thread.take() else { return };
         let limit = self.drop_deadline();
-        match self.exited.recv_timeout(limit) {
-            Ok(()) | Err(RecvTimeoutError::Disconnected) => {
-                if t.join().is_err() {
-                    tracing::debug!("rdma cq thread panicked");
-                }
-            }
-            Err(RecvTimeoutError::Timeout) => {
-                // It keeps the CQ, the queue pairs and the staging region
-                // (registered, memory alive) until it ends, so leaving it
-                // is safe; waiting longer would hang the caller.
-                tracing::warn!(
-                    ?limit,
-                    in_flight = self.in_flight(),
-                    "the rdma cq thread did not finish within the drop deadline; leaving it"
-                );
-            }
+        // On a timeout the thread is left running: it keeps the CQ, the
+        // queue pairs and the staging region (registered, memory alive)
+        // until it ends, so leaving it is safe; waiting longer would hang
+        // the caller.
+        if let Err(e) = crate::threads::join_within(t, limit, CQ_THREAD_NAME) {
+            tracing::debug!(error = %e, in_flight = self.in_flight(), "rdma cq thread");
         }
     }
 }

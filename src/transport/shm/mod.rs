@@ -76,17 +76,8 @@ impl Transport for ShmTransport {
             local,
             peers: peers.clone(),
         };
-        let pin = self.pin_cpu;
-        let handle = std::thread::Builder::new()
-            .name(ENGINE_THREAD_NAME.into())
-            .spawn(move || {
-                if let Some(cpu) = pin {
-                    if !core_affinity::set_for_current(core_affinity::CoreId { id: cpu }) {
-                        tracing::debug!(cpu, "could not pin the shm copy engine");
-                    }
-                }
-                engine.run();
-            })?;
+        let handle =
+            crate::threads::spawn_named(ENGINE_THREAD_NAME, self.pin_cpu, move || engine.run())?;
         let poster = ShmPoster {
             sq: Some(sq_tx),
             peers,

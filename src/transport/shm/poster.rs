@@ -101,9 +101,9 @@ impl Drop for ShmPoster {
         // exits and closes the completion ring.
         drop(self.sq.take());
         if let Some(engine) = self.engine.take() {
-            if engine.join().is_err() {
-                tracing::debug!("shm copy engine panicked");
-            }
+            let limit = self.drop_deadline();
+            // It may be copying from registered memory: never detached.
+            let _ = crate::threads::join_or_wait(engine, limit, "shm copy engine");
         }
     }
 }

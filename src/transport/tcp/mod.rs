@@ -133,17 +133,8 @@ impl Transport for TcpTransport {
             self.connect_timeout,
             self.io_timeout,
         );
-        let pin = self.pin_cpu;
-        let handle = std::thread::Builder::new()
-            .name(ENGINE_THREAD_NAME.into())
-            .spawn(move || {
-                if let Some(cpu) = pin {
-                    if !core_affinity::set_for_current(core_affinity::CoreId { id: cpu }) {
-                        tracing::debug!(cpu, "could not pin the tcp engine");
-                    }
-                }
-                engine.run();
-            })?;
+        let handle =
+            crate::threads::spawn_named(ENGINE_THREAD_NAME, self.pin_cpu, move || engine.run())?;
         let poster = TcpPoster::new(
             sq_tx,
             shared.clone(),
@@ -151,6 +142,7 @@ impl Transport for TcpTransport {
             credits,
             handle,
             self.connect_timeout,
+            self.io_timeout,
         );
         let completions = TcpCompletions { cq: cq_rx, shared };
         Ok((Box::new(poster), Box::new(completions)))

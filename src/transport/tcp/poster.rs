@@ -29,6 +29,7 @@ pub(super) struct TcpPoster {
     credits: usize,
     engine: Option<JoinHandle<()>>,
     connect_timeout: Duration,
+    io_timeout: Duration,
 }
 
 impl TcpPoster {
@@ -39,6 +40,7 @@ impl TcpPoster {
         credits: usize,
         engine: JoinHandle<()>,
         connect_timeout: Duration,
+        io_timeout: Duration,
     ) -> Self {
         Self {
             sq: Some(sq),
@@ -50,6 +52,7 @@ impl TcpPoster {
             credits,
             engine: Some(engine),
             connect_timeout,
+            io_timeout,
         }
     }
 
@@ -198,6 +201,13 @@ impl Poster for TcpPoster {
         self.posted.wrapping_sub(self.shared.returned.get()) as usize
     }
 
+    /// A connection still opening gets its connect timeout, then each
+    /// makes progress or is lost within the I/O timeout; the margin covers
+    /// the engine's own exit.
+    fn drop_deadline(&self) -> Duration {
+        self.connect_timeout + self.io_timeout + Duration::from_secs(2)
+    }
+
     fn credits(&self) -> usize {
         self.credits
     }
@@ -211,9 +221,9 @@ impl Drop for TcpPoster {
         drop(self.sq.take());
         let _ = self.waker.wake();
         if let Some(engine) = self.engine.take() {
-            if engine.join().is_err() {
-                tracing::debug!("tcp engine panicked");
-            }
+            let limit = self.drop_deadline();
+            // It may be sending from registered memory: never detached.
+            let _ = crate::threads::join_or_wait(engine, limit, super::ENGINE_THREAD_NAME);
         }
     }
 }

@@ -1,0 +1,218 @@
+//! Stale default buffer files: a receiver killed with SIGKILL (or one that
+//! crashed) cannot remove its `kvferry-<pid>-<n>.buf`, and each such file
+//! pins `capacity_chunks × chunk_bytes` of RAM in `/dev/shm` until someone
+//! deletes it. The first receiver of a process that creates a buffer at a
+//! default path therefore sweeps the directory once
+//! ([`remove_stale_buffers`]).
+//!
+//! A file is removed only when all of these hold:
+//! - its name is exactly `kvferry-<pid>-<n>.buf` and `<pid>` is not this
+//!   process;
+//! - no process with that pid is alive in this pid namespace
+//!   (`kill(pid, 0)` fails with `ESRCH`);
+//! - it is a regular file (opened with `O_NOFOLLOW`: a symlink is never
+//!   followed, nor removed) owned by this effective uid;
+//! - nobody holds its lock: every live creator holds a shared `flock` on
+//!   its buffer for as long as the region lives ([`lock_shared`]), and
+//!   flocks work across pid namespaces that share the tmpfs, so a live
+//!   receiver in another container (whose pid means nothing here) keeps
+//!   its file, as does one whose pid was reused by an unrelated process
+//!   (that pid is alive, so the file is kept: a leak, never a loss);
+//! - under the exclusive lock taken for the check, the path still names
+//!   the inode that was checked.
+//!
+//! The one window left: a new process that got the dead pid (pid reuse)
+//! and creates its buffer at the very same name between that last check
+//! and the unlink. Its creator sees the exclusive lock and retries on a
+//! fresh inode ([`lock_shared`] callers in `Region::create`), so the
+//! window is the few instructions between `fstat` of the path and
+//! `unlink`.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::Path;
+
+/// `kvferry-<pid>-<n>.buf` → `pid`, or `None` for any other name.
+pub(super) fn buffer_pid(name: &str) -> Option<i32> {
+    let (pid, n) = name
+        .strip_prefix("kvferry-")?
+        .strip_suffix(".buf")?
+        .split_once('-')?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if !digits(pid) || !digits(n) {
+        return None;
+    }
+    pid.parse().ok().filter(|&p| p > 0)
+}
+
+/// True unless `kill(pid, 0)` says no such process (`ESRCH`): `EPERM`
+/// means it exists under another uid.
+fn pid_alive(pid: i32) -> bool {
+    // SAFETY: kill with signal 0 sends nothing; it only checks the pid.
+    if unsafe { libc::kill(pid, 0) } == 0 {
+        return true;
+    }
+    io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+/// `flock(file, op | LOCK_NB)`.
+fn flock_nb(file: &File, op: libc::c_int) -> io::Result<()> {
+    // SAFETY: flock on a descriptor this `File` owns; no memory is passed.
+    if unsafe { libc::flock(file.as_raw_fd(), op | libc::LOCK_NB) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Takes the creator's shared lock on a buffer file (held until the file
+/// is closed): a sweeper's exclusive lock fails while it is held.
+/// `WouldBlock` if a sweeper holds the file right now.
+pub(super) fn lock_shared(file: &File) -> io::Result<()> {
+    flock_nb(file, libc::LOCK_SH)
+}
+
+/// Removes `dir/name` if it is a stale buffer file (see the module docs);
+/// returns whether it did.
+fn remove_if_stale(dir: &Path, name: &str, own_pid: i32, euid: u32) -> bool {
+    let Some(pid) = buffer_pid(name) else {
+        return false;
+    };
+    if pid == own_pid || pid_alive(pid) {
+        return false;
+    }
+    let path = dir.join(name);
+    let Ok(file) = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(&path)
+    else {
+        return false;
+    };
+    let Ok(meta) = file.metadata() else {
+        return false;
+    };
+    if !meta.is_file() || meta.uid() != euid || flock_nb(&file, libc::LOCK_EX).is_err() {
+        return false;
+    }
+    // Under the lock: the name must still be the inode checked above.
+    let same = std::fs::symlink_metadata(&path)
+        .is_ok_and(|m| m.dev() == meta.dev() && m.ino() == meta.ino());
+    same && std::fs::remove_file(&path).is_ok()
+}
+
+/// Removes the buffer files of dead receivers from `dir` (see the module
+/// docs for what counts as dead) and returns how many it removed; each is
+/// logged. Errors reading the directory end the sweep quietly: it is a
+/// best-effort cleanup, never a reason to fail a start.
+pub fn remove_stale_buffers(dir: &Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let own_pid = std::process::id() as i32;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if remove_if_stale(dir, name, own_pid, euid) {
+            tracing::info!(file = %dir.join(name).display(), "removed a dead receiver's buffer file");
+            removed += 1;
+        }
+    }
+    removed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pid that was alive a moment ago and is dead now (a reaped child).
+    fn dead_pid() -> i32 {
+        let mut c = std::process::Command::new("true").spawn().unwrap();
+        let pid = c.id() as i32;
+        c.wait().unwrap();
+        assert!(!pid_alive(pid), "pid {pid} was reused at once");
+        pid
+    }
+
+    fn scratch() -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!(
+            "kvferry-stale-test-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn names_parse_strictly() {
+        assert_eq!(buffer_pid("kvferry-123-0.buf"), Some(123));
+        assert_eq!(buffer_pid("kvferry-7-42.buf"), Some(7));
+        for bad in [
+            "kvferry-123.buf",
+            "kvferry--0.buf",
+            "kvferry-0-0.buf",
+            "kvferry-12a-0.buf",
+            "kvferry-1-0.buf.bak",
+            "kvferry-attach-1-0",
+            "kvferry-+1-0.buf",
+            "kvferry-99999999999-0.buf",
+            "other-1-0.buf",
+        ] {
+            assert_eq!(buffer_pid(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn only_dead_unlocked_own_regular_files_go() {
+        let dir = scratch();
+        let dead = dead_pid();
+        let own = std::process::id();
+        let stale = dir.join(format!("kvferry-{dead}-0.buf"));
+        let locked = dir.join(format!("kvferry-{dead}-1.buf"));
+        let link = dir.join(format!("kvferry-{dead}-2.buf"));
+        let mine = dir.join(format!("kvferry-{own}-0.buf"));
+        let live = dir.join("kvferry-1-0.buf"); // init is alive
+        let other = dir.join(format!("kvferry-{dead}.buf"));
+        let target = dir.join("target");
+        for p in [&stale, &locked, &mine, &live, &other, &target] {
+            std::fs::write(p, b"x").unwrap();
+        }
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        // A live creator (in another pid namespace, say) holds its lock.
+        let holder = File::open(&locked).unwrap();
+        lock_shared(&holder).unwrap();
+
+        assert_eq!(remove_stale_buffers(&dir), 1);
+        assert!(!stale.exists(), "the dead receiver's file is removed");
+        for kept in [&locked, &mine, &live, &other, &target] {
+            assert!(kept.exists(), "{} must stay", kept.display());
+        }
+        assert!(
+            std::fs::symlink_metadata(&link).is_ok(),
+            "a symlink is neither followed nor removed"
+        );
+
+        // Once the lock holder is gone, its file is stale too.
+        drop(holder);
+        assert_eq!(remove_stale_buffers(&dir), 1);
+        assert!(!locked.exists());
+
+        // Another uid's file stays (needs root to make one).
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } == 0 {
+            let foreign = dir.join(format!("kvferry-{dead}-3.buf"));
+            std::fs::write(&foreign, b"x").unwrap();
+            std::os::unix::fs::chown(&foreign, Some(65534), Some(65534)).unwrap();
+            assert_eq!(remove_stale_buffers(&dir), 0);
+            assert!(foreign.exists(), "another user's file stays");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

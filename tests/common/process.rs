@@ -1,0 +1,276 @@
+//! Threads, child processes and scratch directories of the black-box
+//! tests: a test thread joined with a deadline, a private temp directory
+//! removed on drop, a child killed on drop with its stdout lines read on a
+//! thread, a free loopback port, a bounded wait for exit. Self-contained,
+//! so a test file can include just this:
+//! `#[path = "common/process.rs"] mod process;` (`tests/common` re-exports
+//! it too).
+//!
+//! Every wait has a deadline ([`PROC_WAIT`] unless the caller passes one);
+//! hitting it kills the child and fails the test naming what hung.
+#![allow(dead_code)] // each test file uses its own subset
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+/// How long a child may take to print a line or to exit before the test
+/// is declared hung (generous: the CI machine is loaded).
+pub const PROC_WAIT: Duration = Duration::from_secs(30);
+
+/// A thread of the test, called `what`; see [`spawn_thread`].
+pub struct Spawned<T> {
+    handle: JoinHandle<T>,
+    what: &'static str,
+}
+
+/// Runs `f` on a new thread called `what`.
+pub fn spawn_thread<T: Send + 'static>(
+    what: &'static str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Spawned<T> {
+    let handle = thread::Builder::new()
+        .name(what.to_owned())
+        .spawn(f)
+        .expect("spawn a test thread");
+    Spawned { handle, what }
+}
+
+impl<T> Spawned<T> {
+    /// The thread's value; fails the test naming the thread if it is still
+    /// running after [`PROC_WAIT`] or panicked (kvferry's own bounded join,
+    /// [`kvferry::threads::join_within`]).
+    pub fn join(self) -> T {
+        kvferry::threads::join_within(self.handle, PROC_WAIT, self.what)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+/// A fresh directory `<tmp>/<prefix>-<pid>-<n>`, removed (with its
+/// contents) on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    /// Creates the directory.
+    pub fn new(prefix: &str) -> Self {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        // Relaxed: only the uniqueness of the number matters.
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        let d = std::env::temp_dir().join(format!("{prefix}-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&d).expect("create the test's temp dir");
+        TempDir(d)
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+
+    /// `name` inside the directory.
+    pub fn join(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+
+    /// The path of the test's Unix socket (`test.sock`) inside the directory.
+    pub fn sock(&self) -> PathBuf {
+        self.join("test.sock")
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A loopback port that was free a moment ago (bound on port 0, then
+/// closed: another process may take it meanwhile, so callers retry).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// Waits for `child` to exit; kills it and fails naming `what` after
+/// [`PROC_WAIT`].
+pub fn wait_exit(child: &mut Child, what: &str) -> ExitStatus {
+    wait_exit_within(child, what, PROC_WAIT)
+}
+
+/// [`wait_exit`] with its own deadline `hang`.
+pub fn wait_exit_within(child: &mut Child, what: &str, hang: Duration) -> ExitStatus {
+    let end = Instant::now() + hang;
+    loop {
+        if let Some(st) = child.try_wait().expect("try_wait") {
+            return st;
+        }
+        if Instant::now() >= end {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("hung waiting for the process to exit: {what}");
+        }
+        thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Kills `child` (SIGKILL) if it still runs, and reaps it.
+pub fn kill_and_reap(child: &mut Child) {
+    if let Ok(None) = child.try_wait() {
+        let _ = child.kill();
+    }
+    let _ = child.wait();
+}
+
+/// A child process killed (if still running) and reaped on drop, so a
+/// failing test leaves none behind.
+pub struct KillOnDrop(pub Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        kill_and_reap(&mut self.0);
+    }
+}
+
+/// The lines a child writes to its (piped) stdout, read by a thread so the
+/// pipe never fills.
+pub struct ChildLines(mpsc::Receiver<String>);
+
+impl ChildLines {
+    /// Takes `child`'s stdout (it must be piped).
+    pub fn take(child: &mut Child) -> Self {
+        let stdout = child.stdout.take().expect("stdout piped");
+        let (tx, rx) = mpsc::channel();
+        thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        ChildLines(rx)
+    }
+
+    /// The next line; `None` once stdout closed (the child exited). At
+    /// `end`, kills the child and fails naming `what`.
+    pub fn next(&self, child: &mut Child, end: Instant, what: &str) -> Option<String> {
+        match self
+            .0
+            .recv_timeout(end.saturating_duration_since(Instant::now()))
+        {
+            Ok(line) => Some(line),
+            Err(mpsc::RecvTimeoutError::Disconnected) => None,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                kill_and_reap(child);
+                panic!("hung waiting for {what}");
+            }
+        }
+    }
+
+    /// The rest (trimmed) of the first line starting with `prefix`, such as
+    /// `kvferry receiver listening on `; `None` if stdout closed first.
+    /// Fails (killing the child) after [`PROC_WAIT`].
+    pub fn after_prefix(&self, child: &mut Child, prefix: &str) -> Option<String> {
+        Some(self.after_prefixes(child, &[prefix])?.remove(0))
+    }
+
+    /// For each of `prefixes`, the rest (trimmed) of the first line starting
+    /// with it, in whatever order the lines come; `None` if stdout closed
+    /// before all came. Fails (killing the child) after [`PROC_WAIT`].
+    pub fn after_prefixes(&self, child: &mut Child, prefixes: &[&str]) -> Option<Vec<String>> {
+        let end = Instant::now() + PROC_WAIT;
+        let what = format!("the lines {prefixes:?}");
+        let mut found: Vec<Option<String>> = vec![None; prefixes.len()];
+        while found.iter().any(Option::is_none) {
+            let line = self.next(child, end, &what)?;
+            for (p, f) in prefixes.iter().zip(&mut found) {
+                if let (None, Some(rest)) = (&f, line.strip_prefix(p)) {
+                    *f = Some(rest.trim().to_owned());
+                }
+            }
+        }
+        Some(found.into_iter().flatten().collect())
+    }
+
+    /// Every line until stdout closes (the child exited); fails (killing
+    /// the child) naming `what` if it stays open past [`PROC_WAIT`].
+    pub fn rest(&self, child: &mut Child, what: &str) -> Vec<String> {
+        let end = Instant::now() + PROC_WAIT;
+        let what = format!("{what} to close its stdout");
+        std::iter::from_fn(|| self.next(child, end, &what)).collect()
+    }
+
+    /// The first line containing `marker`. Fails (killing the child) if
+    /// none comes within [`PROC_WAIT`] or stdout closes first.
+    pub fn expect_containing(&self, child: &mut Child, marker: &str) -> String {
+        let end = Instant::now() + PROC_WAIT;
+        let what = format!("a line containing {marker:?}");
+        loop {
+            match self.next(child, end, &what) {
+                Some(l) if l.contains(marker) => return l,
+                Some(_) => {}
+                None => panic!("the child closed stdout before printing {marker:?}"),
+            }
+        }
+    }
+}
+
+/// A child with piped stdout, its lines read on a thread; killed on drop.
+pub struct ChildProc {
+    /// The child (stdout already taken).
+    pub child: Child,
+    /// Its stdout lines.
+    pub lines: ChildLines,
+}
+
+impl ChildProc {
+    /// Spawns `cmd` with stdout piped.
+    pub fn spawn(cmd: &mut Command) -> Self {
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot spawn {cmd:?}: {e}"));
+        let lines = ChildLines::take(&mut child);
+        ChildProc { child, lines }
+    }
+
+    /// Waits for a stdout line containing `marker` and returns it; fails
+    /// (killing the child) naming it after [`PROC_WAIT`].
+    pub fn expect_line(&mut self, marker: &str) -> String {
+        self.lines.expect_containing(&mut self.child, marker)
+    }
+
+    /// [`ChildLines::after_prefixes`] of this child; fails if stdout closed
+    /// before every prefix came.
+    pub fn after_prefixes(&mut self, prefixes: &[&str]) -> Vec<String> {
+        self.lines
+            .after_prefixes(&mut self.child, prefixes)
+            .unwrap_or_else(|| panic!("the child exited before printing {prefixes:?}"))
+    }
+
+    /// Waits for the child to exit and asserts it succeeded; fails naming
+    /// `what` (killing the child) after [`PROC_WAIT`].
+    pub fn wait_success(&mut self, what: &str) {
+        let st = wait_exit(&mut self.child, what);
+        assert!(st.success(), "{what}: child failed with {st}");
+    }
+
+    /// SIGKILLs the child and reaps it.
+    pub fn sigkill(&mut self) {
+        // Child::kill sends SIGKILL.
+        self.child.kill().expect("SIGKILL the child");
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for ChildProc {
+    fn drop(&mut self) {
+        kill_and_reap(&mut self.child);
+    }
+}
