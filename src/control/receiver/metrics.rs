@@ -109,7 +109,7 @@ impl Receiver {
         );
         w.gauge(
             "kvferry_receiver_tcp_data_unauthenticated_connections",
-            "TCP data connections still waiting for their preamble.",
+            "TCP data connections not serving a sender (waiting for their preamble, or refused).",
             t.unauthenticated as f64,
         );
         for (reason, n) in [
