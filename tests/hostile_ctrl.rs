@@ -819,3 +819,149 @@ fn proxy_memory_is_bounded_in_bytes() {
 fn flood_300000_proxy_notifs() {
     proxy_flood(300_000, 16 << 20, 96 << 10);
 }
+
+// ----- 3. finished-request records (real binary) ------------------------------
+
+/// 20,000 requests with 4 KiB `req_id`s, each completed at its last batch
+/// (LMCache semantics), would keep 80 MiB of ids (160 MiB stored twice,
+/// as they once were): the receiver remembers finished requests and
+/// ended-request records within their byte bounds (16 MiB each).
+#[test]
+fn finished_requests_with_long_ids_are_bounded_in_bytes() {
+    // Slots are never written, so the buffer's pages are never resident.
+    let r = receiver(20_100, &[]);
+    round_trip(&r, "before");
+    let base = r.rss_kib();
+    let c = Client::connect(&r.endpoint, "long-ids");
+    let pad = "i".repeat(4090);
+    let n = 20_000u64;
+    let mut answered = 0u64;
+    for i in 0..n {
+        let id = format!("{pad}{i:06}");
+        c.send(&alloc(&id, &keys(&format!("k{i}-"), 1), 1, true, Some(i)));
+        // Keep at most 256 frames in flight (the reply queue is 1024).
+        while i - answered >= 256 {
+            assert_ok(&c.recv_reply(deadline(), "a long-id request"), 1);
+            answered += 1;
+        }
+    }
+    while answered < n {
+        assert_ok(&c.recv_reply(deadline(), "a long-id request"), 1);
+        answered += 1;
+    }
+    assert_eq!(
+        r.metric("kvferry_receiver_requests_total{outcome=\"completed\"}"),
+        (n + 1) as f64
+    );
+    // Records and pruned peer state go a lease later; RSS stays well below
+    // the 80 MiB the ids themselves take.
+    assert_recovered(
+        &r,
+        "20,000 finished requests with 4 KiB ids",
+        base,
+        64 << 10,
+    );
+}
+
+// ----- 1. identities cannot be squatted ----------------------------------------
+
+/// A kvferry sender's DEALER identity was `"{sender_id}-{n}-to-{endpoint}"`:
+/// predictable, so a squatter connecting first with it made the receiver's
+/// ROUTER refuse the real sender's connection (every request
+/// `peer_unavailable`). It now ends in a per-process random part.
+#[test]
+fn a_squatted_identity_does_not_lock_out_a_kvferry_sender() {
+    let r = receiver(8, &[]);
+    let squat = Client::connect(&r.endpoint, &format!("victim-0-to-{}", r.endpoint));
+    squat.hello();
+    let out = Command::new(BIN)
+        .args(["sender", "--connect", &r.endpoint, "--sender-id", "victim"])
+        .args([
+            "--requests",
+            "4",
+            "--chunks",
+            "1..2",
+            "--chunk-bytes",
+            "4096",
+        ])
+        .args(["--capacity-chunks", "8", "--staging-slots", "8", "--quiet"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run kvferry sender");
+    assert!(
+        out.status.success(),
+        "the sender behind a squatted identity: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The squatter is still connected and answered, as its own peer.
+    squat.hello();
+}
+
+// ----- 3. the sender's own sockets ----------------------------------------------
+
+/// A hostile receiver answers with 64 MiB frames: the sender's DEALER has
+/// `ZMQ_MAXMSGSIZE` (the 4 MiB frame limit), so ZMQ drops the connection
+/// before buffering one, and the sender's peak memory stays far below one
+/// such frame (measured with `wait4`'s `ru_maxrss`).
+#[test]
+fn a_hostile_receiver_cannot_make_a_sender_buffer_a_huge_reply() {
+    let router = kvferry::zmq_io::context()
+        .socket(zmq::ROUTER)
+        .expect("router");
+    router.set_linger(0).expect("linger");
+    router.bind("tcp://127.0.0.1:0").expect("bind");
+    let ep = router
+        .get_last_endpoint()
+        .expect("endpoint")
+        .expect("utf-8 endpoint");
+    let mut child = Command::new(BIN)
+        .args([
+            "sender",
+            "--connect",
+            &ep,
+            "--requests",
+            "2",
+            "--chunks",
+            "1..2",
+        ])
+        .arg("--quiet")
+        .args(["--chunk-bytes", "4096", "--capacity-chunks", "8"])
+        .args(["--staging-slots", "8", "--stall-timeout", "5"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn kvferry sender");
+    let huge = vec![0xc1u8; 64 << 20];
+    let end = deadline() + HANG;
+    let mut answered = 0;
+    let rusage = loop {
+        let mut items = [router.as_poll_item(zmq::POLLIN)];
+        if zmq::poll(&mut items, 50).expect("poll") > 0 {
+            let frames = router.recv_multipart(0).expect("recv");
+            // Every message the sender sends gets a 64 MiB answer.
+            let _ = router.send_multipart([&frames[0][..], &[][..], &huge[..]], zmq::DONTWAIT);
+            answered += 1;
+        }
+        let mut status = 0;
+        // SAFETY: wait4 on our own child's pid with valid out-pointers.
+        let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+        let pid = child.id() as libc::pid_t;
+        // SAFETY: as above.
+        if unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut ru) } == pid {
+            break ru;
+        }
+        if Instant::now() > end {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("hung waiting for the sender to give up on a hostile receiver");
+        }
+    };
+    assert!(answered >= 1, "the sender never spoke");
+    let peak_kib = rusage.ru_maxrss as u64;
+    assert!(
+        peak_kib < 48 << 10,
+        "{answered} replies of 64 MiB: the sender peaked at {peak_kib} KiB"
+    );
+}
