@@ -52,26 +52,47 @@ impl Proc {
     /// and waits for its "listening on" line; retries with a new metrics
     /// port if that one was taken meanwhile.
     fn start(role: &str, args: &[&str]) -> Proc {
+        Self::start_limited(role, args, None)
+    }
+
+    /// [`Proc::start`] with `RLIMIT_NOFILE` set to `nofile` (soft and hard).
+    fn start_limited(role: &str, args: &[&str], nofile: Option<u64>) -> Proc {
         for _ in 0..3 {
-            if let Some(p) = Self::try_start(role, args) {
+            if let Some(p) = Self::try_start(role, args, nofile) {
                 return p;
             }
         }
         panic!("kvferry {role} did not start (three attempts)");
     }
 
-    fn try_start(role: &str, args: &[&str]) -> Option<Proc> {
+    fn try_start(role: &str, args: &[&str], nofile: Option<u64>) -> Option<Proc> {
         let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
-        let mut child = Command::new(BIN)
-            .arg(role)
+        let mut cmd = Command::new(BIN);
+        cmd.arg(role)
             .args(["--listen", "tcp://127.0.0.1:0", "--metrics"])
             .arg(metrics.to_string())
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn kvferry");
+            .stderr(Stdio::piped());
+        if let Some(n) = nofile {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: setrlimit is async-signal-safe; the closure touches
+            // nothing else between fork and exec.
+            unsafe {
+                cmd.pre_exec(move || {
+                    let rl = libc::rlimit {
+                        rlim_cur: n,
+                        rlim_max: n,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &rl) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let mut child = cmd.spawn().expect("spawn kvferry");
         let stderr = child.stderr.take().expect("stderr piped");
         let stderr_lines = Arc::new(AtomicUsize::new(0));
         {
@@ -964,4 +985,56 @@ fn a_hostile_receiver_cannot_make_a_sender_buffer_a_huge_reply() {
         peak_kib < 48 << 10,
         "{answered} replies of 64 MiB: the sender peaked at {peak_kib} KiB"
     );
+}
+
+// ----- 2. idle connections to the control port ----------------------------------
+
+/// Raw TCP connections to the receiver's ZMQ port that never send a ZMTP
+/// greeting: 300 of them exhaust a 256-descriptor receiver, so no new
+/// peer, sender or scrape gets in. libzmq closed such a connection only
+/// after its default 30 s handshake interval; the receiver sets 3 s, so a
+/// flood that is not renewed lets everyone back in within seconds (while
+/// its sockets are still open on the attacker's side). A flood renewed
+/// faster than that is denial of service by volume (docs/security.md).
+#[test]
+fn idle_connections_to_the_control_port_are_dropped_at_the_handshake_timeout() {
+    let cap = 8u32.to_string();
+    let r = Proc::start_limited(
+        "receiver",
+        &[
+            "--capacity-chunks",
+            &cap,
+            "--chunk-bytes",
+            "4096",
+            "--consume",
+        ],
+        Some(256),
+    );
+    round_trip(&r, "before");
+    let addr: SocketAddr = r
+        .endpoint
+        .trim_start_matches("tcp://")
+        .parse()
+        .expect("tcp endpoint");
+    let held: Vec<std::net::TcpStream> = (0..300)
+        .filter_map(|_| std::net::TcpStream::connect_timeout(&addr, HANG).ok())
+        .collect();
+    assert!(held.len() >= 200, "the flood itself failed: {}", held.len());
+    let fds = || {
+        std::fs::read_dir(format!("/proc/{}/fd", r.pid()))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    };
+    let end = deadline();
+    while fds() > 128 {
+        assert!(
+            Instant::now() < end,
+            "hung waiting for the idle control connections to be dropped: {} descriptors",
+            fds()
+        );
+        thread::sleep(Duration::from_millis(50));
+    }
+    round_trip(&r, "after the handshake timeout");
+    assert!(r.scrape().contains("kvferry_receiver_capacity_chunks"));
+    drop(held);
 }
