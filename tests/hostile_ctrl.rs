@@ -341,6 +341,11 @@ fn a_stranger_cannot_touch_anothers_request() {
         }
         let rep = s.call(&cancel("A", &ks, Some(5)), "stranger cancel");
         assert_eq!(rep.error_code(), Some(ErrorCode::NotOwner), "{rep:?}");
+        // A made-up req_id listing the victim's keys releases nothing.
+        let held = r.metric("kvferry_receiver_allocated_chunks");
+        let rep = s.call(&cancel("made-up", &ks, Some(4)), "made-up cancel");
+        assert!(!rep.is_failure(), "{rep:?}");
+        assert_eq!(r.metric("kvferry_receiver_allocated_chunks"), held);
         s.send(&transfer_done("A"));
         s.send(&Message::Heartbeat(Heartbeat {
             sender_id: "victim".into(),
