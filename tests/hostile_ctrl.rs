@@ -1043,3 +1043,39 @@ fn idle_connections_to_the_control_port_are_dropped_at_the_handshake_timeout() {
     assert!(r.scrape().contains("kvferry_receiver_capacity_chunks"));
     drop(held);
 }
+
+/// 100 peers each say a maximal `Hello` and then only heartbeat: they used
+/// to fill the per-peer state bound for as long as they heartbeat, and
+/// every new peer (Hello or request) was answered `overloaded`. Peers
+/// holding nothing are now forgotten early at the bound, least recently
+/// seen first, so newcomers always get in.
+#[test]
+fn idle_hellod_peers_cannot_lock_new_peers_out() {
+    let r = receiver(
+        8,
+        &["--lease-ms", "60000", "--max-peer-state-bytes", "65536"],
+    );
+    round_trip(&r, "before");
+    let sender_id = "x".repeat(4000);
+    let squatters: Vec<Client> = (0..100)
+        .map(|i| {
+            let c = Client::connect(&r.endpoint, &format!("idle-{i}"));
+            c.send(&Message::Hello(kvferry::protocol::Hello {
+                sender_id: sender_id.clone(),
+                version: kvferry::protocol::PROTOCOL_VERSION,
+                transport: "shm".into(),
+                descriptor: kvferry::protocol::Descriptor::None,
+            }));
+            let _ = c.recv_msg(deadline(), "the squatter's HelloAck");
+            c.send(&Message::Heartbeat(Heartbeat {
+                sender_id: sender_id.clone(),
+            }));
+            c
+        })
+        .collect();
+    assert!(r.metric("kvferry_receiver_peer_bytes") <= 65_536.0 + 8_192.0);
+    for i in 0..5 {
+        round_trip(&r, &format!("newcomer-{i}"));
+    }
+    drop(squatters);
+}
