@@ -70,6 +70,10 @@ use super::owned::ByRequest;
 
 pub use super::owned::PeerId;
 
+/// How long after an eviction scan of per-peer state that freed nothing
+/// the next may run ([`ReceiverCore::evict_empty_peers`]).
+const EVICT_RETRY: Duration = Duration::from_millis(100);
+
 /// A request's key in the admission queue: (owner, `req_id`).
 type ReqKey = (PeerId, String);
 
@@ -398,6 +402,8 @@ pub struct ReceiverCore {
     /// Peers forgotten by [`ReceiverCore::evict_empty_peers`] during the
     /// current message, reported as [`Output::ForgetPeer`] after it.
     evicted_peers: Vec<PeerId>,
+    /// No eviction scan before this (the last one freed nothing).
+    next_evict_scan: Instant,
     /// Bytes charged: parked requests, ended records + anonymous, peers.
     parked_bytes: usize,
     record_bytes: usize,
@@ -443,6 +449,7 @@ impl ReceiverCore {
             peers: HashMap::new(),
             pruned_hello: PrunedPeers::default(),
             evicted_peers: Vec::new(),
+            next_evict_scan: now,
             parked_bytes: 0,
             record_bytes: 0,
             peer_bytes: 0,
@@ -839,8 +846,13 @@ impl ReceiverCore {
     /// its semantics (and its data-plane secret) without a new `Hello`. So
     /// idle peers, heartbeating or not, cannot lock new peers out; only
     /// peers holding requests or records fill the bound, and those are
-    /// bounded by the capacity and the record bound.
+    /// bounded by the capacity and the record bound. A scan that frees
+    /// nothing is not repeated for [`EVICT_RETRY`], so peers refused one
+    /// after another cost O(1) each.
     fn evict_empty_peers(&mut self, need: usize, now: Instant) {
+        if now < self.next_evict_scan {
+            return;
+        }
         let bound = self.cfg.bounds.max_peer_bytes;
         let target = bound.saturating_sub(need).saturating_sub(bound / 8);
         let mut idle = self.empty_peers(|_| true);
@@ -853,7 +865,9 @@ impl ReceiverCore {
                 self.evicted_peers.push(id);
             }
         }
-        if !self.evicted_peers.is_empty() {
+        if self.evicted_peers.is_empty() {
+            self.next_evict_scan = now + EVICT_RETRY;
+        } else {
             peer_warn!(
                 self.log,
                 now,
