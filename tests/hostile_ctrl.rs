@@ -931,6 +931,8 @@ fn a_squatted_identity_does_not_lock_out_a_kvferry_sender() {
 /// before buffering one, and the sender's peak memory stays far below one
 /// such frame (measured with `wait4`'s `ru_maxrss`).
 #[test]
+// The child is reaped by `wait4` (for its rusage), which clippy cannot see.
+#[allow(clippy::zombie_processes)]
 fn a_hostile_receiver_cannot_make_a_sender_buffer_a_huge_reply() {
     let router = kvferry::zmq_io::context()
         .socket(zmq::ROUTER)
