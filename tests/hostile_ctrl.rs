@@ -52,26 +52,47 @@ impl Proc {
     /// and waits for its "listening on" line; retries with a new metrics
     /// port if that one was taken meanwhile.
     fn start(role: &str, args: &[&str]) -> Proc {
+        Self::start_limited(role, args, None)
+    }
+
+    /// [`Proc::start`] with `RLIMIT_NOFILE` set to `nofile` (soft and hard).
+    fn start_limited(role: &str, args: &[&str], nofile: Option<u64>) -> Proc {
         for _ in 0..3 {
-            if let Some(p) = Self::try_start(role, args) {
+            if let Some(p) = Self::try_start(role, args, nofile) {
                 return p;
             }
         }
         panic!("kvferry {role} did not start (three attempts)");
     }
 
-    fn try_start(role: &str, args: &[&str]) -> Option<Proc> {
+    fn try_start(role: &str, args: &[&str], nofile: Option<u64>) -> Option<Proc> {
         let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
-        let mut child = Command::new(BIN)
-            .arg(role)
+        let mut cmd = Command::new(BIN);
+        cmd.arg(role)
             .args(["--listen", "tcp://127.0.0.1:0", "--metrics"])
             .arg(metrics.to_string())
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn kvferry");
+            .stderr(Stdio::piped());
+        if let Some(n) = nofile {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: setrlimit is async-signal-safe; the closure touches
+            // nothing else between fork and exec.
+            unsafe {
+                cmd.pre_exec(move || {
+                    let rl = libc::rlimit {
+                        rlim_cur: n,
+                        rlim_max: n,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &rl) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let mut child = cmd.spawn().expect("spawn kvferry");
         let stderr = child.stderr.take().expect("stderr piped");
         let stderr_lines = Arc::new(AtomicUsize::new(0));
         {
@@ -320,6 +341,11 @@ fn a_stranger_cannot_touch_anothers_request() {
         }
         let rep = s.call(&cancel("A", &ks, Some(5)), "stranger cancel");
         assert_eq!(rep.error_code(), Some(ErrorCode::NotOwner), "{rep:?}");
+        // A made-up req_id listing the victim's keys releases nothing.
+        let held = r.metric("kvferry_receiver_allocated_chunks");
+        let rep = s.call(&cancel("made-up", &ks, Some(4)), "made-up cancel");
+        assert!(!rep.is_failure(), "{rep:?}");
+        assert_eq!(r.metric("kvferry_receiver_allocated_chunks"), held);
         s.send(&transfer_done("A"));
         s.send(&Message::Heartbeat(Heartbeat {
             sender_id: "victim".into(),
@@ -818,4 +844,240 @@ fn proxy_memory_is_bounded_in_bytes() {
 #[ignore = "large flood: 300,000 ProxyNotif with 4 KiB ids (run with --ignored)"]
 fn flood_300000_proxy_notifs() {
     proxy_flood(300_000, 16 << 20, 96 << 10);
+}
+
+// ----- 3. finished-request records (real binary) ------------------------------
+
+/// 20,000 requests with 4 KiB `req_id`s, each completed at its last batch
+/// (LMCache semantics), would keep 80 MiB of ids (160 MiB stored twice,
+/// as they once were): the receiver remembers finished requests and
+/// ended-request records within their byte bounds (16 MiB each).
+#[test]
+fn finished_requests_with_long_ids_are_bounded_in_bytes() {
+    // Slots are never written, so the buffer's pages are never resident.
+    let r = receiver(20_100, &[]);
+    round_trip(&r, "before");
+    let base = r.rss_kib();
+    let c = Client::connect(&r.endpoint, "long-ids");
+    let pad = "i".repeat(4090);
+    let n = 20_000u64;
+    let mut answered = 0u64;
+    for i in 0..n {
+        let id = format!("{pad}{i:06}");
+        c.send(&alloc(&id, &keys(&format!("k{i}-"), 1), 1, true, Some(i)));
+        // Keep at most 256 frames in flight (the reply queue is 1024).
+        while i - answered >= 256 {
+            assert_ok(&c.recv_reply(deadline(), "a long-id request"), 1);
+            answered += 1;
+        }
+    }
+    while answered < n {
+        assert_ok(&c.recv_reply(deadline(), "a long-id request"), 1);
+        answered += 1;
+    }
+    assert_eq!(
+        r.metric("kvferry_receiver_requests_total{outcome=\"completed\"}"),
+        (n + 1) as f64
+    );
+    // Records and pruned peer state go a lease later; RSS stays well below
+    // the 80 MiB the ids themselves take.
+    assert_recovered(
+        &r,
+        "20,000 finished requests with 4 KiB ids",
+        base,
+        64 << 10,
+    );
+}
+
+// ----- 1. identities cannot be squatted ----------------------------------------
+
+/// A kvferry sender's DEALER identity was `"{sender_id}-{n}-to-{endpoint}"`:
+/// predictable, so a squatter connecting first with it made the receiver's
+/// ROUTER refuse the real sender's connection (every request
+/// `peer_unavailable`). It now ends in a per-process random part.
+#[test]
+fn a_squatted_identity_does_not_lock_out_a_kvferry_sender() {
+    let r = receiver(8, &[]);
+    let squat = Client::connect(&r.endpoint, &format!("victim-0-to-{}", r.endpoint));
+    squat.hello();
+    let out = Command::new(BIN)
+        .args(["sender", "--connect", &r.endpoint, "--sender-id", "victim"])
+        .args([
+            "--requests",
+            "4",
+            "--chunks",
+            "1..2",
+            "--chunk-bytes",
+            "4096",
+        ])
+        .args(["--capacity-chunks", "8", "--staging-slots", "8", "--quiet"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run kvferry sender");
+    assert!(
+        out.status.success(),
+        "the sender behind a squatted identity: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The squatter is still connected and answered, as its own peer.
+    squat.hello();
+}
+
+// ----- 3. the sender's own sockets ----------------------------------------------
+
+/// A hostile receiver answers with 64 MiB frames: the sender's DEALER has
+/// `ZMQ_MAXMSGSIZE` (the 4 MiB frame limit), so ZMQ drops the connection
+/// before buffering one, and the sender's peak memory stays far below one
+/// such frame (measured with `wait4`'s `ru_maxrss`).
+#[test]
+// The child is reaped by `wait4` (for its rusage), which clippy cannot see.
+#[allow(clippy::zombie_processes)]
+fn a_hostile_receiver_cannot_make_a_sender_buffer_a_huge_reply() {
+    let router = kvferry::zmq_io::context()
+        .socket(zmq::ROUTER)
+        .expect("router");
+    router.set_linger(0).expect("linger");
+    router.bind("tcp://127.0.0.1:0").expect("bind");
+    let ep = router
+        .get_last_endpoint()
+        .expect("endpoint")
+        .expect("utf-8 endpoint");
+    let mut child = Command::new(BIN)
+        .args([
+            "sender",
+            "--connect",
+            &ep,
+            "--requests",
+            "2",
+            "--chunks",
+            "1..2",
+        ])
+        .arg("--quiet")
+        .args(["--chunk-bytes", "4096", "--capacity-chunks", "8"])
+        .args(["--staging-slots", "8", "--stall-timeout", "5"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn kvferry sender");
+    let huge = vec![0xc1u8; 64 << 20];
+    let end = deadline() + HANG;
+    let mut answered = 0;
+    let rusage = loop {
+        let mut items = [router.as_poll_item(zmq::POLLIN)];
+        if zmq::poll(&mut items, 50).expect("poll") > 0 {
+            let frames = router.recv_multipart(0).expect("recv");
+            // Every message the sender sends gets a 64 MiB answer.
+            let _ = router.send_multipart([&frames[0][..], &[][..], &huge[..]], zmq::DONTWAIT);
+            answered += 1;
+        }
+        let mut status = 0;
+        // SAFETY: wait4 on our own child's pid with valid out-pointers.
+        let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+        let pid = child.id() as libc::pid_t;
+        // SAFETY: as above.
+        if unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut ru) } == pid {
+            break ru;
+        }
+        if Instant::now() > end {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("hung waiting for the sender to give up on a hostile receiver");
+        }
+    };
+    assert!(answered >= 1, "the sender never spoke");
+    let peak_kib = rusage.ru_maxrss as u64;
+    assert!(
+        peak_kib < 48 << 10,
+        "{answered} replies of 64 MiB: the sender peaked at {peak_kib} KiB"
+    );
+}
+
+// ----- 2. idle connections to the control port ----------------------------------
+
+/// Raw TCP connections to the receiver's ZMQ port that never send a ZMTP
+/// greeting: 300 of them exhaust a 256-descriptor receiver, so no new
+/// peer, sender or scrape gets in. libzmq closed such a connection only
+/// after its default 30 s handshake interval; the receiver sets 3 s, so a
+/// flood that is not renewed lets everyone back in within seconds (while
+/// its sockets are still open on the attacker's side). A flood renewed
+/// faster than that is denial of service by volume (docs/security.md).
+#[test]
+fn idle_connections_to_the_control_port_are_dropped_at_the_handshake_timeout() {
+    let cap = 8u32.to_string();
+    let r = Proc::start_limited(
+        "receiver",
+        &[
+            "--capacity-chunks",
+            &cap,
+            "--chunk-bytes",
+            "4096",
+            "--consume",
+        ],
+        Some(256),
+    );
+    round_trip(&r, "before");
+    let addr: SocketAddr = r
+        .endpoint
+        .trim_start_matches("tcp://")
+        .parse()
+        .expect("tcp endpoint");
+    let held: Vec<std::net::TcpStream> = (0..300)
+        .filter_map(|_| std::net::TcpStream::connect_timeout(&addr, HANG).ok())
+        .collect();
+    assert!(held.len() >= 200, "the flood itself failed: {}", held.len());
+    let fds = || {
+        std::fs::read_dir(format!("/proc/{}/fd", r.pid()))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    };
+    let end = deadline();
+    while fds() > 128 {
+        assert!(
+            Instant::now() < end,
+            "hung waiting for the idle control connections to be dropped: {} descriptors",
+            fds()
+        );
+        thread::sleep(Duration::from_millis(50));
+    }
+    round_trip(&r, "after the handshake timeout");
+    assert!(r.scrape().contains("kvferry_receiver_capacity_chunks"));
+    drop(held);
+}
+
+/// 100 peers each say a maximal `Hello` and then only heartbeat: they used
+/// to fill the per-peer state bound for as long as they heartbeat, and
+/// every new peer (Hello or request) was answered `overloaded`. Peers
+/// holding nothing are now forgotten early at the bound, least recently
+/// seen first, so newcomers always get in.
+#[test]
+fn idle_hellod_peers_cannot_lock_new_peers_out() {
+    let r = receiver(
+        8,
+        &["--lease-ms", "60000", "--max-peer-state-bytes", "65536"],
+    );
+    round_trip(&r, "before");
+    let sender_id = "x".repeat(4000);
+    let squatters: Vec<Client> = (0..100)
+        .map(|i| {
+            let c = Client::connect(&r.endpoint, &format!("idle-{i}"));
+            c.send(&Message::Hello(kvferry::protocol::Hello {
+                sender_id: sender_id.clone(),
+                version: kvferry::protocol::PROTOCOL_VERSION,
+                transport: "shm".into(),
+                descriptor: kvferry::protocol::Descriptor::None,
+            }));
+            let _ = c.recv_msg(deadline(), "the squatter's HelloAck");
+            c.send(&Message::Heartbeat(Heartbeat {
+                sender_id: sender_id.clone(),
+            }));
+            c
+        })
+        .collect();
+    assert!(r.metric("kvferry_receiver_peer_bytes") <= 65_536.0 + 8_192.0);
+    for i in 0..5 {
+        round_trip(&r, &format!("newcomer-{i}"));
+    }
+    drop(squatters);
 }

@@ -493,6 +493,83 @@ fn a_connection_flood_locks_out_no_sender_control_peer_or_scrape() {
     round_trip(&late, &rx, "late-after", 4);
 }
 
+/// Connections that sent a preamble without a valid secret (48 zero bytes)
+/// and then stay silent are refused and wait for their goodbye. A flood of
+/// them beyond the cap used to fill it, none evictable, so no sender could
+/// connect until their timeout (3 s by default, the attacker refreshing
+/// them as fast as they expired). Refused connections are the first to go
+/// when a newcomer needs room.
+#[test]
+fn a_flood_of_refused_connections_locks_out_no_sender() {
+    // 256 descriptors: at most 128 data connections. A long auth timeout so
+    // that the refused connections are all still there when the late
+    // sender comes.
+    let rx = Rx::start(&["--consume", "--tcp-auth-timeout-ms", "60000"], Some(256));
+    let s = sender("steady");
+    round_trip(&s, &rx, "before", 4);
+    let held: Vec<TcpStream> = (0..300)
+        .filter_map(|_| {
+            let mut c = TcpStream::connect_timeout(&rx.data, HANG).ok()?;
+            c.write_all(&[0u8; PREAMBLE_LEN]).ok()?;
+            Some(c)
+        })
+        .collect();
+    assert!(held.len() >= 200, "the flood itself failed: {}", held.len());
+    // Each connection of the flood refused (at its preamble) or evicted.
+    let end = Instant::now() + HANG;
+    while rx.rejected("unauthenticated") + rx.rejected("evicted") < held.len() as f64 {
+        assert!(Instant::now() < end, "hung waiting for the refusals");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    round_trip(&sender("late"), &rx, "late-during", 4);
+    round_trip(&s, &rx, "steady-during", 4);
+    assert!(
+        rx.metric("kvferry_receiver_tcp_data_unauthenticated_connections") <= 64.0,
+        "refused connections beyond the unauthenticated budget"
+    );
+    drop(held);
+    round_trip(&s, &rx, "after", 4);
+}
+
+/// Anyone may say `Hello` and get a secret, so authenticated connections
+/// are not trusted ones: 40 Hello'd peers each holding its 4 idle
+/// connections ask for 160 of the 128 the receiver may hold. They used to
+/// fill the cap and every new sender's connection was refused. Room for
+/// connections waiting for their secret is reserved, and a newly
+/// authenticated connection beyond the cap displaces the longest-idle one
+/// (a displaced sender reconnects at its next write).
+#[test]
+fn hellod_peers_hoarding_idle_connections_lock_out_no_sender() {
+    let rx = Rx::start(&["--consume", "--tcp-max-unauthenticated", "16"], Some(256));
+    let s = sender("steady");
+    round_trip(&s, &rx, "before", 4);
+    let mut held = Vec::new();
+    let mut hoarders = Vec::new();
+    for i in 0..40 {
+        let p = Peer::hello(&rx, &format!("hoarder-{i}"));
+        for _ in 0..4 {
+            let mut c =
+                TcpStream::connect_timeout(&rx.data, HANG).expect("connect to the data port");
+            c.set_read_timeout(Some(HANG)).unwrap();
+            c.write_all(&preamble(p.secret).encode()).unwrap();
+            let mut a = [0u8; PREAMBLE_ACK_LEN];
+            if c.read_exact(&mut a).is_ok() {
+                held.push(c);
+            }
+        }
+        hoarders.push(p);
+    }
+    for i in 0..3 {
+        round_trip(&sender(&format!("late-{i}")), &rx, &format!("late-{i}"), 4);
+        round_trip(&s, &rx, &format!("steady-{i}"), 4);
+    }
+    let body = scrape(rx.metrics);
+    assert!(metric(&body, "kvferry_receiver_tcp_data_connections").unwrap() <= 128.0);
+    assert!(rx.rejected("evicted") >= 32.0, "{body}");
+    drop(held);
+    round_trip(&s, &rx, "after", 4);
+}
+
 #[test]
 #[ignore = "large flood; run with --ignored"]
 fn a_large_connection_flood_locks_out_nobody() {

@@ -230,6 +230,8 @@ impl ProxyListener {
         let sock = crate::zmq_io::context().socket(zmq::PULL).map_err(err)?;
         sock.set_linger(0).map_err(err)?;
         sock.set_maxmsgsize(MAX_FRAME_BYTES as i64).map_err(err)?;
+        sock.set_handshake_ivl(crate::zmq_io::HANDSHAKE_TIMEOUT_MS)
+            .map_err(err)?;
         // At most RECV_QUEUE frames wait per sender connection; past it ZMQ
         // stops reading that connection and the backlog stays on the
         // sender's side (kvferry senders never block on their PUSH).

@@ -23,6 +23,13 @@ pub fn context() -> zmq::Context {
     CTX.get_or_init(zmq::Context::new).clone()
 }
 
+/// `ZMQ_HANDSHAKE_IVL` of every bound socket that peers connect to (the
+/// receiver's ROUTER, the proxy's PULL): a connection that has not
+/// completed its ZMTP greeting within this is closed. libzmq's default is
+/// 30 s, which let idle raw connections hold the process's descriptors
+/// that long (docs/security.md); a real ZMQ peer greets in microseconds.
+pub const HANDSHAKE_TIMEOUT_MS: i32 = 3_000;
+
 /// Token of the waker in [`Reactor`] events.
 pub const WAKE_TOKEN: Token = Token(usize::MAX);
 

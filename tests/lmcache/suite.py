@@ -391,6 +391,59 @@ def lmcache_senders_two_requests_that_do_not_both_fit(rx, px, logs):
         b.close()
 
 
+LONG_RUN_REQUESTS = 100  # per sender
+
+
+@lmcache_scenario(receiver_flags=("--consume", "--consume-grace-ms", "100", "--admission-timeout-ms", "10000"))
+def lmcache_senders_long_consume_run(rx, px, logs):
+    """Issue 12's load test: two LMCache senders, 200 requests of 1 to 6
+    chunks in one or two batches, against 8 slots with --consume. LMCache
+    senders send no TransferDone; each request's chunks go the grace after
+    its last reply, so the run never stalls on capacity: every request
+    completes, none ends admission_timeout."""
+    senders = [LmcSender(px.port, rx.port) for _ in range(2)]
+    errors = []
+
+    def drive(n, s):
+        try:
+            for i in range(LONG_RUN_REQUESTS):
+                req = f"long-{n}-{i}"
+                total = 1 + (i * 7 + n) % 6
+                names = [f"{req}-{k}" for k in range(total)]
+                if total > 1 and i % 2:
+                    s.store(req, names[: total // 2], total, False)
+                    s.store(req, names[total // 2 :], total, True)
+                else:
+                    s.store(req, names, total, True)
+                # At most two requests in flight per sender (its staging).
+                if i >= 2:
+                    prev = f"long-{n}-{i - 2}"
+                    wait_until(f"{prev} idle at its sender", lambda p=prev: s.idle(p), limit=60)
+        except Exception as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=drive, args=(n, s), daemon=True) for n, s in enumerate(senders)]
+    try:
+        for t in threads:
+            t.start()
+        for n in range(2):
+            for i in range(LONG_RUN_REQUESTS):
+                px.wait_ready(f"long-{n}-{i}")
+                check(not errors, f"a sender failed: {errors}")
+        for t in threads:
+            t.join(WAIT)
+        check(not errors, f"a sender failed: {errors}")
+        done = rx.metric('kvferry_receiver_requests_total{outcome="completed"}')
+        check(done == 2 * LONG_RUN_REQUESTS, f"every request completed: {done}")
+        check(rx.metric('kvferry_receiver_requests_total{outcome="admission_timeout"}') == 0, "no admission timeout")
+        check(rx.metric('kvferry_receiver_requests_total{outcome="parked"}') > 0, "capacity was tight (requests parked)")
+        check(not logs.any("Receiver allocation failed"), "no LMCache request failed")
+        wait_until("everything consumed", lambda: rx.metric("kvferry_receiver_allocated_chunks") == 0)
+    finally:
+        for s in senders:
+            s.close()
+
+
 @lmcache_scenario(receiver_flags=("--quarantine-ms", "500"))
 def lmcache_sender_cancel_mid_request(rx, px, logs):
     s = LmcSender(px.port, rx.port)
@@ -617,6 +670,7 @@ SCENARIOS = [
     lmcache_sender_chunked_short_last_chunk,
     lmcache_sender_too_large,
     lmcache_senders_two_requests_that_do_not_both_fit,
+    lmcache_senders_long_consume_run,
     lmcache_sender_cancel_mid_request,
     lmcache_sender_total_chunks_zero,
     lmcache_sender_dedup_shared_prefix,

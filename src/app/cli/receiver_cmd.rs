@@ -75,8 +75,9 @@ pub struct ReceiverArgs {
     /// milliseconds.
     #[arg(long, default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub tcp_io_timeout_ms: u64,
-    /// TCP data connections waiting for their secret at once (a new one
-    /// evicts the oldest).
+    /// TCP data connections not serving a sender at once: waiting for their
+    /// secret, or refused (a new one evicts the oldest refused, else the
+    /// oldest waiting one). Also the room authenticated ones always leave.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
     pub tcp_max_unauthenticated: u32,
     /// TCP data connections one sender may hold (a newer one closes its

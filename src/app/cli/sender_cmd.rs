@@ -26,7 +26,7 @@ pub struct SenderArgs {
     /// The proxy's PULL endpoint for ProxyNotif.
     #[arg(long)]
     pub proxy: Option<String>,
-    /// Sender id prefix (DEALER identities are `<id>-<n>-to-<endpoint>`).
+    /// Sender id prefix (DEALER identities are `<id>-<n>-to-<endpoint>~<random per process>`).
     #[arg(long, default_value = "sender")]
     pub sender_id: String,
     /// Serve Prometheus metrics at http://ADDR/metrics.

@@ -70,6 +70,10 @@ use super::owned::ByRequest;
 
 pub use super::owned::PeerId;
 
+/// How long after an eviction scan of per-peer state that freed nothing
+/// the next may run ([`ReceiverCore::evict_empty_peers`]).
+const EVICT_RETRY: Duration = Duration::from_millis(100);
+
 /// A request's key in the admission queue: (owner, `req_id`).
 type ReqKey = (PeerId, String);
 
@@ -395,6 +399,11 @@ pub struct ReceiverCore {
     /// Hello'd peers whose state was pruned (hashes, bounded), so their
     /// next request keeps kvferry semantics.
     pruned_hello: PrunedPeers,
+    /// Peers forgotten by [`ReceiverCore::evict_empty_peers`] during the
+    /// current message, reported as [`Output::ForgetPeer`] after it.
+    evicted_peers: Vec<PeerId>,
+    /// No eviction scan before this (the last one freed nothing).
+    next_evict_scan: Instant,
     /// Bytes charged: parked requests, ended records + anonymous, peers.
     parked_bytes: usize,
     record_bytes: usize,
@@ -439,6 +448,8 @@ impl ReceiverCore {
             delivered_bytes: 0,
             peers: HashMap::new(),
             pruned_hello: PrunedPeers::default(),
+            evicted_peers: Vec::new(),
+            next_evict_scan: now,
             parked_bytes: 0,
             record_bytes: 0,
             peer_bytes: 0,
@@ -553,6 +564,9 @@ impl ReceiverCore {
                     out,
                 );
             }
+        }
+        for peer in self.evicted_peers.drain(..) {
+            out.push(Output::ForgetPeer { peer });
         }
         self.grant_parked(now, out);
     }
@@ -785,6 +799,18 @@ impl ReceiverCore {
     /// keeps kvferry semantics without a new `Hello`.
     fn prune_peers(&mut self, now: Instant, out: &mut Vec<Output>) {
         let lease = self.cfg.lease;
+        for (_, id) in self.empty_peers(|p| p.last_seen + lease <= now) {
+            if self.forget_peer_state(&id) {
+                debug!("peer state pruned: nothing left, silent for a lease");
+                out.push(Output::ForgetPeer { peer: id });
+            }
+        }
+    }
+
+    /// Peers with nothing left in the core (no request, record or
+    /// anonymous allocation) that satisfy `pick`, with when each was last
+    /// seen.
+    fn empty_peers(&self, pick: impl Fn(&PeerState) -> bool) -> Vec<(Instant, PeerId)> {
         let busy: HashSet<&[u8]> = self
             .requests
             .iter()
@@ -792,23 +818,62 @@ impl ReceiverCore {
             .chain(self.tombstones.iter().map(|(p, _, _)| p))
             .chain(self.done_refs.iter().map(|(p, _, _)| p))
             .collect();
-        let gone: Vec<PeerId> = self
-            .peers
+        self.peers
             .iter()
-            .filter(|(id, p)| {
-                p.anonymous == 0 && p.last_seen + lease <= now && !busy.contains(id.as_slice())
-            })
-            .map(|(id, _)| id.clone())
-            .collect();
-        for id in gone {
-            if let Some(p) = self.peers.remove(&id) {
-                self.peer_bytes -= p.charge;
-                if p.extended() {
-                    self.pruned_hello.insert(&id);
-                }
-                debug!("peer state pruned: nothing left, silent for a lease");
-                out.push(Output::ForgetPeer { peer: id });
+            .filter(|(id, p)| p.anonymous == 0 && pick(p) && !busy.contains(id.as_slice()))
+            .map(|(id, p)| (p.last_seen, id.clone()))
+            .collect()
+    }
+
+    /// Drops the state of a peer with nothing left (see
+    /// [`ReceiverCore::prune_peers`]); false if it had none.
+    fn forget_peer_state(&mut self, id: &[u8]) -> bool {
+        let Some(p) = self.peers.remove(id) else {
+            return false;
+        };
+        self.peer_bytes -= p.charge;
+        if p.extended() {
+            self.pruned_hello.insert(id);
+        }
+        true
+    }
+
+    /// Per-peer state is at its bound and a new peer needs `need` bytes:
+    /// forgets peers holding nothing, least recently seen first, until the
+    /// new one fits with an eighth of the bound to spare (so a stream of
+    /// new peers pays this scan once per many of them). Forgetting an
+    /// empty peer is what pruning does a lease later: a kvferry peer keeps
+    /// its semantics (and its data-plane secret) without a new `Hello`. So
+    /// idle peers, heartbeating or not, cannot lock new peers out; only
+    /// peers holding requests or records fill the bound, and those are
+    /// bounded by the capacity and the record bound. A scan that frees
+    /// nothing is not repeated for [`EVICT_RETRY`], so peers refused one
+    /// after another cost O(1) each.
+    fn evict_empty_peers(&mut self, need: usize, now: Instant) {
+        if now < self.next_evict_scan {
+            return;
+        }
+        let bound = self.cfg.bounds.max_peer_bytes;
+        let target = bound.saturating_sub(need).saturating_sub(bound / 8);
+        let mut idle = self.empty_peers(|_| true);
+        idle.sort_unstable();
+        for (_, id) in idle {
+            if self.peer_bytes <= target {
+                break;
             }
+            if self.forget_peer_state(&id) {
+                self.evicted_peers.push(id);
+            }
+        }
+        if self.evicted_peers.is_empty() {
+            self.next_evict_scan = now + EVICT_RETRY;
+        } else {
+            peer_warn!(
+                self.log,
+                now,
+                forgotten = self.evicted_peers.len(),
+                "per-peer state at its bound: forgot the least recently seen peers holding nothing"
+            );
         }
     }
 
@@ -1051,6 +1116,9 @@ impl ReceiverCore {
     fn peer_state(&mut self, peer: &[u8], now: Instant) -> Result<&mut PeerState, String> {
         if !self.peers.contains_key(peer) {
             let charge = bounds::peer_cost(peer, "");
+            if self.peer_bytes + charge > self.cfg.bounds.max_peer_bytes {
+                self.evict_empty_peers(charge, now);
+            }
             if self.peer_bytes + charge > self.cfg.bounds.max_peer_bytes {
                 return Err(format!(
                     "receiver overloaded: per-peer state holds {} bytes (bound {}); retry later",

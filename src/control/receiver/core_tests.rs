@@ -1422,12 +1422,16 @@ fn peer_state_is_pruned_and_kvferry_semantics_survive() {
     assert!(c.is_ready("a0"));
 }
 
-/// Per-peer state has a byte bound: past it a new peer's Hello or request
-/// is answered `overloaded`; known peers are served.
+/// Per-peer state has a byte bound. Peers holding nothing do not count
+/// against newcomers: at the bound the least recently seen of them are
+/// forgotten early (as pruning would a lease later), so 100 idle Hello'd
+/// peers never lock a new one out. Only when the peers holding requests
+/// fill the bound is a new peer's Hello or request answered `overloaded`;
+/// known peers are served.
 #[test]
 fn per_peer_state_is_bounded_in_bytes() {
     let t0 = Instant::now();
-    let mut c = ReceiverCore::new(small_bounds(4, |b| b.max_peer_bytes = 2048), t0);
+    let mut c = ReceiverCore::new(small_bounds(64, |b| b.max_peer_bytes = 2048), t0);
     let mut out = Vec::new();
     c.handle(P, hello_as("p"), t0, &mut out);
     assert!(matches!(
@@ -1437,22 +1441,60 @@ fn per_peer_state_is_bounded_in_bytes() {
             ..
         })
     ));
-    let mut refused = 0;
+    let acked = |out: &mut Vec<Output>| {
+        out.iter().any(|o| {
+            matches!(
+                o,
+                Output::Send {
+                    message: Message::HelloAck(_),
+                    ..
+                }
+            )
+        })
+    };
+    let mut forgotten = 0;
     for i in 0..100u32 {
-        c.handle(&i.to_be_bytes(), hello_as("x"), t0, &mut out);
-        if let Some(Output::Send {
-            message: Message::AllocResponse(r),
-            ..
-        }) = out.pop()
-        {
-            assert_eq!(code_of(&r), Some("overloaded"));
-            refused += 1;
+        let t = t0 + Duration::from_millis(u64::from(i) + 1);
+        c.handle(&i.to_be_bytes(), hello_as("x"), t, &mut out);
+        assert!(acked(&mut out), "idle peers lock peer {i} out: {out:?}");
+        forgotten += out
+            .iter()
+            .filter(|o| matches!(o, Output::ForgetPeer { .. }))
+            .count();
+        out.clear();
+        assert!(c.stats().peer_bytes <= 2048 + 256);
+    }
+    assert!(forgotten > 0, "the oldest idle peers were forgotten");
+    // P (the least recently seen) was forgotten, and keeps kvferry
+    // semantics: its request waits for TransferDone.
+    let t1 = t0 + Duration::from_secs(1);
+    c.handle(P, batch("A", &["a0"], 1, true, Some(1)), t1, &mut out);
+    assert!(!one_reply(&mut out).is_failure(), "a known peer is served");
+    assert!(out.is_empty(), "not finished before TransferDone: {out:?}");
+    // Peers holding requests are never forgotten: they fill the bound and
+    // then a new peer is refused.
+    let mut refused = 0;
+    for i in 1000..1100u32 {
+        c.handle(
+            &i.to_be_bytes(),
+            batch("R", &["r"], 64, false, Some(1)),
+            t1,
+            &mut out,
+        );
+        for o in out.drain(..) {
+            if let Output::Send {
+                message: Message::AllocResponse(r),
+                ..
+            } = o
+            {
+                if code_of(&r) == Some("overloaded") {
+                    refused += 1;
+                }
+            }
         }
     }
-    assert!(refused > 0);
-    assert!(c.stats().peer_bytes <= 2048);
-    c.handle(P, batch("A", &["a0"], 1, true, Some(1)), t0, &mut out);
-    assert!(!one_reply(&mut out).is_failure(), "a known peer is served");
+    assert!(refused > 0, "busy peers fill the bound");
+    assert!(c.stats().peer_bytes <= 2048 + 256);
 }
 
 /// Anonymous allocations get a lifetime: unconsumed, their slots come back.

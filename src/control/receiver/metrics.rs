@@ -72,7 +72,7 @@ impl Receiver {
         #[rustfmt::skip]
         let rows = [
             ("kvferry_receiver_tcp_data_connections", "TCP data connections open.", t.connections as f64),
-            ("kvferry_receiver_tcp_data_unauthenticated_connections", "TCP data connections still waiting for their preamble.", t.unauthenticated as f64),
+            ("kvferry_receiver_tcp_data_unauthenticated_connections", "TCP data connections not serving a sender (waiting for their preamble, or refused).", t.unauthenticated as f64),
         ];
         gauges(&mut w, &rows);
         for (reason, n) in [

@@ -444,6 +444,8 @@ impl Receiver {
         // buffered (ZMQ drops the connection of a peer that sends one).
         sock.set_maxmsgsize(max_msg_size(&cfg.limits))
             .map_err(bind)?;
+        sock.set_handshake_ivl(crate::zmq_io::HANDSHAKE_TIMEOUT_MS)
+            .map_err(bind)?;
         sock.set_rcvhwm(cfg.recv_queue_per_peer.max(1))
             .map_err(bind)?;
         // Outgoing: a bounded queue per peer; with ROUTER_MANDATORY a full

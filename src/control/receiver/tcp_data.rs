@@ -18,10 +18,18 @@
 //!   connection is closed (the sender's other writes on it fail with
 //!   `ConnectionLost`).
 //! - **Budgets.** At most [`TcpDataLimits::max_unauthenticated`] connections
-//!   may be waiting for their preamble; a new one evicts the oldest of them,
-//!   so a flood of idle connections never locks a sender out. A token may
-//!   hold [`TcpDataLimits::max_per_sender`] connections (a newer one closes
-//!   its oldest), and the listener holds at most
+//!   may be *not serving a sender* — waiting for their preamble, or refused
+//!   and saying goodbye; a newcomer evicts the oldest refused one, else the
+//!   oldest waiting one, so a flood of idle or refused connections never
+//!   locks a sender out. Anyone may say `Hello` and get a secret, so
+//!   authenticated connections are not trusted ones either: they may fill
+//!   the listener only up to the cap minus the unauthenticated budget (room
+//!   is always left for a newcomer to present its secret), and one that
+//!   authenticates beyond that displaces the longest-idle authenticated
+//!   connection (no write under way; its sender reconnects at its next
+//!   write), else is closed itself. A token may hold
+//!   [`TcpDataLimits::max_per_sender`] connections (a newer one closes its
+//!   oldest), and the listener holds at most
 //!   [`TcpDataLimits::max_connections`], never more than half of
 //!   `RLIMIT_NOFILE`, so the control plane and metrics keep descriptors.
 //! - **Deadlines.** The preamble must arrive within
@@ -83,8 +91,9 @@ pub struct TcpDataLimits {
     /// Slowest rate a started write may average, bytes per second, beyond
     /// `io_timeout`. Default 1 MiB/s.
     pub min_rate: u64,
-    /// Connections waiting for their preamble at once; a new one evicts the
-    /// oldest. Default 64.
+    /// Connections not serving a sender (waiting for their preamble, or
+    /// refused and saying goodbye) at once; a new one evicts the oldest
+    /// refused, else the oldest waiting one. Default 64.
     pub max_unauthenticated: usize,
     /// Connections one sender (token) may hold; a newer one closes its
     /// oldest. Default 4.
@@ -137,6 +146,13 @@ impl TcpDataLimits {
         };
         self.max_connections.min((nofile / 2).max(1))
     }
+
+    /// Connections that may serve senders at once: the cap less the room
+    /// kept for newcomers presenting their secret (at most half the cap).
+    fn serving_cap(&self) -> usize {
+        let cap = self.connection_cap();
+        cap - self.max_unauthenticated.min(cap / 2)
+    }
 }
 
 /// Counters and gauges of the TCP data listener.
@@ -144,7 +160,8 @@ impl TcpDataLimits {
 pub struct TcpDataStats {
     /// Connections open now.
     pub connections: usize,
-    /// Of those, waiting for their preamble.
+    /// Of those, not serving a sender: waiting for their preamble, or
+    /// refused and saying goodbye.
     pub unauthenticated: usize,
     /// Connections refused for a missing, wrong or revoked secret.
     pub rejected_unauthenticated: u64,
@@ -153,8 +170,9 @@ pub struct TcpDataStats {
     pub rejected_not_granted: u64,
     /// Connections closed for missing a deadline.
     pub timed_out: u64,
-    /// Connections closed to make room (oldest unauthenticated, or a
-    /// sender's oldest beyond its share), or refused at the cap.
+    /// Connections closed to make room (oldest refused or unauthenticated,
+    /// the longest-idle authenticated one, or a sender's oldest beyond its
+    /// share), or refused at the cap.
     pub evicted: u64,
 }
 
@@ -224,8 +242,10 @@ impl TcpData {
                         ctl,
                     },
                     cap: limits.connection_cap(),
+                    serving_cap: limits.serving_cap(),
                     conns: Vec::new(),
                     open: 0,
+                    serving: 0,
                     ready: Vec::new(),
                     accept_more: false,
                 }
@@ -328,8 +348,27 @@ struct Conn {
     /// per-sender share.
     just_authenticated: bool,
     opened: Instant,
+    /// When it authenticated or last completed a write (the longest-idle
+    /// authenticated connection is displaced first).
+    last_active: Instant,
     /// When the connection is closed unless it moves on (see the module docs).
     deadline: Option<Instant>,
+}
+
+impl Conn {
+    /// Acting for a sender: authenticated and not refused since.
+    fn serving(&self) -> bool {
+        self.token != 0 && !matches!(self.phase, Phase::Closing { .. })
+    }
+
+    /// Serving a sender, between writes, with nothing unread or unsent.
+    fn is_idle(&self) -> bool {
+        self.serving()
+            && self.phase == Phase::Header
+            && self.got == 0
+            && self.out.is_empty()
+            && matches!(self.stream.peek(&mut [0u8; 1]), Err(e) if e.kind() == ErrorKind::WouldBlock)
+    }
 }
 
 enum Turn {
@@ -355,9 +394,14 @@ struct DataThread {
     ctx: Ctx,
     /// Most connections held at once.
     cap: usize,
+    /// Most connections serving a sender at once: `cap` less the room kept
+    /// for newcomers presenting their secret.
+    serving_cap: usize,
     conns: Vec<Option<Conn>>,
     /// Connections in `conns`.
     open: usize,
+    /// Of those, serving a sender ([`Conn::serving`]).
+    serving: usize,
     /// Connections with work left after their last turn.
     ready: Vec<usize>,
     /// The listener may hold more connections than the last turn took.
@@ -429,13 +473,15 @@ impl DataThread {
         let Some(Some(c)) = self.conns.get_mut(i) else {
             return;
         };
-        let was_unauthenticated = c.phase == Phase::Preamble;
+        let was_serving = c.serving();
         let turn = serve(c, &self.ctx, now);
         let authenticated = std::mem::take(&mut c.just_authenticated).then_some(c.token);
-        if was_unauthenticated && c.phase != Phase::Preamble {
-            // Relaxed: a gauge.
-            self.ctx.ctl.unauthenticated.fetch_sub(1, Ordering::Relaxed);
+        match (was_serving, c.serving()) {
+            (false, true) => self.serving += 1,
+            (true, false) => self.serving -= 1,
+            _ => {}
         }
+        self.publish_gauges();
         match turn {
             Turn::Wait => {}
             Turn::More => self.ready.push(i),
@@ -443,7 +489,44 @@ impl DataThread {
         }
         if let Some(token) = authenticated {
             self.enforce_sender_share(token);
+            if self.serving > self.serving_cap && self.conns[i].is_some() {
+                self.displace_idle(i);
+            }
         }
+    }
+
+    /// Publishes the connection gauges.
+    fn publish_gauges(&self) {
+        // Relaxed: gauges this thread alone writes.
+        self.ctx.ctl.connections.store(self.open, Ordering::Relaxed);
+        self.ctx
+            .ctl
+            .unauthenticated
+            .store(self.open - self.serving, Ordering::Relaxed);
+    }
+
+    /// More connections serve senders than `serving_cap` after connection
+    /// `newcomer` authenticated: closes the longest-idle other one (no
+    /// write under way, nothing unread), else the newcomer.
+    fn displace_idle(&mut self, newcomer: usize) {
+        let idle = self
+            .conns
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != newcomer)
+            .filter_map(|(i, c)| {
+                c.as_ref()
+                    .filter(|c| c.is_idle())
+                    .map(|c| (c.last_active, i))
+            })
+            .min()
+            .map(|(_, i)| i);
+        tracing::debug!(
+            displaced = idle.is_some(),
+            "tcp data connections serving senders at their cap; closing the longest-idle one"
+        );
+        bump(&self.ctx.ctl.evicted);
+        self.close(idle.unwrap_or(newcomer));
     }
 
     /// The earliest connection deadline.
@@ -521,12 +604,15 @@ impl DataThread {
     /// Makes room for and registers one accepted connection; returns its
     /// index.
     fn admit(&mut self, mut stream: TcpStream, from: SocketAddr, now: Instant) -> Option<usize> {
-        // Relaxed: a gauge this thread alone writes.
-        let unauthenticated = self.ctx.ctl.unauthenticated.load(Ordering::Relaxed);
-        if unauthenticated >= self.ctx.limits.max_unauthenticated || self.open >= self.cap {
-            match self.oldest(|c| c.phase == Phase::Preamble) {
+        let not_serving = self.open - self.serving;
+        if not_serving >= self.ctx.limits.max_unauthenticated || self.open >= self.cap {
+            // Refused connections first (their goodbye is a courtesy), then
+            // those still waiting for their secret; never one serving a
+            // sender.
+            let refused = self.oldest(|c| matches!(c.phase, Phase::Closing { .. }));
+            match refused.or_else(|| self.oldest(|c| c.phase == Phase::Preamble)) {
                 Some(i) => {
-                    tracing::debug!(%from, "unauthenticated tcp data connections at their budget; evicting the oldest");
+                    tracing::debug!(%from, "tcp data connections not serving a sender at their budget; evicting the oldest");
                     bump(&self.ctx.ctl.evicted);
                     self.close(i);
                 }
@@ -565,12 +651,11 @@ impl DataThread {
             token: 0,
             just_authenticated: false,
             opened: now,
+            last_active: now,
             deadline: Some(now + self.ctx.limits.auth_timeout),
         });
         self.open += 1;
-        // Relaxed: gauges.
-        self.ctx.ctl.connections.fetch_add(1, Ordering::Relaxed);
-        self.ctx.ctl.unauthenticated.fetch_add(1, Ordering::Relaxed);
+        self.publish_gauges();
         Some(i)
     }
 
@@ -579,11 +664,10 @@ impl DataThread {
             let _ = self.poll.registry().deregister(&mut c.stream);
             let _ = c.stream.shutdown(std::net::Shutdown::Both);
             self.open -= 1;
-            // Relaxed: gauges.
-            self.ctx.ctl.connections.fetch_sub(1, Ordering::Relaxed);
-            if c.phase == Phase::Preamble {
-                self.ctx.ctl.unauthenticated.fetch_sub(1, Ordering::Relaxed);
+            if c.serving() {
+                self.serving -= 1;
             }
+            self.publish_gauges();
             tracing::debug!(phase = ?c.phase, "tcp data connection closed");
         }
     }
@@ -769,6 +853,7 @@ fn step(c: &mut Conn, ctx: &Ctx, now: Instant, budget: &mut u64) -> Result<bool,
                     .extend_from_slice(&ack_bytes(hdr.work_id, CompletionStatus::Ok));
                 c.phase = Phase::Header;
                 c.deadline = None;
+                c.last_active = now;
             } else {
                 c.phase = Phase::Payload { hdr, done };
             }
@@ -845,6 +930,7 @@ fn on_preamble(c: &mut Conn, ctx: &Ctx, now: Instant) {
         c.phase = Phase::Header;
         c.deadline = None;
         c.just_authenticated = true;
+        c.last_active = now;
     } else {
         tracing::debug!(status, "tcp data preamble refused");
         bump(&ctx.ctl.rejected_unauthenticated);
@@ -881,6 +967,7 @@ fn on_header(c: &mut Conn, hdr: Header, ctx: &Ctx, now: Instant) {
             .extend_from_slice(&ack_bytes(hdr.work_id, CompletionStatus::Ok));
         c.phase = Phase::Header;
         c.deadline = None;
+        c.last_active = now;
     } else {
         // The whole write within io_timeout plus its length at min_rate,
         // counted from its first header byte.
