@@ -27,7 +27,7 @@ use kvferry::attach::{
 };
 use kvferry::protocol::ErrorCode;
 use kvferry::receiver::Receiver;
-use kvferry::sender::Sender;
+use kvferry::sender::{Sender, SenderConfig};
 
 const ROLE: &str = "KVFERRY_PREFILL_ROLE";
 const SOCK: &str = "KVFERRY_PREFILL_SOCK";
@@ -80,10 +80,15 @@ struct Setup {
     _dir: TempDir,
 }
 
-fn setup(staging: usize) -> Setup {
+/// A receiver, a sender of `staging` slots in `shares` staging shares, and
+/// a prefill daemon over them.
+fn setup(staging: usize, shares: usize) -> Setup {
     let dir = TempDir::new();
     let r = Arc::new(receiver(64));
-    let s = Arc::new(sender(sender_cfg(staging, None)));
+    let s = Arc::new(sender(SenderConfig {
+        staging_shares: shares,
+        ..sender_cfg(staging, None)
+    }));
     let d = PrefillDaemon::start(
         Arc::clone(&s),
         vec![r.endpoint().to_owned()],
@@ -232,7 +237,7 @@ fn a_worker_process_fills_staging_in_place_and_the_receiver_holds_every_byte() {
     if let Ok(role) = std::env::var(ROLE) {
         return child_main(&role);
     }
-    let t = setup(16);
+    let t = setup(16, 1);
     let req = unique("pf");
     let n = 10;
     let mut w = ChildProc::spawn(
@@ -255,7 +260,7 @@ fn sigkill_of_a_worker_mid_request_cancels_it_and_returns_its_staging() {
     if let Ok(role) = std::env::var(ROLE) {
         return child_main(&role);
     }
-    let t = setup(16);
+    let t = setup(16, 1);
     let req = unique("pk");
     let n = 8;
     let mut w = ChildProc::spawn(
@@ -288,7 +293,7 @@ fn hostile_submissions_are_refused_and_change_nothing() {
     if std::env::var(ROLE).is_ok() {
         return;
     }
-    let t = setup(8);
+    let t = setup(8, 2);
     let mut a = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
     let mut b = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
     let req = unique("ph");
@@ -344,7 +349,7 @@ fn a_cancel_reports_failed_cancelled_and_frees_the_batch() {
     if std::env::var(ROLE).is_ok() {
         return;
     }
-    let t = setup(8);
+    let t = setup(8, 2);
     let mut a = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
     let req = unique("pc");
     let tag = a.begin(&req, 0, 4).unwrap();
@@ -465,7 +470,9 @@ fn python_and_rust_prefill_workers_feed_a_python_decoder_through_both_binaries()
             "--chunk-bytes",
             &chunk,
             "--staging-slots",
-            "8",
+            "16",
+            "--attach-shares",
+            "2",
             "--attach",
             ssock.to_str().unwrap(),
         ],
@@ -512,7 +519,7 @@ fn a_batch_held_when_its_request_fails_stays_the_workers_until_it_acknowledges()
     if std::env::var(ROLE).is_ok() {
         return;
     }
-    let t = setup(8);
+    let t = setup(8, 2);
     let mut a = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
     let req = unique("pe");
     let tag = a.begin(&req, 0, 4).unwrap();
@@ -544,14 +551,14 @@ fn a_worker_cannot_resize_the_staging_buffer_under_the_sender() {
     if std::env::var(ROLE).is_ok() {
         return;
     }
-    let t = setup(4);
+    let t = setup(4, 1);
     let c = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
     let f = std::fs::OpenOptions::new()
         .write(true)
         .open(&c.hello().buffer_path)
         .expect("the worker opens the staging file");
     let len = f.metadata().unwrap().len();
-    assert_eq!(len, 4 * CHUNK);
+    assert_eq!(len, 4 * CHUNK, "its share is the whole buffer here");
     assert!(
         f.set_len(0).is_err(),
         "shrinking is sealed (SIGBUS in the sender otherwise)"
