@@ -244,9 +244,9 @@ impl StagingBuffer {
         }
         let map_err = |source| StagingError::Map { len, source };
         let mut sizes = Vec::with_capacity(shares + 1);
-        if shares > 0 {
+        if let Some(per_share) = slots.checked_div(shares) {
             let align = share_align(slot_bytes);
-            let per = slots / shares / align * align;
+            let per = per_share / align * align;
             if per == 0 {
                 return Err(StagingError::SharesTooSmall {
                     slots,
