@@ -782,3 +782,62 @@ fn a_stage_waiting_for_its_share_sleeps_without_waking_until_slots_are_freed() {
     w.expect_line("IDLE OK");
     w.wait_success("the idle check");
 }
+
+#[test]
+fn sender_shares_are_exclusive_and_in_process_staging_never_takes_a_share_slot() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    use kvferry::sender::{RequestSpec, ShareError, StoreError};
+    // 11 slots in 2 shares: slots 0..5 and 5..10; slot 10 is in-process.
+    let t = setup(11, 2);
+    let plain = sender(sender_cfg(2, None));
+    assert_eq!(plain.take_share().unwrap_err(), ShareError::NoShares);
+    let s0 = t.s.take_share().unwrap();
+    let s1 = t.s.take_share().unwrap();
+    assert_eq!(
+        t.s.take_share().unwrap_err(),
+        ShareError::AllHeld { shares: 2 }
+    );
+    let (l0, l1) = (s0.layout().clone(), s1.layout().clone());
+    assert_eq!(
+        (l0.first_slot, l0.slots, l1.first_slot, l1.slots),
+        (0, 5, 5, 5)
+    );
+    let req =
+        t.s.begin(RequestSpec::new(unique("pq"), t.r.endpoint(), 7))
+            .unwrap();
+    wait_for("admission", || req.is_admitted());
+    let b0 = req.try_stage_in(&s0, 5).expect("s0's five slots");
+    assert_eq!(b0.slot_indexes(), &[0, 1, 2, 3, 4]);
+    assert!(matches!(
+        req.try_stage_in(&s0, 1),
+        Err(StoreError::NoStagingNow)
+    ));
+    assert!(matches!(
+        req.try_stage_in(&s0, 6),
+        Err(StoreError::BatchTooLarge {
+            chunks: 6,
+            slots: 5
+        })
+    ));
+    let inproc = req.try_stage(1).expect("the in-process slot");
+    assert_eq!(inproc.slot_indexes(), &[10], "never a share's slot");
+    assert!(matches!(req.try_stage(1), Err(StoreError::NoStagingNow)));
+    let b1 = req.try_stage_in(&s1, 1).unwrap();
+    assert_eq!(b1.slot_indexes(), &[5]);
+    let other = plain
+        .begin(RequestSpec::new("x", t.r.endpoint(), 1))
+        .unwrap();
+    assert!(matches!(
+        other.try_stage_in(&s0, 1),
+        Err(StoreError::ForeignShare)
+    ));
+    drop((b0, b1, inproc));
+    assert_eq!(t.s.staging_in_use(), 0);
+    let freed = s1.index();
+    drop(s1);
+    assert_eq!(t.s.take_share().unwrap().index(), freed, "given back");
+    req.cancel();
+    other.cancel();
+}
