@@ -824,8 +824,15 @@ fn sender_shares_are_exclusive_and_in_process_staging_never_takes_a_share_slot()
     let inproc = req.try_stage(1).expect("the in-process slot");
     assert_eq!(inproc.slot_indexes(), &[10], "never a share's slot");
     assert!(matches!(req.try_stage(1), Err(StoreError::NoStagingNow)));
-    let b1 = req.try_stage_in(&s1, 1).unwrap();
+    let mut b1 = req.try_stage_in(&s1, 1).unwrap();
     assert_eq!(b1.slot_indexes(), &[5]);
+    b1.slot_mut(0).unwrap().fill(0xAB);
+    let share_bytes = || std::fs::read(&l1.path).unwrap();
+    assert_eq!(
+        share_bytes()[0],
+        0xAB,
+        "the share file is the share's slots"
+    );
     let other = plain
         .begin(RequestSpec::new("x", t.r.endpoint(), 1))
         .unwrap();
@@ -838,6 +845,10 @@ fn sender_shares_are_exclusive_and_in_process_staging_never_takes_a_share_slot()
     let freed = s1.index();
     drop(s1);
     assert_eq!(t.s.take_share().unwrap().index(), freed, "given back");
+    assert!(
+        share_bytes().iter().all(|&b| b == 0),
+        "a share handed out again is zeroed: nothing of its last owner stays"
+    );
     req.cancel();
     other.cancel();
 }

@@ -38,9 +38,11 @@ pub enum ShareError {
 }
 
 /// The sender's shares: which are free (oldest returned first, so a share
-/// is reused as late as possible) and each one's readiness eventfd.
+/// is reused as late as possible; with whether it was ever handed out, so
+/// a fresh, still zero and untouched share is not written at all) and each
+/// one's readiness eventfd.
 pub(crate) struct ShareList {
-    free: Mutex<VecDeque<usize>>,
+    free: Mutex<VecDeque<(usize, bool)>>,
     ready: Vec<Arc<EventFd>>,
 }
 
@@ -48,7 +50,7 @@ impl ShareList {
     /// `n` free shares with one new eventfd each.
     pub(crate) fn new(n: usize) -> std::io::Result<Self> {
         Ok(Self {
-            free: Mutex::new((0..n).collect()),
+            free: Mutex::new((0..n).map(|i| (i, false)).collect()),
             ready: (0..n)
                 .map(|_| EventFd::new().map(Arc::new))
                 .collect::<std::io::Result<_>>()?,
@@ -85,8 +87,9 @@ impl std::fmt::Debug for StagingShare {
 }
 
 impl StagingShare {
-    /// Takes a free share whose slots are all free, zeroes it (nothing of
-    /// its last owner's chunks stays readable) and clears its eventfd.
+    /// Takes a free share whose slots are all free, zeroes it if it was
+    /// handed out before (nothing of its last owner's chunks stays
+    /// readable) and clears its eventfd.
     pub(crate) fn take(shared: &Arc<Shared>) -> Result<Self, ShareError> {
         let n = shared.staging.shares();
         if n == 0 {
@@ -98,23 +101,25 @@ impl StagingShare {
         }
         let pos = free
             .iter()
-            .position(|&i| shared.slots.in_use_in(i) == 0)
+            .position(|&(i, _)| shared.slots.in_use_in(i) == 0)
             .ok_or(ShareError::Draining)?;
-        let Some(index) = free.remove(pos) else {
+        let Some((index, used)) = free.remove(pos) else {
             return Err(ShareError::Draining);
         };
         drop(free);
         let (Some(layout), Some(ready)) = (shared.staging.share(index), shared.shares.ready(index))
         else {
             // Cannot happen: shares and eventfds are made together.
-            shared.shares.free.lock().push_back(index);
+            shared.shares.free.lock().push_back((index, used));
             return Err(ShareError::NoShares);
         };
-        // SAFETY: the share is held by nobody (just taken off the free
-        // list), and only its holder allocates from its pool, which has no
-        // slot in use (checked above): no batch owns these slots and no
-        // write in flight reads them.
-        unsafe { shared.staging.zero_slots(layout.first_slot, layout.slots) };
+        if used {
+            // SAFETY: the share is held by nobody (just taken off the free
+            // list), and only its holder allocates from its pool, which has
+            // no slot in use (checked above): no batch owns these slots and
+            // no write in flight reads them.
+            unsafe { shared.staging.zero_slots(layout.first_slot, layout.slots) };
+        }
         ready.clear();
         Ok(Self {
             shared: Arc::clone(shared),
@@ -148,6 +153,6 @@ impl StagingShare {
 
 impl Drop for StagingShare {
     fn drop(&mut self) {
-        self.shared.shares.free.lock().push_back(self.index);
+        self.shared.shares.free.lock().push_back((self.index, true));
     }
 }
