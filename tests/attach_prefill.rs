@@ -16,18 +16,19 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::thread;
+use std::time::{Duration, Instant};
 
 use common_sender::{
     deadline, key, receiver, sender, sender_cfg, unique, wait_for, wait_receiver_empty,
     wait_sender_empty, CHUNK, WAIT,
 };
-use kvferry::attach::layout::{PrefillSubmit, OP_KEY, OP_SUBMIT};
+use kvferry::attach::layout::{PrefillSubmit, OP_KEY, OP_SUBMIT, STATUS_NO_SHARE};
 use kvferry::attach::{
-    AttachConfig, PrefillClient, PrefillDaemon, PrefillEvent, Refusal, StagedSlots,
+    AttachConfig, AttachError, PrefillClient, PrefillDaemon, PrefillEvent, Refusal, StagedSlots,
 };
 use kvferry::protocol::ErrorCode;
 use kvferry::receiver::Receiver;
-use kvferry::sender::Sender;
+use kvferry::sender::{Sender, SenderConfig};
 use process::{ChildProc, TempDir};
 
 const ROLE: &str = "KVFERRY_PREFILL_ROLE";
@@ -62,10 +63,15 @@ struct Setup {
     _dir: TempDir,
 }
 
-fn setup(staging: usize) -> Setup {
+/// A receiver, a sender of `staging` slots in `shares` staging shares, and
+/// a prefill daemon over them.
+fn setup(staging: usize, shares: usize) -> Setup {
     let dir = TempDir::new("kvferry-prefill");
     let r = Arc::new(receiver(64));
-    let s = Arc::new(sender(sender_cfg(staging, None)));
+    let s = Arc::new(sender(SenderConfig {
+        staging_shares: shares,
+        ..sender_cfg(staging, None)
+    }));
     let d = PrefillDaemon::start(
         Arc::clone(&s),
         vec![r.endpoint().to_owned()],
@@ -163,7 +169,7 @@ fn a_worker_process_fills_staging_in_place_and_the_receiver_holds_every_byte() {
     if let Ok(role) = std::env::var(ROLE) {
         return child_main(&role);
     }
-    let t = setup(16);
+    let t = setup(16, 1);
     let req = unique("pf");
     let n = 10;
     let mut w = worker_child(
@@ -186,7 +192,7 @@ fn sigkill_of_a_worker_mid_request_cancels_it_and_returns_its_staging() {
     if let Ok(role) = std::env::var(ROLE) {
         return child_main(&role);
     }
-    let t = setup(16);
+    let t = setup(16, 1);
     let req = unique("pk");
     let n = 8;
     let mut w = worker_child(
@@ -219,7 +225,7 @@ fn hostile_submissions_are_refused_and_change_nothing() {
     if std::env::var(ROLE).is_ok() {
         return;
     }
-    let t = setup(8);
+    let t = setup(8, 2);
     let mut a = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
     let mut b = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
     let req = unique("ph");
@@ -275,7 +281,7 @@ fn a_cancel_reports_failed_cancelled_and_frees_the_batch() {
     if std::env::var(ROLE).is_ok() {
         return;
     }
-    let t = setup(8);
+    let t = setup(8, 2);
     let mut a = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
     let req = unique("pc");
     let tag = a.begin(&req, 0, 4).unwrap();
@@ -355,7 +361,9 @@ fn python_and_rust_prefill_workers_feed_a_python_decoder_through_both_binaries()
             "--chunk-bytes",
             &chunk,
             "--staging-slots",
-            "8",
+            "16",
+            "--attach-shares",
+            "2",
             "--attach",
             ssock.to_str().unwrap(),
         ],
@@ -402,7 +410,7 @@ fn a_batch_held_when_its_request_fails_stays_the_workers_until_it_acknowledges()
     if std::env::var(ROLE).is_ok() {
         return;
     }
-    let t = setup(8);
+    let t = setup(8, 2);
     let mut a = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
     let req = unique("pe");
     let tag = a.begin(&req, 0, 4).unwrap();
@@ -434,18 +442,303 @@ fn a_worker_cannot_resize_the_staging_buffer_under_the_sender() {
     if std::env::var(ROLE).is_ok() {
         return;
     }
-    let t = setup(4);
+    let t = setup(4, 1);
     let c = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
     let f = std::fs::OpenOptions::new()
         .write(true)
         .open(&c.hello().buffer_path)
         .expect("the worker opens the staging file");
     let len = f.metadata().unwrap().len();
-    assert_eq!(len, 4 * CHUNK);
+    assert_eq!(len, 4 * CHUNK, "its share is the whole buffer here");
     assert!(
         f.set_len(0).is_err(),
         "shrinking is sealed (SIGBUS in the sender otherwise)"
     );
     assert!(f.set_len(len * 2).is_err(), "growing is sealed");
     assert_eq!(f.metadata().unwrap().len(), len);
+}
+
+/// The re-executed child of the share test: maps its share's file one
+/// chunk past its end and writes every byte of that mapping (0xEE). Its
+/// own slots take it; the first byte past its share must fault (SIGBUS:
+/// past the end of the share's memfd), so it never reaches the bytes of
+/// another worker, which a mapping of the whole staging buffer would.
+fn intruder_main() {
+    let sock = PathBuf::from(std::env::var(SOCK).unwrap());
+    let c = PrefillClient::connect(&sock, WAIT).expect("intruder attaches");
+    let h = c.hello();
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&h.buffer_path)
+        .expect("the intruder opens its share");
+    let size = f.metadata().unwrap().len() as usize;
+    println!(
+        "SHARE {} OF {} SIZE {size} SLOTS {}",
+        h.share, h.shares, h.slots
+    );
+    let mut all_zero = true;
+    let len = size + CHUNK as usize;
+    // SAFETY: a fresh shared mapping of a file this process opened; it is
+    // only touched through `p` below, and a fault ends the process.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            std::os::fd::AsRawFd::as_raw_fd(&f),
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED, "mmap of the share");
+    let p = p.cast::<u8>();
+    for i in 0..size {
+        // SAFETY: inside the file, inside the mapping.
+        all_zero &= unsafe { p.add(i).read_volatile() } == 0;
+    }
+    println!("ZEROED {all_zero}");
+    for i in 0..len {
+        // SAFETY: inside the mapping; past the file's end the kernel raises
+        // SIGBUS, which is what the parent checks for.
+        unsafe { p.add(i).write_volatile(0xEE) };
+    }
+    println!("WROTE PAST ITS SHARE");
+}
+
+#[test]
+fn a_worker_maps_only_its_share_and_faults_past_it_leaving_another_workers_bytes_intact() {
+    if std::env::var(ROLE).is_ok() {
+        return intruder_main();
+    }
+    use std::os::unix::process::ExitStatusExt;
+    let t = setup(8, 2);
+    let mut a = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
+    assert_eq!((a.hello().shares, a.hello().slots), (2, 4));
+    let req = unique("ps");
+    let n = 4;
+    let tag = a.begin(&req, 0, n as u32).unwrap();
+    a.stage(tag, n as u32).unwrap();
+    let b = staged(&mut a, "a's batch");
+    // Fill a's whole share, then let the intruder loose before submitting.
+    let mut keys = Vec::new();
+    let mut lens = Vec::new();
+    for i in 0..n {
+        let data = chunk(&req, i, n);
+        a.slot_mut(&b, i).unwrap()[..data.len()].copy_from_slice(&data);
+        keys.push(key(&req, REQUEST, i as u32, n as u32));
+        lens.push(data.len() as u32);
+    }
+    let mut w = worker_child(
+        "a_worker_maps_only_its_share_and_faults_past_it_leaving_another_workers_bytes_intact",
+        "intruder",
+        t.d.socket(),
+        "unused",
+        0,
+    );
+    let other = 1 - a.hello().share;
+    w.expect_line(&format!("SHARE {other} OF 2 SIZE {} SLOTS 4", 4 * CHUNK));
+    w.expect_line("ZEROED true");
+    let end = deadline();
+    let st = loop {
+        if let Some(st) = w.child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(Instant::now() < end, "the intruder hung");
+        thread::sleep(Duration::from_millis(5));
+    };
+    assert_eq!(
+        st.signal(),
+        Some(libc::SIGBUS),
+        "a write past the worker's share faults ({st})"
+    );
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    a.submit(b, &keys, &lens).unwrap();
+    match next(&mut a, "a's DONE") {
+        PrefillEvent::Done { tag: t2 } => assert_eq!(t2, tag),
+        other => panic!("expected DONE, got {other:?}"),
+    }
+    // Byte for byte what a wrote: the intruder never reached a's slots.
+    verify_at_receiver(&t.r, &req, n);
+    wait_for("the intruder's session to end", || t.d.clients() == 1);
+    wait_sender_empty(&t.s, "after the share test");
+}
+
+#[test]
+fn a_worker_past_the_free_shares_is_refused_until_one_comes_back() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let t = setup(8, 2);
+    let a = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
+    let b = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
+    assert_ne!(a.hello().share, b.hello().share, "one share each");
+    match PrefillClient::connect(t.d.socket(), WAIT) {
+        Err(AttachError::Refused(s)) => assert_eq!(s, STATUS_NO_SHARE),
+        other => panic!("a third worker must be refused for want of a share: {other:?}"),
+    }
+    let freed = b.hello().share;
+    drop(b);
+    wait_for("b's session to end", || t.d.clients() == 1);
+    let c = PrefillClient::connect(t.d.socket(), WAIT).expect("b's share came back");
+    assert_eq!(c.hello().share, freed);
+}
+
+/// Voluntary context switches (wake-ups) and CPU ticks (utime + stime)
+/// of thread `tid` of this process.
+fn thread_counts(tid: &str) -> (u64, u64) {
+    let base = format!("/proc/self/task/{tid}");
+    let status = std::fs::read_to_string(format!("{base}/status")).unwrap();
+    let wakeups = status
+        .lines()
+        .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+        .map(|v| v.trim().parse().unwrap())
+        .unwrap();
+    let stat = std::fs::read_to_string(format!("{base}/stat")).unwrap();
+    // Fields after the ")" of the name: state is field 3, utime 14, stime 15.
+    let rest: Vec<&str> = stat
+        .rsplit_once(')')
+        .unwrap()
+        .1
+        .split_whitespace()
+        .collect();
+    let ticks = rest[11].parse::<u64>().unwrap() + rest[12].parse::<u64>().unwrap();
+    (wakeups, ticks)
+}
+
+/// The only attach session thread of this process (`attach-<id>`).
+fn session_thread() -> String {
+    let mut found = Vec::new();
+    for e in std::fs::read_dir("/proc/self/task").unwrap() {
+        let tid = e.unwrap().file_name().into_string().unwrap();
+        let comm =
+            std::fs::read_to_string(format!("/proc/self/task/{tid}/comm")).unwrap_or_default();
+        let comm = comm.trim();
+        if comm.starts_with("attach-") && comm != "attach-accept" {
+            found.push(tid);
+        }
+    }
+    assert_eq!(found.len(), 1, "one session thread: {found:?}");
+    found.remove(0)
+}
+
+/// The re-executed child of the idle test (alone in its process, so its
+/// session thread is the only one): a STAGE waiting for its full share
+/// sleeps without waking; freeing the share wakes it.
+fn idle_main() {
+    let t = setup(8, 2);
+    let mut a = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
+    let req = unique("pi");
+    let n = 5;
+    let tag = a.begin(&req, 0, n as u32).unwrap();
+    a.stage(tag, 4).unwrap();
+    let b = staged(&mut a, "the whole share");
+    // Nothing free in the share: this STAGE waits.
+    a.stage(tag, 1).unwrap();
+    let tid = session_thread();
+    thread::sleep(Duration::from_millis(300));
+    let (w0, t0) = thread_counts(&tid);
+    thread::sleep(Duration::from_secs(2));
+    let (w1, t1) = thread_counts(&tid);
+    println!("IDLE wakeups {} ticks {}", w1 - w0, t1 - t0);
+    // A 1 ms retry timer would wake it ~2000 times here.
+    assert!(w1 - w0 <= 5, "the waiting session woke {} times", w1 - w0);
+    assert!(t1 - t0 <= 1, "the waiting session used {} ticks", t1 - t0);
+    // Submitting frees the share once written: the waiting STAGE is served.
+    fill_and_submit(&mut a, b, &req, 0, n);
+    let b = staged(&mut a, "the STAGE that waited for free slots");
+    fill_and_submit(&mut a, b, &req, 4, n);
+    match next(&mut a, "DONE") {
+        PrefillEvent::Done { tag: t2 } => assert_eq!(t2, tag),
+        other => panic!("expected DONE, got {other:?}"),
+    }
+    verify_at_receiver(&t.r, &req, n);
+    println!("IDLE OK");
+}
+
+#[test]
+fn a_stage_waiting_for_its_share_sleeps_without_waking_until_slots_are_freed() {
+    if std::env::var(ROLE).is_ok() {
+        return idle_main();
+    }
+    let mut w = worker_child(
+        "a_stage_waiting_for_its_share_sleeps_without_waking_until_slots_are_freed",
+        "idle",
+        Path::new("/unused"),
+        "unused",
+        0,
+    );
+    println!("{}", w.expect_line("IDLE wakeups"));
+    w.expect_line("IDLE OK");
+    w.wait_success("the idle check");
+}
+
+#[test]
+fn sender_shares_are_exclusive_and_in_process_staging_never_takes_a_share_slot() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    use kvferry::sender::{RequestSpec, ShareError, StoreError};
+    // 11 slots in 2 shares: slots 0..5 and 5..10; slot 10 is in-process.
+    let t = setup(11, 2);
+    let plain = sender(sender_cfg(2, None));
+    assert_eq!(plain.take_share().unwrap_err(), ShareError::NoShares);
+    let s0 = t.s.take_share().unwrap();
+    let s1 = t.s.take_share().unwrap();
+    assert_eq!(
+        t.s.take_share().unwrap_err(),
+        ShareError::AllHeld { shares: 2 }
+    );
+    let (l0, l1) = (s0.layout().clone(), s1.layout().clone());
+    assert_eq!(
+        (l0.first_slot, l0.slots, l1.first_slot, l1.slots),
+        (0, 5, 5, 5)
+    );
+    let req =
+        t.s.begin(RequestSpec::new(unique("pq"), t.r.endpoint(), 7))
+            .unwrap();
+    wait_for("admission", || req.is_admitted());
+    let b0 = req.try_stage_in(&s0, 5).expect("s0's five slots");
+    assert_eq!(b0.slot_indexes(), &[0, 1, 2, 3, 4]);
+    assert!(matches!(
+        req.try_stage_in(&s0, 1),
+        Err(StoreError::NoStagingNow)
+    ));
+    assert!(matches!(
+        req.try_stage_in(&s0, 6),
+        Err(StoreError::BatchTooLarge {
+            chunks: 6,
+            slots: 5
+        })
+    ));
+    let inproc = req.try_stage(1).expect("the in-process slot");
+    assert_eq!(inproc.slot_indexes(), &[10], "never a share's slot");
+    assert!(matches!(req.try_stage(1), Err(StoreError::NoStagingNow)));
+    let mut b1 = req.try_stage_in(&s1, 1).unwrap();
+    assert_eq!(b1.slot_indexes(), &[5]);
+    b1.slot_mut(0).unwrap().fill(0xAB);
+    let share_bytes = || std::fs::read(&l1.path).unwrap();
+    assert_eq!(
+        share_bytes()[0],
+        0xAB,
+        "the share file is the share's slots"
+    );
+    let other = plain
+        .begin(RequestSpec::new("x", t.r.endpoint(), 1))
+        .unwrap();
+    assert!(matches!(
+        other.try_stage_in(&s0, 1),
+        Err(StoreError::ForeignShare)
+    ));
+    drop((b0, b1, inproc));
+    assert_eq!(t.s.staging_in_use(), 0);
+    let freed = s1.index();
+    drop(s1);
+    assert_eq!(t.s.take_share().unwrap().index(), freed, "given back");
+    assert!(
+        share_bytes().iter().all(|&b| b == 0),
+        "a share handed out again is zeroed: nothing of its last owner stays"
+    );
+    req.cancel();
+    other.cancel();
 }

@@ -23,7 +23,7 @@ import socket
 import struct
 import time
 
-ATTACH_VERSION = 1
+ATTACH_VERSION = 2
 HELLO_LEN = 1024
 HELLO_MAGIC = b"KVFATCH1"
 RING_MAGIC = b"KVFRING1"
@@ -168,6 +168,8 @@ class _Hello:
             return hello[off:off + 256].split(b"\0", 1)[0].decode()
 
         self.sq_path, self.cq_path, self.buffer_path = path(72), path(328), path(584)
+        # Prefill: this worker's staging share (the buffer file is its memfd).
+        self.share, self.shares, self.share_first_slot = struct.unpack_from("<IIQ", hello, 840)
 
 
 def _connect(sock_path, timeout):
@@ -266,6 +268,9 @@ class PrefillClient:
         h = _Hello(self.sock, ROLE_PREFILL, PSUBMIT.size)
         self.client_id, self.slots, self.chunk_bytes = h.client_id, h.slots, h.chunk_bytes
         self.receivers = h.receivers
+        # The buffer file is this worker's staging share alone: SLOT entries
+        # index it (0..slots); other workers' slots are not in it.
+        self.share, self.shares = h.share, h.shares
         self.sq = Ring(h.sq_path, PSUBMIT.size, "producer")
         self.cq = Ring(h.cq_path, EVENT.size, "consumer")
         fd = os.open(h.buffer_path, os.O_RDWR)
@@ -306,7 +311,9 @@ class PrefillClient:
         return batch
 
     def slot(self, slot):
-        """A writable memoryview of staging slot `slot`, in place."""
+        """A writable memoryview of slot `slot` of this worker's share, in place."""
+        if not 0 <= slot < self.slots:
+            raise IndexError("slot %d outside this worker's share" % slot)
         off = slot * self.chunk_bytes
         return self.view[off:off + self.chunk_bytes]
 

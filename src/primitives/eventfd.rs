@@ -38,7 +38,6 @@ impl EventFd {
 
     /// Resets the counter to zero (not readable) and returns what it held
     /// (0 if it was not signalled).
-    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
     pub fn clear(&self) -> u64 {
         let mut v: u64 = 0;
         // SAFETY: reads 8 bytes into a live u64 from a non-blocking eventfd

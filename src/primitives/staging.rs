@@ -1,8 +1,16 @@
-//! The sender's staging buffer: `slots` fixed-size slots in one shared,
-//! page-aligned memory mapping of a memfd (so an attached prefill worker
-//! can map it too, `docs/attach.md`) that a transport reads writes from (the shm
+//! The sender's staging buffer: `slots` fixed-size slots in one contiguous,
+//! page-aligned shared mapping that a transport reads writes from (the shm
 //! copy engine copies out of it; the RDMA transport registers it as a memory
 //! region).
+//!
+//! The mapping is made of *segments*, each a sealed memfd mapped at its
+//! place in one reserved address range: without shares one segment holds
+//! every slot; with `shares` ([`StagingBuffer::with_shares`]) segments
+//! `0..shares` are the per-worker staging shares (equal, page-aligned slot
+//! ranges) and one last segment holds the remaining slots, if any. An
+//! attached prefill worker opens only its share's memfd (`docs/attach.md`),
+//! so its mapping cannot reach another share's bytes, and a memfd sealed at
+//! the share's size cannot be mapped or grown past it.
 //!
 //! Which slot belongs to whom is decided by the sender's slot allocator, not
 //! by this module: a caller writes only slots it allocated, and the transport
@@ -12,8 +20,6 @@
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::PathBuf;
-
-use memmap2::MmapMut;
 
 /// Errors creating or using a [`StagingBuffer`].
 #[derive(Debug, thiserror::Error)]
@@ -43,6 +49,18 @@ pub enum StagingError {
         #[source]
         source: std::io::Error,
     },
+    /// `shares` shares of a page-aligned slot count do not fit `slots`.
+    #[error("{slots} staging slots cannot be split into {shares} shares of a multiple of {align} slots (the page-aligned unit for {slot_bytes}-byte slots)")]
+    SharesTooSmall {
+        /// Slot count.
+        slots: usize,
+        /// Shares asked for.
+        shares: usize,
+        /// Slots per page-aligned unit.
+        align: usize,
+        /// Slot size.
+        slot_bytes: u64,
+    },
     /// A slot index at or past the slot count.
     #[error("staging slot {slot} out of range (buffer has {slots} slots)")]
     SlotOutOfRange {
@@ -63,15 +81,17 @@ pub enum StagingError {
 
 /// The sender's registered staging memory: `slots` slots of `slot_bytes`
 /// bytes each, slot `i` at byte offset `i * slot_bytes`, in one shared
-/// page-aligned mapping of a memfd (zero-filled). `Send + Sync`: share it as
-/// `Arc<StagingBuffer>` between the caller threads that fill slots and the
-/// transport that reads them.
+/// page-aligned mapping of one or more memfd segments (zero-filled; see the
+/// module docs). `Send + Sync`: share it as `Arc<StagingBuffer>` between the
+/// caller threads that fill slots and the transport that reads them.
 pub struct StagingBuffer {
-    /// Owns the mapping; never dereferenced after construction (all access
-    /// goes through `ptr`, so no Rust reference to the bytes ever exists).
-    _map: MmapMut,
-    /// The memfd behind the mapping (see [`file_path`](Self::file_path)).
-    file: File,
+    /// Owns the reserved address range; all access goes through `ptr`, so
+    /// no Rust reference to the bytes ever exists.
+    _map: Mapping,
+    /// The memfds behind the mapping, in slot order.
+    segments: Vec<Segment>,
+    /// Segments `0..shares` are the staging shares.
+    shares: usize,
     ptr: *mut u8,
     slots: usize,
     slot_bytes: u64,
@@ -81,6 +101,43 @@ pub struct StagingBuffer {
     /// added and removed by the sender (`Sender::register` / `deregister`),
     /// which removes one only while no write from it is in flight.
     regions: parking_lot::RwLock<Vec<Option<(*const u8, u64)>>>,
+}
+
+/// One memfd of the buffer: slots `first..first + slots`.
+struct Segment {
+    file: File,
+    first: u32,
+    slots: usize,
+}
+
+/// A reserved address range, unmapped on drop.
+struct Mapping {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `ptr..ptr + len` is the range `reserve` mapped and nothing
+        // else unmapped; no reference into it outlives the buffer.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// Where one staging share lives: slots `first_slot..first_slot + slots` of
+/// the buffer, the whole of the memfd at `path`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShareLayout {
+    /// The share's first slot in the staging buffer.
+    pub first_slot: u32,
+    /// Slots in the share.
+    pub slots: usize,
+    /// Byte offset of the share in the staging buffer (`first_slot * slot_bytes`).
+    pub offset: u64,
+    /// A path the daemon's user can open to map the share (and only it):
+    /// `/proc/<pid>/fd/<memfd>`, exactly `slots * slot_bytes` long, sealed
+    /// against resizing.
+    pub path: PathBuf,
 }
 
 /// Most regions registered at once (bounds the lookup table).
@@ -103,13 +160,77 @@ impl std::fmt::Debug for StagingBuffer {
         f.debug_struct("StagingBuffer")
             .field("slots", &self.slots)
             .field("slot_bytes", &self.slot_bytes)
+            .field("shares", &self.shares)
             .finish()
     }
 }
 
+/// A sealed memfd of `len` bytes.
+fn memfd(len: u64) -> std::io::Result<File> {
+    // SAFETY: the name is a NUL-terminated literal; memfd_create takes
+    // no other pointer.
+    let fd = unsafe {
+        libc::memfd_create(
+            c"kvferry-staging".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just created and is owned by nobody else.
+    let file = unsafe { File::from_raw_fd(fd) };
+    file.set_len(len)?;
+    // Sealed against resizing, so no process that can open it (an attached
+    // worker) can shrink it under our mapping (SIGBUS) or grow it.
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: fcntl on a descriptor we own, with integer arguments.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(file)
+}
+
+fn page_size() -> u64 {
+    // SAFETY: sysconf takes no pointers.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    u64::try_from(p).ok().filter(|&p| p > 0).unwrap_or(4096)
+}
+
+/// Slots per page-aligned unit for `slot_bytes`-byte slots (a share holds a
+/// multiple of it, so every segment starts on a page).
+fn share_align(slot_bytes: u64) -> usize {
+    let page = page_size();
+    (page / gcd(page, slot_bytes.max(1))) as usize
+}
+
+/// The most shares `slots` slots of `slot_bytes` bytes can be split into
+/// (0 if not even one page-aligned share fits).
+pub fn max_shares(slots: usize, slot_bytes: u64) -> usize {
+    slots / share_align(slot_bytes)
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
 impl StagingBuffer {
-    /// Maps a zero-filled buffer of `slots * slot_bytes` bytes.
+    /// Maps a zero-filled buffer of `slots * slot_bytes` bytes (one segment,
+    /// no shares).
     pub fn new(slots: usize, slot_bytes: u64) -> Result<Self, StagingError> {
+        Self::with_shares(slots, slot_bytes, 0)
+    }
+
+    /// Maps a zero-filled buffer of `slots * slot_bytes` bytes whose first
+    /// slots form `shares` equal staging shares, each its own memfd (see the
+    /// module docs): as many slots per share as fit `slots / shares`,
+    /// rounded down to a whole number of pages; the remaining slots form
+    /// one more segment. [`StagingError::SharesTooSmall`] if a share would
+    /// be empty.
+    pub fn with_shares(slots: usize, slot_bytes: u64, shares: usize) -> Result<Self, StagingError> {
         if slots == 0 || slot_bytes == 0 {
             return Err(StagingError::Empty { slots, slot_bytes });
         }
@@ -118,45 +239,141 @@ impl StagingBuffer {
             .checked_mul(slot_bytes)
             .ok_or_else(overflow)?;
         // Slot indices are u32 in the API, and a mapping cannot exceed isize::MAX.
-        if u32::try_from(slots).is_err() || len > isize::MAX as u64 {
+        if u32::try_from(slots).is_err() || len > isize::MAX as u64 - page_size() {
             return Err(overflow());
         }
         let map_err = |source| StagingError::Map { len, source };
-        // SAFETY: the name is a NUL-terminated literal; memfd_create takes
-        // no other pointer.
-        let fd = unsafe {
-            libc::memfd_create(
-                c"kvferry-staging".as_ptr(),
-                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        let mut sizes = Vec::with_capacity(shares + 1);
+        if let Some(per_share) = slots.checked_div(shares) {
+            let align = share_align(slot_bytes);
+            let per = per_share / align * align;
+            if per == 0 {
+                return Err(StagingError::SharesTooSmall {
+                    slots,
+                    shares,
+                    align,
+                    slot_bytes,
+                });
+            }
+            sizes.resize(shares, per);
+        }
+        let rest = slots - sizes.iter().sum::<usize>();
+        if rest > 0 {
+            sizes.push(rest);
+        }
+        let total = len.div_ceil(page_size()) * page_size();
+        // SAFETY: a fresh anonymous PROT_NONE reservation; no pointer is
+        // passed in. It only reserves addresses for the segments below.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                total as usize,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
             )
         };
-        if fd < 0 {
+        if base == libc::MAP_FAILED {
             return Err(map_err(std::io::Error::last_os_error()));
         }
-        // SAFETY: `fd` was just created and is owned by nobody else.
-        let file = unsafe { File::from_raw_fd(fd) };
-        file.set_len(len).map_err(map_err)?;
-        // Sealed against resizing, so no process that can open it (an
-        // attached worker) can shrink it under our mapping (SIGBUS).
-        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
-        // SAFETY: fcntl on a descriptor we own, with integer arguments.
-        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
-            return Err(map_err(std::io::Error::last_os_error()));
+        let map = Mapping {
+            ptr: base.cast(),
+            len: total as usize,
+        };
+        let mut segments = Vec::with_capacity(sizes.len());
+        let mut first = 0usize;
+        for n in sizes {
+            let seg_len = n as u64 * slot_bytes;
+            let file = memfd(seg_len).map_err(map_err)?;
+            let offset = first as u64 * slot_bytes;
+            // SAFETY: `offset` is page-aligned (every segment but the last
+            // is a whole number of pages) and `offset + seg_len <= len <=
+            // total`, so the fixed mapping replaces only part of our own
+            // reservation. The memfd is ours and sealed at `seg_len`; all
+            // access goes through `ptr`.
+            let p = unsafe {
+                libc::mmap(
+                    map.ptr.add(offset as usize).cast(),
+                    seg_len as usize,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED | libc::MAP_FIXED,
+                    file.as_raw_fd(),
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                return Err(map_err(std::io::Error::last_os_error()));
+            }
+            segments.push(Segment {
+                file,
+                first: first as u32,
+                slots: n,
+            });
+            first += n;
         }
-        // SAFETY: the memfd is private to this process (and to attached
-        // workers given its path, which write only slots handed to them);
-        // its size is sealed. All access goes through `ptr`.
-        let mut map = unsafe { MmapMut::map_mut(&file) }.map_err(map_err)?;
-        let ptr = map.as_mut_ptr();
+        let ptr = map.ptr;
         Ok(Self {
             _map: map,
-            file,
+            segments,
+            shares,
             ptr,
             slots,
             slot_bytes,
             len,
             regions: parking_lot::RwLock::new(Vec::new()),
         })
+    }
+
+    /// Number of staging shares (0: none).
+    pub fn shares(&self) -> usize {
+        self.shares
+    }
+
+    /// Pool sizes for the sender's slot allocator, in slot order: without
+    /// shares one pool of every slot; with shares one per share, then the
+    /// remaining slots (possibly none) as the default pool.
+    pub fn pool_slots(&self) -> Vec<usize> {
+        let mut pools: Vec<usize> = self.segments.iter().map(|s| s.slots).collect();
+        if self.shares > 0 && pools.len() == self.shares {
+            pools.push(0);
+        }
+        pools
+    }
+
+    /// Share `i`'s layout (`None` if `i >= shares()`).
+    pub fn share(&self, i: usize) -> Option<ShareLayout> {
+        let s = self.segments.get(i).filter(|_| i < self.shares)?;
+        Some(ShareLayout {
+            first_slot: s.first,
+            slots: s.slots,
+            offset: self.slot_offset(s.first),
+            path: self.segment_path(s),
+        })
+    }
+
+    fn segment_path(&self, s: &Segment) -> PathBuf {
+        PathBuf::from(format!(
+            "/proc/{}/fd/{}",
+            std::process::id(),
+            s.file.as_raw_fd()
+        ))
+    }
+
+    /// Zeroes slots `first..first + n` (clamped to the buffer).
+    ///
+    /// # Safety
+    /// The caller owns these slots exclusively for the call: none is
+    /// handed out by the allocator or read by a write in flight.
+    pub(crate) unsafe fn zero_slots(&self, first: u32, n: usize) {
+        let start = self.slot_offset(first).min(self.len);
+        let end = (n as u64)
+            .saturating_mul(self.slot_bytes)
+            .saturating_add(start)
+            .min(self.len);
+        // SAFETY: `start..end` lies inside the mapping (clamped to `len`);
+        // the caller guarantees nobody else reads or writes it meanwhile.
+        unsafe { std::ptr::write_bytes(self.ptr.add(start as usize), 0, (end - start) as usize) };
     }
 
     /// Number of slots.
@@ -169,14 +386,12 @@ impl StagingBuffer {
         self.slot_bytes
     }
 
-    /// A path another process of this user can open to map the buffer
-    /// (`/proc/<pid>/fd/<memfd>`): slot `i` at offset `i * slot_bytes`.
+    /// A path another process of this user can open to map the first
+    /// segment (`/proc/<pid>/fd/<memfd>`): without shares the whole buffer,
+    /// slot `i` at offset `i * slot_bytes`; with shares, share 0 (see
+    /// [`share`](Self::share)).
     pub fn file_path(&self) -> PathBuf {
-        PathBuf::from(format!(
-            "/proc/{}/fd/{}",
-            std::process::id(),
-            self.file.as_raw_fd()
-        ))
+        self.segment_path(&self.segments[0])
     }
 
     /// Total bytes (`slots * slot_bytes`).
@@ -346,5 +561,53 @@ mod tests {
         b.remove_region(id);
         assert_eq!(b.source(id, 0, 1), None, "removed region");
         assert_eq!(b.add_region(mem.as_ptr(), 32), Some(id), "ids are reused");
+    }
+
+    #[test]
+    fn shares_are_page_aligned_memfds_of_exactly_their_slots() {
+        use std::io::Read;
+        let b = StagingBuffer::with_shares(10, 4096, 3).unwrap();
+        assert_eq!((b.shares(), b.pool_slots()), (3, vec![3, 3, 3, 1]));
+        let l = b.share(1).unwrap();
+        assert_eq!((l.first_slot, l.slots, l.offset), (3, 3, 3 * 4096));
+        assert!(b.share(3).is_none(), "the rest is no share");
+        // The buffer is contiguous for the transport, and the share's file
+        // holds exactly its slots: slot 4 is the file's second slot.
+        let p = b.slot_ptr(4).unwrap();
+        // SAFETY: the buffer is owned by this test; nothing else touches slot 4.
+        unsafe { std::ptr::write_bytes(p, 0xAB, 4096) };
+        let mut f = std::fs::File::open(&l.path).unwrap();
+        assert_eq!(f.metadata().unwrap().len(), 3 * 4096);
+        let mut bytes = Vec::new();
+        f.read_to_end(&mut bytes).unwrap();
+        assert!(bytes[..4096].iter().all(|&x| x == 0));
+        assert!(bytes[4096..8192].iter().all(|&x| x == 0xAB));
+        // SAFETY: as above, for the whole share.
+        unsafe { b.zero_slots(3, 3) };
+        assert!(b.source(0, 4 * 4096, 4096).is_some());
+        // SAFETY: slot 4 is inside the mapping and owned by this test.
+        assert_eq!(unsafe { *b.slot_ptr(4).unwrap() }, 0);
+        // Sealed at its size: the share cannot be grown.
+        let w = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&l.path)
+            .unwrap();
+        assert!(w.set_len(4 * 4096).is_err());
+    }
+
+    #[test]
+    fn small_slots_share_in_page_multiples() {
+        let b = StagingBuffer::with_shares(128, 64, 2).unwrap();
+        assert_eq!(
+            b.pool_slots(),
+            vec![64, 64, 0],
+            "64 slots of 64 B = one page"
+        );
+        assert!(matches!(
+            StagingBuffer::with_shares(100, 64, 2),
+            Err(StagingError::SharesTooSmall { align: 64, .. })
+        ));
+        let b = StagingBuffer::new(3, 100).unwrap();
+        assert_eq!((b.shares(), b.pool_slots()), (0, vec![3]));
     }
 }

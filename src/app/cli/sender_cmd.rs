@@ -56,6 +56,12 @@ pub struct SenderArgs {
     /// With --attach: live attachments at most.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     pub attach_max_clients: u32,
+    /// With --attach: per-worker staging shares (each worker maps only its
+    /// own; docs/attach.md). Default: --attach-max-clients, fewer if
+    /// --staging-slots cannot hold that many page-aligned shares. A worker
+    /// past the free shares is refused (hello status 4).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub attach_shares: Option<u32>,
     /// With --attach: requests, and staged batches, per worker at most.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
     pub attach_max_outstanding: u32,
@@ -131,10 +137,18 @@ fn serve_attached(a: &SenderArgs, cfg: &RunConfig, path: PathBuf) -> ExitCode {
         Ok(t) => t,
         Err(e) => return super::runtime_error(format!("cannot install signal handlers: {e}")),
     };
+    let shares = a.attach_shares.map_or_else(
+        || {
+            crate::staging::max_shares(cfg.staging_slots, cfg.chunk_bytes)
+                .min(a.attach_max_clients as usize)
+        },
+        |n| n as usize,
+    );
     let sender = Sender::new(SenderConfig {
         sender_id: a.sender_id.clone(),
         proxy: a.proxy.clone(),
         staging_slots: cfg.staging_slots,
+        staging_shares: shares,
         chunk_bytes: cfg.chunk_bytes,
         max_pending_bytes: cfg.max_pending_bytes,
         transport: cfg.transport.clone(),

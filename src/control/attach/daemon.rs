@@ -64,6 +64,12 @@ impl AttachConfig {
     }
 }
 
+/// The error a [`Role::open`] returns to refuse the client with a hello
+/// `status` of its own (any other error refuses with `STATUS_INTERNAL`).
+#[derive(Debug, thiserror::Error)]
+#[error("attach refused with status {0}")]
+pub(super) struct OpenRefused(pub(super) u32);
+
 /// What a role adds to the daemon: its state and its session.
 pub(super) trait Role: Send + Sync + Sized + 'static {
     /// One client's session.
@@ -269,8 +275,9 @@ fn accept_loop<R: Role>(shared: &Arc<DaemonShared<R>>, listener: &UnixListener) 
             let session = match R::open(shared, id, &sock) {
                 Ok(s) => s,
                 Err(e) => {
-                    tracing::warn!(client = id, error = %e, "attach: cannot set up rings");
-                    refuse(sock, STATUS_INTERNAL);
+                    tracing::warn!(client = id, error = %e, "attach: cannot set up the client");
+                    let status = e.get_ref().and_then(|e| e.downcast_ref::<OpenRefused>());
+                    refuse(sock, status.map_or(STATUS_INTERNAL, |r| r.0));
                     continue;
                 }
             };

@@ -8,7 +8,7 @@ use crate::protocol::ErrorCode;
 
 /// Attach protocol version, carried in the hello; bumped on any change of
 /// an entry layout, the hello or a code's meaning.
-pub const ATTACH_VERSION: u32 = 1;
+pub const ATTACH_VERSION: u32 = 2;
 /// First 8 bytes of the hello.
 pub const HELLO_MAGIC: [u8; 8] = *b"KVFATCH1";
 /// Size of the hello message in bytes.
@@ -36,6 +36,9 @@ pub const STATUS_TOO_MANY_CLIENTS: u32 = 1;
 pub const STATUS_WRONG_UID: u32 = 2;
 /// Hello status: the daemon could not set the attachment up.
 pub const STATUS_INTERNAL: u32 = 3;
+/// Hello status (prefill): no staging share is free (every share is held,
+/// or the free ones still have writes in flight from their last worker).
+pub const STATUS_NO_SHARE: u32 = 4;
 
 /// Submission op: subscribe to `req_id` under `tag`.
 pub const OP_SUBSCRIBE: u32 = 1;
@@ -368,8 +371,16 @@ pub struct Hello {
     pub sq_path: String,
     /// Completion ring file.
     pub cq_path: String,
-    /// Receive buffer file (decoder) or staging buffer file (prefill).
+    /// Receive buffer file (decoder) or this worker's staging share's
+    /// memfd (prefill).
     pub buffer_path: String,
+    /// Prefill: the share's index (`0..shares`); decoder: 0.
+    pub share: u32,
+    /// Prefill: staging shares the sender has; decoder: 0.
+    pub shares: u32,
+    /// Prefill: the share's first slot in the whole staging buffer
+    /// (informational: SLOT entries index the share); decoder: 0.
+    pub share_first_slot: u64,
 }
 
 /// Why a hello could not be decoded.
@@ -389,7 +400,8 @@ pub enum HelloError {
 const OFF_SQ_PATH: usize = 72;
 const OFF_CQ_PATH: usize = OFF_SQ_PATH + PATH_FIELD;
 const OFF_BUF_PATH: usize = OFF_CQ_PATH + PATH_FIELD;
-const _: () = assert!(OFF_BUF_PATH + PATH_FIELD <= HELLO_LEN);
+const OFF_SHARE: usize = OFF_BUF_PATH + PATH_FIELD;
+const _: () = assert!(OFF_SHARE == 840 && OFF_SHARE + 16 <= HELLO_LEN);
 
 fn u32_at(b: &[u8; HELLO_LEN], off: usize) -> u32 {
     let mut w = [0u8; 4];
@@ -432,6 +444,9 @@ impl Hello {
             sq_path: String::new(),
             cq_path: String::new(),
             buffer_path: String::new(),
+            share: 0,
+            shares: 0,
+            share_first_slot: 0,
         }
     }
 
@@ -450,6 +465,8 @@ impl Hello {
             (36, self.cq_capacity),
             (64, self.max_outstanding),
             (68, self.receivers),
+            (OFF_SHARE, self.share),
+            (OFF_SHARE + 4, self.shares),
         ] {
             b[off..off + 4].copy_from_slice(&v.to_le_bytes());
         }
@@ -457,6 +474,7 @@ impl Hello {
             (40, self.slots),
             (48, self.chunk_bytes),
             (56, self.data_offset),
+            (OFF_SHARE + 8, self.share_first_slot),
         ] {
             b[off..off + 8].copy_from_slice(&v.to_le_bytes());
         }
@@ -500,6 +518,9 @@ impl Hello {
             sq_path: path_at(b, OFF_SQ_PATH)?,
             cq_path: path_at(b, OFF_CQ_PATH)?,
             buffer_path: path_at(b, OFF_BUF_PATH)?,
+            share: u32_at(b, OFF_SHARE),
+            shares: u32_at(b, OFF_SHARE + 4),
+            share_first_slot: u64_at(b, OFF_SHARE + 8),
         })
     }
 }

@@ -1,11 +1,13 @@
 //! Prefill attach: [`PrefillDaemon`] over a running [`Sender`], and one
-//! attached worker's session. The worker maps the staging buffer writable,
+//! attached worker's session. Each worker holds one staging share
+//! ([`Sender::take_share`]) and maps only that share's memfd writable; it
 //! fills the slots the session staged for it in place and submits them; the
-//! session drives the sender's public API for it (`begin`, `try_stage`,
-//! `StagedBatch::submit`, `completion_fd`, `cancel`). When the session ends
-//! (socket closed: the worker died or left) its batches not submitted give
-//! their slots back and its live requests are cancelled (fenced, like any
-//! cancel).
+//! session drives the sender's public API for it (`begin`, `try_stage_in`,
+//! `StagedBatch::submit`, `completion_fd`, `cancel`) and sleeps in `poll`
+//! on the share's readiness eventfd while a STAGE waits for admission or
+//! free slots. When the session ends (socket closed: the worker died or
+//! left) its batches not submitted give their slots back, its live requests
+//! are cancelled (fenced, like any cancel) and its share goes back.
 
 use std::collections::HashMap;
 use std::io;
@@ -16,16 +18,18 @@ use std::sync::Arc;
 
 use kvferry_ring::spsc::Consumer;
 
-use super::daemon::{AttachConfig, Daemon, DaemonShared, Role};
+use super::daemon::{AttachConfig, Daemon, DaemonShared, OpenRefused, Role};
 use super::layout::{
     error_number, DecoderEvent, Hello, PrefillSubmit, Refusal, EV_DONE, EV_FAILED, EV_REFUSED,
     EV_SLOT, EV_STAGED, MAX_TEXT, OP_BEGIN, OP_CANCEL, OP_KEY, OP_STAGE, OP_SUBMIT, ROLE_PREFILL,
-    STATUS_OK,
+    STATUS_NO_SHARE, STATUS_OK,
 };
 use super::poll::readable;
 use super::serve::{open_rings, serve, Completions, RingFiles, Serve};
 use crate::protocol::ErrorCode;
-use crate::sender::{Request, RequestSpec, RequestStatus, Sender, StagedBatch, StoreError};
+use crate::sender::{
+    Request, RequestSpec, RequestStatus, Sender, StagedBatch, StagingShare, StoreError,
+};
 
 /// The prefill role's daemon state.
 pub(super) struct Prefills {
@@ -44,7 +48,10 @@ pub struct PrefillDaemon(Daemon<Prefills>);
 impl PrefillDaemon {
     /// Binds `cfg.socket` (mode 0600), creates `cfg.ring_dir` (mode 0700)
     /// and starts the accept thread. A BEGIN names its receiver by index
-    /// into `receivers` (ZMQ endpoints).
+    /// into `receivers` (ZMQ endpoints). The sender needs staging shares
+    /// ([`SenderConfig::staging_shares`](crate::sender::SenderConfig)): each
+    /// worker holds one; a worker past the free shares is refused with
+    /// [`STATUS_NO_SHARE`](super::layout::STATUS_NO_SHARE).
     pub fn start(
         sender: Arc<Sender>,
         receivers: Vec<String>,
@@ -54,6 +61,12 @@ impl PrefillDaemon {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 "attach: a prefill daemon needs at least one receiver",
+            ));
+        }
+        if sender.staging_shares() == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "attach: a prefill daemon needs a sender with staging_shares > 0",
             ));
         }
         Daemon::start(Prefills { sender, receivers }, cfg).map(Self)
@@ -80,18 +93,29 @@ impl Role for Prefills {
     type Session = Session;
 
     fn open(shared: &Arc<DaemonShared<Self>>, id: u32, sock: &UnixStream) -> io::Result<Session> {
-        let (path, slots, slot_bytes) = shared.role.sender.staging_file();
+        let sender = &shared.role.sender;
+        let share = sender.take_share().map_err(|e| {
+            tracing::debug!(client = id, error = %e, "no staging share for the worker");
+            io::Error::other(OpenRefused(STATUS_NO_SHARE))
+        })?;
+        let layout = share.layout();
         let mut hello = Hello::refusal(STATUS_OK);
         hello.role = ROLE_PREFILL;
-        hello.slots = slots as u64;
-        hello.chunk_bytes = slot_bytes;
+        hello.slots = layout.slots as u64;
+        hello.chunk_bytes = sender.staging_file().2;
         hello.data_offset = 0;
         hello.receivers = shared.role.receivers.len() as u32;
-        hello.buffer_path = path.to_string_lossy().into_owned();
+        hello.buffer_path = layout.path.to_string_lossy().into_owned();
+        hello.share = share.index() as u32;
+        hello.shares = sender.staging_shares() as u32;
+        hello.share_first_slot = u64::from(layout.first_slot);
         let rings = open_rings::<PrefillSubmit, DecoderEvent, _>(shared, id, sock, hello)?;
         let sq_cap = rings.sq.capacity();
         Ok(Session {
             id,
+            first_slot: layout.first_slot,
+            share,
+            ring_full: false,
             sq: rings.sq,
             cq: rings.cq,
             _files: rings.files,
@@ -142,6 +166,14 @@ struct Req {
 pub(super) struct Session {
     shared: Arc<DaemonShared<Prefills>>,
     id: u32,
+    /// The worker's staging share (dropped after the requests, by field
+    /// order after `Drop`, so it goes back last).
+    share: StagingShare,
+    /// The share's first staging slot: SLOT entries carry `slot - first_slot`.
+    first_slot: u32,
+    /// The last `stage_pending` found no room on the completion ring (the
+    /// worker frees room without telling: retried on a timer).
+    ring_full: bool,
     sq: Consumer<PrefillSubmit>,
     cq: Completions<DecoderEvent>,
     _files: RingFiles,
@@ -157,12 +189,15 @@ pub(super) struct Session {
 impl Serve for Session {
     fn interest(&mut self, fds: &mut Vec<libc::pollfd>) -> bool {
         self.waiting.clear();
-        let mut retry = !self.cq.outbox.is_empty();
+        // A STAGE waiting for admission or free slots needs no timer: the
+        // share's eventfd (first) wakes us when either changes.
+        fds.push(readable(self.share.ready_fd().as_raw_fd()));
+        let mut retry = !self.cq.outbox.is_empty() || self.ring_full;
         for (tag, r) in self.tags.iter().filter(|(_, r)| !r.ended) {
             // No eventfd (out of descriptors): a negative fd, which poll
             // ignores; its status is looked at on every retry instead.
             let fd = r.request.completion_fd().map_or(-1, |fd| fd.as_raw_fd());
-            retry |= fd < 0 || !r.pending.is_empty();
+            retry |= fd < 0;
             fds.push(readable(fd));
             self.waiting.push(*tag);
         }
@@ -170,6 +205,13 @@ impl Serve for Session {
     }
 
     fn wake(&mut self, fds: &[libc::pollfd]) {
+        let Some((ready, fds)) = fds.split_first() else {
+            return;
+        };
+        if ready.revents != 0 {
+            // Before the retries below, so a change after them signals anew.
+            self.share.clear_ready();
+        }
         self.cq.flush();
         self.read_submissions();
         let waiting = std::mem::take(&mut self.waiting);
@@ -273,18 +315,20 @@ impl Session {
     /// Tries every pending STAGE (FIFO per request) while the completion
     /// ring has room for its entries.
     fn stage_pending(&mut self) {
+        self.ring_full = false;
         if !self.cq.outbox.is_empty() {
             return;
         }
         let mut refused: Vec<(u64, StoreError)> = Vec::new();
         for (tag, r) in self.tags.iter_mut() {
             while let Some(&(id, n)) = r.pending.first() {
-                match r.request.try_stage(n as usize) {
+                match r.request.try_stage_in(&self.share, n as usize) {
                     Ok(batch) => {
                         // A reservation publishes even when dropped, so it
                         // is only taken once the batch exists; without room
                         // the batch goes back and is retried.
                         let Some(mut entries) = self.cq.ring.reserve(n as usize + 1) else {
+                            self.ring_full = true;
                             return;
                         };
                         let mut staged = DecoderEvent::of(EV_STAGED, *tag, 0);
@@ -293,7 +337,8 @@ impl Session {
                         let _ = entries.set(0, staged);
                         for (i, slot) in batch.slot_indexes().iter().enumerate() {
                             let mut ev = DecoderEvent::of(EV_SLOT, *tag, 0);
-                            ev.a = *slot;
+                            // The share's slots: `slot >= first_slot`.
+                            ev.a = slot - self.first_slot;
                             ev.b = i as u32;
                             let _ = entries.set(i + 1, ev);
                         }
@@ -311,7 +356,8 @@ impl Session {
                         );
                         tracing::debug!(tag, batch = id, slots = n, "staged");
                     }
-                    // Not admitted yet, or no staging free: retry later.
+                    // Not admitted yet, or no slot of the share free: the
+                    // share's eventfd is armed and wakes us.
                     Err(StoreError::NotAdmitted | StoreError::NoStagingNow) => break,
                     Err(e) => {
                         r.pending.remove(0);

@@ -17,8 +17,11 @@ use super::layout::{Hello, ATTACH_VERSION, STATUS_OK};
 use super::poll::{poll, readable};
 
 /// How long the loop sleeps between retries while a session has work it
-/// cannot do yet (a full completion ring the client frees without telling,
-/// staging not free yet).
+/// cannot do yet and no descriptor to wait on: a full completion ring (the
+/// client frees room without telling). Everything else — submissions,
+/// request ends, a prefill STAGE waiting for admission or free slots of
+/// its share — wakes the loop through a descriptor, so an idle session
+/// sleeps in `poll` without a timeout.
 pub(super) const RETRY: Duration = Duration::from_millis(1);
 
 /// A session's two ring files, removed when it ends.

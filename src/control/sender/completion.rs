@@ -32,6 +32,8 @@ pub(crate) struct Signal {
     cv: Condvar,
     /// Created on first [`Signal::fd`] call.
     fd: OnceLock<EventFd>,
+    /// Signalled at admission, if set ([`Signal::notify_admission`]).
+    admit_fd: OnceLock<Arc<EventFd>>,
 }
 
 impl Signal {
@@ -41,7 +43,21 @@ impl Signal {
         // nothing but the flag itself (staging is arbitrated by the slot
         // allocator), so Release/Acquire is enough.
         self.admitted.store(true, Ordering::Release);
-        self.wake();
+        let _g = self.lock.lock();
+        if let Some(fd) = self.admit_fd.get() {
+            fd.signal();
+        }
+        self.cv.notify_all();
+    }
+
+    /// Makes `fd` signalled at admission (the first one set stays) and
+    /// returns whether the request is admitted already. Both happen under
+    /// the wake-up lock, which `set_admitted` takes after storing the flag:
+    /// either this sees the flag or `set_admitted` sees the fd.
+    pub fn notify_admission(&self, fd: &Arc<EventFd>) -> bool {
+        let _g = self.lock.lock();
+        let _ = self.admit_fd.set(Arc::clone(fd));
+        self.is_admitted()
     }
 
     /// Whether the receiver admitted the request.

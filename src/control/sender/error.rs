@@ -116,6 +116,10 @@ pub enum StoreError {
     /// slots free right now.
     #[error("no staging slots free right now")]
     NoStagingNow,
+    /// [`Request::try_stage_in`](super::Request::try_stage_in) with a
+    /// staging share of another sender.
+    #[error("the staging share belongs to another sender")]
+    ForeignShare,
     /// The request ended (completed, failed or cancelled).
     #[error("request already ended: {0:?}")]
     RequestEnded(RequestStatus),

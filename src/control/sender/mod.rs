@@ -32,6 +32,7 @@ mod poll;
 mod registered;
 mod reply;
 mod request;
+mod share;
 mod table;
 mod wire;
 
@@ -57,6 +58,7 @@ use self::keys::KeyList;
 pub use self::registered::{MemoryRegion, RegisterError, WriteHandle};
 use self::request::Handle;
 pub use self::request::{Request, RequestSpec, StagedBatch};
+pub use self::share::{ShareError, StagingShare, MAX_SHARES};
 use self::table::{Batch, BatchData, Req, ReqState, Table};
 
 /// Sender configuration.
@@ -101,6 +103,12 @@ pub struct SenderConfig {
     pub reply_timeout: Duration,
     /// How long `store` may block waiting for staging slots.
     pub staging_timeout: Duration,
+    /// Per-worker staging shares (0, the default: none). With `n > 0` the
+    /// first slots of staging form `n` equal shares, each its own memfd and
+    /// slot pool, handed out by [`Sender::take_share`] and staged from with
+    /// [`Request::try_stage_in`] only (`docs/attach.md`); the other calls
+    /// stage from the remaining slots. At most [`MAX_SHARES`].
+    pub staging_shares: usize,
     /// Interval of `Heartbeat`s renewing this sender's leases.
     pub heartbeat_interval: Duration,
     /// Least time between two `Hello`s to the same receiver when the sender
@@ -132,6 +140,7 @@ impl Default for SenderConfig {
             hello_answer_timeout: Duration::from_secs(5),
             reply_timeout: Duration::from_secs(120),
             staging_timeout: Duration::from_secs(60),
+            staging_shares: 0,
             heartbeat_interval: Duration::from_secs(5),
             rehello_backoff: Duration::from_secs(1),
             static_peers: Vec::new(),
@@ -228,6 +237,8 @@ pub(crate) struct Shared {
     pub status_cv: Condvar,
     pub staging: Arc<StagingBuffer>,
     pub slots: SlotAllocator,
+    /// Staging shares not held (`Sender::take_share`).
+    pub shares: share::ShareList,
     pub pending_bytes: AtomicUsize,
     pub stats: SharedStats,
     pub waker: Arc<mio::Waker>,
@@ -780,6 +791,11 @@ impl Sender {
                 u32::MAX
             )));
         }
+        if cfg.staging_shares > MAX_SHARES {
+            return Err(SenderError::Config(format!(
+                "staging_shares must be at most {MAX_SHARES}"
+            )));
+        }
         Ok(())
     }
 
@@ -800,15 +816,23 @@ impl Sender {
         }
         Self::check(&cfg)?;
         let staging = Arc::new(
-            StagingBuffer::new(cfg.staging_slots, cfg.chunk_bytes)
+            StagingBuffer::with_shares(cfg.staging_slots, cfg.chunk_bytes, cfg.staging_shares)
                 .map_err(|e| SenderError::Staging(e.to_string()))?,
         );
+        let slots = SlotAllocator::with_pools(&staging.pool_slots());
+        let shares = share::ShareList::new(staging.shares())?;
+        for i in 0..staging.shares() {
+            if let Some(fd) = shares.ready(i) {
+                slots.set_free_signal(i, Arc::clone(fd));
+            }
+        }
         let (poster, completions) = transport.start(Arc::clone(&staging))?;
         let stop_limit = crate::threads::STOP_JOIN_DEADLINE + poster.drop_deadline();
         let reactor = crate::zmq_io::Reactor::new()?;
         let (submit, submissions) = kvferry_ring::mpsc::channel::<u64>(SUBMIT_RING);
         let shared = Arc::new(Shared {
-            slots: SlotAllocator::new(cfg.staging_slots),
+            slots,
+            shares,
             staging,
             table: Mutex::new(Table::default()),
             status_cv: Condvar::new(),
@@ -1109,11 +1133,28 @@ impl Sender {
         Ok(())
     }
 
+    /// Staging shares the sender has ([`SenderConfig::staging_shares`]).
+    pub fn staging_shares(&self) -> usize {
+        self.shared.staging.shares()
+    }
+
+    /// Takes a free staging share (see [`SenderConfig::staging_shares`]),
+    /// zeroed, for one owner until the [`StagingShare`] is dropped. Errors:
+    /// [`ShareError::NoShares`], [`ShareError::AllHeld`],
+    /// [`ShareError::Draining`] (a free share's slots are still read by
+    /// writes its last owner posted).
+    pub fn take_share(&self) -> Result<StagingShare, ShareError> {
+        StagingShare::take(&self.shared)
+    }
+
     /// The staging buffer's file (for an attached worker to map) and its
-    /// slot count and size: slot `i` at offset `i * slot_bytes`.
+    /// slot count and size: slot `i` at offset `i * slot_bytes`. With
+    /// staging shares it names share 0's memfd only (slot count included);
+    /// a worker maps its own share ([`take_share`](Self::take_share)).
     pub fn staging_file(&self) -> (std::path::PathBuf, usize, u64) {
         let s = &self.shared.staging;
-        (s.file_path(), s.slots(), s.slot_bytes())
+        let slots = s.share(0).map_or(s.slots(), |l| l.slots);
+        (s.file_path(), slots, s.slot_bytes())
     }
 
     /// Staging slots in use.

@@ -178,6 +178,37 @@ impl Request {
         }
     }
 
+    /// [`try_stage`](Self::try_stage) from a staging share
+    /// ([`Sender::take_share`](super::Sender::take_share)): the batch's
+    /// slots are the share's only. When it fails with
+    /// [`StoreError::NotAdmitted`] or [`StoreError::NoStagingNow`] the
+    /// share's [`ready_fd`](super::StagingShare::ready_fd) is armed: it
+    /// becomes readable once the request is admitted or slots of the share
+    /// are freed, so the caller can sleep in `poll` until then.
+    /// [`StoreError::BatchTooLarge`] past the share's size,
+    /// [`StoreError::ForeignShare`] for another sender's share.
+    pub fn try_stage_in(
+        &self,
+        share: &super::StagingShare,
+        n: usize,
+    ) -> Result<StagedBatch, StoreError> {
+        if !Arc::ptr_eq(&share.shared, &self.h.shared) {
+            return Err(StoreError::ForeignShare);
+        }
+        let slots = share.layout().slots;
+        if n > slots {
+            return Err(StoreError::BatchTooLarge { chunks: n, slots });
+        }
+        self.live()?;
+        if !self.is_admitted() && !self.h.signal.notify_admission(&share.ready) {
+            return Err(StoreError::NotAdmitted);
+        }
+        match self.h.shared.slots.try_alloc_in(share.index, n) {
+            Some(set) => Ok(self.batch(set)),
+            None => Err(StoreError::NoStagingNow),
+        }
+    }
+
     /// Copies one batch (`keys[i]` names `chunks[i]`; the last chunk may be
     /// short) and returns without waiting for the network: into staging if
     /// the request is admitted (waiting up to the sender's
