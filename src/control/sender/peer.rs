@@ -17,6 +17,12 @@ use crate::protocol::Descriptor;
 use super::core::{InOrder, Turn};
 use crate::transport::{PeerIndex, RemoteBuffer};
 
+/// Replies queued per receiver connection before ZMQ stops reading it
+/// (so at most `REPLY_QUEUE` × the 4 MiB frame limit; replies are a few
+/// hundred bytes in practice). The ctrl thread drains every readable reply
+/// each step, so a well-behaved receiver never meets the bound.
+pub const REPLY_QUEUE: i32 = 16;
+
 /// What a reply answers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Outstanding {
@@ -145,8 +151,12 @@ impl Peer {
         // Replies are bounded by the same frame limit as everything else.
         sock.set_maxmsgsize(crate::protocol::Limits::DEFAULT_MAX_FRAME_BYTES as i64)?;
         sock.set_linger(0)?;
+        // The sender's own messages are bounded by its requests (sndhwm 0:
+        // never dropped). Replies wait at most REPLY_QUEUE frames deep;
+        // past that ZMQ stops reading the connection, so a receiver that
+        // floods replies is held back by TCP, not buffered here.
         sock.set_sndhwm(0)?;
-        sock.set_rcvhwm(0)?;
+        sock.set_rcvhwm(REPLY_QUEUE)?;
         sock.connect(endpoint)?;
         Ok(sock)
     }
