@@ -29,7 +29,9 @@ pub struct AttachConfig {
     /// path. It must be on tmpfs/hugetlbfs (the ring crate refuses
     /// disk-backed files: a store into a written-back page can block in the
     /// file system while a ring position is claimed). Default: a fresh
-    /// `/dev/shm/kvferry-attach-<pid>-<n>`. Removed when the daemon stops.
+    /// `/dev/shm/kvferry-attach-<pid>-<n>`. Removed when the daemon stops;
+    /// a starting daemon removes the `kvferry-attach-<pid>-<n>` directories
+    /// of dead daemons in this directory's parent (`stale.rs`).
     pub ring_dir: PathBuf,
     /// Live attachments at most (default 16).
     pub max_clients: usize,
@@ -144,6 +146,9 @@ impl<R: Role> Daemon<R> {
         }
         remove_stale_socket(&cfg.socket)?;
         let dir = cfg.ring_dir.clone();
+        if let Some(parent) = dir.parent() {
+            super::stale::remove_stale(parent);
+        }
         match fs::DirBuilder::new().mode(0o700).create(&dir) {
             Ok(()) => {}
             // Left by a daemon that died (same pid reused) or planted in a
