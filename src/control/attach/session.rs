@@ -253,8 +253,18 @@ impl Session {
                         named: false,
                     },
                 );
-                // It may have ended already: its fd is readable then and
-                // the next poll returns at once.
+                // It may have ended already (a decoder subscribing to a
+                // request it was told is complete): handle it now rather
+                // than after another poll.
+                if let Some(Entry {
+                    sub: Sub::Waiting(h),
+                    ..
+                }) = self.tags.get(&s.tag)
+                {
+                    if h.status() != RequestStatus::Pending {
+                        self.request_ended(s.tag);
+                    }
+                }
             }
             Err(e) => {
                 tracing::warn!(error = %e, "attach: cannot watch a request");
