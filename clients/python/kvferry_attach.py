@@ -123,6 +123,21 @@ class Ring:
         self.head.value = self.pos
         return entry
 
+    def pop_many(self, n):
+        """The next `n` entries as one bytes object (None if fewer are
+        published), with one `head` store: a READY's CHUNK entries were
+        published together, so a decoder reads them in one go."""
+        if self.available() < n:
+            return None
+        start = self.offset(self.pos)
+        first = min(n, self.cap - (self.pos & (self.cap - 1)))
+        raw = self.mm[start:start + first * self.esize]
+        if first < n:
+            raw += self.mm[self.slots:self.slots + (n - first) * self.esize]
+        self.pos += n
+        self.head.value = self.pos
+        return raw
+
     def wait(self, deadline):
         """Until an entry is available (True) or the deadline (False)."""
         spins = 0
@@ -255,11 +270,10 @@ class DecoderClient:
                 req_id = name.decode()
                 self.tags[tag] = req_id
             chunks = []
-            for i in range(a):
-                raw = self.cq.pop()
-                if raw is None:
-                    raise AttachError("READY not followed by its chunks")
-                k, _c, t, slot, idx, length, tokens = EVENT.unpack(raw)
+            raw = self.cq.pop_many(a) if a else b""
+            if raw is None:
+                raise AttachError("READY not followed by its chunks")
+            for i, (k, _c, t, slot, idx, length, tokens) in enumerate(EVENT.iter_unpack(raw)):
                 if (k != EV_CHUNK or t != tag or idx != i or slot >= self.slots
                         or length > self.chunk_bytes):
                     raise AttachError("bad CHUNK entry")
