@@ -10,6 +10,7 @@
 mod common_sender;
 
 use std::io::{BufRead, BufReader};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command, Stdio};
@@ -640,6 +641,15 @@ impl Drop for RemoveOnDrop {
     }
 }
 
+/// Removes an empty directory when dropped, also when the test fails.
+struct RemoveDirOnDrop(PathBuf);
+
+impl Drop for RemoveDirOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
 /// The ring directory of the daemon serving `sock` (from its hello).
 fn ring_dir_of(sock: &Path) -> PathBuf {
     let c = connect(sock);
@@ -672,6 +682,18 @@ fn a_starting_daemon_removes_a_killed_daemons_ring_dir_but_not_a_live_ones() {
     let _ = std::fs::remove_file(&link);
     std::os::unix::fs::symlink(&target, &link).unwrap();
     let _link = RemoveOnDrop(link.clone());
+    // A directory with a dead pid's name that a process still locks (a
+    // daemon in another pid namespace) is kept.
+    let locked = PathBuf::from(format!("/dev/shm/kvferry-attach-{dead_pid}-4343"));
+    let _ = std::fs::remove_dir(&locked);
+    std::fs::create_dir(&locked).unwrap();
+    let locked_guard = RemoveDirOnDrop(locked.clone());
+    let lock = std::fs::File::open(&locked).unwrap();
+    // SAFETY: flock on a descriptor we own; no memory involved.
+    assert_eq!(
+        unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) },
+        0
+    );
 
     let r = Arc::new(receiver(4));
     let d = daemon(&r, &dir.sock(), |_| {});
@@ -689,6 +711,8 @@ fn a_starting_daemon_removes_a_killed_daemons_ring_dir_but_not_a_live_ones() {
         link.symlink_metadata().is_ok(),
         "a symlink is not a ring directory"
     );
+    assert!(locked.is_dir(), "a locked ring directory is kept");
+    drop((lock, locked_guard));
     // The live daemon still serves, and cleans up after itself on SIGTERM.
     drop(connect(&live_sock));
     // SAFETY: kill with a pid we spawned and still own (not yet reaped).

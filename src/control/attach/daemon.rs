@@ -86,6 +86,11 @@ pub(super) struct DaemonShared<R> {
     pub(super) role: R,
     pub(super) cfg: AttachConfig,
     pub(super) dir: PathBuf,
+    /// The ring directory, open and `flock`ed for the daemon's life: a
+    /// starting daemon never removes a locked directory (`stale.rs`), even
+    /// one whose daemon's pid it cannot see (another pid namespace). The
+    /// kernel drops the lock when the process dies.
+    _dir_lock: fs::File,
     /// Set once by [`Daemon::drop`]; every thread polls it.
     pub(super) stop: EventFd,
     /// Live sessions.
@@ -169,6 +174,7 @@ impl<R: Role> Daemon<R> {
             }
             Err(e) => return Err(e),
         }
+        let dir_lock = super::stale::lock_dir(&dir)?;
         let listener = UnixListener::bind(&cfg.socket)?;
         // A peer connecting between bind and chmod is still checked by uid.
         fs::set_permissions(&cfg.socket, fs::Permissions::from_mode(0o600))?;
@@ -177,6 +183,7 @@ impl<R: Role> Daemon<R> {
             role,
             cfg,
             dir,
+            _dir_lock: dir_lock,
             stop: EventFd::new()?,
             live: AtomicUsize::new(0),
         });

@@ -4,11 +4,14 @@
 //! are this user's and whose daemon is gone. Never another live daemon's:
 //! a directory is stale only if no process has its pid, the process with
 //! that pid is a zombie, or that process started after the directory last
-//! changed (the pid was reused). Symlinks are never followed.
+//! changed (the pid was reused), and no process holds the `flock` every
+//! daemon keeps on its directory (which also covers daemons in another pid
+//! namespace sharing `/dev/shm`). Symlinks are never followed.
 
 use std::fs;
 use std::io;
-use std::os::unix::fs::MetadataExt;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -100,6 +103,33 @@ fn boot_time() -> Option<SystemTime> {
     Some(UNIX_EPOCH + Duration::from_secs(secs))
 }
 
+/// Opens directory `dir` (not through a symlink) and takes an exclusive
+/// `flock` on it: blocking-free; `WouldBlock` if another process holds it.
+pub(super) fn try_lock(dir: &Path) -> io::Result<fs::File> {
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(dir)?;
+    // SAFETY: flock on a descriptor we own for the call; no memory involved.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(f)
+}
+
+/// The lock a daemon holds on its own ring directory for its life.
+pub(super) fn lock_dir(dir: &Path) -> io::Result<fs::File> {
+    try_lock(dir).map_err(|e| {
+        io::Error::new(
+            e.kind(),
+            format!(
+                "attach ring directory {}: cannot lock it: {e}",
+                dir.display()
+            ),
+        )
+    })
+}
+
 /// Removes the stale ring directories in `parent` (see the module docs);
 /// returns how many. Errors of single entries are logged and skipped.
 pub(super) fn remove_stale(parent: &Path) -> usize {
@@ -127,6 +157,12 @@ pub(super) fn remove_stale(parent: &Path) -> usize {
         if !is_stale(changed, owner(pid)) {
             continue;
         }
+        // A live daemon (whatever its pid namespace) holds the lock; ours,
+        // held while removing, is dropped with the directory.
+        let Ok(_lock) = try_lock(&path) else {
+            tracing::debug!(dir = %path.display(), "attach: ring directory locked by a live daemon");
+            continue;
+        };
         // remove_dir_all does not follow symlinks inside the directory.
         match fs::remove_dir_all(&path) {
             Ok(()) => {
@@ -177,6 +213,26 @@ mod tests {
         // Started well after: the pid was reused.
         assert!(is_stale(t, Owner::Alive(Some(t + Duration::from_secs(10)))));
         assert!(!is_stale(t, Owner::Alive(None)));
+    }
+
+    #[test]
+    fn a_locked_directory_cannot_be_locked_again() {
+        let d = std::env::temp_dir().join(format!("kvferry-lock-test-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&d);
+        fs::create_dir(&d).unwrap();
+        let held = lock_dir(&d).unwrap();
+        // flock locks belong to the open file description: a second open
+        // (as another daemon's cleanup does) is refused.
+        let e = try_lock(&d).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::WouldBlock);
+        drop(held);
+        assert!(try_lock(&d).is_ok());
+        let link = d.with_extension("link");
+        let _ = fs::remove_file(&link);
+        std::os::unix::fs::symlink(&d, &link).unwrap();
+        assert!(try_lock(&link).is_err(), "never through a symlink");
+        fs::remove_file(&link).unwrap();
+        fs::remove_dir(&d).unwrap();
     }
 
     #[test]
