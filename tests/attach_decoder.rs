@@ -11,14 +11,16 @@ mod common_sender;
 #[path = "common/process.rs"]
 mod process;
 
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::thread;
+use std::time::{Duration, Instant};
 
 use common_sender::{deadline, receiver, sender, sender_cfg, wait_for, CHUNK, WAIT};
-use kvferry::attach::layout::{DecoderSubmit, STATUS_TOO_MANY_CLIENTS};
+use kvferry::attach::layout::{DecoderSubmit, DAEMON_TAG, STATUS_TOO_MANY_CLIENTS};
 use kvferry::attach::{AttachConfig, AttachError, DecoderClient, DecoderDaemon, Event, Refusal};
 use kvferry::protocol::ErrorCode;
 use kvferry::receiver::Receiver;
@@ -502,6 +504,14 @@ fn the_python_client_reads_every_byte_from_the_receiver_binary_and_a_killed_one_
     store_for_python(&s, &endpoint, "py-2", 4, CHUNK as usize);
     py2.expect_line("ATTACH:ok");
     py2.wait_success("python decoder after the kill");
+    // A Python wildcard subscriber gets a request nobody subscribed to,
+    // with its req_id.
+    let mut wild = python_decoder(&dir.sock(), "*", 2, 55, "release");
+    wild.expect_line("ATTACH:subscribed");
+    store_for_python(&s, &endpoint, "py-wild", 2, 55);
+    wild.expect_line("ATTACH:got py-wild");
+    wild.expect_line("ATTACH:ok");
+    wild.wait_success("python wildcard decoder");
     recv.sigkill();
 }
 
@@ -521,4 +531,211 @@ fn the_daemon_replaces_a_stale_socket_but_never_a_live_one_or_a_file() {
     assert!(DecoderDaemon::start(Arc::clone(&r), AttachConfig::new(dir.sock())).is_err());
     let _c = connect(&dir.sock());
     wait_for("the live daemon's session", || d.clients() == 1);
+}
+
+/// Removes a file (a symlink) when dropped, also when the test fails.
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Removes an empty directory when dropped, also when the test fails.
+struct RemoveDirOnDrop(PathBuf);
+
+impl Drop for RemoveDirOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+/// The ring directory of the daemon serving `sock` (from its hello).
+fn ring_dir_of(sock: &Path) -> PathBuf {
+    let c = connect(sock);
+    Path::new(&c.hello().sq_path)
+        .parent()
+        .expect("ring files live in a directory")
+        .to_owned()
+}
+
+#[test]
+fn a_starting_daemon_removes_a_killed_daemons_ring_dir_but_not_a_live_ones() {
+    let dir = TempDir::new("kvferry-attach");
+    let (dead_sock, live_sock) = (dir.0.join("dead.sock"), dir.0.join("live.sock"));
+    let (mut dead, _) = spawn_receiver_binary(&dead_sock, &dir.0.join("dead-buf"));
+    let (mut live, _) = spawn_receiver_binary(&live_sock, &dir.0.join("live-buf"));
+    let dead_dir = ring_dir_of(&dead_sock);
+    let live_dir = ring_dir_of(&live_sock);
+    let dead_pid = dead.child.id();
+    assert!(dead_dir.starts_with("/dev/shm"), "{}", dead_dir.display());
+    dead.sigkill();
+    assert!(
+        dead_dir.is_dir(),
+        "SIGKILL leaves the ring directory behind"
+    );
+    // A symlink with a dead daemon's name is never followed.
+    let target = dir.0.join("not-a-ring-dir");
+    std::fs::create_dir(&target).unwrap();
+    std::fs::write(target.join("precious"), b"x").unwrap();
+    let link = PathBuf::from(format!("/dev/shm/kvferry-attach-{dead_pid}-4242"));
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    let _link = RemoveOnDrop(link.clone());
+    // A directory with a dead pid's name that a process still locks (a
+    // daemon in another pid namespace) is kept.
+    let locked = PathBuf::from(format!("/dev/shm/kvferry-attach-{dead_pid}-4343"));
+    let _ = std::fs::remove_dir(&locked);
+    std::fs::create_dir(&locked).unwrap();
+    let locked_guard = RemoveDirOnDrop(locked.clone());
+    let lock = std::fs::File::open(&locked).unwrap();
+    // SAFETY: flock on a descriptor we own; no memory involved.
+    assert_eq!(
+        unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) },
+        0
+    );
+
+    let r = Arc::new(receiver(4));
+    let d = daemon(&r, &dir.sock(), |_| {});
+    assert!(
+        !dead_dir.exists(),
+        "the killed daemon's ring directory is removed"
+    );
+    assert!(live_dir.is_dir(), "a live daemon's ring directory is kept");
+    assert!(d.ring_dir().is_dir());
+    assert!(
+        target.join("precious").exists(),
+        "the symlink was not followed"
+    );
+    assert!(
+        link.symlink_metadata().is_ok(),
+        "a symlink is not a ring directory"
+    );
+    assert!(locked.is_dir(), "a locked ring directory is kept");
+    drop((lock, locked_guard));
+    // The live daemon still serves, and cleans up after itself on SIGTERM.
+    drop(connect(&live_sock));
+    // SAFETY: kill with a pid we spawned and still own (not yet reaped).
+    unsafe { libc::kill(live.child.id() as i32, libc::SIGTERM) };
+    live.wait_success("the live daemon's exit on SIGTERM");
+    assert!(
+        !live_dir.exists(),
+        "a daemon stopped cleanly removes its ring directory"
+    );
+}
+
+/// Waits until `c`'s earlier submissions are handled: the daemon handles
+/// them in order, so once a RELEASE of an unknown tag is refused they are.
+fn fence(c: &mut DecoderClient) {
+    c.submit_raw(DecoderSubmit::release(0xFEED)).unwrap();
+    match next(c, "the fence") {
+        Event::Refused {
+            tag: 0xFEED,
+            reason: Some(Refusal::UnknownTag),
+            ..
+        } => {}
+        other => panic!("expected the fence's refusal, got {other:?}"),
+    }
+}
+
+#[test]
+fn wildcard_subscribers_share_the_requests_no_req_id_subscription_claims() {
+    let dir = TempDir::new("kvferry-attach");
+    let r = Arc::new(receiver(16));
+    let d = daemon(&r, &dir.sock(), |c| c.max_outstanding = 2);
+    let s = sender(sender_cfg(8, None));
+    let mut exp = connect(&dir.sock());
+    let mut wilds = [connect(&dir.sock()), connect(&dir.sock())];
+    let te = exp.subscribe("exp-1").unwrap();
+    let mut wtags = Vec::new();
+    for w in &mut wilds {
+        wtags.push(w.subscribe_all().unwrap());
+        // One wildcard per client.
+        assert!(w.subscribe_all().is_err());
+        fence(w);
+    }
+    wait_for("the req_id subscription", || d.subscriptions() == 1);
+    store(&s, r.endpoint(), "exp-1", 2, 10);
+    for id in ["w-1", "w-2", "w-3"] {
+        store(&s, r.endpoint(), id, 1, 20);
+    }
+    // The req_id subscription wins over the wildcards.
+    match next(&mut exp, "exp-1") {
+        Event::Ready(del) => {
+            assert_eq!(del.tag(), te);
+            verify(&exp, &del, 2, 10);
+            exp.release(del).unwrap();
+        }
+        other => panic!("expected READY for exp-1, got {other:?}"),
+    }
+    // The other three go to the wildcards, each to exactly one.
+    let mut got: Vec<(usize, kvferry::attach::Delivery)> = Vec::new();
+    let end = deadline();
+    while got.len() < 3 {
+        assert!(
+            Instant::now() < end,
+            "wildcard deliveries: only {}",
+            got.len()
+        );
+        for (i, w) in wilds.iter_mut().enumerate() {
+            match w.next_event(Instant::now() + Duration::from_millis(20)) {
+                Ok(Event::Ready(del)) => {
+                    assert_ne!(del.tag() & DAEMON_TAG, 0, "a daemon tag");
+                    verify(w, &del, 1, 20);
+                    got.push((i, del));
+                }
+                Err(AttachError::Timeout) => {}
+                other => panic!("expected a wildcard READY, got {other:?}"),
+            }
+        }
+    }
+    let mut ids: Vec<&str> = got.iter().map(|(_, d)| d.req_id()).collect();
+    ids.sort_unstable();
+    assert_eq!(ids, ["w-1", "w-2", "w-3"]);
+    // A req_id subscription to a request a wildcard holds is refused.
+    exp.subscribe(got[0].1.req_id()).unwrap();
+    match next(&mut exp, "a subscription to a delivered request") {
+        Event::Refused {
+            reason: Some(Refusal::AlreadySubscribed),
+            ..
+        } => {}
+        other => panic!("expected AlreadySubscribed, got {other:?}"),
+    }
+    for (i, del) in got {
+        wilds[i].release(del).unwrap();
+    }
+    wait_for("the wildcard deliveries released", || allocated(&r) == 0);
+    // With no wildcard left (one unsubscribed, one client gone), a request
+    // nobody subscribed to stays in the receiver for in-process consumers.
+    let [mut w0, w1] = wilds;
+    w0.unsubscribe(wtags[0]).unwrap();
+    fence(&mut w0);
+    drop(w1);
+    wait_for("the second wildcard's session to end", || d.clients() == 2);
+    store(&s, r.endpoint(), "orphan", 1, 30);
+    r.wait_ready("orphan", deadline()).expect("orphan ready");
+    let chunks = r.take("orphan").expect("nobody took the orphan");
+    assert_eq!(chunks.len(), 1);
+    assert!(matches!(
+        w0.next_event(Instant::now() + Duration::from_millis(50)),
+        Err(AttachError::Timeout)
+    ));
+}
+
+#[test]
+fn the_ready_feed_is_bounded_and_lists_ready_requests_in_order() {
+    let r = receiver(8);
+    let s = sender(sender_cfg(8, None));
+    let feed = r.ready_feed(2).unwrap();
+    for id in ["f-1", "f-2", "f-3"] {
+        store(&s, r.endpoint(), id, 1, 5);
+        r.wait_ready(id, deadline()).unwrap();
+    }
+    assert_eq!(feed.pop().as_deref(), Some("f-1"));
+    assert_eq!(feed.pop().as_deref(), Some("f-2"));
+    assert_eq!(feed.pop(), None, "the third did not fit");
+    assert_eq!(feed.dropped(), 1);
+    // Not taken by the feed: still there by id.
+    assert_eq!(r.take("f-3").unwrap().len(), 1);
 }

@@ -1,7 +1,8 @@
 """CI check of the Python decoder client (driven by tests/attach_decoder.rs).
 
 usage: decoder_check.py SOCKET REQ_ID N LAST_LEN MODE
-Subscribes to REQ_ID, prints "ATTACH:subscribed", waits for it, checks every
+Subscribes to REQ_ID (REQ_ID "*": a wildcard subscription, and the first
+request delivered to it is checked), prints "ATTACH:subscribed", waits for it, checks every
 byte of its N chunks (byte j of chunk i is (i * 31 + j) & 0xff; all chunks
 are full but the last, LAST_LEN bytes), then in MODE "release" releases it
 and prints "ATTACH:ok"; in MODE "hold" prints "ATTACH:holding" and sleeps
@@ -25,10 +26,24 @@ def expected(i, length):
 def main():
     sock, req_id, n, last, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     c = kvferry_attach.DecoderClient(sock)
-    tag = c.subscribe(req_id)
+    if req_id == "*":
+        c.subscribe_all()
+        # Submissions are handled in order: once the RELEASE of an unknown
+        # tag is refused, the wildcard stands.
+        c.release(0xFEED)
+        ev = c.next_event(timeout=30.0)
+        if ev != ("refused", 0xFEED, 6):
+            sys.exit("expected the fence's refusal, got %r" % (ev,))
+    else:
+        tag = c.subscribe(req_id)
     print("ATTACH:subscribed", flush=True)
     ev = c.next_event(timeout=30.0)
-    if ev[0] != "ready" or ev[1] != tag:
+    if req_id == "*":
+        if ev[0] != "ready" or not ev[1] & kvferry_attach.DAEMON_TAG:
+            sys.exit("expected a wildcard READY, got %r" % (ev,))
+        tag = ev[1]
+        print("ATTACH:got %s" % ev[2], flush=True)
+    elif ev[0] != "ready" or ev[1] != tag:
         sys.exit("expected READY for tag %d, got %r" % (tag, ev))
     chunks = ev[3]
     if len(chunks) != n:

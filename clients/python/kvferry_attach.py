@@ -33,10 +33,13 @@ NO_TOKENS = 0xFFFFFFFF
 
 MAX_TEXT = 224
 
-OP_SUBSCRIBE, OP_RELEASE = 1, 2
+OP_SUBSCRIBE, OP_RELEASE, OP_SUBSCRIBE_ALL = 1, 2, 3
+DAEMON_TAG = 1 << 63  # tags of wildcard deliveries (the daemon's)
+NAME_PART = 16        # req_id bytes per NAME entry
 OP_BEGIN, OP_STAGE, OP_KEY, OP_SUBMIT, OP_CANCEL = 1, 2, 3, 4, 5
 EV_READY, EV_CHUNK, EV_FAILED, EV_REFUSED = 1, 2, 3, 4
 EV_STAGED, EV_SLOT, EV_DONE = 5, 6, 7
+EV_NAME = 8
 ROLE_DECODER, ROLE_PREFILL = 1, 2
 
 SUBMIT = struct.Struct("<IIQ112s")   # op, req_id_len, tag, req_id
@@ -119,6 +122,21 @@ class Ring:
         self.pos += 1
         self.head.value = self.pos
         return entry
+
+    def pop_many(self, n):
+        """The next `n` entries as one bytes object (None if fewer are
+        published), with one `head` store: a READY's CHUNK entries were
+        published together, so a decoder reads them in one go."""
+        if self.available() < n:
+            return None
+        start = self.offset(self.pos)
+        first = min(n, self.cap - (self.pos & (self.cap - 1)))
+        raw = self.mm[start:start + first * self.esize]
+        if first < n:
+            raw += self.mm[self.slots:self.slots + (n - first) * self.esize]
+        self.pos += n
+        self.head.value = self.pos
+        return raw
 
     def wait(self, deadline):
         """Until an entry is available (True) or the deadline (False)."""
@@ -217,6 +235,15 @@ class DecoderClient:
         self.tags[tag] = req_id
         return tag
 
+    def subscribe_all(self):
+        """Wildcard: every ready request no req_id subscription claims
+        (docs/attach.md, "Routing"); returns its tag (release(tag) ends it).
+        Deliveries arrive as ('ready', daemon_tag, req_id, chunks)."""
+        tag = self.next_tag
+        self.next_tag += 1
+        self._submit(OP_SUBSCRIBE_ALL, tag)
+        return tag
+
     def release(self, tag):
         self._submit(OP_RELEASE, tag)
         self.tags.pop(tag, None)
@@ -227,19 +254,33 @@ class DecoderClient:
         deadline = time.monotonic() + timeout
         if not self.cq.wait(deadline):
             raise TimeoutError("no attach event within %.1fs" % timeout)
-        kind, code, tag, a, _b, _len, _tok = EVENT.unpack(self.cq.pop())
+        kind, code, tag, a, b, _len, _tok = EVENT.unpack(self.cq.pop())
         if kind == EV_READY:
+            req_id = self.tags.get(tag)
+            if b:  # a wildcard delivery: its req_id follows in NAME entries
+                if not tag & DAEMON_TAG or b > MAX_REQ_ID:
+                    raise AttachError("bad wildcard READY")
+                name = b""
+                while len(name) < b:
+                    raw = self.cq.pop()
+                    if raw is None:
+                        raise AttachError("READY not followed by its name")
+                    k, n, t = struct.unpack_from("<IIQ", raw)
+                    if k != EV_NAME or t != tag or n != min(NAME_PART, b - len(name)):
+                        raise AttachError("bad NAME entry")
+                    name += raw[16:16 + n]
+                req_id = name.decode()
+                self.tags[tag] = req_id
             chunks = []
-            for i in range(a):
-                raw = self.cq.pop()
-                if raw is None:
-                    raise AttachError("READY not followed by its chunks")
-                k, _c, t, slot, idx, length, tokens = EVENT.unpack(raw)
+            raw = self.cq.pop_many(a) if a else b""
+            if raw is None:
+                raise AttachError("READY not followed by its chunks")
+            for i, (k, _c, t, slot, idx, length, tokens) in enumerate(EVENT.iter_unpack(raw)):
                 if (k != EV_CHUNK or t != tag or idx != i or slot >= self.slots
                         or length > self.chunk_bytes):
                     raise AttachError("bad CHUNK entry")
                 chunks.append((slot, length, None if tokens == NO_TOKENS else tokens))
-            return ("ready", tag, self.tags.get(tag), chunks)
+            return ("ready", tag, req_id, chunks)
         if kind == EV_FAILED:
             return ("failed", tag, self.tags.pop(tag, None), code)
         if kind == EV_REFUSED:

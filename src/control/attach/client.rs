@@ -14,8 +14,9 @@ use kvferry_ring::{ShmError, WaitStatus};
 use memmap2::Mmap;
 
 use super::layout::{
-    error_from_number, DecoderEvent, DecoderSubmit, Hello, HelloError, Refusal, EV_CHUNK,
-    EV_FAILED, EV_READY, EV_REFUSED, HELLO_LEN, MAX_REQ_ID, NO_TOKENS, ROLE_DECODER, STATUS_OK,
+    error_from_number, DecoderEvent, DecoderSubmit, Hello, HelloError, Refusal, DAEMON_TAG,
+    EV_CHUNK, EV_FAILED, EV_NAME, EV_READY, EV_REFUSED, HELLO_LEN, MAX_REQ_ID, NAME_PART,
+    NO_TOKENS, OP_SUBSCRIBE_ALL, ROLE_DECODER, STATUS_OK,
 };
 use crate::protocol::ErrorCode;
 
@@ -86,7 +87,8 @@ impl Delivery {
         &self.chunks
     }
 
-    /// The tag the subscription returned.
+    /// The tag the subscription returned; for a wildcard delivery, the
+    /// daemon's tag of this delivery (bit 63 set).
     pub fn tag(&self) -> u64 {
         self.tag
     }
@@ -168,6 +170,11 @@ pub struct DecoderClient {
     buf: Mmap,
     hello: Hello,
     tags: HashMap<u64, TagState>,
+    /// The wildcard subscription's tag, while it stands.
+    wild: Option<u64>,
+    /// Set by the first wildcard subscription: deliveries with daemon tags
+    /// are accepted from then on (some may arrive after an unsubscribe).
+    wild_ever: bool,
     next_tag: u64,
     next_serial: u64,
 }
@@ -215,6 +222,8 @@ impl DecoderClient {
             buf,
             hello,
             tags: HashMap::new(),
+            wild: None,
+            wild_ever: false,
             next_tag: 1,
             next_serial: 1,
         })
@@ -244,6 +253,28 @@ impl DecoderClient {
         Ok(tag)
     }
 
+    /// Subscribes to every request that becomes ready and that no `req_id`
+    /// subscription (of any client) claims, as routed in `docs/attach.md`
+    /// ("Routing"); returns the wildcard's tag (give it to
+    /// [`unsubscribe`](Self::unsubscribe) to stop). Its deliveries arrive
+    /// as [`Event::Ready`] with [`Delivery::req_id`] and a daemon tag, and
+    /// count against the outstanding bound until released.
+    pub fn subscribe_all(&mut self) -> Result<u64, AttachError> {
+        if self.wild.is_some() {
+            return Err(AttachError::Protocol(
+                "a wildcard subscription stands".into(),
+            ));
+        }
+        let tag = self.next_tag;
+        let mut s = DecoderSubmit::release(tag);
+        s.op = OP_SUBSCRIBE_ALL;
+        self.submit(s)?;
+        self.next_tag += 1;
+        self.wild = Some(tag);
+        self.wild_ever = true;
+        Ok(tag)
+    }
+
     /// Sends a raw submission, unchecked (for tests of the daemon's
     /// validation: a client that lies about its tags).
     #[doc(hidden)]
@@ -254,6 +285,11 @@ impl DecoderClient {
     /// Drops a subscription not delivered yet (its events may still arrive
     /// and are then ignored by the daemon's bookkeeping as released).
     pub fn unsubscribe(&mut self, tag: u64) -> Result<(), AttachError> {
+        if self.wild == Some(tag) {
+            self.submit(DecoderSubmit::release(tag))?;
+            self.wild = None;
+            return Ok(());
+        }
         match self.tags.get(&tag) {
             Some(TagState::Subscribed(_)) => {
                 self.submit(DecoderSubmit::release(tag))?;
@@ -307,14 +343,38 @@ impl DecoderClient {
         }
     }
 
+    /// The `req_id` of a wildcard delivery: the NAME entries after its
+    /// READY (`ev.b` bytes, published with it).
+    fn read_name(&mut self, ev: &DecoderEvent) -> Result<String, AttachError> {
+        let len = ev.b as usize;
+        if len == 0 || len > MAX_REQ_ID {
+            return Err(AttachError::Protocol(format!("bad req_id length: {ev:?}")));
+        }
+        let mut name = Vec::with_capacity(len);
+        while name.len() < len {
+            let e = self
+                .cq
+                .pop()
+                .ok_or_else(|| AttachError::Protocol("READY not followed by its name".into()))?;
+            let (bytes, n) = e.name_bytes();
+            let want = (len - name.len()).min(NAME_PART);
+            if e.kind != EV_NAME || e.tag != ev.tag || n != want {
+                return Err(AttachError::Protocol(format!("bad NAME entry {e:?}")));
+            }
+            name.extend_from_slice(&bytes[..n]);
+        }
+        String::from_utf8(name).map_err(|_| AttachError::Protocol("req_id not UTF-8".into()))
+    }
+
     fn on_event(&mut self, ev: DecoderEvent) -> Result<Option<Event>, AttachError> {
         let bad = |what: &str| AttachError::Protocol(format!("{what}: {ev:?}"));
         match ev.kind {
             EV_READY => {
-                let Some(TagState::Subscribed(req_id)) = self.tags.get(&ev.tag) else {
-                    return Err(bad("READY for a tag not subscribed"));
+                let req_id = match self.tags.get(&ev.tag) {
+                    Some(TagState::Subscribed(req_id)) if ev.b == 0 => req_id.clone(),
+                    None if ev.tag & DAEMON_TAG != 0 && self.wild_ever => self.read_name(&ev)?,
+                    _ => return Err(bad("READY for a tag not subscribed")),
                 };
-                let req_id = req_id.clone();
                 let n = ev.a as usize;
                 if n >= self.cq.capacity() {
                     return Err(bad("READY with more chunks than the ring holds"));
@@ -360,6 +420,13 @@ impl DecoderClient {
                 }))
             }
             EV_REFUSED => {
+                // A refused SUBSCRIBE_ALL ends the wildcard; a request too
+                // large for the ring (7), refused to it, does not.
+                if self.wild == Some(ev.tag)
+                    && Refusal::from_code(ev.code) != Some(Refusal::TooManyChunks)
+                {
+                    self.wild = None;
+                }
                 // A refused RELEASE leaves the tag as it was; a refused
                 // SUBSCRIBE frees it.
                 let req_id = match self.tags.get(&ev.tag) {

@@ -29,7 +29,9 @@ pub struct AttachConfig {
     /// path. It must be on tmpfs/hugetlbfs (the ring crate refuses
     /// disk-backed files: a store into a written-back page can block in the
     /// file system while a ring position is claimed). Default: a fresh
-    /// `/dev/shm/kvferry-attach-<pid>-<n>`. Removed when the daemon stops.
+    /// `/dev/shm/kvferry-attach-<pid>-<n>`. Removed when the daemon stops;
+    /// a starting daemon removes the `kvferry-attach-<pid>-<n>` directories
+    /// of dead daemons in this directory's parent (`stale.rs`).
     pub ring_dir: PathBuf,
     /// Live attachments at most (default 16).
     pub max_clients: usize,
@@ -90,6 +92,11 @@ pub(super) struct DaemonShared<R> {
     pub(super) role: R,
     pub(super) cfg: AttachConfig,
     pub(super) dir: PathBuf,
+    /// The ring directory, open and `flock`ed for the daemon's life: a
+    /// starting daemon never removes a locked directory (`stale.rs`), even
+    /// one whose daemon's pid it cannot see (another pid namespace). The
+    /// kernel drops the lock when the process dies.
+    _dir_lock: fs::File,
     /// Set once by [`Daemon::drop`]; every thread polls it.
     pub(super) stop: EventFd,
     /// Live sessions.
@@ -150,6 +157,9 @@ impl<R: Role> Daemon<R> {
         }
         remove_stale_socket(&cfg.socket)?;
         let dir = cfg.ring_dir.clone();
+        if let Some(parent) = dir.parent() {
+            super::stale::remove_stale(parent);
+        }
         match fs::DirBuilder::new().mode(0o700).create(&dir) {
             Ok(()) => {}
             // Left by a daemon that died (same pid reused) or planted in a
@@ -170,6 +180,7 @@ impl<R: Role> Daemon<R> {
             }
             Err(e) => return Err(e),
         }
+        let dir_lock = super::stale::lock_dir(&dir)?;
         let listener = UnixListener::bind(&cfg.socket)?;
         // A peer connecting between bind and chmod is still checked by uid.
         fs::set_permissions(&cfg.socket, fs::Permissions::from_mode(0o600))?;
@@ -178,6 +189,7 @@ impl<R: Role> Daemon<R> {
             role,
             cfg,
             dir,
+            _dir_lock: dir_lock,
             stop: EventFd::new()?,
             live: AtomicUsize::new(0),
         });

@@ -44,6 +44,13 @@ pub const STATUS_NO_SHARE: u32 = 4;
 pub const OP_SUBSCRIBE: u32 = 1;
 /// Submission op: release the request (or drop the subscription) of `tag`.
 pub const OP_RELEASE: u32 = 2;
+/// Submission op: wildcard subscription under `tag`: every request that
+/// becomes ready and has no `req_id` subscription is delivered to a
+/// wildcard subscriber (`docs/attach.md`, "Routing").
+pub const OP_SUBSCRIBE_ALL: u32 = 3;
+/// Tags with this bit are the daemon's (wildcard deliveries); a client's
+/// own tags must not have it.
+pub const DAEMON_TAG: u64 = 1 << 63;
 
 /// Prefill op: begin request `text` to receiver index `a` with `b` chunks.
 pub const OP_BEGIN: u32 = 1;
@@ -72,6 +79,11 @@ pub const EV_SLOT: u32 = 6;
 /// Event kind (prefill): the request of `tag` completed (every chunk
 /// written, the proxy notified).
 pub const EV_DONE: u32 = 7;
+/// Event kind (decoder, wildcard deliveries): up to 16 bytes of the
+/// `req_id` of the READY before it, in bytes 16..32; `code` says how many.
+pub const EV_NAME: u32 = 8;
+/// `req_id` bytes one [`EV_NAME`] entry carries.
+pub const NAME_PART: usize = 16;
 
 /// Why a submission was refused (`DecoderEvent::code` of a REFUSED event).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
@@ -306,6 +318,39 @@ impl DecoderEvent {
             tag,
             ..Self::default()
         }
+    }
+}
+
+impl DecoderEvent {
+    /// An [`EV_NAME`] entry of `tag` carrying `part` (at most
+    /// [`NAME_PART`] bytes; more are cut).
+    pub fn name_part(tag: u64, part: &[u8]) -> Self {
+        let mut b = [0u8; NAME_PART];
+        let n = part.len().min(NAME_PART);
+        b[..n].copy_from_slice(&part[..n]);
+        let w = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        Self {
+            kind: EV_NAME,
+            code: n as u32,
+            tag,
+            a: w(0),
+            b: w(4),
+            len: w(8),
+            tokens: w(12),
+        }
+    }
+
+    /// The bytes of an [`EV_NAME`] entry (`code` of them, at most
+    /// [`NAME_PART`]).
+    pub fn name_bytes(&self) -> ([u8; NAME_PART], usize) {
+        let mut b = [0u8; NAME_PART];
+        for (i, w) in [self.a, self.b, self.len, self.tokens]
+            .into_iter()
+            .enumerate()
+        {
+            b[i * 4..i * 4 + 4].copy_from_slice(&w.to_le_bytes());
+        }
+        (b, (self.code as usize).min(NAME_PART))
     }
 }
 
@@ -569,6 +614,18 @@ mod tests {
         bad.req_id[0] = 0xff;
         assert_eq!(bad.req_id(), None);
         assert_eq!(DecoderSubmit::release(3).req_id(), None);
+    }
+
+    #[test]
+    fn name_parts_round_trip() {
+        let e = DecoderEvent::name_part(DAEMON_TAG | 5, b"req-0123456789ab");
+        assert_eq!((e.kind, e.code, e.tag), (EV_NAME, 16, DAEMON_TAG | 5));
+        assert_eq!(e.name_bytes(), (*b"req-0123456789ab", 16));
+        let (b, n) = DecoderEvent::name_part(1, b"ab").name_bytes();
+        assert_eq!(&b[..n], b"ab");
+        let mut bad = e;
+        bad.code = 99;
+        assert_eq!(bad.name_bytes().1, NAME_PART);
     }
 
     #[test]

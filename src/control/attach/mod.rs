@@ -19,6 +19,7 @@ mod prefill;
 mod prefill_client;
 mod serve;
 mod session;
+mod stale;
 
 pub use client::{AttachError, ChunkDesc, DecoderClient, Delivery, Event};
 pub use daemon::AttachConfig;

@@ -15,22 +15,38 @@ use parking_lot::Mutex;
 
 use super::daemon::{AttachConfig, Daemon, DaemonShared, Role};
 use super::layout::{
-    error_number, DecoderEvent, DecoderSubmit, Hello, Refusal, EV_CHUNK, EV_FAILED, EV_READY,
-    EV_REFUSED, NO_TOKENS, OP_RELEASE, OP_SUBSCRIBE, ROLE_DECODER, STATUS_OK,
+    error_number, DecoderEvent, DecoderSubmit, Hello, Refusal, DAEMON_TAG, EV_CHUNK, EV_FAILED,
+    EV_READY, EV_REFUSED, MAX_REQ_ID, NAME_PART, NO_TOKENS, OP_RELEASE, OP_SUBSCRIBE,
+    OP_SUBSCRIBE_ALL, ROLE_DECODER, STATUS_OK,
 };
 use super::poll::readable;
 use super::serve::{open_rings, serve, Completions, RingFiles, Serve};
 use crate::protocol::ErrorCode;
-use crate::receiver::{Receiver, RequestChunks, RequestHandle, RequestStatus};
+use crate::receiver::{ReadyFeed, Receiver, RequestChunks, RequestHandle, RequestStatus};
 use crate::region::DATA_OFFSET;
 
 /// The decoder role's daemon state.
 pub(super) struct Decoders {
     receiver: Arc<Receiver>,
-    /// `req_id`s subscribed by any client (one subscriber per request),
-    /// at most `max_clients * max_outstanding` entries.
+    /// `req_id`s subscribed by any client or delivered to a wildcard (one
+    /// subscriber per request), at most `max_clients * max_outstanding`
+    /// entries.
     subscribed: Mutex<HashSet<String>>,
+    /// The receiver's feed of ready requests while any client has a
+    /// wildcard subscription.
+    wild: Mutex<Wild>,
 }
+
+/// The ready feed the wildcard subscriptions share.
+#[derive(Default)]
+struct Wild {
+    feed: Option<Arc<ReadyFeed>>,
+    subscribers: usize,
+}
+
+/// Ready ids the shared feed holds at most beyond the receive buffer's
+/// slot count (every ready request but an empty one holds a slot).
+const FEED_SLACK: usize = 64;
 
 /// Serves attached decoder processes over a running [`Receiver`] (see
 /// `docs/attach.md`). Dropping it stops accepting, ends every session
@@ -46,6 +62,7 @@ impl DecoderDaemon {
         let role = Decoders {
             receiver,
             subscribed: Mutex::new(HashSet::new()),
+            wild: Mutex::new(Wild::default()),
         };
         Daemon::start(role, cfg).map(Self)
     }
@@ -94,6 +111,8 @@ impl Role for Decoders {
             waiting: Vec::with_capacity(shared.cfg.max_outstanding),
             scratch: Vec::new(),
             inbox: vec![DecoderSubmit::release(0); sq_cap],
+            wild: None,
+            next_delivery: 0,
             shared: Arc::clone(shared),
         })
     }
@@ -120,6 +139,8 @@ enum Sub {
 struct Entry {
     req_id: String,
     sub: Sub,
+    /// A wildcard delivery: its READY carries the `req_id` (NAME entries).
+    named: bool,
 }
 
 /// One client's session (see the module docs).
@@ -138,6 +159,10 @@ pub(super) struct Session {
     scratch: Vec<DecoderEvent>,
     /// Reused buffer for drained submissions.
     inbox: Vec<DecoderSubmit>,
+    /// The client's wildcard subscription: its tag and the shared feed.
+    wild: Option<(u64, Arc<ReadyFeed>)>,
+    /// Number of the next wildcard delivery (its tag is `DAEMON_TAG | n`).
+    next_delivery: u64,
 }
 
 impl Serve for Session {
@@ -154,6 +179,13 @@ impl Serve for Session {
                 Sub::Taken { posted: true, .. } => {}
             }
         }
+        // After the watches (`wake` zips those with `fds`); polled only
+        // while the client has room, so a full client does not spin on it.
+        if let Some((_, feed)) = &self.wild {
+            if self.has_room() && self.cq.outbox.is_empty() {
+                fds.push(readable(feed.as_raw_fd()));
+            }
+        }
         retry
     }
 
@@ -167,6 +199,7 @@ impl Serve for Session {
             }
         }
         self.waiting = waiting;
+        self.claim_wild();
         self.post_taken();
     }
 }
@@ -189,6 +222,7 @@ impl Session {
             match s.op {
                 OP_SUBSCRIBE => self.subscribe(&s),
                 OP_RELEASE => self.release(s.tag),
+                OP_SUBSCRIBE_ALL => self.subscribe_all(s.tag),
                 _ => self.refuse(s.tag, Refusal::BadOp),
             }
         }
@@ -198,10 +232,10 @@ impl Session {
         let Some(req_id) = s.req_id() else {
             return self.refuse(s.tag, Refusal::BadReqId);
         };
-        if self.tags.contains_key(&s.tag) {
+        if self.tag_taken(s.tag) {
             return self.refuse(s.tag, Refusal::DuplicateTag);
         }
-        if self.tags.len() >= self.shared.cfg.max_outstanding {
+        if !self.has_room() {
             return self.refuse(s.tag, Refusal::TooManyOutstanding);
         }
         if !self.shared.role.subscribed.lock().insert(req_id.to_owned()) {
@@ -216,10 +250,21 @@ impl Session {
                     Entry {
                         req_id,
                         sub: Sub::Waiting(h),
+                        named: false,
                     },
                 );
-                // It may have ended already: its fd is readable then and
-                // the next poll returns at once.
+                // It may have ended already (a decoder subscribing to a
+                // request it was told is complete): handle it now rather
+                // than after another poll.
+                if let Some(Entry {
+                    sub: Sub::Waiting(h),
+                    ..
+                }) = self.tags.get(&s.tag)
+                {
+                    if h.status() != RequestStatus::Pending {
+                        self.request_ended(s.tag);
+                    }
+                }
             }
             Err(e) => {
                 tracing::warn!(error = %e, "attach: cannot watch a request");
@@ -229,7 +274,119 @@ impl Session {
         }
     }
 
+    fn has_room(&self) -> bool {
+        self.tags.len() < self.shared.cfg.max_outstanding
+    }
+
+    /// A tag the client cannot use: outstanding, its wildcard's, or the
+    /// daemon's.
+    fn tag_taken(&self, tag: u64) -> bool {
+        tag & DAEMON_TAG != 0
+            || self.tags.contains_key(&tag)
+            || self.wild.as_ref().is_some_and(|(t, _)| *t == tag)
+    }
+
+    /// SUBSCRIBE_ALL: joins the wildcard subscribers (one per client).
+    fn subscribe_all(&mut self, tag: u64) {
+        if self.tag_taken(tag) {
+            return self.refuse(tag, Refusal::DuplicateTag);
+        }
+        if self.wild.is_some() {
+            return self.refuse(tag, Refusal::AlreadySubscribed);
+        }
+        let mut w = self.shared.role.wild.lock();
+        let feed = match &w.feed {
+            Some(f) => Arc::clone(f),
+            None => {
+                let r = &self.shared.role.receiver;
+                match r.ready_feed(r.region().capacity_chunks() as usize + FEED_SLACK) {
+                    Ok(f) => Arc::clone(w.feed.insert(Arc::new(f))),
+                    Err(e) => {
+                        drop(w);
+                        tracing::warn!(error = %e, "attach: cannot set up the ready feed");
+                        return self.refuse(tag, Refusal::TakeRefused);
+                    }
+                }
+            }
+        };
+        w.subscribers += 1;
+        drop(w);
+        tracing::debug!(tag, "wildcard subscribed");
+        self.wild = Some((tag, feed));
+    }
+
+    /// Ends the client's wildcard subscription, if any (deliveries it holds
+    /// stay held).
+    fn end_wild(&mut self) {
+        let Some((_, feed)) = self.wild.take() else {
+            return;
+        };
+        let mut w = self.shared.role.wild.lock();
+        w.subscribers -= 1;
+        let last = if w.subscribers == 0 {
+            w.feed.take()
+        } else {
+            None
+        };
+        drop(w);
+        // Outside the wild lock: dropping the feed takes the receiver's.
+        drop((feed, last));
+    }
+
+    /// Claims ready requests nobody subscribed to from the feed while the
+    /// client has room (`docs/attach.md`, "Routing").
+    fn claim_wild(&mut self) {
+        let Some((wtag, feed)) = &self.wild else {
+            return;
+        };
+        let (wtag, feed) = (*wtag, Arc::clone(feed));
+        while self.has_room() && self.cq.outbox.is_empty() {
+            let Some(req_id) = feed.pop() else { break };
+            // Longer ids are not nameable by a SUBSCRIBE either: they stay
+            // in the receiver.
+            if req_id.len() > MAX_REQ_ID {
+                continue;
+            }
+            // A req_id subscription (or another wildcard) has it.
+            if !self.shared.role.subscribed.lock().insert(req_id.clone()) {
+                continue;
+            }
+            let names = req_id.len().div_ceil(NAME_PART);
+            match self.shared.role.receiver.take(&req_id) {
+                Ok(chunks) if chunks.len() + 1 + names <= self.cq.ring.capacity() => {
+                    let tag = DAEMON_TAG | self.next_delivery;
+                    self.next_delivery = (self.next_delivery + 1) & !DAEMON_TAG;
+                    tracing::debug!(tag, req_id, "claimed by the wildcard");
+                    self.tags.insert(
+                        tag,
+                        Entry {
+                            req_id,
+                            sub: Sub::Taken {
+                                chunks,
+                                posted: false,
+                            },
+                            named: true,
+                        },
+                    );
+                }
+                Ok(_) => {
+                    self.shared.role.subscribed.lock().remove(&req_id);
+                    self.refuse(wtag, Refusal::TooManyChunks);
+                }
+                Err(e) => {
+                    // Taken by id in process, ambiguous, an LMCache request.
+                    tracing::debug!(req_id, error = %e, "wildcard: take refused");
+                    self.shared.role.subscribed.lock().remove(&req_id);
+                }
+            }
+        }
+    }
+
     fn release(&mut self, tag: u64) {
+        if self.wild.as_ref().is_some_and(|(t, _)| *t == tag) {
+            tracing::debug!(tag, "wildcard released");
+            return self.end_wild();
+        }
         match self.tags.remove(&tag) {
             Some(e) => {
                 tracing::debug!(tag, req_id = %e.req_id, "released");
@@ -289,7 +446,16 @@ impl Session {
             self.scratch.clear();
             let mut ready = DecoderEvent::of(EV_READY, *tag, 0);
             ready.a = chunks.len() as u32;
-            self.scratch.push(ready);
+            if e.named {
+                // At most MAX_REQ_ID bytes (claim_wild).
+                ready.b = e.req_id.len() as u32;
+                self.scratch.push(ready);
+                for part in e.req_id.as_bytes().chunks(NAME_PART) {
+                    self.scratch.push(DecoderEvent::name_part(*tag, part));
+                }
+            } else {
+                self.scratch.push(ready);
+            }
             for (i, c) in chunks.iter().enumerate() {
                 self.scratch.push(DecoderEvent {
                     kind: EV_CHUNK,
@@ -317,6 +483,7 @@ impl Session {
 
 impl Drop for Session {
     fn drop(&mut self) {
+        self.end_wild();
         let entries: Vec<Entry> = self.tags.drain().map(|(_, e)| e).collect();
         {
             let mut subscribed = self.shared.role.subscribed.lock();

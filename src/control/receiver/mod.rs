@@ -46,7 +46,7 @@ pub use self::core::{CoreStats, TakeError};
 pub use crate::region::RecvBuffer;
 pub use acceptor::{AcceptorFactory, HelloAcceptor};
 pub use chunks::{ChunkView, RequestChunks};
-pub use ready::{RequestHandle, RequestStatus};
+pub use ready::{ReadyFeed, RequestHandle, RequestStatus};
 pub use tcp_data::{TcpDataLimits, TcpDataStats};
 
 /// Receiver configuration.
@@ -587,6 +587,12 @@ impl Receiver {
     /// not be created.
     pub fn watch(&self, req_id: &str) -> std::io::Result<RequestHandle> {
         RequestHandle::new(&self.shared, req_id)
+    }
+
+    /// A [`ReadyFeed`] of the ids of requests that become ready from now
+    /// on, at most `max` waiting. Errors: the eventfd could not be created.
+    pub fn ready_feed(&self, max: usize) -> std::io::Result<ReadyFeed> {
+        ReadyFeed::new(&self.shared, max)
     }
 
     /// Borrows every chunk of the complete request `req_id` in place, in

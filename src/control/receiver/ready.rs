@@ -8,12 +8,14 @@
 //! chunks ([`super::Receiver::take`]) refuses to guess instead
 //! ([`super::TakeError::Ambiguous`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
+
+use parking_lot::Mutex;
 
 use crate::eventfd::EventFd;
 use crate::protocol::ErrorCode;
@@ -36,28 +38,38 @@ impl Watch {
     }
 }
 
-/// The handles waiting for each request id. Grown only by the decoder's own
-/// [`super::Receiver::watch`] calls (never by a peer); a handle removes
-/// itself when dropped, and an id's entry goes when its request ends.
+/// The handles waiting for each request id, and the [`ReadyFeed`]s. Grown
+/// only by the decoder's own [`super::Receiver::watch`] and
+/// [`super::Receiver::ready_feed`] calls (never by a peer); a handle or feed
+/// removes itself when dropped, and an id's entry goes when its request ends.
 #[derive(Debug, Default)]
-pub(crate) struct Watchers(HashMap<String, Vec<Arc<Watch>>>);
+pub(crate) struct Watchers(HashMap<String, Vec<Arc<Watch>>>, Vec<Arc<Feed>>);
 
 impl Watchers {
-    /// A request ended: tells its handles.
+    /// A request ended: tells its handles, and the feeds if it is ready.
     pub fn finished(&mut self, req_id: &str, outcome: Outcome) {
         if let Some(ws) = self.0.remove(req_id) {
             for w in ws {
                 w.finish(outcome);
             }
         }
+        if outcome == Outcome::Ready {
+            for f in &self.1 {
+                f.push(req_id);
+            }
+        }
     }
 
-    /// The receiver shut down: wakes every handle (their status says so).
+    /// The receiver shut down: wakes every handle (their status says so)
+    /// and feed.
     pub fn shut_down(&mut self) {
         for (_, ws) in self.0.drain() {
             for w in ws {
                 w.fd.signal();
             }
+        }
+        for f in &self.1 {
+            f.fd.signal();
         }
     }
 
@@ -198,5 +210,103 @@ impl Drop for RequestHandle {
             .lock()
             .watchers
             .remove(&self.req_id, &self.watch);
+    }
+}
+
+/// One [`ReadyFeed`]'s queue: bounded, readable fd while not empty.
+#[derive(Debug)]
+pub(crate) struct Feed {
+    fd: EventFd,
+    ready: Mutex<VecDeque<String>>,
+    max: usize,
+    dropped: AtomicU64,
+}
+
+impl Feed {
+    fn push(&self, req_id: &str) {
+        let mut q = self.ready.lock();
+        if q.len() >= self.max {
+            drop(q);
+            // Relaxed: a statistic.
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        q.push_back(req_id.to_owned());
+        drop(q);
+        self.fd.signal();
+    }
+}
+
+/// The ids of the requests that become ready (their sender's
+/// `TransferDone`) from its creation on, in that order: for a decoder that
+/// consumes requests it does not know by id (the attach daemon's wildcard
+/// subscriptions). At most `max` ids wait in it; the ids of requests that
+/// become ready while it is full are not queued ([`dropped`](Self::dropped)
+/// counts them) and stay for [`super::Receiver::take`] by id. Its file
+/// descriptor ([`AsRawFd`]) is readable while ids wait (or after the
+/// receiver shut down). An id in the feed may already be taken by the time
+/// it is popped: `take` says so.
+pub struct ReadyFeed {
+    shared: Arc<Shared>,
+    feed: Arc<Feed>,
+}
+
+impl std::fmt::Debug for ReadyFeed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReadyFeed")
+            .field("waiting", &self.feed.ready.lock().len())
+            .finish()
+    }
+}
+
+impl ReadyFeed {
+    pub(super) fn new(shared: &Arc<Shared>, max: usize) -> io::Result<Self> {
+        let feed = Arc::new(Feed {
+            fd: EventFd::new()?,
+            ready: Mutex::new(VecDeque::new()),
+            max,
+            dropped: AtomicU64::new(0),
+        });
+        shared.state.lock().watchers.1.push(Arc::clone(&feed));
+        Ok(Self {
+            shared: Arc::clone(shared),
+            feed,
+        })
+    }
+
+    /// The oldest waiting id, if any. Never blocks (beyond the feed's own
+    /// short lock).
+    pub fn pop(&self) -> Option<String> {
+        let mut q = self.feed.ready.lock();
+        let id = q.pop_front();
+        if q.is_empty() {
+            // Under the queue lock: a push after this re-signals, so no
+            // wake-up is lost (a stale one only makes a poll return early).
+            self.feed.fd.clear();
+        }
+        id
+    }
+
+    /// Ids not queued because the feed was full.
+    pub fn dropped(&self) -> u64 {
+        // Relaxed: a statistic.
+        self.feed.dropped.load(Ordering::Relaxed)
+    }
+}
+
+impl AsRawFd for ReadyFeed {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.feed.fd.as_fd().as_raw_fd()
+    }
+}
+
+impl Drop for ReadyFeed {
+    fn drop(&mut self) {
+        self.shared
+            .state
+            .lock()
+            .watchers
+            .1
+            .retain(|f| !Arc::ptr_eq(f, &self.feed));
     }
 }

@@ -1,0 +1,395 @@
+//! Attach from another process (`docs/attach.md`), each figure against a
+//! baseline in the same run (read the ratios; the machine is a shared,
+//! noisy 2-vCPU VM).
+//!
+//! `cargo bench --bench attach -- --warm-up-time 1 --measurement-time 3`
+//!
+//! 1. `attach_rtt/{in_process,attached}`: consuming one complete one-chunk
+//!    request (4 KiB), the per-chunk ring round trip. In process: the
+//!    decoder API a linked-in decoder uses (`Receiver::watch`, its status,
+//!    `Receiver::take`, read a byte, drop). Attached: the same through a
+//!    [`DecoderDaemon`] over the same receiver, from the Rust
+//!    [`DecoderClient`] (SUBSCRIBE on the submission ring + socket
+//!    doorbell → the daemon's session watches and takes → READY + CHUNK on
+//!    the completion ring → read a byte in place → RELEASE). Requests are
+//!    written (untimed) by an in-process `Sender` in rounds of
+//!    [`RTT_ROUND`]; only their consumption is timed.
+//! 2. After criterion's groups (skip with `KVFERRY_ATTACH_SKIP_E2E=1`):
+//!    end to end through the real binaries with the Python clients
+//!    (`clients/python/bench_e2e.py`): a Python prefill worker attached to
+//!    `kvferry sender --attach` fills 256 KiB chunks in place, the shm
+//!    transport moves them into `kvferry receiver --attach`, a Python
+//!    decoder reads them in place and releases them; payload bytes per
+//!    second vs a single-thread memcpy of the same bytes (chunk by chunk,
+//!    between two buffers of the receive buffer's size) timed right before
+//!    and after. Both of the script's modes: `stamp` (the bytes move once,
+//!    in the daemon's transport) and `full` (Python also writes every byte
+//!    into staging and copies every byte out).
+
+use std::hint::black_box;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, Criterion, Throughput};
+use kvferry::attach::{AttachConfig, DecoderClient, DecoderDaemon, Event};
+use kvferry::receiver::{Receiver, ReceiverConfig, RequestStatus};
+use kvferry::sender::{Sender, SenderConfig, TransferSpec};
+
+/// Bytes per chunk of bench 1.
+const RTT_CHUNK: u64 = 4096;
+/// Requests written per untimed round of bench 1 (the receiver holds them
+/// all until they are consumed).
+const RTT_ROUND: usize = 64;
+/// Deadline of every wait.
+const WAIT: Duration = Duration::from_secs(30);
+
+static NEXT: AtomicU64 = AtomicU64::new(0);
+
+fn unique(prefix: &str) -> String {
+    // Relaxed: only distinct numbers are needed.
+    format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+fn deadline() -> Instant {
+    Instant::now() + WAIT
+}
+
+// ----- bench 1: per-chunk round trip ------------------------------------------
+
+/// An in-process receiver and sender over shm, and a way to put complete
+/// one-chunk requests into the receiver.
+struct Rig {
+    receiver: Arc<Receiver>,
+    sender: Sender,
+    payload: Vec<u8>,
+}
+
+impl Rig {
+    fn new() -> Self {
+        let receiver = Arc::new(
+            Receiver::start(ReceiverConfig {
+                listen: "tcp://127.0.0.1:0".into(),
+                receiver_id: unique("rtt-recv"),
+                capacity_chunks: RTT_ROUND * 2,
+                chunk_bytes: RTT_CHUNK,
+                ..ReceiverConfig::default()
+            })
+            .expect("receiver starts"),
+        );
+        let sender = Sender::new(SenderConfig {
+            sender_id: unique("rtt-send"),
+            staging_slots: RTT_ROUND,
+            chunk_bytes: RTT_CHUNK,
+            ..SenderConfig::default()
+        })
+        .expect("sender starts");
+        Self {
+            receiver,
+            sender,
+            payload: vec![0x5a; RTT_CHUNK as usize],
+        }
+    }
+
+    /// Writes `n` complete one-chunk requests and waits until the receiver
+    /// has them all; returns their ids.
+    fn fill(&self, n: usize) -> Vec<String> {
+        let ids: Vec<String> = (0..n).map(|_| unique("rtt")).collect();
+        for id in &ids {
+            let spec = TransferSpec::new(id, self.receiver.endpoint(), 1, true);
+            self.sender
+                .store(&spec, &[format!("{id}/0")], &[&self.payload])
+                .expect("stored");
+        }
+        for id in &ids {
+            self.receiver
+                .wait_ready(id, deadline())
+                .unwrap_or_else(|e| panic!("request {id} not ready: {e:?}"));
+        }
+        ids
+    }
+
+    /// Waits until every slot is back (released requests are freed by the
+    /// daemon after the client's RELEASE).
+    fn drained(&self) {
+        let end = deadline();
+        while self.receiver.stats().allocated_chunks != 0 {
+            assert!(Instant::now() < end, "receiver slots not returned");
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+}
+
+/// Consumes `ids` in process: watch, status, take, read, drop.
+fn consume_in_process(r: &Receiver, ids: &[String]) {
+    for id in ids {
+        let h = r.watch(id).expect("watch");
+        assert_eq!(h.status(), RequestStatus::Ready);
+        let chunks = r.take(id).expect("take");
+        black_box(chunks.get(0).expect("one chunk").bytes()[0]);
+    }
+}
+
+/// Consumes `ids` through the attach rings: subscribe, READY, read, release.
+fn consume_attached(c: &mut DecoderClient, ids: &[String]) {
+    for id in ids {
+        let tag = c.subscribe(id).expect("subscribe");
+        match c.next_event(deadline()).expect("an event") {
+            Event::Ready(d) => {
+                assert_eq!(d.tag(), tag);
+                black_box(c.chunk(&d, 0).expect("chunk")[0]);
+                c.release(d).expect("release");
+            }
+            other => panic!("expected READY for {id}, got {other:?}"),
+        }
+    }
+}
+
+fn rtt(c: &mut Criterion) {
+    let rig = Rig::new();
+    let dir = std::env::temp_dir().join(unique("kvferry-attach-bench"));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let daemon = DecoderDaemon::start(
+        Arc::clone(&rig.receiver),
+        AttachConfig::new(dir.join("attach.sock")),
+    )
+    .expect("daemon starts");
+    let mut client = DecoderClient::connect(daemon.socket(), WAIT).expect("attaches");
+
+    let mut group = c.benchmark_group("attach_rtt");
+    group.throughput(Throughput::Elements(1));
+    group.sample_size(20);
+    group.bench_function("in_process", |b| {
+        b.iter_custom(|iters| {
+            timed_rounds(&rig, iters, |ids| consume_in_process(&rig.receiver, ids))
+        })
+    });
+    group.bench_function("attached", |b| {
+        b.iter_custom(|iters| timed_rounds(&rig, iters, |ids| consume_attached(&mut client, ids)))
+    });
+    group.finish();
+    drop(client);
+    drop(daemon);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Runs `consume` over `iters` requests in rounds of [`RTT_ROUND`], timing
+/// only the consumption.
+fn timed_rounds(rig: &Rig, iters: u64, mut consume: impl FnMut(&[String])) -> Duration {
+    let mut total = Duration::ZERO;
+    let mut left = iters as usize;
+    while left > 0 {
+        let n = left.min(RTT_ROUND);
+        rig.drained();
+        let ids = rig.fill(n);
+        let t = Instant::now();
+        consume(&ids);
+        total += t.elapsed();
+        left -= n;
+    }
+    rig.drained();
+    total
+}
+
+criterion_group!(benches, rtt);
+
+// ----- bench 2: Python end to end through the binaries -------------------------
+
+/// Chunk size of the end-to-end run.
+const E2E_CHUNK: usize = 256 << 10;
+/// Chunks per request.
+const E2E_CHUNKS: usize = 16;
+/// Requests per run (`E2E_REQUESTS * E2E_CHUNKS * E2E_CHUNK` = 1 GiB).
+const E2E_REQUESTS: usize = 256;
+/// Receive buffer and staging slots (4 requests' worth).
+const E2E_SLOTS: usize = 64;
+/// Requests the Python worker keeps in flight.
+const E2E_WINDOW: usize = 3;
+
+/// A child process killed on drop, its stdout lines on a channel.
+struct Proc {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Proc {
+    fn spawn(cmd: &mut Command) -> Self {
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}"));
+        let out = child.stdout.take().expect("stdout");
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines() {
+                let Ok(l) = l else { break };
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        Self { child, lines }
+    }
+
+    /// The rest of the first line starting with `prefix`.
+    fn line(&self, prefix: &str, what: &str) -> String {
+        let end = Instant::now() + Duration::from_secs(120);
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            let l = self
+                .lines
+                .recv_timeout(left)
+                .unwrap_or_else(|_| panic!("{what}: no line {prefix:?}"));
+            if let Some(rest) = l.strip_prefix(prefix) {
+                return rest.to_owned();
+            }
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// GiB/s of a single-thread memcpy of `bytes` in `chunk`-sized copies
+/// from `src` to `dst` (each the receive buffer's size, already touched,
+/// so no page fault is timed), after one untimed pass.
+fn memcpy_gibs(src: &[u8], dst: &mut [u8], bytes: usize, chunk: usize) -> f64 {
+    let pass = |dst: &mut [u8]| {
+        for (d, s) in dst.chunks_mut(chunk).zip(src.chunks(chunk)) {
+            d.copy_from_slice(s);
+        }
+        black_box(dst.as_ptr());
+    };
+    pass(dst);
+    let t = Instant::now();
+    let mut moved = 0;
+    while moved < bytes {
+        pass(dst);
+        moved += src.len();
+    }
+    moved as f64 / t.elapsed().as_secs_f64() / f64::from(1u32 << 30)
+}
+
+/// One end-to-end run in `mode`: GiB/s from the worker's start to the
+/// decoder's last release.
+fn python_e2e(mode: &str, dir: &Path) -> f64 {
+    let bin = env!("CARGO_BIN_EXE_kvferry");
+    let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/python");
+    let rsock = dir.join(format!("{mode}-recv.sock"));
+    let ssock = dir.join(format!("{mode}-send.sock"));
+    let chunk = E2E_CHUNK.to_string();
+    let slots = E2E_SLOTS.to_string();
+    let recv = Proc::spawn(
+        Command::new(bin).args([
+            "receiver",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--capacity-chunks",
+            &slots,
+            "--chunk-bytes",
+            &chunk,
+            "--attach",
+            rsock.to_str().expect("utf-8 path"),
+            "--shm-path",
+            dir.join(format!("{mode}-buf"))
+                .to_str()
+                .expect("utf-8 path"),
+        ]),
+    );
+    let endpoint = recv.line("kvferry receiver listening on ", "kvferry receiver");
+    recv.line("kvferry receiver attach on ", "kvferry receiver");
+    let send = Proc::spawn(Command::new(bin).args([
+        "sender",
+        "--connect",
+        &endpoint,
+        "--chunk-bytes",
+        &chunk,
+        "--staging-slots",
+        &slots,
+        "--attach",
+        ssock.to_str().expect("utf-8 path"),
+    ]));
+    send.line("kvferry sender attach on ", "kvferry sender");
+    let prefix = unique(mode);
+    let (requests, chunks) = (E2E_REQUESTS.to_string(), E2E_CHUNKS.to_string());
+    let python = |role: &str, sock: &Path, extra: &[&str]| {
+        Proc::spawn(
+            Command::new("python3")
+                .arg(py.join("bench_e2e.py"))
+                .args([role, sock.to_str().expect("utf-8 path"), &prefix])
+                .args([requests.as_str(), chunks.as_str(), mode])
+                .args(extra)
+                .env("PYTHONPATH", &py),
+        )
+    };
+    let dec = python("decoder", &rsock, &[]);
+    dec.line("E2E:subscribed", "python decoder");
+    let window = E2E_WINDOW.to_string();
+    let pf = python("prefill", &ssock, &[&window]);
+    let times = |p: &Proc, role: &str| -> (f64, f64, f64) {
+        let l = p.line(&format!("E2E:{role} "), role);
+        let v: Vec<f64> = l
+            .split_whitespace()
+            .map(|x| x.parse().expect("a number"))
+            .collect();
+        (v[0], v[1], v[2])
+    };
+    let (t0, _, _) = times(&pf, "prefill");
+    let (_, t1, bytes) = times(&dec, "decoder");
+    drop((pf, dec, send, recv));
+    bytes / (t1 - t0) / f64::from(1u32 << 30)
+}
+
+fn e2e() {
+    if std::env::var_os("KVFERRY_ATTACH_SKIP_E2E").is_some() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(unique("kvferry-attach-e2e"));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let bytes = E2E_REQUESTS * E2E_CHUNKS * E2E_CHUNK;
+    let window = E2E_SLOTS * E2E_CHUNK;
+    println!(
+        "\nattach end to end (Python worker -> kvferry sender -> shm -> kvferry receiver -> \
+         Python decoder), {} MiB in {} KiB chunks, vs a single-thread memcpy:",
+        bytes >> 20,
+        E2E_CHUNK >> 10
+    );
+    let src = vec![0x33u8; window];
+    let mut dst = vec![0x44u8; window];
+    for mode in ["stamp", "full"] {
+        for _ in 0..3 {
+            let before = memcpy_gibs(&src, &mut dst, bytes, E2E_CHUNK);
+            let kvf = python_e2e(mode, &dir);
+            let after = memcpy_gibs(&src, &mut dst, bytes, E2E_CHUNK);
+            let base = (before + after) / 2.0;
+            println!(
+                "  {mode:5}: kvferry {kvf:6.2} GiB/s, memcpy {base:6.2} GiB/s \
+                 (before {before:.2}, after {after:.2}), ratio {:.2}",
+                kvf / base
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn main() {
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+    // Only under `cargo bench` (criterion's harness gets `--bench`), not in
+    // `cargo test --benches` smoke runs.
+    if std::env::args().any(|a| a == "--bench") {
+        e2e();
+    }
+}

@@ -1,0 +1,135 @@
+"""End-to-end attach benchmark roles (driven by benches/attach.rs, which
+starts `kvferry receiver --attach` and `kvferry sender --attach`, runs one
+decoder and one prefill process of this script, and prints the ratio to a
+single-thread memcpy of the same bytes measured in the same run).
+
+usage: bench_e2e.py decoder SOCKET PREFIX REQUESTS CHUNKS MODE
+       bench_e2e.py prefill SOCKET PREFIX REQUESTS CHUNKS MODE WINDOW
+
+Requests PREFIX-0 .. PREFIX-(REQUESTS-1), CHUNKS full chunks each. The
+prefill worker keeps WINDOW requests in flight (begin + stage, fill in
+place, submit); the decoder keeps a window of subscriptions ahead, reads
+every delivered chunk in place and releases it.
+
+MODE "stamp": the worker writes an 8-byte stamp (request, chunk) at both
+ends of each slot and the decoder checks both; the bytes in between move
+only in the daemon's transport (the issue's "data moves once": a GPU would
+fill and read the slots by DMA). MODE "full": the worker copies a whole
+chunk into each slot from Python (memoryview slice assignment: a memcpy)
+and the decoder copies each chunk out into a buffer of its own (another
+memcpy), so the bytes move three times.
+
+Each role prints one line "E2E:<role> <t_start> <t_end> <bytes>" with
+CLOCK_MONOTONIC seconds (system-wide, so the driver can combine them).
+"""
+
+import struct
+import sys
+import time
+
+import kvferry_attach
+
+STAMP = struct.Struct("<Q")
+
+
+def stamp_of(i, k):
+    return STAMP.pack((i << 20) | k)
+
+
+def decoder(sock, prefix, requests, chunks, mode):
+    c = kvferry_attach.DecoderClient(sock)
+    window = min(c.max_outstanding, requests, 32)
+    sink = bytearray(c.chunk_bytes)
+    nxt = 0
+    for _ in range(window):
+        c.subscribe("%s-%d" % (prefix, nxt))
+        nxt += 1
+    print("E2E:subscribed", flush=True)
+    done, moved, t0 = 0, 0, None
+    while done < requests:
+        ev = c.next_event(timeout=60.0)
+        if ev[0] != "ready":
+            sys.exit("decoder: expected READY, got %r" % (ev,))
+        if t0 is None:
+            t0 = time.monotonic()
+        _, tag, req_id, descs = ev
+        i = int(req_id.rsplit("-", 1)[1])
+        if len(descs) != chunks:
+            sys.exit("decoder: %s has %d chunks" % (req_id, len(descs)))
+        for k, d in enumerate(descs):
+            mv = c.chunk(d)
+            want = stamp_of(i, k)
+            if mv[:8] != want or mv[-8:] != want:
+                sys.exit("decoder: chunk %d of %s has a wrong stamp" % (k, req_id))
+            if mode == "full":
+                sink[:] = mv  # the decoder's own copy (e.g. a host->GPU upload)
+            moved += len(mv)
+        c.release(tag)
+        done += 1
+        if nxt < requests:
+            c.subscribe("%s-%d" % (prefix, nxt))
+            nxt += 1
+    t1 = time.monotonic()
+    print("E2E:decoder %.9f %.9f %d" % (t0, t1, moved), flush=True)
+    c.close()
+
+
+def prefill(sock, prefix, requests, chunks, mode, window):
+    c = kvferry_attach.PrefillClient(sock)
+    cb = c.chunk_bytes
+    src = bytes(range(256)) * (cb // 256)
+    lens = [cb] * chunks
+    inflight = {}  # tag -> request index
+    issued = done = 0
+    t0 = time.monotonic()
+
+    def start():
+        nonlocal issued
+        tag = c.begin("%s-%d" % (prefix, issued), 0, chunks)
+        c.stage(tag, chunks)
+        inflight[tag] = issued
+        issued += 1
+
+    while issued < min(window, requests):
+        start()
+    while done < requests:
+        ev = c.next_event(timeout=60.0)
+        if ev[0] == "staged":
+            _, tag, batch, slots = ev
+            i = inflight[tag]
+            for k, s in enumerate(slots):
+                mv = c.slot(s)
+                if mode == "full":
+                    mv[:] = src
+                st = stamp_of(i, k)
+                mv[:8] = st
+                mv[cb - 8:] = st
+            keys = ["%s-%d/%d" % (prefix, i, k) for k in range(chunks)]
+            c.submit(tag, batch, keys, lens)
+        elif ev[0] == "done":
+            del inflight[ev[1]]
+            done += 1
+            if issued < requests:
+                start()
+        else:
+            sys.exit("prefill: unexpected event %r" % (ev,))
+    t1 = time.monotonic()
+    print("E2E:prefill %.9f %.9f %d" % (t0, t1, requests * chunks * cb), flush=True)
+    c.close()
+
+
+def main():
+    role, sock, prefix = sys.argv[1], sys.argv[2], sys.argv[3]
+    requests, chunks, mode = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+    if mode not in ("stamp", "full"):
+        sys.exit("MODE is stamp or full")
+    if role == "decoder":
+        decoder(sock, prefix, requests, chunks, mode)
+    elif role == "prefill":
+        prefill(sock, prefix, requests, chunks, mode, int(sys.argv[7]))
+    else:
+        sys.exit("role is decoder or prefill")
+
+
+if __name__ == "__main__":
+    main()
