@@ -118,7 +118,7 @@ pub struct ReceiverArgs {
     #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(i32).range(1..))]
     pub reply_queue_per_peer: i32,
     /// Serve attached decoder processes on this Unix socket (ring files in
-    /// `PATH.d/`; see docs/attach.md).
+    /// a fresh 0700 `/dev/shm/kvferry-attach-<pid>-<n>/`; see docs/attach.md).
     #[arg(long)]
     pub attach: Option<PathBuf>,
     /// With --attach: live attachments at most.
