@@ -1178,6 +1178,7 @@ impl Ctrl {
         lease: Arc<super::registered::WriteLease>,
     ) {
         let now = Instant::now();
+        lease.posted(writes.len());
         self.chunk_ops.clear();
         for (k, &j) in writes.iter().enumerate() {
             let (region, offset) = src[j as usize];
