@@ -223,6 +223,27 @@ fn a_failed_write_completes_its_handle_with_a_typed_error_and_frees_the_region()
     wait_sender_empty(&s, "after a failed registered write");
 }
 
+/// A write whose every chunk the receiver already holds (dedup against a
+/// ready copy) posts nothing and still ends `Ok`: nothing was left unwritten.
+#[test]
+fn a_write_the_receiver_fully_dedups_ends_ok() {
+    let r = receiver(16);
+    let s = sender(sender_cfg(1, None));
+    let mut mem = memory(1);
+    let region = register(&s, &mem);
+    let len = fill(&mut mem, 7, 0);
+    let k = key("dedup-0", 7, 0, 1);
+    for id in ["dedup-0", "dedup-1"] {
+        let req = s.begin(RequestSpec::new(id, r.endpoint(), 1)).unwrap();
+        let h = req.write(&[&k], &[(&region, 0, len)], deadline()).unwrap();
+        assert!(h.wait(deadline()));
+        assert_eq!(h.outcome(), Some(Ok(())), "{id}");
+        assert_eq!(req.wait(deadline()), RequestStatus::Completed, "{id}");
+        r.wait_ready(id, deadline()).unwrap();
+    }
+    s.deregister(&region).unwrap();
+}
+
 #[test]
 fn bad_registrations_are_typed_errors() {
     let s = sender(sender_cfg(1, None));

@@ -818,6 +818,9 @@ impl Ctrl {
             .collect();
         if writes.is_empty() {
             drop(t);
+            if let BatchData::Registered { lease, .. } = &b.data {
+                lease.posted(0); // the receiver holds every chunk: nothing to write
+            }
             return self.release_data(b.data, b.bytes);
         }
         // Dedup'd chunks release their staging at once.
