@@ -1197,7 +1197,9 @@ fn a_link_flap_fails_registered_writes_with_a_typed_error_and_frees_the_region()
 /// 64 KiB and 256 KiB chunks. Prints each path's rate and their ratio; the
 /// receiver takes and releases every request (no byte check, the same on
 /// both paths). `KVFERRY_BENCH_BYTES` (default 32 MiB) per path per round,
-/// 2 rounds.
+/// 2 rounds; `KVFERRY_BENCH_SIZES` (default `65536,262144`) the chunk
+/// sizes. `tests/soft-roce/compare.sh` runs it next to `ib_write_bw` when
+/// given this test binary (`KVFERRY_RDMA_BENCH_BIN`).
 #[test]
 #[ignore = "benchmark: run in the soft-RoCE guest with --ignored --nocapture"]
 fn bench_registered_memory_vs_store_over_rdma() {
@@ -1213,7 +1215,16 @@ fn bench_registered_memory_vs_store_over_rdma() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(32 << 20);
-    for size in [64usize << 10, 256 << 10] {
+    let sizes: Vec<usize> = std::env::var("KVFERRY_BENCH_SIZES")
+        .unwrap_or_else(|_| "65536,262144".into())
+        .split(',')
+        .map(|v| {
+            v.trim()
+                .parse()
+                .expect("KVFERRY_BENCH_SIZES: comma-separated byte counts")
+        })
+        .collect();
+    for size in sizes {
         let r = Receiver::start(ReceiverConfig {
             capacity_chunks: 2 * WINDOW * CHUNKS,
             chunk_bytes: size as u64,
@@ -1286,8 +1297,8 @@ fn bench_registered_memory_vs_store_over_rdma() {
         }
         s.deregister(&region).unwrap();
         println!(
-            "bench: {} KiB chunks, {} requests x {CHUNKS} per path per round: store (copy into staging) {store:.1} MB/s, \
-             registered memory (no sender copy) {reg:.1} MB/s, registered/store {:.2}",
+            "bench: {} KiB chunks, {} requests x {CHUNKS} per path per round: store_mbs={store:.2} \
+             (copy into staging) registered_mbs={reg:.2} (no sender copy) registered/store {:.2}",
             size >> 10,
             requests,
             reg / store
