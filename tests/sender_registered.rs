@@ -72,6 +72,7 @@ fn write_request(
             h.wait(deadline()),
             "write of {req_id} done before the deadline"
         );
+        assert_eq!(h.outcome(), Some(Ok(())), "every chunk of {req_id} landed");
     }
     req
 }
@@ -171,6 +172,76 @@ fn memory_stays_busy_until_the_write_completes() {
         Err(RegisterError::NotRegistered { id: region.id() })
     );
     late.cancel();
+}
+
+/// A write the transport fails completes its handle with a typed error
+/// (here every write fails: the fault wrapper, `Injected`), the request
+/// fails, and the region is free again: `deregister_by` (which waits for
+/// in-flight writes with a deadline) succeeds, and the memory can be
+/// registered and written from again.
+#[test]
+fn a_failed_write_completes_its_handle_with_a_typed_error_and_frees_the_region() {
+    use kvferry::sender::WriteError;
+    use kvferry::transport::CompletionStatus;
+    let r = receiver(16);
+    let mut cfg = sender_cfg(1, None);
+    cfg.transport_config.fault = Some(FaultConfig {
+        fail_rate: 1.0,
+        delay: Duration::from_millis(300),
+        ..FaultConfig::default()
+    });
+    let s = sender(cfg);
+    let mut mem = memory(1);
+    let region = register(&s, &mem);
+    let len = fill(&mut mem, 6, 0);
+    let req = s
+        .begin(RequestSpec::new("fail-0", r.endpoint(), 1))
+        .unwrap();
+    let h = req
+        .write(&[key("fail-0", 6, 0, 1)], &[(&region, 0, len)], deadline())
+        .unwrap();
+    assert_eq!(h.outcome(), None, "in flight: the completion is held");
+    // Still in flight: a deregister with a deadline that passes first is
+    // refused, and changes nothing.
+    assert!(matches!(
+        s.deregister_by(
+            &region,
+            std::time::Instant::now() + Duration::from_millis(1)
+        ),
+        Err(RegisterError::Busy { in_flight: 1, .. })
+    ));
+    assert!(h.wait(deadline()));
+    assert_eq!(
+        h.outcome(),
+        Some(Err(WriteError::Failed(CompletionStatus::Injected)))
+    );
+    assert!(matches!(req.wait(deadline()), RequestStatus::Failed { .. }));
+    s.deregister_by(&region, deadline())
+        .expect("the failed write no longer holds the region");
+    let again = register(&s, &mem);
+    s.deregister(&again).unwrap();
+    wait_sender_empty(&s, "after a failed registered write");
+}
+
+/// A write whose every chunk the receiver already holds (dedup against a
+/// ready copy) posts nothing and still ends `Ok`: nothing was left unwritten.
+#[test]
+fn a_write_the_receiver_fully_dedups_ends_ok() {
+    let r = receiver(16);
+    let s = sender(sender_cfg(1, None));
+    let mut mem = memory(1);
+    let region = register(&s, &mem);
+    let len = fill(&mut mem, 7, 0);
+    let k = key("dedup-0", 7, 0, 1);
+    for id in ["dedup-0", "dedup-1"] {
+        let req = s.begin(RequestSpec::new(id, r.endpoint(), 1)).unwrap();
+        let h = req.write(&[&k], &[(&region, 0, len)], deadline()).unwrap();
+        assert!(h.wait(deadline()));
+        assert_eq!(h.outcome(), Some(Ok(())), "{id}");
+        assert_eq!(req.wait(deadline()), RequestStatus::Completed, "{id}");
+        r.wait_ready(id, deadline()).unwrap();
+    }
+    s.deregister(&region).unwrap();
 }
 
 #[test]

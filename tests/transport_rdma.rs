@@ -788,3 +788,515 @@ fn a_link_flap_fails_the_hit_requests_and_later_ones_succeed() {
     common_sender::wait_sender_empty(&s, "after the link flap");
     common_sender::wait_receiver_empty(&r, "after the link flap");
 }
+
+// ----- writes from caller-registered memory (its own memory region) --------
+
+/// Page-aligned caller memory of `chunks` chunks, chunk `i` filled with
+/// `seed + i`.
+fn caller_memory(chunks: usize, seed: u8) -> memmap2::MmapMut {
+    let mut mem = memmap2::MmapMut::map_anon(chunks * CHUNK as usize).expect("anonymous mapping");
+    for (i, c) in mem.chunks_mut(CHUNK as usize).enumerate() {
+        c.fill(seed.wrapping_add(i as u8));
+    }
+    mem
+}
+
+/// A write op reading `len` bytes at `local` of local region `region`.
+fn op_from(
+    work_id: u64,
+    peer: u32,
+    region: u32,
+    local: u64,
+    remote_slot: u64,
+    len: u64,
+) -> WriteOp {
+    WriteOp {
+        local_region: region,
+        local_offset: local,
+        ..op(work_id, peer, 0, remote_slot, len)
+    }
+}
+
+/// The poster's registry registers an MR over caller memory; writes naming
+/// that region carry its lkey and the caller's addresses, so the NIC reads
+/// the caller's pages: the receiver's slots hold them byte for byte (the
+/// staging buffer is all zeros). A region that is not registered (or no
+/// longer) and a range past its end complete `OutOfBounds` without
+/// touching the NIC. Before registered memory had MRs every write from a
+/// region completed `TransportError`.
+#[test]
+fn writes_from_a_registered_region_land_byte_for_byte() {
+    if !device_or_skip("writes_from_a_registered_region_land_byte_for_byte") {
+        return;
+    }
+    let (mut p, peer) = pair(64);
+    let mem = caller_memory(4, 0x51);
+    let registry = p
+        .rdma_poster()
+        .local_registry()
+        .expect("rdma registers caller memory");
+    // SAFETY: `mem` outlives the registration (deregistered below, before
+    // `mem` drops) and is not written while registered.
+    unsafe { registry.register(1, mem.as_ptr(), mem.len() as u64) }.expect("ibv_reg_mr");
+    // Chunk i of the region to slot 3 - i, a staging write in the same
+    // chain, then the refused ones.
+    let mut ops: Vec<WriteOp> = (0..4)
+        .map(|i| op_from(i, peer, 1, i * CHUNK, 3 - i, CHUNK))
+        .collect();
+    ops.push(op(4, peer, 0, 4, CHUNK));
+    ops.push(op_from(5, peer, 2, 0, 5, CHUNK)); // region 2: never registered
+    ops.push(op_from(6, peer, 1, 3 * CHUNK + 1, 6, CHUNK)); // past its end
+    assert_eq!(p.rdma_poster().post(&ops).unwrap(), ops.len());
+    let mut done = collect(p.comps(), ops.len(), "writes from a registered region");
+    done.sort_by_key(|c| c.work_id);
+    let status: Vec<CompletionStatus> = done.iter().map(|c| c.status()).collect();
+    use CompletionStatus::{Ok as Landed, OutOfBounds};
+    assert_eq!(
+        status,
+        [
+            Landed,
+            Landed,
+            Landed,
+            Landed,
+            Landed,
+            OutOfBounds,
+            OutOfBounds
+        ]
+    );
+    for i in 0..4u64 {
+        let want = &mem[(i * CHUNK) as usize..((i + 1) * CHUNK) as usize];
+        assert_eq!(
+            suite::Fixture::read_slot(&p, 0, (3 - i) as u32),
+            want,
+            "slot {} holds chunk {i} of the caller's memory",
+            3 - i
+        );
+    }
+    assert_eq!(
+        suite::Fixture::read_slot(&p, 0, 4),
+        vec![0u8; CHUNK as usize],
+        "staging write"
+    );
+    // Deregistered: the NIC can no longer read it, writes naming it fail at once.
+    registry.deregister(1);
+    assert_eq!(
+        p.rdma_poster()
+            .post(&[op_from(7, peer, 1, 0, 7, CHUNK)])
+            .unwrap(),
+        1
+    );
+    let late = collect(p.comps(), 1, "write from a deregistered region");
+    assert_eq!(late[0].status(), CompletionStatus::OutOfBounds);
+}
+
+/// Writes from a registered region to a destroyed receiver queue pair fail
+/// `ConnectionLost` (RC retries exhausted: the NIC is done with the
+/// memory), after which the region's MR can be deregistered.
+#[test]
+fn writes_from_a_registered_region_to_a_dead_qp_fail_and_free_it() {
+    if !device_or_skip("writes_from_a_registered_region_to_a_dead_qp_fail_and_free_it") {
+        return;
+    }
+    let (mut p, peer) = pair(64);
+    let mem = caller_memory(4, 0x61);
+    let registry = p.rdma_poster().local_registry().unwrap();
+    // SAFETY: as in the test above.
+    unsafe { registry.register(3, mem.as_ptr(), mem.len() as u64) }.expect("ibv_reg_mr");
+    let qp = match &p.rx().sender_desc {
+        Descriptor::Rdma { qp_num, .. } => *qp_num,
+        other => panic!("sender descriptor {other:?}"),
+    };
+    assert!(p.rx().side.forget(qp));
+    let ops: Vec<WriteOp> = (0..4)
+        .map(|i| op_from(i, peer, 3, i * CHUNK, i, CHUNK))
+        .collect();
+    assert_eq!(p.rdma_poster().post(&ops).unwrap(), 4);
+    let done = collect(p.comps(), 4, "registered writes to a destroyed QP");
+    assert!(
+        done.iter()
+            .all(|c| c.status() == CompletionStatus::ConnectionLost),
+        "{done:?}"
+    );
+    registry.deregister(3);
+}
+
+/// A sender over rdma whose staging has ONE slot (so a batch of 8 chunks
+/// can only come from registered memory), optionally behind the fault
+/// wrapper.
+fn rdma_registered_sender(
+    fault: Option<kvferry::transport::FaultConfig>,
+) -> kvferry::sender::Sender {
+    let inner: Box<dyn kvferry::transport::Transport> =
+        Box::new(RdmaTransport::new(env_cfg()).expect("rdma sender transport"));
+    let transport: Box<dyn kvferry::transport::Transport> = match fault {
+        Some(f) => Box::new(kvferry::transport::FaultTransport::new(inner, f)),
+        None => inner,
+    };
+    kvferry::sender::Sender::with_transport(
+        kvferry::sender::SenderConfig {
+            transport: "rdma".into(),
+            rehello_backoff: Duration::from_millis(200),
+            reply_timeout: Duration::from_secs(10),
+            ..common_sender::sender_cfg(1, None)
+        },
+        transport,
+    )
+    .expect("rdma sender starts")
+}
+
+/// Fills chunk `i` of `mem` with chunk `i` of request number `request`
+/// (the pattern `common_sender::consume` checks); returns its length.
+fn fill_chunk(mem: &mut memmap2::MmapMut, request: u64, i: u32, total: u32) -> u32 {
+    let c = CHUNK as usize;
+    common_sender::payloads().fill_slice(
+        common_sender::chunk_id(request, i, total),
+        &mut mem[i as usize * c..(i as usize + 1) * c],
+    ) as u32
+}
+
+/// Writes the `n` chunks of request number `request` from `region` (filled
+/// first) in one batch; returns the request and the write's handle.
+fn write_all(
+    s: &kvferry::sender::Sender,
+    r: &kvferry::receiver::Receiver,
+    mem: &mut memmap2::MmapMut,
+    region: &kvferry::sender::MemoryRegion,
+    req_id: &str,
+    request: u64,
+    n: u32,
+) -> Result<(kvferry::sender::Request, kvferry::sender::WriteHandle), kvferry::sender::StoreError> {
+    use kvferry::sender::RequestSpec;
+    let lens: Vec<u32> = (0..n).map(|i| fill_chunk(mem, request, i, n)).collect();
+    let req = s.begin(RequestSpec::new(req_id, r.endpoint(), n as usize))?;
+    let keys: Vec<String> = (0..n)
+        .map(|i| common_sender::key(req_id, request, i, n))
+        .collect();
+    let chunks: Vec<(&kvferry::sender::MemoryRegion, u64, u32)> = (0..n)
+        .map(|i| (region, u64::from(i) * CHUNK, lens[i as usize]))
+        .collect();
+    let h = req.write(&keys, &chunks, Instant::now() + DEADLINE)?;
+    Ok((req, h))
+}
+
+/// Through the public API over rdma: `Sender::register` registers an MR
+/// over the caller's pages, `Request::write` posts RDMA WRITEs from them
+/// (no staging: one slot could not hold the batch, and none is in use),
+/// the receiver holds the bytes byte for byte, the handle says `Ok`, the
+/// memory is refilled for a second request, and `deregister` succeeds.
+/// Before, `register` refused rdma (`Unsupported`).
+#[test]
+fn a_sender_writes_registered_memory_over_rdma_with_no_sender_copy() {
+    if !device_or_skip("a_sender_writes_registered_memory_over_rdma_with_no_sender_copy") {
+        return;
+    }
+    use kvferry::sender::RequestStatus;
+    let r = rdma_receiver();
+    let s = rdma_registered_sender(None);
+    let mut mem = memmap2::MmapMut::map_anon(8 * CHUNK as usize).unwrap();
+    // SAFETY: `mem` outlives the region (deregistered below) and is only
+    // refilled after the write's handle is done.
+    let region = unsafe { s.register(mem.as_ptr(), mem.len()) }.expect("ibv_reg_mr");
+    for request in [71u64, 72] {
+        let id = common_sender::unique("rdma-mr");
+        let (req, h) = write_all(&s, &r, &mut mem, &region, &id, request, 8).expect("write");
+        assert_eq!(s.staging_in_use(), 0, "a registered write takes no staging");
+        assert!(h.wait(Instant::now() + DEADLINE), "write of {id} done");
+        assert_eq!(h.outcome(), Some(Ok(())), "every chunk of {id} landed");
+        assert_eq!(
+            req.wait(Instant::now() + DEADLINE),
+            RequestStatus::Completed
+        );
+        common_sender::consume(&r, &id, request, 8).unwrap_or_else(|e| panic!("{e}"));
+    }
+    s.deregister(&region).expect("nothing in flight");
+    common_sender::wait_sender_empty(&s, "after registered rdma writes");
+    common_sender::wait_receiver_empty(&r, "after registered rdma writes");
+}
+
+/// `deregister` refuses (`Busy`) while an RDMA WRITE from the region is in
+/// flight (its completion held 3 s by the fault wrapper: the test thread
+/// only needs to run within those 3 s), and so does
+/// `deregister_by` whose deadline passes first; `deregister_by` with a
+/// later deadline waits for the completion, then deregisters the MR.
+#[test]
+fn deregistering_a_region_with_rdma_writes_in_flight_is_refused_until_they_complete() {
+    if !device_or_skip(
+        "deregistering_a_region_with_rdma_writes_in_flight_is_refused_until_they_complete",
+    ) {
+        return;
+    }
+    use kvferry::sender::{RegisterError, RequestStatus};
+    let r = rdma_receiver();
+    let s = rdma_registered_sender(Some(kvferry::transport::FaultConfig {
+        delay: Duration::from_secs(3),
+        ..Default::default()
+    }));
+    let mut mem = memmap2::MmapMut::map_anon(4 * CHUNK as usize).unwrap();
+    // SAFETY: as above; nothing writes `mem` until the handle is done.
+    let region = unsafe { s.register(mem.as_ptr(), mem.len()) }.expect("ibv_reg_mr");
+    let id = common_sender::unique("rdma-busy");
+    let (req, h) = write_all(&s, &r, &mut mem, &region, &id, 73, 4).expect("write");
+    assert!(!h.is_done(), "the completion is held by the fault wrapper");
+    assert!(matches!(
+        s.deregister(&region),
+        Err(RegisterError::Busy { in_flight: 1, .. })
+    ));
+    assert!(matches!(
+        s.deregister_by(&region, Instant::now() + Duration::from_millis(10)),
+        Err(RegisterError::Busy { in_flight: 1, .. })
+    ));
+    s.deregister_by(&region, Instant::now() + DEADLINE)
+        .expect("deregistered once the write completed");
+    assert!(
+        h.is_done(),
+        "a region is idle only once its writes' handles are done"
+    );
+    assert_eq!(h.outcome(), Some(Ok(())));
+    assert_eq!(
+        req.wait(Instant::now() + DEADLINE),
+        RequestStatus::Completed
+    );
+    common_sender::consume(&r, &id, 73, 4).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        s.deregister(&region),
+        Err(RegisterError::NotRegistered { id: region.id() })
+    );
+}
+
+/// `ibv_reg_mr` failing is a typed error from `register` that names the
+/// call and the locked-memory limit, and registers nothing (the id is free
+/// again). The pages of an address in the kernel's half of the address
+/// space cannot be pinned, so the registration fails even for root, which
+/// `RLIMIT_MEMLOCK` does not bind (read-only PROT_NONE memory does not
+/// fail: the kernel pins it with FOLL_FORCE).
+#[test]
+fn a_failed_memory_registration_is_a_typed_error() {
+    if !device_or_skip("a_failed_memory_registration_is_a_typed_error") {
+        return;
+    }
+    use kvferry::sender::RegisterError;
+    let s = rdma_registered_sender(None);
+    let len = 4 * CHUNK as usize;
+    let kernel_half = 0xffff_8000_0000_0000_usize as *const u8;
+    // SAFETY: nothing dereferences this address: its registration fails
+    // (asserted), so no write can name it.
+    match unsafe { s.register(kernel_half, len) } {
+        Err(RegisterError::Transport {
+            transport, reason, ..
+        }) => {
+            assert_eq!(transport, "rdma");
+            assert!(
+                reason.contains("ibv_reg_mr") && reason.contains("RLIMIT_MEMLOCK"),
+                "{reason}"
+            );
+        }
+        other => panic!("registering memory that cannot be pinned: {other:?}"),
+    }
+    // Nothing stayed registered: real memory gets the id just freed.
+    let mem = memmap2::MmapMut::map_anon(len).unwrap();
+    // SAFETY: `mem` outlives the region (deregistered below).
+    let region = unsafe { s.register(mem.as_ptr(), len) }.expect("ibv_reg_mr");
+    assert_eq!(region.id(), 1);
+    s.deregister(&region).unwrap();
+}
+
+/// The link under the rxe device goes down: a write from registered memory
+/// fails with a typed error on its handle (`connection_lost`), its request
+/// fails, and the region is free at once (`deregister` succeeds). After
+/// the link is back, the same memory, registered again, is written to the
+/// receiver byte for byte (after the re-handshake).
+#[test]
+fn a_link_flap_fails_registered_writes_with_a_typed_error_and_frees_the_region() {
+    let test = "a_link_flap_fails_registered_writes_with_a_typed_error_and_frees_the_region";
+    if !device_or_skip(test) {
+        return;
+    }
+    let Some(netdev) = std::env::var(ENV_FLAP_NETDEV)
+        .ok()
+        .filter(|v| !v.is_empty())
+    else {
+        eprintln!(
+            "SKIP {test}: {ENV_FLAP_NETDEV} is not set (needs root and the rxe device's interface)"
+        );
+        return;
+    };
+    use kvferry::sender::{RequestStatus, WriteError};
+    let r = rdma_receiver();
+    let s = rdma_registered_sender(None);
+    let mut mem = memmap2::MmapMut::map_anon(4 * CHUNK as usize).unwrap();
+    // SAFETY: `mem` outlives every region over it (each deregistered
+    // before the next, the last below); refilled only after handles are done.
+    let region = unsafe { s.register(mem.as_ptr(), mem.len()) }.expect("ibv_reg_mr");
+    let id = common_sender::unique("rdma-flap-mr");
+    let (req, h) = write_all(&s, &r, &mut mem, &region, &id, 80, 4).expect("write");
+    assert!(h.wait(Instant::now() + DEADLINE));
+    assert_eq!(h.outcome(), Some(Ok(())), "before the flap");
+    assert_eq!(
+        req.wait(Instant::now() + DEADLINE),
+        RequestStatus::Completed
+    );
+    common_sender::consume(&r, &id, 80, 4).unwrap_or_else(|e| panic!("{e}"));
+    ip_link(&netdev, "down");
+    let id = common_sender::unique("rdma-flap-mr");
+    let outcome = match write_all(&s, &r, &mut mem, &region, &id, 81, 4) {
+        Ok((req, h)) => {
+            assert!(
+                h.wait(Instant::now() + DEADLINE),
+                "a write on a dead link ends"
+            );
+            let st = req.wait(Instant::now() + DEADLINE);
+            assert!(matches!(st, RequestStatus::Failed { .. }), "{st:?}");
+            h.outcome()
+        }
+        Err(e) => panic!("write while the link is down: {e}"),
+    };
+    ip_link(&netdev, "up");
+    eprintln!("{test}: the write's outcome while {netdev} was down: {outcome:?}");
+    assert!(
+        matches!(outcome, Some(Err(WriteError::Failed(_)))),
+        "{outcome:?}"
+    );
+    s.deregister(&region)
+        .expect("the failed write no longer holds the region");
+    // SAFETY: as above.
+    let region = unsafe { s.register(mem.as_ptr(), mem.len()) }.expect("ibv_reg_mr again");
+    let end = Instant::now() + DEADLINE * 3;
+    for n in 0.. {
+        assert!(
+            Instant::now() < end,
+            "no registered write completed after the flap"
+        );
+        let id = common_sender::unique("rdma-flap-mr");
+        let Ok((req, h)) = write_all(&s, &r, &mut mem, &region, &id, 90 + n, 4) else {
+            std::thread::sleep(Duration::from_millis(100));
+            continue;
+        };
+        assert!(h.wait(Instant::now() + DEADLINE));
+        if req.wait(Instant::now() + DEADLINE) == RequestStatus::Completed {
+            assert_eq!(h.outcome(), Some(Ok(())));
+            common_sender::consume(&r, &id, 90 + n, 4).unwrap_or_else(|e| panic!("{e}"));
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    s.deregister(&region).unwrap();
+    common_sender::wait_sender_empty(&s, "after the link flap (registered writes)");
+    common_sender::wait_receiver_empty(&r, "after the link flap (registered writes)");
+}
+
+/// Benchmark (ignored; run in the guest with `--ignored --nocapture`, see
+/// docs/benchmarks.md): the same requests over rdma 1P1D, through the
+/// copying `store` (a copy into staging, then the NIC reads staging) and
+/// through `Request::write` from registered memory (the NIC reads the
+/// caller's memory), alternating, 4 requests of 8 chunks in flight, at
+/// 64 KiB and 256 KiB chunks. Prints each path's rate and their ratio; the
+/// receiver takes and releases every request (no byte check, the same on
+/// both paths). `KVFERRY_BENCH_BYTES` (default 32 MiB) per path per round,
+/// 2 rounds; `KVFERRY_BENCH_SIZES` (default `65536,262144`) the chunk
+/// sizes. `tests/soft-roce/compare.sh` runs it next to `ib_write_bw` when
+/// given this test binary (`KVFERRY_RDMA_BENCH_BIN`).
+#[test]
+#[ignore = "benchmark: run in the soft-RoCE guest with --ignored --nocapture"]
+fn bench_registered_memory_vs_store_over_rdma() {
+    if !device_or_skip("bench_registered_memory_vs_store_over_rdma") {
+        return;
+    }
+    use kvferry::receiver::{AcceptorFactory, Receiver, ReceiverConfig};
+    use kvferry::sender::{Request, RequestSpec, RequestStatus, Sender, SenderConfig, WriteHandle};
+    use std::collections::VecDeque;
+    const CHUNKS: usize = 8;
+    const WINDOW: usize = 4;
+    let bytes: usize = std::env::var("KVFERRY_BENCH_BYTES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(32 << 20);
+    let sizes: Vec<usize> = std::env::var("KVFERRY_BENCH_SIZES")
+        .unwrap_or_else(|_| "65536,262144".into())
+        .split(',')
+        .map(|v| {
+            v.trim()
+                .parse()
+                .expect("KVFERRY_BENCH_SIZES: comma-separated byte counts")
+        })
+        .collect();
+    for size in sizes {
+        let r = Receiver::start(ReceiverConfig {
+            capacity_chunks: 2 * WINDOW * CHUNKS,
+            chunk_bytes: size as u64,
+            acceptor: Some(AcceptorFactory::rdma(env_cfg())),
+            ..ReceiverConfig::default()
+        })
+        .unwrap();
+        let s = Sender::with_transport(
+            SenderConfig {
+                staging_slots: WINDOW * CHUNKS,
+                chunk_bytes: size as u64,
+                transport: "rdma".into(),
+                ..SenderConfig::default()
+            },
+            Box::new(RdmaTransport::new(env_cfg()).unwrap()),
+        )
+        .unwrap();
+        let mut mem = memmap2::MmapMut::map_anon(WINDOW * CHUNKS * size).unwrap();
+        mem.iter_mut()
+            .enumerate()
+            .for_each(|(i, b)| *b = (i % 251) as u8);
+        let src: Vec<u8> = mem[..CHUNKS * size].to_vec();
+        // SAFETY: `mem` outlives the region (deregistered below) and is
+        // never written after the fill above.
+        let region = unsafe { s.register(mem.as_ptr(), mem.len()) }.unwrap();
+        let requests = (bytes / (CHUNKS * size)).max(WINDOW);
+        let mut next = 0u64;
+        let mut run = |registered: bool| -> f64 {
+            let deadline = || Instant::now() + DEADLINE * 3;
+            let mut window: VecDeque<(String, Request, Option<WriteHandle>)> = VecDeque::new();
+            let retire = |(id, req, h): (String, Request, Option<WriteHandle>)| {
+                assert_eq!(req.wait(deadline()), RequestStatus::Completed, "{id}");
+                if let Some(h) = h {
+                    assert!(h.wait(deadline()));
+                }
+                r.wait_ready(&id, deadline()).unwrap();
+                drop(r.take(&id).unwrap());
+            };
+            let t0 = Instant::now();
+            for k in 0..requests {
+                if window.len() == WINDOW {
+                    retire(window.pop_front().unwrap());
+                }
+                next += 1;
+                let id = format!("bench-{size}-{next}");
+                let keys: Vec<String> = (0..CHUNKS).map(|i| format!("{id}/{i}")).collect();
+                let req = s
+                    .begin(RequestSpec::new(&id, r.endpoint(), CHUNKS))
+                    .unwrap();
+                let h = if registered {
+                    let base = (k % WINDOW) * CHUNKS * size;
+                    let chunks: Vec<_> = (0..CHUNKS)
+                        .map(|i| (&region, (base + i * size) as u64, size as u32))
+                        .collect();
+                    Some(req.write(&keys, &chunks, deadline()).unwrap())
+                } else {
+                    let chunks: Vec<&[u8]> = src.chunks(size).collect();
+                    req.store(&keys, &chunks).unwrap();
+                    None
+                };
+                window.push_back((id, req, h));
+            }
+            window.into_iter().for_each(retire);
+            (requests * CHUNKS * size) as f64 / t0.elapsed().as_secs_f64() / 1e6
+        };
+        let (mut store, mut reg) = (0.0, 0.0);
+        for _ in 0..2 {
+            store += run(false) / 2.0;
+            reg += run(true) / 2.0;
+        }
+        s.deregister(&region).unwrap();
+        println!(
+            "bench: {} KiB chunks, {} requests x {CHUNKS} per path per round: store_mbs={store:.2} \
+             (copy into staging) registered_mbs={reg:.2} (no sender copy) registered/store {:.2}",
+            size >> 10,
+            requests,
+            reg / store
+        );
+    }
+}

@@ -270,6 +270,10 @@ impl Poster for FaultPoster {
     fn credits(&self) -> usize {
         self.inner.credits()
     }
+
+    fn local_registry(&self) -> Option<Arc<dyn crate::transport::LocalRegistry>> {
+        self.inner.local_registry()
+    }
 }
 
 struct FaultCompletions {

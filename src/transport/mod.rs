@@ -139,6 +139,39 @@ pub trait Poster: Send {
     fn drop_deadline(&self) -> Duration {
         crate::threads::STOP_JOIN_DEADLINE
     }
+    /// The registry through which caller memory must be announced before
+    /// ops read from it ([`WriteOp::local_region`] other than 0), for a
+    /// transport whose hardware needs that (rdma: a memory region, whose
+    /// lkey the work requests use). `None` (the default): the transport
+    /// reads registered memory directly through
+    /// [`StagingBuffer::source`](crate::staging::StagingBuffer::source)
+    /// (shm, tcp). The sender takes it once, before the poster moves to
+    /// its ctrl thread, and calls it from caller threads.
+    fn local_registry(&self) -> Option<Arc<dyn LocalRegistry>> {
+        None
+    }
+}
+
+/// Caller memory announced to a transport that must know it before writing
+/// from it (see [`Poster::local_registry`]). Shared between the caller
+/// threads that register and deregister and the poster that looks regions
+/// up, so it is `Send + Sync`.
+pub trait LocalRegistry: Send + Sync {
+    /// Makes `len` bytes at `start` readable by ops naming local region
+    /// `id` (a free id from the staging buffer's region table). A typed
+    /// error if the transport cannot (rdma: `ibv_reg_mr` failed, e.g. the
+    /// locked-memory limit); then nothing is registered.
+    ///
+    /// # Safety
+    ///
+    /// `start..start + len` is allocated host memory that stays allocated
+    /// until [`deregister`](Self::deregister)`(id)` returned.
+    unsafe fn register(&self, id: u32, start: *const u8, len: u64) -> Result<(), TransportError>;
+
+    /// Forgets region `id` (unknown ids are ignored). The caller guarantees
+    /// no op from it is in flight; once this returns the transport never
+    /// reads the memory again.
+    fn deregister(&self, id: u32);
 }
 
 /// What [`Completions::poll`] found.

@@ -291,7 +291,9 @@ fn on_batch_reply(cfg: &Cfg, st: &mut State, r: usize, b: usize, resp: &Reply) {
         .p
         .on_reply(b as u64, n, last, cfg.capacity as u64, &resp.to_response());
     let (remote, dedup) = match reply.step {
-        ReplyStep::Abort | ReplyStep::Release => return release(cfg, st, r, b),
+        ReplyStep::Abort | ReplyStep::Release | ReplyStep::AllHeld => {
+            return release(cfg, st, r, b)
+        }
         ReplyStep::Write { remote, dedup } => (remote, dedup),
     };
     let writes: Vec<(u8, u8)> = (0..n)

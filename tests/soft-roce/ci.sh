@@ -7,7 +7,8 @@
 #
 # 1. the rdma unit tests (the lib test binary, filter transport::rdma);
 # 2. every test of tests/transport_rdma.rs (KVFERRY_RDMA_REQUIRE_DEVICE=1:
-#    none may skip), the link-flap test on its own (it takes veth0 down);
+#    none may skip), the link-flap tests on their own, one at a time (they
+#    take veth0 down);
 # 3. a fault run: `kvferry run --transport rdma` with 5 % aborts and 2 %
 #    injected write failures;
 # 4. tests/soft-roce/stress.sh, scaled by STRESS_REQUESTS (default 4000);
@@ -40,8 +41,8 @@ bounded 300 "$lib" --quiet --color never transport::rdma
 step "tests/transport_rdma.rs (all but the link flap)"
 KVFERRY_RDMA_RUN_REQUESTS=${KVFERRY_RDMA_RUN_REQUESTS:-250} bounded 900 "$itest" --color never --skip a_link_flap
 
-step "tests/transport_rdma.rs: link flap (ip link set veth0 down/up)"
-KVFERRY_RDMA_FLAP_NETDEV=veth0 bounded 300 "$itest" --color never a_link_flap --nocapture
+step "tests/transport_rdma.rs: link flaps (ip link set veth0 down/up; one test at a time)"
+KVFERRY_RDMA_FLAP_NETDEV=veth0 bounded 300 "$itest" --color never a_link_flap --nocapture --test-threads 1
 
 step "fault run: kvferry run --transport rdma, 5 % aborts, 2 % write failures"
 bounded 300 "$bin" run --transport rdma --prefillers 2 --decoders 2 \

@@ -5,6 +5,13 @@
 # emulated CPU mean little; the ratio is what docs/benchmarks.md records.
 #
 #   tests/soft-roce/compare.sh KVFERRY_BIN
+#   KVFERRY_RDMA_BENCH_BIN=TRANSPORT_RDMA_TEST_BIN tests/soft-roce/compare.sh KVFERRY_BIN
+#
+# With KVFERRY_RDMA_BENCH_BIN (a tests/transport_rdma.rs binary, release build for
+# meaningful figures) it also runs that file's ignored
+# bench_registered_memory_vs_store_over_rdma at each size: a Sender writing
+# from registered memory (no sender copy) vs the copying `store`, both
+# against the same ib_write_bw figure.
 #
 # ib_write_bw: one RC QP, WRITEs of SIZE bytes, IB_ITERS of them (default
 # 2000), client and server on the same device (GID index 1, loopback).
@@ -41,10 +48,27 @@ kv_gbits() { # SIZE -> Gbit/s of kvferry run
     echo "$json" | sed -n 's/.*"gbps": *\([0-9.eE+-]*\).*/\1/p' | awk '{printf "%.4f\n", $1 * 8}'
 }
 
+bench_mbs() { # SIZE -> "store_mbs registered_mbs" of the registered-memory bench
+    local size=$1 out
+    out=$(KVFERRY_BENCH_SIZES=$size timeout 300 "$KVFERRY_RDMA_BENCH_BIN" --ignored --exact \
+        bench_registered_memory_vs_store_over_rdma --nocapture --color never 2>&1) || {
+        echo "compare.sh: the registered-memory bench failed: $out" >&2
+        return 1
+    }
+    echo "$out" | sed -n 's/.*store_mbs=\([0-9.]*\).*registered_mbs=\([0-9.]*\).*/\1 \2/p'
+}
+
 for size in 65536 262144; do
     ib=$(ib_gbits "$size")
     kv=$(kv_gbits "$size")
     [ -n "$ib" ] && [ -n "$kv" ] || { echo "compare.sh: no figure for $size (ib '$ib', kvferry '$kv')" >&2; exit 1; }
     awk -v s="$size" -v ib="$ib" -v kv="$kv" 'BEGIN {
         printf "compare: %d KiB: ib_write_bw %.3f Gbit/s, kvferry %.3f Gbit/s, ratio kvferry/ib_write_bw %.2f\n", s / 1024, ib, kv, kv / ib }'
+    if [ -n "${KVFERRY_RDMA_BENCH_BIN:-}" ]; then
+        read -r st rg <<<"$(bench_mbs "$size")"
+        [ -n "${rg:-}" ] || { echo "compare.sh: no bench figure for $size" >&2; exit 1; }
+        awk -v s="$size" -v ib="$ib" -v st="$st" -v rg="$rg" 'BEGIN { ibm = ib * 125;
+            printf "compare: %d KiB: Sender over rdma, store %.3f Gbit/s (%.2fx ib_write_bw), registered memory %.3f Gbit/s (%.2fx ib_write_bw), registered/store %.2f\n",
+                s / 1024, st / 125, st / ibm, rg / 125, rg / ibm, rg / st }'
+    fi
 done

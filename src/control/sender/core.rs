@@ -228,9 +228,11 @@ pub enum ReplyStep {
     /// sends): the request became `Aborting` (wake its waiters) and the
     /// batch's data is released.
     Abort,
-    /// Release the batch's data, nothing to write: the request is no
-    /// longer live, or the receiver holds every chunk already.
+    /// Release the batch's data, unwritten: the request is no longer live.
     Release,
+    /// The receiver holds every chunk of the batch already: release its
+    /// data, the batch is delivered (nothing to write).
+    AllHeld,
     /// Write chunk position `j` to receiver slot `remote[j]`, except the
     /// `dedup` positions the receiver already holds (release their
     /// staging). The batch now waits in `unstaged` to be posted.
@@ -382,7 +384,7 @@ impl<S: Status> Progress<S> {
         if dedup.len() >= n {
             return Reply {
                 admitted,
-                step: ReplyStep::Release,
+                step: ReplyStep::AllHeld,
             };
         }
         self.unstaged.push_back(id);

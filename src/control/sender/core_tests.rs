@@ -142,11 +142,11 @@ fn dedup_chunks_count_as_completed_and_are_not_written() {
     );
     assert_eq!(p.completed_chunks, 2);
     assert_eq!(p.unstaged, [1]);
-    // Every chunk held already: nothing to write, the batch is released.
+    // Every chunk held already: nothing to write, the batch is delivered.
     p.next_to_send();
     let r = p.on_reply(2, 1, true, CAP, &ok(&[], &[0]));
     assert!(!r.admitted, "admission is reported once");
-    assert_eq!(r.step, ReplyStep::Release);
+    assert_eq!(r.step, ReplyStep::AllHeld);
     assert!(p.last_replied);
     assert_eq!(p.completed_chunks, 3);
     assert_eq!(p.unstaged, [1]);

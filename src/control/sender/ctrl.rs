@@ -447,6 +447,13 @@ impl Ctrl {
                 drop(t);
                 return self.release_data(b.data, b.bytes);
             }
+            ReplyStep::AllHeld => {
+                drop(t);
+                if let BatchData::Registered { lease, .. } = &b.data {
+                    lease.posted(0); // delivered: its handle ends Ok
+                }
+                return self.release_data(b.data, b.bytes);
+            }
             ReplyStep::Write { remote, dedup } => (remote, dedup),
         };
         let writes: SmallVec<[u32; 16]> = (0..n as u32)
@@ -776,6 +783,7 @@ impl Ctrl {
         lease: Arc<super::registered::WriteLease>,
     ) -> usize {
         let now = Instant::now();
+        lease.posted(writes.len());
         self.chunk_ops.clear();
         for (k, &j) in writes.iter().enumerate() {
             let (region, offset) = src[j as usize];

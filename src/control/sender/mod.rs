@@ -55,7 +55,7 @@ pub use self::completion::CompletionCallback;
 use self::completion::{Announcer, Signal};
 pub use self::error::{SenderError, StoreError};
 use self::keys::KeyList;
-pub use self::registered::{MemoryRegion, RegisterError, WriteHandle};
+pub use self::registered::{MemoryRegion, RegisterError, WriteError, WriteHandle};
 use self::request::Handle;
 pub use self::request::{Request, RequestSpec, StagedBatch};
 pub use self::share::{ShareError, StagingShare, MAX_SHARES};
@@ -748,6 +748,9 @@ impl Shared {
 /// ```
 pub struct Sender {
     shared: Arc<Shared>,
+    /// Where registered memory must also be announced (rdma's MRs), from
+    /// [`Poster::local_registry`](crate::transport::Poster::local_registry).
+    registry: Option<Arc<dyn crate::transport::LocalRegistry>>,
     ctrl: Option<JoinHandle<()>>,
     poll: Option<JoinHandle<()>>,
     announcer: Option<JoinHandle<()>>,
@@ -828,6 +831,7 @@ impl Sender {
         }
         let (poster, completions) = transport.start(Arc::clone(&staging))?;
         let stop_limit = crate::threads::STOP_JOIN_DEADLINE + poster.drop_deadline();
+        let registry = poster.local_registry();
         let reactor = crate::zmq_io::Reactor::new()?;
         let (submit, submissions) = kvferry_ring::mpsc::channel::<u64>(SUBMIT_RING);
         let shared = Arc::new(Shared {
@@ -863,6 +867,7 @@ impl Sender {
         };
         Ok(Self {
             shared,
+            registry,
             ctrl: Some(ctrl),
             poll: Some(poll),
             announcer: Some(announcer),
@@ -1021,15 +1026,20 @@ impl Sender {
     /// Registers `len` bytes of caller-owned host memory at `ptr` (e.g. a
     /// pinned buffer from `cudaHostAlloc`, the target of the device-to-host
     /// copy) as a source of [`Request::write`]s, which post writes straight
-    /// from it: no staging copy (on shm the copy engine's copy is the only
-    /// one; on tcp the socket reads it directly).
+    /// from it: no staging copy. On shm the copy engine's copy into the
+    /// receiver is the only one; on tcp the socket reads it directly; on
+    /// rdma this registers a memory region over it (`ibv_reg_mr`, local
+    /// read only) and the RDMA WRITEs' scatter/gather entries carry its
+    /// lkey, so the NIC reads the caller's memory: no copy on the sender.
     ///
     /// Errors: [`RegisterError::Null`], [`RegisterError::Empty`],
     /// [`RegisterError::Unaligned`] (`ptr` must be page-aligned),
     /// [`RegisterError::Overflow`], [`RegisterError::TooMany`] (more than
     /// [`crate::staging::MAX_REGIONS`] at once),
-    /// [`RegisterError::Unsupported`] on the rdma transport (it would
-    /// register an MR over the memory; not built yet).
+    /// [`RegisterError::Transport`] if the transport cannot register it
+    /// (rdma: `ibv_reg_mr` failed, e.g. because pinning the pages exceeds
+    /// the locked-memory limit `RLIMIT_MEMLOCK`; the reason names the
+    /// limit).
     ///
     /// # Safety
     ///
@@ -1099,11 +1109,6 @@ impl Sender {
         if addr.checked_add(len).is_none() || len > isize::MAX as usize {
             return Err(RegisterError::Overflow { addr, len });
         }
-        if self.shared.cfg.transport == "rdma" {
-            return Err(RegisterError::Unsupported {
-                transport: self.shared.cfg.transport.clone(),
-            });
-        }
         let id = self
             .shared
             .staging
@@ -1111,6 +1116,21 @@ impl Sender {
             .ok_or(RegisterError::TooMany {
                 max: crate::staging::MAX_REGIONS,
             })?;
+        if let Some(registry) = &self.registry {
+            // SAFETY: the caller's contract above keeps the memory
+            // allocated until `deregister` returned `Ok`, which calls the
+            // registry's `deregister` first (or until this sender is
+            // dropped, which drops the registry).
+            if let Err(e) = unsafe { registry.register(id, ptr, len as u64) } {
+                self.shared.staging.remove_region(id);
+                return Err(RegisterError::Transport {
+                    transport: self.shared.cfg.transport.clone(),
+                    addr,
+                    len,
+                    reason: e.to_string(),
+                });
+            }
+        }
         debug!(region = id, len, "registered memory");
         Ok(MemoryRegion {
             entry: Arc::new(self::registered::RegionEntry::new(id, len, &self.shared)),
@@ -1118,16 +1138,42 @@ impl Sender {
     }
 
     /// Deregisters `region`: from `Ok` on, kvferry never reads it again and
-    /// the caller may free it. [`RegisterError::Busy`] while writes from it
-    /// are in flight (wait for their [`WriteHandle`]s),
+    /// the caller may free it (on rdma its memory region is deregistered:
+    /// the NIC can no longer access it). [`RegisterError::Busy`] while
+    /// writes from it are in flight (wait for their [`WriteHandle`]s, or
+    /// use [`deregister_by`](Self::deregister_by)),
     /// [`RegisterError::NotRegistered`] if already deregistered,
     /// [`RegisterError::ForeignRegion`] for another sender's region.
     pub fn deregister(&self, region: &MemoryRegion) -> Result<(), RegisterError> {
+        self.deregister_within(region, None)
+    }
+
+    /// [`deregister`](Self::deregister), waiting until `deadline` for the
+    /// writes in flight from `region` to complete;
+    /// [`RegisterError::Busy`] if some still are at the deadline (then
+    /// nothing changed).
+    pub fn deregister_by(
+        &self,
+        region: &MemoryRegion,
+        deadline: Instant,
+    ) -> Result<(), RegisterError> {
+        self.deregister_within(region, Some(deadline))
+    }
+
+    fn deregister_within(
+        &self,
+        region: &MemoryRegion,
+        deadline: Option<Instant>,
+    ) -> Result<(), RegisterError> {
         let e = &region.entry;
         if !e.belongs_to(&self.shared) {
             return Err(RegisterError::ForeignRegion { id: e.id });
         }
-        e.retire()?;
+        e.retire_by(deadline)?;
+        // Retired: no write can take it any more, none is in flight.
+        if let Some(registry) = &self.registry {
+            registry.deregister(e.id);
+        }
         self.shared.staging.remove_region(e.id);
         debug!(region = e.id, "deregistered memory");
         Ok(())

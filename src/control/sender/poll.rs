@@ -39,7 +39,9 @@ pub(super) fn run(shared: Arc<Shared>, mut completions: Box<dyn Completions>) {
                 shared.slots.free(w.slots);
                 // The transport is done with this op's memory: a registered
                 // write's regions may go once its last op gets here.
-                drop(w.lease);
+                if let Some(lease) = w.lease {
+                    lease.record(c.status(), w.chunks);
+                }
                 if c.status() == CompletionStatus::ConnectionLost && !t.lost_peers.contains(&w.peer)
                 {
                     // Published under the table lock like `attention`, so

@@ -8,6 +8,12 @@
 //! a [`WriteLease`] carried by the batch and then by each posted op) until
 //! the transport's completion for its last op was polled. So the transport
 //! never reads a region after it was deregistered.
+//!
+//! On a transport that must know the memory first (rdma: a memory region
+//! whose lkey the work requests carry, see
+//! [`Poster::local_registry`](crate::transport::Poster::local_registry)),
+//! registering registers it there too, and deregistering deregisters it
+//! there once nothing is in flight.
 
 use std::sync::{Arc, Weak};
 use std::time::Instant;
@@ -15,6 +21,7 @@ use std::time::Instant;
 use parking_lot::{Condvar, Mutex};
 
 use super::Shared;
+use crate::transport::CompletionStatus;
 
 /// Errors registering or deregistering memory.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -47,12 +54,6 @@ pub enum RegisterError {
         /// The bound.
         max: usize,
     },
-    /// This sender's transport cannot write from registered memory.
-    #[error("the {transport} transport does not support registered memory yet")]
-    Unsupported {
-        /// The transport's name.
-        transport: String,
-    },
     /// The region belongs to another sender.
     #[error("region {id} was registered with another sender")]
     ForeignRegion {
@@ -64,6 +65,20 @@ pub enum RegisterError {
     NotRegistered {
         /// The region's id.
         id: u32,
+    },
+    /// The transport could not register the memory (rdma: `ibv_reg_mr`
+    /// failed, e.g. beyond the locked-memory limit `RLIMIT_MEMLOCK`);
+    /// nothing was registered.
+    #[error("the {transport} transport cannot register {len} bytes at {addr:#x}: {reason}")]
+    Transport {
+        /// The transport's name.
+        transport: String,
+        /// The address.
+        addr: usize,
+        /// The length.
+        len: usize,
+        /// What failed (the verbs call and its error).
+        reason: String,
     },
     /// Writes from the region are still in flight.
     #[error("region {id} still has {in_flight} writes in flight")]
@@ -88,6 +103,8 @@ pub(crate) struct RegionEntry {
     /// keeps the allocation, so no later sender can reuse the address).
     owner: Weak<Shared>,
     state: Mutex<RegionState>,
+    /// Signalled when `in_flight` drops to 0 (for `retire_by`).
+    idle: Condvar,
 }
 
 #[derive(Debug)]
@@ -106,6 +123,7 @@ impl RegionEntry {
                 registered: true,
                 in_flight: 0,
             }),
+            idle: Condvar::new(),
         }
     }
 
@@ -114,11 +132,20 @@ impl RegionEntry {
         std::ptr::eq(self.owner.as_ptr(), Arc::as_ptr(shared))
     }
 
-    /// Marks the region deregistered if nothing is in flight from it.
-    pub(crate) fn retire(&self) -> Result<(), RegisterError> {
+    /// Marks the region deregistered once nothing is in flight from it,
+    /// waiting for that until `deadline` (`None`: not at all). Once marked,
+    /// no new write can take it.
+    pub(crate) fn retire_by(&self, deadline: Option<Instant>) -> Result<(), RegisterError> {
         let mut s = self.state.lock();
         if !s.registered {
             return Err(RegisterError::NotRegistered { id: self.id });
+        }
+        if let Some(deadline) = deadline {
+            while s.in_flight > 0 && !self.idle.wait_until(&mut s, deadline).timed_out() {}
+            if !s.registered {
+                // Another caller deregistered it meanwhile.
+                return Err(RegisterError::NotRegistered { id: self.id });
+            }
         }
         if s.in_flight > 0 {
             return Err(RegisterError::Busy {
@@ -157,19 +184,56 @@ impl MemoryRegion {
     }
 }
 
-/// Whether one write's memory is free again.
+/// Why a write from registered memory did not land (its
+/// [`WriteHandle::outcome`]); the memory may be reused either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum WriteError {
+    /// The transport completed one of its writes with this status (rdma:
+    /// the queue pair broke, e.g. the link went down or the receiver's
+    /// queue pair was destroyed: `connection_lost`).
+    #[error("the transport failed the write: {0}")]
+    Failed(CompletionStatus),
+    /// Some of its chunks were never written: its request ended (failed,
+    /// cancelled, or the sender closed) before they were posted, or the
+    /// transport refused them.
+    #[error(
+        "the write was not posted in full: its request ended first or the transport refused it"
+    )]
+    NotWritten,
+}
+
+/// Whether one write's memory is free again, and how it ended.
 #[derive(Debug, Default)]
 pub(crate) struct WriteDone {
-    done: Mutex<bool>,
+    state: Mutex<DoneState>,
     cv: Condvar,
 }
 
+#[derive(Debug, Default)]
+struct DoneState {
+    /// `Some` once the memory may be reused.
+    outcome: Option<Result<(), WriteError>>,
+}
+
 /// Holds the in-flight count of a write's regions until every op of the
-/// write completed (or was dropped unposted); then marks the write done.
+/// write completed (or was dropped unposted); then marks the write done
+/// with its outcome.
 #[derive(Debug)]
 pub(crate) struct WriteLease {
     regions: Vec<Arc<RegionEntry>>,
     done: Arc<WriteDone>,
+    progress: Mutex<Progress>,
+}
+
+/// What the ops of one write did so far.
+#[derive(Debug, Default)]
+struct Progress {
+    /// Chunks handed to the transport (`None`: never posted).
+    posted: Option<usize>,
+    /// Chunks whose write completed `Ok`.
+    landed: usize,
+    /// The first failed completion's status.
+    failed: Option<CompletionStatus>,
 }
 
 impl WriteLease {
@@ -181,7 +245,11 @@ impl WriteLease {
             if !s.registered {
                 drop(s);
                 for r in &regions[..i] {
-                    r.state.lock().in_flight -= 1;
+                    let mut s = r.state.lock();
+                    s.in_flight -= 1;
+                    if s.in_flight == 0 {
+                        r.idle.notify_all();
+                    }
                 }
                 return Err(i);
             }
@@ -190,7 +258,24 @@ impl WriteLease {
         Ok(Self {
             regions,
             done: Arc::default(),
+            progress: Mutex::default(),
         })
+    }
+
+    /// The ctrl thread queued `chunks` chunks of this write for the
+    /// transport (those the receiver did not already hold).
+    pub(crate) fn posted(&self, chunks: usize) {
+        *self.progress.lock().posted.get_or_insert(0) += chunks;
+    }
+
+    /// The completion of one op of this write, covering `chunks` chunks.
+    pub(crate) fn record(&self, status: CompletionStatus, chunks: u32) {
+        let mut p = self.progress.lock();
+        if status == CompletionStatus::Ok {
+            p.landed += chunks as usize;
+        } else {
+            p.failed.get_or_insert(status);
+        }
     }
 
     /// The caller's view of this write.
@@ -203,10 +288,28 @@ impl WriteLease {
 
 impl Drop for WriteLease {
     fn drop(&mut self) {
+        let p = self.progress.get_mut();
+        let outcome = match (p.failed, p.posted) {
+            (Some(status), _) => Err(WriteError::Failed(status)),
+            // A write of no chunks names no region and has nothing to post.
+            (None, _) if self.regions.is_empty() => Ok(()),
+            (None, Some(posted)) if p.landed >= posted => Ok(()),
+            (None, _) => Err(WriteError::NotWritten),
+        };
+        // The regions are released under the handle's lock (order: handle,
+        // then region; nothing takes them the other way round), so whoever
+        // sees the region idle (`deregister`) then sees the handle done,
+        // and whoever sees the handle done sees the regions released.
+        let mut d = self.done.state.lock();
         for r in &self.regions {
-            r.state.lock().in_flight -= 1;
+            let mut s = r.state.lock();
+            s.in_flight -= 1;
+            if s.in_flight == 0 {
+                r.idle.notify_all();
+            }
         }
-        *self.done.done.lock() = true;
+        d.outcome = Some(outcome);
+        drop(d);
         self.done.cv.notify_all();
     }
 }
@@ -224,16 +327,23 @@ pub struct WriteHandle {
 impl WriteHandle {
     /// True once the write's memory may be reused; never blocks.
     pub fn is_done(&self) -> bool {
-        *self.done.done.lock()
+        self.done.state.lock().outcome.is_some()
+    }
+
+    /// How the write ended, once [`is_done`](Self::is_done) (`None`
+    /// before): `Ok` if every chunk it posted landed, else the typed
+    /// [`WriteError`]. Never blocks.
+    pub fn outcome(&self) -> Option<Result<(), WriteError>> {
+        self.done.state.lock().outcome
     }
 
     /// Waits until [`is_done`](Self::is_done) or `deadline`; returns
     /// whether it is done.
     pub fn wait(&self, deadline: Instant) -> bool {
-        let mut d = self.done.done.lock();
-        while !*d {
+        let mut d = self.done.state.lock();
+        while d.outcome.is_none() {
             if self.done.cv.wait_until(&mut d, deadline).timed_out() {
-                return *d;
+                return d.outcome.is_some();
             }
         }
         true

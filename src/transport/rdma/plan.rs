@@ -51,16 +51,20 @@ pub fn signalled(i: usize, len: usize, every: u32) -> bool {
 }
 
 /// Plans `ops`: fills `steps` (one per op, in order). `peer` looks a peer
-/// up (`None` = not connected); `local_len` is the staging buffer's size.
+/// up (`None` = not connected); `local_len` gives the size of a local
+/// memory by [`WriteOp::local_region`] (0: the staging buffer, else a
+/// caller's registered region; `None` = no such region, i.e. no memory
+/// region the NIC could read it through).
 ///
 /// An op completes at once with `UnknownPeer` (no such peer),
 /// `ConnectionLost` (its queue pair failed), `OutOfBounds` (a range outside
-/// a buffer) or `TransportError` (longer than [`MAX_WRITE_LEN`]); all other
-/// ops become writes, signalled as described in the module docs per peer
-/// over the whole of `ops` (the poster posts one chain per peer).
+/// a buffer, or an unregistered local region) or `TransportError` (longer
+/// than [`MAX_WRITE_LEN`]); all other ops become writes, signalled as
+/// described in the module docs per peer over the whole of `ops` (the
+/// poster posts one chain per peer).
 pub fn plan(
     ops: &[WriteOp],
-    local_len: u64,
+    local_len: impl Fn(u32) -> Option<u64>,
     signal_every: u32,
     peer: impl Fn(PeerIndex) -> Option<PeerState>,
     steps: &mut Vec<Step>,
@@ -73,11 +77,7 @@ pub fn plan(
             None => Step::Complete(CompletionStatus::UnknownPeer),
             Some(PeerState::Failed) => Step::Complete(CompletionStatus::ConnectionLost),
             Some(PeerState::Ready { remote_len }) => {
-                if op.local_region != 0 {
-                    // Registered regions are not registered as MRs yet
-                    // (`Sender::register` refuses on rdma): never read one.
-                    Step::Complete(CompletionStatus::TransportError)
-                } else if !within(op.local_offset, local_len)
+                if !local_len(op.local_region).is_some_and(|l| within(op.local_offset, l))
                     || !within(op.remote_offset, remote_len)
                 {
                     Step::Complete(CompletionStatus::OutOfBounds)
@@ -137,6 +137,47 @@ mod tests {
         }
     }
 
+    /// A local memory table with only the staging buffer, of `len` bytes.
+    fn staging_only(len: u64) -> impl Fn(u32) -> Option<u64> {
+        move |region| (region == 0).then_some(len)
+    }
+
+    #[test]
+    fn writes_from_registered_regions_are_checked_against_their_own_length() {
+        let from = |work_id, region, local, len| WriteOp {
+            local_region: region,
+            ..op(work_id, 0, local, 0, len)
+        };
+        let ops = [
+            from(1, 3, 0, 4096),    // region 3 is 8 KiB
+            from(2, 3, 4096, 4096), // its end
+            from(3, 3, 4097, 4096), // past its end
+            from(4, 5, 0, 1),       // not registered
+            from(5, 0, 0, 100),     // staging (100 bytes)
+            from(6, 0, 0, 4096),    // past the staging buffer, inside region 3's size
+        ];
+        let local = |region| match region {
+            0 => Some(100),
+            3 => Some(8192),
+            _ => None,
+        };
+        let mut steps = Vec::new();
+        plan(
+            &ops,
+            local,
+            16,
+            |_| {
+                Some(PeerState::Ready {
+                    remote_len: 1 << 20,
+                })
+            },
+            &mut steps,
+        );
+        let w = |signalled| Step::Write { peer: 0, signalled };
+        let oob = Step::Complete(CompletionStatus::OutOfBounds);
+        assert_eq!(steps, vec![w(false), w(false), oob, oob, w(true), oob]);
+    }
+
     #[test]
     fn signals_every_nth_and_the_last() {
         let flags: Vec<bool> = (0..10).map(|i| signalled(i, 10, 4)).collect();
@@ -167,7 +208,7 @@ mod tests {
             _ => None,
         };
         let mut steps = Vec::new();
-        plan(&ops, 1000, 2, peers, &mut steps);
+        plan(&ops, staging_only(1000), 2, peers, &mut steps);
         use CompletionStatus::*;
         let w = |peer, signalled| Step::Write { peer, signalled };
         assert_eq!(
@@ -192,7 +233,7 @@ mod tests {
         let mut steps = Vec::new();
         plan(
             &[op(1, 0, 0, 0, huge)],
-            u64::MAX,
+            staging_only(u64::MAX),
             4,
             |_| {
                 Some(PeerState::Ready {

@@ -20,8 +20,8 @@ use parking_lot::Mutex;
 use crate::protocol::Descriptor;
 use crate::staging::StagingBuffer;
 use crate::transport::{
-    descriptor_kind, Completion, CompletionStatus, Completions, PeerIndex, PollStatus, Poster,
-    RemoteBuffer, Started, Transport, TransportError, WriteOp,
+    descriptor_kind, Completion, CompletionStatus, Completions, LocalRegistry, PeerIndex,
+    PollStatus, Poster, RemoteBuffer, Started, Transport, TransportError, WriteOp,
 };
 
 use super::config::RdmaConfig;
@@ -31,6 +31,7 @@ use super::info::QpInfo;
 use super::peers::{PeerQp, Shared};
 use super::plan::{plan, Step};
 use super::qp_state::QpStep;
+use super::regions::{RegionMrs, RegionView};
 use super::verbs::{connect, Channel, Context, Cq, Mr, Pd, Qp, WriteWr};
 
 /// Name of the CQ-poll thread.
@@ -110,6 +111,7 @@ impl RdmaTransport {
         let credits = rx.capacity().min(credits);
         let poster = RdmaPoster {
             cfg: self.cfg,
+            regions: Arc::new(RegionMrs::new(pd.clone())),
             pd,
             cq,
             mr,
@@ -150,6 +152,9 @@ pub struct RdmaPoster {
     cq: Arc<Cq>,
     mr: Arc<Mr>,
     local: Arc<StagingBuffer>,
+    /// MRs over the caller's registered regions (shared with the sender,
+    /// which registers them: [`Poster::local_registry`]).
+    regions: Arc<RegionMrs>,
     shared: Arc<Shared>,
     /// Queue pairs created by `prepare`, by their QP number, waiting for
     /// the receiver's answer.
@@ -178,6 +183,7 @@ impl RdmaPoster {
         &self,
         peer: PeerIndex,
         ops: &[(WriteOp, bool)],
+        regions: &RegionView<'_>,
         now: &mut Vec<(u64, CompletionStatus)>,
     ) {
         let Some(pq) = self.shared.peer(peer) else {
@@ -195,27 +201,47 @@ impl RdmaPoster {
             );
             return;
         }
-        let base = self.local.as_ptr() as u64;
         let mut wrs = Vec::with_capacity(ops.len());
         let mut first_seq = None;
         for (op, signalled) in ops {
+            // Region 0 is the staging buffer's MR, any other a caller's
+            // region (its own MR: the NIC reads the caller's memory).
+            let Some(mr) = (match op.local_region {
+                0 => Some(&*self.mr),
+                id => regions.get(id),
+            }) else {
+                // plan() saw it under the same view: cannot happen.
+                now.push((op.work_id, CompletionStatus::OutOfBounds));
+                continue;
+            };
             let seq = inflight.push(op.work_id);
             first_seq.get_or_insert(seq);
             wrs.push(WriteWr {
                 wr_id: seq,
-                local_addr: base + op.local_offset,
+                local_addr: mr.addr + op.local_offset,
                 // plan() rejected lengths above MAX_WRITE_LEN (2^31).
                 len: op.len as u32,
-                lkey: self.mr.lkey(),
+                lkey: mr.lkey(),
                 remote_addr: pq.remote.addr + op.remote_offset,
                 rkey: pq.remote.rkey,
                 signalled: *signalled,
             });
         }
-        // SAFETY: plan() checked every local range against the staging
-        // buffer, which `self.mr` registers and keeps alive until after the
-        // CQ thread (which holds the CQ these writes complete on) is joined;
-        // the sender does not reuse a staging slot before its completion.
+        // The chain's last posted request is always signalled (plan() made
+        // it so; this keeps it so even if an op above was skipped).
+        if let Some(last) = wrs.last_mut() {
+            last.signalled = true;
+        }
+        // SAFETY: plan() checked every local range against its memory: the
+        // staging buffer, which `self.mr` registers and keeps alive until
+        // after the CQ thread (which holds the CQ these writes complete on)
+        // is joined, or a caller's region, whose MR `regions` holds (the
+        // read view keeps it registered until the post returned) and whose
+        // memory the caller keeps allocated while registered
+        // (`LocalRegistry::register`'s contract). The sender neither reuses
+        // a staging slot nor lets a region be deregistered before the
+        // completion of every write from it, and after `ibv_dereg_mr` the
+        // NIC cannot read the memory.
         if let Err((_, e)) = unsafe { pq.qp.post_writes(&wrs) } {
             // Part of the chain may be posted without a signalled request
             // at its end: fail the queue pair and everything on it.
@@ -353,9 +379,15 @@ impl Poster for RdmaPoster {
         let ops = &ops[..room];
         let mut steps = std::mem::take(&mut self.steps);
         let shared = self.shared.clone();
+        let regions = self.regions.clone();
+        let view = regions.view();
+        let staging_len = self.local.len();
         plan(
             ops,
-            self.local.len(),
+            |id| match id {
+                0 => Some(staging_len),
+                id => view.get(id).map(|mr| mr.len),
+            },
             self.cfg.signal_every,
             |p| shared.state(p),
             &mut steps,
@@ -377,7 +409,7 @@ impl Poster for RdmaPoster {
         // Counted before anything can complete, so in_flight never underflows.
         self.posted += room as u64;
         for (peer, chain) in &chains {
-            self.post_chain(*peer, chain, &mut now);
+            self.post_chain(*peer, chain, &view, &mut now);
         }
         self.shared.complete_now(now);
         Ok(room)
@@ -389,6 +421,12 @@ impl Poster for RdmaPoster {
 
     fn credits(&self) -> usize {
         self.credits
+    }
+
+    /// The MRs over caller memory: [`Sender::register`](crate::sender::Sender::register)
+    /// registers each region through it.
+    fn local_registry(&self) -> Option<Arc<dyn LocalRegistry>> {
+        Some(self.regions.clone())
     }
 
     /// A stalled queue pair is fenced after one stall timeout and its ops
@@ -407,11 +445,12 @@ impl Drop for RdmaPoster {
         self.shared.close();
         let Some(t) = self.thread.take() else { return };
         let limit = self.drop_deadline();
-        // On a timeout the thread is left running: it keeps the CQ, the
-        // queue pairs and the staging region (registered, memory alive)
-        // until it ends, so leaving it is safe; waiting longer would hang
-        // the caller.
-        if let Err(e) = crate::threads::join_within(t, limit, CQ_THREAD_NAME) {
+        // Work requests in flight may name caller memory registered through
+        // `Sender::register`, which the caller may free once the sender is
+        // gone: so the drop waits for the CQ thread to see them complete or
+        // flush, however long that takes (an error naming the thread is
+        // logged at the deadline), rather than detach it.
+        if let Err(e) = crate::threads::join_or_wait(t, limit, CQ_THREAD_NAME) {
             tracing::debug!(error = %e, in_flight = self.in_flight(), "rdma cq thread");
         }
     }
