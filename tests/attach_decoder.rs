@@ -739,3 +739,40 @@ fn the_ready_feed_is_bounded_and_lists_ready_requests_in_order() {
     // Not taken by the feed: still there by id.
     assert_eq!(r.take("f-3").unwrap().len(), 1);
 }
+
+/// The submission doorbell never loses a wake-up (docs/attach.md,
+/// "Doorbell"): the session lingers a few µs after handling work, then
+/// arms need-wakeup and sleeps in poll(2), and the client writes the socket
+/// byte only if it saw the flag. Submissions spaced from none to 2 ms apart
+/// land in every phase of that (lingering, arming, asleep); each must be
+/// answered (a RELEASE of an unknown tag: REFUSED). A lost wake-up leaves a
+/// submission unread and `next` fails at its deadline naming it.
+#[test]
+fn submissions_after_the_session_went_to_sleep_are_always_served() {
+    let dir = TempDir::new("kvferry-attach");
+    let r = Arc::new(receiver(4));
+    let _d = daemon(&r, &dir.sock(), |_| {});
+    let mut c = connect(&dir.sock());
+    for i in 0..13 * 30u64 {
+        // 0, 1, 2, 4, .. 1024 µs and 2 ms, then again: a fixed pattern.
+        let pause = match i % 13 {
+            0 => 0,
+            12 => 2000,
+            k => 1 << (k - 1),
+        };
+        thread::sleep(Duration::from_micros(pause));
+        let tag = 10_000 + i;
+        c.submit_raw(DecoderSubmit::release(tag)).unwrap();
+        match next(
+            &mut c,
+            &format!("submission {i} after {pause} µs (a lost wake-up?)"),
+        ) {
+            Event::Refused {
+                tag: t,
+                reason: Some(Refusal::UnknownTag),
+                ..
+            } => assert_eq!(t, tag),
+            other => panic!("expected UnknownTag for {tag}, got {other:?}"),
+        }
+    }
+}

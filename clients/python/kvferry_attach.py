@@ -13,7 +13,9 @@ Memory ordering: ring indices are read and written with single aligned
 acquire/release semantics the ring protocol needs. Python cannot issue the
 full fence of the futex doorbell protocol, so the completion wait uses a
 short futex timeout (WAKE_SLACK): a wake-up lost to the missing fence costs
-at most that long. Linux x86-64 only (SYS_futex = 202).
+at most that long. For the same reason the clients always write the
+submission doorbell byte (once per submission, once per prefill batch)
+instead of only when the daemon's session asked for it (need-wakeup). Linux x86-64 only (SYS_futex = 202).
 """
 
 import ctypes
@@ -326,7 +328,7 @@ class PrefillClient:
         self.next_batch = 1
         self.held = set()  # (tag, batch) staged for us and not submitted
 
-    def _push(self, op, tag, a=0, b=0, length=0, text=b"", wait=0.0):
+    def _push(self, op, tag, a=0, b=0, length=0, text=b"", wait=0.0, ring=True):
         entry = PSUBMIT.pack(op, length, tag, a, b, 0, len(text), text)
         deadline = time.monotonic() + wait
         while not self.sq.push(entry):
@@ -334,7 +336,11 @@ class PrefillClient:
                 raise AttachError("submission ring full")
             self.sock.sendall(b"\1")
             time.sleep(0.0001)
-        self.sock.sendall(b"\1")  # the doorbell
+        if ring:
+            # Always, not only when the session armed need-wakeup: without
+            # a full fence between the publish and the flag load, a flag
+            # check could miss a sleeping session (module docs).
+            self.sock.sendall(b"\1")  # the doorbell
 
     def begin(self, req_id, receiver, total_chunks):
         raw = req_id.encode()
@@ -359,12 +365,14 @@ class PrefillClient:
         return self.view[off:off + self.chunk_bytes]
 
     def submit(self, tag, batch, keys, lens):
-        for i, (k, length) in enumerate(zip(keys, lens)):
-            raw = k.encode()
+        raws = [k.encode() for k in keys]
+        for raw in raws:
             if not 0 < len(raw) <= MAX_TEXT:
                 raise ValueError("key must be 1..%d bytes" % MAX_TEXT)
-            self._push(OP_KEY, tag, batch, i, length, raw, wait=10.0)
-        self._push(OP_SUBMIT, tag, batch, len(keys), wait=10.0)
+        # One doorbell per batch, after the SUBMIT (a full ring still rings).
+        for i, (raw, length) in enumerate(zip(raws, lens)):
+            self._push(OP_KEY, tag, batch, i, length, raw, wait=10.0, ring=False)
+        self._push(OP_SUBMIT, tag, batch, len(raws), wait=10.0)
         self.held.discard((tag, batch))
 
     def cancel(self, tag):

@@ -8,8 +8,9 @@ use crate::Plain;
 
 /// How a write batch is published.
 pub(crate) enum Publish<'a> {
-    /// SPSC: one Release store of the producer's tail.
-    Tail(&'a mut u64),
+    /// SPSC: one Release store of the producer's tail; the flag records
+    /// that the consumer asked for a wake-up ([`Ring::notify`]).
+    Tail(&'a mut u64, &'a mut bool),
     /// MPSC: one Release stamp store per slot (the tail was already claimed).
     Stamps,
 }
@@ -106,7 +107,7 @@ impl<'a, T: Plain> WriteBatch<'a, T> {
         }
         let end = self.start + self.len;
         match &mut self.publish {
-            Publish::Tail(tail) => {
+            Publish::Tail(tail, _) => {
                 **tail = end;
                 // Release: pairs with the consumer's Acquire load of the tail
                 // before it reads these slots.
@@ -120,7 +121,10 @@ impl<'a, T: Plain> WriteBatch<'a, T> {
                 }
             }
         }
-        self.ring.notify();
+        let woke = self.ring.notify();
+        if let Publish::Tail(_, asked) = &mut self.publish {
+            **asked |= woke;
+        }
     }
 }
 

@@ -309,9 +309,11 @@ impl<T: Plain> Ring<T> {
     }
 
     /// Producer side of the doorbell, called after publishing entries.
-    /// Issues the wake syscall only if the consumer asked for it.
+    /// Issues the wake syscall only if the consumer asked for it; returns
+    /// true then (a consumer sleeping elsewhere than on the futex, see
+    /// [`Ring::arm_wakeup`], needs its own wake-up delivered).
     #[inline]
-    pub(crate) fn notify(&self) {
+    pub(crate) fn notify(&self) -> bool {
         let sync = self.sync();
         // Barrier (P): Dekker pairing with the consumer's barrier (C) in
         // `wait_until`. The publish store before (P) and the consumer's
@@ -326,7 +328,37 @@ impl<T: Plain> Ring<T> {
             && sync.need_wakeup.swap(0, Ordering::Relaxed) != 0
         {
             sync.bell.ring();
+            return true;
         }
+        false
+    }
+
+    /// The first half of `wait_until`'s sleep, for a consumer that sleeps
+    /// on something else (a `poll(2)` on a socket) and is woken through it
+    /// by a producer that saw [`Ring::notify`] return true. Sets the flag,
+    /// runs barrier (C) and re-checks: false (flag cleared) if an entry is
+    /// already `available`, true if the consumer may sleep — any entry
+    /// published from now on makes its producer's `notify` return true.
+    pub(crate) fn arm_wakeup(&self, available: impl FnOnce() -> bool) -> bool {
+        let words = self.sync();
+        // Relaxed: ordered by the barrier below.
+        words.need_wakeup.store(1, Ordering::Relaxed);
+        // Barrier (C): pairs with (P) in `notify`, as in `wait_until`.
+        barrier::store_load();
+        if available() {
+            // Relaxed: a hint; a stale 1 costs a producer one spare wake.
+            words.need_wakeup.store(0, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+
+    /// The consumer is awake again: producers need not wake it.
+    pub(crate) fn disarm_wakeup(&self) {
+        // Relaxed: a hint (see `arm_wakeup`); entries published while the
+        // flag reads 0 are found by the consumer's next `arm_wakeup`
+        // re-check, which runs before it sleeps again.
+        self.sync().need_wakeup.store(0, Ordering::Relaxed);
     }
 
     /// Consumer side of the doorbell: return once `available()` is true

@@ -202,6 +202,28 @@ fn doorbell_no_lost_wakeup() {
     });
 }
 
+/// The doorbell for a consumer that sleeps elsewhere (`poll(2)` on a
+/// socket): it arms need-wakeup with `arm_wakeup` and sleeps only if that
+/// re-check found the ring empty; the producer wakes it (writes the socket)
+/// only if `take_wakeup` says so. Never both "asleep" and "not woken".
+#[test]
+fn armed_wakeup_is_never_lost() {
+    model(|| {
+        let (mut p, mut c) = spsc::channel::<u32>(1);
+        let prod = thread::spawn(move || {
+            p.push(5).unwrap();
+            let woke = p.take_wakeup();
+            (p, woke)
+        });
+        let slept = c.arm_wakeup();
+        let (p, woke) = prod.join().unwrap();
+        assert!(!slept || woke, "the consumer slept and nobody woke it");
+        c.disarm_wakeup();
+        assert_eq!(c.pop(), Some(5));
+        drop(p);
+    });
+}
+
 /// Close alone wakes a waiting consumer.
 #[test]
 fn doorbell_close_wakes() {

@@ -356,3 +356,31 @@ fn doorbell_ping_pong_never_loses_a_wakeup() {
     }
     assert_eq!(join_within(echo, "echo thread"), Ok(()));
 }
+
+#[test]
+fn take_wakeup_reports_an_armed_consumer_once_and_arm_sees_pending_entries() {
+    let (mut p, mut c) = spsc::channel::<u32>(4);
+    // Not armed: publishing asks for no wake-up.
+    p.push(1).unwrap();
+    assert!(!p.take_wakeup());
+    // Armed with an entry waiting: the re-check refuses to sleep and
+    // clears the flag, so the next publish asks for nothing either.
+    assert!(!c.arm_wakeup(), "an entry is pending");
+    p.push(2).unwrap();
+    assert!(!p.take_wakeup());
+    assert_eq!((c.pop(), c.pop()), (Some(1), Some(2)));
+    // Armed on an empty ring: the next publish (a batch, too) reports it,
+    // once; the flag is consumed.
+    assert!(c.arm_wakeup(), "empty: the consumer may sleep");
+    p.reserve(2).unwrap().fill_from(&[3, 4]);
+    assert!(p.take_wakeup());
+    assert!(!p.take_wakeup(), "reported once");
+    p.push(5).unwrap();
+    assert!(!p.take_wakeup(), "the first publish consumed the flag");
+    // Disarmed on waking: publishes ask for nothing.
+    assert_eq!(c.pop_into(&mut [0; 4]), 3);
+    assert!(c.arm_wakeup());
+    c.disarm_wakeup();
+    p.push(6).unwrap();
+    assert!(!p.take_wakeup());
+}

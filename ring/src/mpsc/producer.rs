@@ -94,7 +94,7 @@ impl<T: Plain> Producer<T> {
             // before it reads the slot.
             self.ring.stamp(pos).store(pos + 1, Ordering::Release);
         }
-        self.ring.notify();
+        let _ = self.ring.notify();
     }
 
     /// Push one entry. Gives it back if the ring is full or closed (the

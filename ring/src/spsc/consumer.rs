@@ -102,6 +102,28 @@ impl<T: Plain> Consumer<T> {
         ring.wait_until(deadline, || ring.tail().load(Ordering::Acquire) != head)
     }
 
+    /// Before sleeping elsewhere than in [`Consumer::wait`] (a `poll(2)`
+    /// that also watches other descriptors): publishes the need-wakeup
+    /// flag and re-checks the ring. False if an entry is already there
+    /// (the flag is cleared: do not sleep); true if the consumer may
+    /// sleep: every entry published from now on makes the producer's
+    /// [`Producer::take_wakeup`](crate::spsc::Producer::take_wakeup) return
+    /// true, and the producer then wakes the consumer its own way. This is
+    /// the handshake of [`Consumer::wait`] with the futex left out (crate
+    /// docs, "Doorbell"). Call [`Consumer::disarm_wakeup`] on waking.
+    pub fn arm_wakeup(&self) -> bool {
+        let head = self.head;
+        let ring = &*self.ring;
+        // Acquire: pairs with the producer's Release store of tail.
+        ring.arm_wakeup(|| ring.tail().load(Ordering::Acquire) != head)
+    }
+
+    /// Clears the need-wakeup flag once awake (producers then skip the
+    /// wake-up; a stale flag only costs one spare wake-up).
+    pub fn disarm_wakeup(&self) {
+        self.ring.disarm_wakeup();
+    }
+
     /// Entries currently in the ring.
     pub fn len(&self) -> usize {
         // Relaxed: a snapshot for statistics only.

@@ -19,6 +19,9 @@ pub struct Producer<T: Plain> {
     tail: u64,
     /// Last head seen; refreshed only when the ring looks full.
     cached_head: u64,
+    /// A publish since the last [`Producer::take_wakeup`] found the
+    /// consumer asking for a wake-up.
+    woke: bool,
     _not_sync: PhantomData<Cell<()>>,
 }
 
@@ -32,6 +35,7 @@ impl<T: Plain> Producer<T> {
             ring,
             tail,
             cached_head,
+            woke: false,
             _not_sync: PhantomData,
         }
     }
@@ -57,7 +61,7 @@ impl<T: Plain> Producer<T> {
         // Release: pairs with the consumer's Acquire load of tail before it
         // reads the slots we just wrote.
         self.ring.tail().store(self.tail, Ordering::Release);
-        self.ring.notify();
+        self.woke |= self.ring.notify();
     }
 
     /// Push one entry. Gives it back if the ring is full or closed (the
@@ -106,8 +110,20 @@ impl<T: Plain> Producer<T> {
             &self.ring,
             start,
             n,
-            Publish::Tail(&mut self.tail),
+            Publish::Tail(&mut self.tail, &mut self.woke),
         ))
+    }
+
+    /// True (once) if a publish since the last call found the consumer
+    /// asking for a wake-up: it had armed one with
+    /// [`Consumer::arm_wakeup`](crate::spsc::Consumer::arm_wakeup) to sleep
+    /// elsewhere than on the ring's futex (a consumer in `wait` was already
+    /// woken by the publish). A consumer that sleeps in `poll(2)` on a
+    /// socket is then woken by writing to the socket. Never losing a
+    /// wake-up: the publish and the flag check are ordered by the
+    /// doorbell's barrier pair (crate docs, "Doorbell").
+    pub fn take_wakeup(&mut self) -> bool {
+        std::mem::take(&mut self.woke)
     }
 
     /// Entries currently in the ring (exact from this side's view, the

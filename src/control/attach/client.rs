@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use kvferry_ring::spsc::{self, Consumer, Producer};
-use kvferry_ring::{ShmError, WaitStatus};
+use kvferry_ring::{Plain, ShmError, WaitStatus};
 use memmap2::Mmap;
 
 use super::layout::{
@@ -153,8 +153,23 @@ pub(super) fn handshake<S, E>(
     Ok((sock, hello))
 }
 
-/// Rings the submission doorbell: one byte on the socket (docs/attach.md).
-pub(super) fn doorbell(sock: &mut UnixStream) -> Result<(), AttachError> {
+/// Rings the submission doorbell after pushing to `sq`: one byte on the
+/// socket, only if the session armed its need-wakeup flag before sleeping
+/// (docs/attach.md, "Doorbell"); a session still lingering finds the
+/// entries without it.
+pub(super) fn doorbell<S: Plain>(
+    sq: &mut Producer<S>,
+    sock: &mut UnixStream,
+) -> Result<(), AttachError> {
+    if sq.take_wakeup() {
+        ring_socket(sock)?;
+    }
+    Ok(())
+}
+
+/// Writes one doorbell byte whatever the flag says (a full ring: wake the
+/// session to drain it). A byte the session did not need is harmless.
+pub(super) fn ring_socket(sock: &mut UnixStream) -> Result<(), AttachError> {
     sock.write_all(&[1]).map_err(|e| match e.kind() {
         io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset => AttachError::Closed,
         _ => AttachError::Io(e),
@@ -236,7 +251,7 @@ impl DecoderClient {
 
     fn submit(&mut self, s: DecoderSubmit) -> Result<(), AttachError> {
         self.sq.push(s).map_err(|_| AttachError::Full)?;
-        doorbell(&mut self.sock)
+        doorbell(&mut self.sq, &mut self.sock)
     }
 
     /// Subscribes to `req_id`; returns the tag its events carry.

@@ -25,7 +25,7 @@ use super::layout::{
     STATUS_NO_SHARE, STATUS_OK,
 };
 use super::poll::readable;
-use super::serve::{open_rings, serve, Completions, RingFiles, Serve};
+use super::serve::{open_rings, serve, Completions, Doorbell, RingFiles, Serve};
 use crate::protocol::ErrorCode;
 use crate::sender::{
     Request, RequestSpec, RequestStatus, Sender, StagedBatch, StagingShare, StoreError,
@@ -222,6 +222,10 @@ impl Serve for Session {
         }
         self.waiting = waiting;
         self.stage_pending();
+    }
+
+    fn submissions(&self) -> &dyn Doorbell {
+        &self.sq
     }
 }
 

@@ -12,7 +12,7 @@ use kvferry_ring::spsc::{self, Consumer, Producer};
 use kvferry_ring::WaitStatus;
 use memmap2::MmapMut;
 
-use super::client::{doorbell, handshake, AttachError};
+use super::client::{doorbell, handshake, ring_socket, AttachError};
 use super::layout::{
     error_from_number, DecoderEvent, Hello, PrefillSubmit, Refusal, EV_DONE, EV_FAILED, EV_REFUSED,
     EV_SLOT, EV_STAGED, MAX_TEXT, OP_BEGIN, OP_CANCEL, OP_KEY, OP_STAGE, OP_SUBMIT, ROLE_PREFILL,
@@ -149,7 +149,7 @@ impl PrefillClient {
 
     fn push(&mut self, s: PrefillSubmit) -> Result<(), AttachError> {
         self.sq.push(s).map_err(|_| AttachError::Full)?;
-        doorbell(&mut self.sock)
+        doorbell(&mut self.sq, &mut self.sock)
     }
 
     /// Pushes `s`, waiting (ringing the doorbell) while the ring is full,
@@ -162,7 +162,7 @@ impl PrefillClient {
                 Ok(()) => return Ok(()),
                 Err(back) if Instant::now() < deadline => {
                     s = back;
-                    doorbell(&mut self.sock)?;
+                    ring_socket(&mut self.sock)?;
                     std::thread::sleep(Duration::from_micros(100));
                 }
                 Err(_) => return Err(AttachError::Full),
@@ -230,6 +230,23 @@ impl PrefillClient {
                 "keys, lens and slots disagree".into(),
             ));
         }
+        let pushed = self.push_batch(&b, keys, lens);
+        // Once per batch, after the SUBMIT (the KEYs rang only if the ring
+        // was full), and also after a batch cut short: a KEY already pushed
+        // may have taken the session's wake-up request.
+        doorbell(&mut self.sq, &mut self.sock)?;
+        pushed?;
+        self.held.remove(&(b.tag, b.id));
+        Ok(())
+    }
+
+    /// Pushes the KEY entries of `b`, then its SUBMIT, without ringing.
+    fn push_batch(
+        &mut self,
+        b: &StagedSlots,
+        keys: &[&str],
+        lens: &[u32],
+    ) -> Result<(), AttachError> {
         for (i, (k, &len)) in keys.iter().zip(lens).enumerate() {
             let s = PrefillSubmit::with_text(OP_KEY, b.tag, b.id, i as u32, len, k)
                 .ok_or(AttachError::BadReqId)?;
@@ -241,10 +258,7 @@ impl PrefillClient {
             b.id,
             keys.len() as u32,
             0,
-        ))?;
-        doorbell(&mut self.sock)?;
-        self.held.remove(&(b.tag, b.id));
-        Ok(())
+        ))
     }
 
     /// Cancels request `tag` (its FAILED event follows).
@@ -319,7 +333,7 @@ impl PrefillClient {
                     // The daemon keeps batches we held until we say we no
                     // longer write them.
                     self.push_waiting(PrefillSubmit::of(OP_CANCEL, ev.tag, 0, 0, 0))?;
-                    doorbell(&mut self.sock)?;
+                    doorbell(&mut self.sq, &mut self.sock)?;
                 }
                 self.asked.remove(&ev.tag);
                 Ok(if ev.kind == EV_DONE {

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use kvferry_ring::spsc::{self, Consumer, Producer};
-use kvferry_ring::Plain;
+use kvferry_ring::{Backoff, Plain, Step};
 
 use super::daemon::{AttachConfig, DaemonShared};
 use super::layout::{Hello, ATTACH_VERSION, STATUS_OK};
@@ -131,6 +131,50 @@ pub(super) trait Serve {
     /// Handles a wake-up: submissions, and `fds` (those of `interest`, with
     /// their `revents`).
     fn wake(&mut self, fds: &[libc::pollfd]);
+    /// The client's submission ring.
+    fn submissions(&self) -> &dyn Doorbell;
+}
+
+/// The session's side of the submission doorbell (docs/attach.md,
+/// "Doorbell"): the ring's own need-wakeup flag, with the socket in place
+/// of the futex.
+pub(super) trait Doorbell {
+    /// True if submissions wait on the ring.
+    fn pending(&self) -> bool;
+    /// Publishes need-wakeup and re-checks; true if the session may sleep.
+    fn arm(&self) -> bool;
+    /// Awake again: clients need not ring.
+    fn disarm(&self);
+}
+
+impl<S: Plain> Doorbell for Consumer<S> {
+    fn pending(&self) -> bool {
+        !self.is_empty()
+    }
+    fn arm(&self) -> bool {
+        self.arm_wakeup()
+    }
+    fn disarm(&self) {
+        self.disarm_wakeup()
+    }
+}
+
+/// SQPOLL-style: after handling work, watches the submission ring for a
+/// moment ([`Backoff`]: a few µs of spinning, then a few yields) before
+/// sleeping, so a client submitting in a loop finds the session awake and
+/// need not ring. Bounded, so an idle session sleeps. Returns true if
+/// submissions are waiting (poll without sleeping); false once the client
+/// was asked to ring (need-wakeup armed).
+fn linger(sq: &dyn Doorbell) -> bool {
+    let mut backoff = Backoff::new();
+    loop {
+        if sq.pending() {
+            return true;
+        }
+        if backoff.snooze() == Step::ShouldPark {
+            return !sq.arm();
+        }
+    }
 }
 
 /// Serves `session` until its socket closes (the lease) or `shared` stops.
@@ -141,7 +185,23 @@ pub(super) fn serve<R>(shared: &DaemonShared<R>, mut sock: UnixStream, session: 
         fds.push(readable(sock.as_raw_fd()));
         fds.push(readable(shared.stop.as_fd().as_raw_fd()));
         let retry = session.interest(&mut fds);
-        if let Err(e) = poll(&mut fds, retry.then_some(RETRY)) {
+        // With submissions waiting the poll only collects the other
+        // descriptors' state (the lease, stop, the role's); otherwise the
+        // client rings the socket when it submits.
+        // A session with work it cannot do yet (a full completion ring)
+        // reads few or no submissions: it does not linger, and wakes after
+        // RETRY whatever the client rings (the flag then only saves bytes).
+        let timeout = if retry {
+            session.submissions().arm();
+            Some(RETRY)
+        } else if linger(session.submissions()) {
+            Some(Duration::ZERO)
+        } else {
+            None
+        };
+        let polled = poll(&mut fds, timeout);
+        session.submissions().disarm();
+        if let Err(e) = polled {
             tracing::warn!(error = %e, "attach: poll failed; detaching the client");
             return;
         }

@@ -20,7 +20,7 @@ use super::layout::{
     OP_SUBSCRIBE_ALL, ROLE_DECODER, STATUS_OK,
 };
 use super::poll::readable;
-use super::serve::{open_rings, serve, Completions, RingFiles, Serve};
+use super::serve::{open_rings, serve, Completions, Doorbell, RingFiles, Serve};
 use crate::protocol::ErrorCode;
 use crate::receiver::{ReadyFeed, Receiver, RequestChunks, RequestHandle, RequestStatus};
 use crate::region::DATA_OFFSET;
@@ -201,6 +201,10 @@ impl Serve for Session {
         self.waiting = waiting;
         self.claim_wild();
         self.post_taken();
+    }
+
+    fn submissions(&self) -> &dyn Doorbell {
+        &self.sq
     }
 }
 
