@@ -18,6 +18,7 @@ use super::layout::{
     EV_CHUNK, EV_FAILED, EV_NAME, EV_READY, EV_REFUSED, HELLO_LEN, MAX_REQ_ID, NAME_PART,
     NO_TOKENS, OP_SUBSCRIBE_ALL, ROLE_DECODER, STATUS_OK,
 };
+use super::linger::linger;
 use crate::protocol::ErrorCode;
 
 /// Errors of a [`DecoderClient`].
@@ -348,6 +349,11 @@ impl DecoderClient {
                 if let Some(out) = self.on_event(ev)? {
                     return Ok(out);
                 }
+                continue;
+            }
+            // Stay awake a moment first: the daemon's answer usually comes
+            // sooner than a futex wake-up would.
+            if linger(|| !self.cq.is_empty()) {
                 continue;
             }
             match self.cq.wait(Some(deadline)) {

@@ -14,6 +14,7 @@
 mod client;
 mod daemon;
 pub mod layout;
+mod linger;
 mod poll;
 mod prefill;
 mod prefill_client;

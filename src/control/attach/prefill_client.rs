@@ -17,6 +17,7 @@ use super::layout::{
     error_from_number, DecoderEvent, Hello, PrefillSubmit, Refusal, EV_DONE, EV_FAILED, EV_REFUSED,
     EV_SLOT, EV_STAGED, MAX_TEXT, OP_BEGIN, OP_CANCEL, OP_KEY, OP_STAGE, OP_SUBMIT, ROLE_PREFILL,
 };
+use super::linger::linger;
 use crate::protocol::ErrorCode;
 
 /// Staging slots the daemon handed to this worker for one batch: fill them
@@ -279,6 +280,11 @@ impl PrefillClient {
         loop {
             if let Some(ev) = self.cq.pop() {
                 return self.on_event(ev);
+            }
+            // Stay awake a moment first: the daemon's answer usually comes
+            // sooner than a futex wake-up would.
+            if linger(|| !self.cq.is_empty()) {
+                continue;
             }
             match self.cq.wait(Some(deadline)) {
                 WaitStatus::Ready => {}

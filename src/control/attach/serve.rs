@@ -10,10 +10,11 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use kvferry_ring::spsc::{self, Consumer, Producer};
-use kvferry_ring::{Backoff, Plain, Step};
+use kvferry_ring::Plain;
 
 use super::daemon::{AttachConfig, DaemonShared};
 use super::layout::{Hello, ATTACH_VERSION, STATUS_OK};
+use super::linger::linger;
 use super::poll::{poll, readable};
 
 /// How long the loop sleeps between retries while a session has work it
@@ -160,21 +161,12 @@ impl<S: Plain> Doorbell for Consumer<S> {
 }
 
 /// SQPOLL-style: after handling work, watches the submission ring for a
-/// moment ([`Backoff`]: a few µs of spinning, then a few yields) before
-/// sleeping, so a client submitting in a loop finds the session awake and
-/// need not ring. Bounded, so an idle session sleeps. Returns true if
-/// submissions are waiting (poll without sleeping); false once the client
-/// was asked to ring (need-wakeup armed).
-fn linger(sq: &dyn Doorbell) -> bool {
-    let mut backoff = Backoff::new();
-    loop {
-        if sq.pending() {
-            return true;
-        }
-        if backoff.snooze() == Step::ShouldPark {
-            return !sq.arm();
-        }
-    }
+/// moment ([`linger`]) before sleeping, so a client submitting in a loop
+/// finds the session awake and need not ring. Returns true if submissions
+/// are waiting (poll without sleeping); false once the client was asked to
+/// ring (need-wakeup armed).
+fn linger_on(sq: &dyn Doorbell) -> bool {
+    linger(|| sq.pending()) || !sq.arm()
 }
 
 /// Serves `session` until its socket closes (the lease) or `shared` stops.
@@ -194,7 +186,7 @@ pub(super) fn serve<R>(shared: &DaemonShared<R>, mut sock: UnixStream, session: 
         let timeout = if retry {
             session.submissions().arm();
             Some(RETRY)
-        } else if linger(session.submissions()) {
+        } else if linger_on(session.submissions()) {
             Some(Duration::ZERO)
         } else {
             None
