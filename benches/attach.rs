@@ -318,6 +318,10 @@ fn python_e2e(mode: &str, dir: &Path) -> f64 {
         &chunk,
         "--staging-slots",
         &slots,
+        // One worker: its share is all of staging (the default splits
+        // staging among --attach-max-clients workers).
+        "--attach-shares",
+        "1",
         "--attach",
         ssock.to_str().expect("utf-8 path"),
     ]));
