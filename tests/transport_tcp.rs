@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use kvferry::protocol::{Descriptor, ErrorCode};
 use kvferry::receiver::{Receiver, ReceiverConfig, ReceiverError};
 use kvferry::runner::{self, ChunkRange, Progress, RunConfig};
-use kvferry::sender::{RequestStatus, Sender, SenderConfig, TransferSpec};
+use kvferry::sender::{RequestStatus, Sender, SenderConfig, StoreError, TransferSpec};
 use kvferry::staging::StagingBuffer;
 use kvferry::transport::tcp::wire::{
     self, Ack, Header, Preamble, ACK_LEN, HEADER_LEN, PREAMBLE_ACK_LEN, PREAMBLE_LEN,
@@ -736,8 +736,14 @@ fn a_sender_asking_for_tcp_fails_cleanly_at_a_receiver_without_it() {
     })
     .unwrap();
     let spec = TransferSpec::new("r1", r.endpoint(), 1, true);
-    s.store(&spec, &["k"], &[&[1u8; 64][..]]).unwrap();
-    match s.wait("r1", Instant::now() + WAIT) {
+    // The refusal can end the request before `store` hands its batch over
+    // (admission starts at `begin`): then `store` reports it.
+    let status = match s.store(&spec, &["k"], &[&[1u8; 64][..]]) {
+        Ok(()) => s.wait("r1", Instant::now() + WAIT),
+        Err(StoreError::RequestEnded(status)) => Some(status),
+        Err(e) => panic!("store: {e}"),
+    };
+    match status {
         Some(RequestStatus::Failed { code, reason }) => {
             assert_eq!(code, ErrorCode::PeerUnavailable);
             assert!(
