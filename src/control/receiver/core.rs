@@ -709,12 +709,7 @@ impl ReceiverCore {
                 p.anonymous -= 1;
             }
             for (key, gen, wrote) in a.held {
-                let u = if wrote {
-                    self.keys.evict(&key, gen, false)
-                } else {
-                    self.keys.unref_gen(&key, gen)
-                };
-                freed |= self.release(u);
+                freed |= self.drop_anonymous_ref(&key, gen, wrote);
             }
         }
         if freed {
@@ -1742,12 +1737,7 @@ impl ReceiverCore {
         }
         let mut freed = false;
         for (key, gen, wrote) in released {
-            let u = if wrote {
-                self.keys.evict(&key, gen, false)
-            } else {
-                self.keys.unref_gen(&key, gen)
-            };
-            freed |= self.release(u);
+            freed |= self.drop_anonymous_ref(&key, gen, wrote);
         }
         if freed {
             self.grant_parked(now, out);
@@ -2076,6 +2066,18 @@ impl ReceiverCore {
 
     /// Frees the slot of a dropped last reference. Returns true if a slot
     /// was freed.
+    /// Drops one reference an anonymous allocation held (`wrote`: its chunk
+    /// was written, so the key goes with it, unquarantined); true if a slot
+    /// was freed.
+    fn drop_anonymous_ref(&mut self, key: &str, gen: u64, wrote: bool) -> bool {
+        let u = if wrote {
+            self.keys.evict(key, gen, false)
+        } else {
+            self.keys.unref_gen(key, gen)
+        };
+        self.release(u)
+    }
+
     fn release(&mut self, u: Unref) -> bool {
         match u {
             Unref::Freed(slot) => {
