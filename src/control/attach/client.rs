@@ -177,6 +177,58 @@ pub(super) fn ring_socket(sock: &mut UnixStream) -> Result<(), AttachError> {
     })
 }
 
+/// Waits for the next completion entry until `deadline`: pops it, else
+/// stays awake a moment (the daemon's answer usually comes sooner than a
+/// futex wake-up would), else sleeps on the ring's futex.
+pub(super) fn next_entry(
+    cq: &mut Consumer<DecoderEvent>,
+    deadline: Instant,
+) -> Result<DecoderEvent, AttachError> {
+    loop {
+        if let Some(ev) = cq.pop() {
+            return Ok(ev);
+        }
+        if linger(|| !cq.is_empty()) {
+            continue;
+        }
+        match cq.wait(Some(deadline)) {
+            WaitStatus::Ready => {}
+            WaitStatus::Closed => return Err(AttachError::Closed),
+            WaitStatus::TimedOut => return Err(AttachError::Timeout),
+        }
+    }
+}
+
+/// Pops the `n` entries of kind `kind` that follow `head` (published with
+/// it, in one tail store): each must carry `head`'s tag and its index in
+/// `b`, and `each` checks and maps the rest (`None`: a bad entry).
+pub(super) fn follow_ons<T>(
+    cq: &mut Consumer<DecoderEvent>,
+    head: &DecoderEvent,
+    kind: u32,
+    n: usize,
+    what: &str,
+    mut each: impl FnMut(&DecoderEvent) -> Option<T>,
+) -> Result<Vec<T>, AttachError> {
+    if n >= cq.capacity() {
+        return Err(AttachError::Protocol(format!(
+            "{what}: more entries than the ring holds: {head:?}"
+        )));
+    }
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let c = cq.pop().ok_or_else(|| {
+            AttachError::Protocol(format!("{what}: not followed by its entries: {head:?}"))
+        })?;
+        let item = (c.kind == kind && c.tag == head.tag && c.b as usize == i)
+            .then(|| each(&c))
+            .flatten()
+            .ok_or_else(|| AttachError::Protocol(format!("{what}: bad entry {c:?}")))?;
+        out.push(item);
+    }
+    Ok(out)
+}
+
 /// An attached decoder (see `docs/attach.md`). Not `Sync`: one thread
 /// drives it.
 pub struct DecoderClient {
@@ -345,21 +397,9 @@ impl DecoderClient {
     /// Waits until the next event or `deadline`.
     pub fn next_event(&mut self, deadline: Instant) -> Result<Event, AttachError> {
         loop {
-            if let Some(ev) = self.cq.pop() {
-                if let Some(out) = self.on_event(ev)? {
-                    return Ok(out);
-                }
-                continue;
-            }
-            // Stay awake a moment first: the daemon's answer usually comes
-            // sooner than a futex wake-up would.
-            if linger(|| !self.cq.is_empty()) {
-                continue;
-            }
-            match self.cq.wait(Some(deadline)) {
-                WaitStatus::Ready => {}
-                WaitStatus::Closed => return Err(AttachError::Closed),
-                WaitStatus::TimedOut => return Err(AttachError::Timeout),
+            let ev = next_entry(&mut self.cq, deadline)?;
+            if let Some(out) = self.on_event(ev)? {
+                return Ok(out);
             }
         }
     }
@@ -396,30 +436,17 @@ impl DecoderClient {
                     None if ev.tag & DAEMON_TAG != 0 && self.wild_ever => self.read_name(&ev)?,
                     _ => return Err(bad("READY for a tag not subscribed")),
                 };
-                let n = ev.a as usize;
-                if n >= self.cq.capacity() {
-                    return Err(bad("READY with more chunks than the ring holds"));
-                }
-                let mut chunks = Vec::with_capacity(n);
-                for i in 0..n {
-                    let c = self
-                        .cq
-                        .pop()
-                        .ok_or_else(|| bad("READY not followed by its chunks"))?;
-                    if c.kind != EV_CHUNK
-                        || c.tag != ev.tag
-                        || c.b as usize != i
-                        || u64::from(c.a) >= self.hello.slots
-                        || u64::from(c.len) > self.hello.chunk_bytes
-                    {
-                        return Err(AttachError::Protocol(format!("bad CHUNK entry {c:?}")));
-                    }
-                    chunks.push(ChunkDesc {
-                        slot: c.a,
-                        len: c.len,
-                        tokens: (c.tokens != NO_TOKENS).then_some(c.tokens),
-                    });
-                }
+                let (slots, chunk_bytes) = (self.hello.slots, self.hello.chunk_bytes);
+                let chunks =
+                    follow_ons(&mut self.cq, &ev, EV_CHUNK, ev.a as usize, "READY", |c| {
+                        (u64::from(c.a) < slots && u64::from(c.len) <= chunk_bytes).then_some(
+                            ChunkDesc {
+                                slot: c.a,
+                                len: c.len,
+                                tokens: (c.tokens != NO_TOKENS).then_some(c.tokens),
+                            },
+                        )
+                    })?;
                 let serial = self.next_serial;
                 self.next_serial += 1;
                 self.tags.insert(ev.tag, TagState::Held(serial));

@@ -9,15 +9,13 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use kvferry_ring::spsc::{self, Consumer, Producer};
-use kvferry_ring::WaitStatus;
 use memmap2::MmapMut;
 
-use super::client::{doorbell, handshake, ring_socket, AttachError};
+use super::client::{doorbell, follow_ons, handshake, next_entry, ring_socket, AttachError};
 use super::layout::{
     error_from_number, DecoderEvent, Hello, PrefillSubmit, Refusal, EV_DONE, EV_FAILED, EV_REFUSED,
     EV_SLOT, EV_STAGED, MAX_TEXT, OP_BEGIN, OP_CANCEL, OP_KEY, OP_STAGE, OP_SUBMIT, ROLE_PREFILL,
 };
-use super::linger::linger;
 use crate::protocol::ErrorCode;
 
 /// Staging slots the daemon handed to this worker for one batch: fill them
@@ -277,21 +275,8 @@ impl PrefillClient {
 
     /// Waits until the next event or `deadline`.
     pub fn next_event(&mut self, deadline: Instant) -> Result<PrefillEvent, AttachError> {
-        loop {
-            if let Some(ev) = self.cq.pop() {
-                return self.on_event(ev);
-            }
-            // Stay awake a moment first: the daemon's answer usually comes
-            // sooner than a futex wake-up would.
-            if linger(|| !self.cq.is_empty()) {
-                continue;
-            }
-            match self.cq.wait(Some(deadline)) {
-                WaitStatus::Ready => {}
-                WaitStatus::Closed => return Err(AttachError::Closed),
-                WaitStatus::TimedOut => return Err(AttachError::Timeout),
-            }
-        }
+        let ev = next_entry(&mut self.cq, deadline)?;
+        self.on_event(ev)
     }
 
     fn on_event(&mut self, ev: DecoderEvent) -> Result<PrefillEvent, AttachError> {
@@ -303,25 +288,10 @@ impl PrefillClient {
                     return Err(bad("STAGED not asked for"));
                 };
                 *asked -= 1;
-                let n = ev.b as usize;
-                if n >= self.cq.capacity() {
-                    return Err(bad("STAGED with more slots than the ring holds"));
-                }
-                let mut slots = Vec::with_capacity(n);
-                for i in 0..n {
-                    let c = self
-                        .cq
-                        .pop()
-                        .ok_or_else(|| bad("STAGED not followed by its slots"))?;
-                    if c.kind != EV_SLOT
-                        || c.tag != ev.tag
-                        || c.b as usize != i
-                        || u64::from(c.a) >= self.hello.slots
-                    {
-                        return Err(AttachError::Protocol(format!("bad SLOT entry {c:?}")));
-                    }
-                    slots.push(c.a);
-                }
+                let share = self.hello.slots;
+                let slots = follow_ons(&mut self.cq, &ev, EV_SLOT, ev.b as usize, "STAGED", |c| {
+                    (u64::from(c.a) < share).then_some(c.a)
+                })?;
                 self.held.insert((ev.tag, ev.a));
                 Ok(PrefillEvent::Staged(StagedSlots {
                     tag: ev.tag,
