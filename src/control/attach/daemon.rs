@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use super::layout::{Hello, STATUS_INTERNAL, STATUS_TOO_MANY_CLIENTS, STATUS_WRONG_UID};
 use super::poll::{own_uid, peer_uid, poll, readable};
+use super::serve::{serve, Serve};
 use crate::eventfd::EventFd;
 
 /// Limits and paths of an attach daemon ([`DecoderDaemon`](super::DecoderDaemon),
@@ -74,17 +75,17 @@ pub(super) struct OpenRefused(pub(super) u32);
 
 /// What a role adds to the daemon: its state and its session.
 pub(super) trait Role: Send + Sync + Sized + 'static {
-    /// One client's session.
-    type Session: Send + 'static;
+    /// The role's name in logs and spans (`decoder`, `prefill`).
+    const NAME: &'static str;
+    /// One client's session: served by [`serve`] until the client leaves
+    /// or the daemon stops; dropping it gives back everything it held.
+    type Session: Serve + Send + 'static;
     /// Sets client `id` up (rings, hello on `sock`).
     fn open(
         shared: &Arc<DaemonShared<Self>>,
         id: u32,
         sock: &UnixStream,
     ) -> io::Result<Self::Session>;
-    /// Serves the client until it leaves or the daemon stops; everything
-    /// it held is given back when this returns.
-    fn run(session: Self::Session, sock: UnixStream);
 }
 
 /// State the accept thread and the sessions share.
@@ -296,9 +297,14 @@ fn accept_loop<R: Role>(shared: &Arc<DaemonShared<R>>, listener: &UnixListener) 
             shared.live.fetch_add(1, Ordering::Relaxed);
             let s = Arc::clone(shared);
             match crate::threads::spawn_named(&format!("attach-{id}"), None, move || {
-                R::run(session, sock);
-                // Relaxed: a count; the session's effects are ordered by
-                // the engine's own locks.
+                let mut session = session;
+                let span = tracing::debug_span!("attach_session", role = R::NAME, client = id);
+                let _enter = span.enter();
+                tracing::debug!("attached");
+                serve(&s, sock, &mut session);
+                drop(session); // gives back what the client held
+                               // Relaxed: a count; the session's effects are ordered by
+                               // the engine's own locks.
                 s.live.fetch_sub(1, Ordering::Relaxed);
             }) {
                 Ok(t) => sessions.push(t),

@@ -25,7 +25,7 @@ use super::layout::{
     STATUS_NO_SHARE, STATUS_OK,
 };
 use super::poll::readable;
-use super::serve::{open_rings, serve, Completions, Doorbell, RingFiles, Serve};
+use super::serve::{open_rings, Completions, Doorbell, RingFiles, Serve};
 use crate::protocol::ErrorCode;
 use crate::sender::{
     Request, RequestSpec, RequestStatus, Sender, StagedBatch, StagingShare, StoreError,
@@ -90,6 +90,7 @@ impl PrefillDaemon {
 }
 
 impl Role for Prefills {
+    const NAME: &'static str = "prefill";
     type Session = Session;
 
     fn open(shared: &Arc<DaemonShared<Self>>, id: u32, sock: &UnixStream) -> io::Result<Session> {
@@ -125,15 +126,6 @@ impl Role for Prefills {
             inbox: vec![PrefillSubmit::of(0, 0, 0, 0, 0); sq_cap],
             shared: Arc::clone(shared),
         })
-    }
-
-    fn run(mut session: Session, sock: UnixStream) {
-        let span = tracing::debug_span!("attach_prefill_session", client = session.id);
-        let _enter = span.enter();
-        tracing::debug!("attached");
-        let shared = Arc::clone(&session.shared);
-        serve(&shared, sock, &mut session);
-        // Dropping `session` cancels its live requests and frees its slots.
     }
 }
 

@@ -20,7 +20,7 @@ use super::layout::{
     OP_SUBSCRIBE_ALL, ROLE_DECODER, STATUS_OK,
 };
 use super::poll::readable;
-use super::serve::{open_rings, serve, Completions, Doorbell, RingFiles, Serve};
+use super::serve::{open_rings, Completions, Doorbell, RingFiles, Serve};
 use crate::protocol::ErrorCode;
 use crate::receiver::{ReadyFeed, Receiver, RequestChunks, RequestHandle, RequestStatus};
 use crate::region::DATA_OFFSET;
@@ -90,6 +90,7 @@ impl DecoderDaemon {
 }
 
 impl Role for Decoders {
+    const NAME: &'static str = "decoder";
     type Session = Session;
 
     fn open(shared: &Arc<DaemonShared<Self>>, id: u32, sock: &UnixStream) -> io::Result<Session> {
@@ -115,15 +116,6 @@ impl Role for Decoders {
             next_delivery: 0,
             shared: Arc::clone(shared),
         })
-    }
-
-    fn run(mut session: Session, sock: UnixStream) {
-        let span = tracing::debug_span!("attach_session", client = session.id);
-        let _enter = span.enter();
-        tracing::debug!("attached");
-        let shared = Arc::clone(&session.shared);
-        serve(&shared, sock, &mut session);
-        // Dropping `session` releases every held request and subscription.
     }
 }
 
