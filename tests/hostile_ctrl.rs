@@ -76,21 +76,7 @@ impl Proc {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         if let Some(n) = nofile {
-            use std::os::unix::process::CommandExt;
-            // SAFETY: setrlimit is async-signal-safe; the closure touches
-            // nothing else between fork and exec.
-            unsafe {
-                cmd.pre_exec(move || {
-                    let rl = libc::rlimit {
-                        rlim_cur: n,
-                        rlim_max: n,
-                    };
-                    if libc::setrlimit(libc::RLIMIT_NOFILE, &rl) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    Ok(())
-                });
-            }
+            limit_nofile(&mut cmd, n);
         }
         let mut child = cmd.spawn().expect("spawn kvferry");
         let stderr = child.stderr.take().expect("stderr piped");

@@ -23,6 +23,26 @@ use std::time::{Duration, Instant};
 /// is declared hung (generous: the CI machine is loaded).
 pub const PROC_WAIT: Duration = Duration::from_secs(30);
 
+/// Gives the child `cmd` spawns an `RLIMIT_NOFILE` of `n` (soft and hard),
+/// for tests of what a process does when it runs out of descriptors.
+pub fn limit_nofile(cmd: &mut Command, n: u64) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: setrlimit is async-signal-safe; the closure touches nothing
+    // else between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            let rl = libc::rlimit {
+                rlim_cur: n,
+                rlim_max: n,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &rl) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
 /// A thread of the test, called `what`; see [`spawn_thread`].
 pub struct Spawned<T> {
     handle: JoinHandle<T>,
