@@ -12,4 +12,5 @@ pub mod recent;
 pub mod region;
 pub mod slots;
 pub mod staging;
+pub(crate) mod stale;
 pub(crate) mod sync;

@@ -10,97 +10,23 @@
 
 use std::fs;
 use std::io;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::Path;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, UNIX_EPOCH};
 
 use super::poll::own_uid;
+use crate::primitives::stale;
 
 /// Name prefix of every attach ring directory (`AttachConfig::new`).
 pub(super) const PREFIX: &str = "kvferry-attach-";
-
-/// How much later than the directory's last change a process with its pid
-/// must have started to count as a reuse. Process start times are known to
-/// the boot time's one-second resolution; inside this slack the directory
-/// is kept (a leak at worst, never a live daemon's directory removed).
-const SLACK: Duration = Duration::from_secs(2);
 
 /// Entries of `parent` scanned at most per start (a bound on the work a
 /// crowded `/dev/shm` causes).
 const MAX_SCAN: usize = 4096;
 
-/// Where the process of a pid stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Owner {
-    /// No such process, or a zombie: it cannot use the directory.
-    Dead,
-    /// A live process that started at this time (`None`: unknown).
-    Alive(Option<SystemTime>),
-}
-
 /// The pid in a ring directory's name `kvferry-attach-<pid>-<n>`.
 pub(super) fn pid_of(name: &str) -> Option<u32> {
-    let rest = name.strip_prefix(PREFIX)?;
-    let (pid, n) = rest.split_once('-')?;
-    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-    if !digits(pid) || !digits(n) {
-        return None;
-    }
-    pid.parse().ok().filter(|&p| p > 0)
-}
-
-/// Whether a directory last changed at `changed`, named for a process in
-/// state `owner`, is stale.
-pub(super) fn is_stale(changed: SystemTime, owner: Owner) -> bool {
-    match owner {
-        Owner::Dead => true,
-        Owner::Alive(Some(started)) => started > changed + SLACK,
-        Owner::Alive(None) => false,
-    }
-}
-
-/// The state of process `pid`, from `/proc/<pid>/stat`.
-fn owner(pid: u32) -> Owner {
-    let stat = match fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(s) => s,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Owner::Dead,
-        // Unreadable (hidepid): treat as alive, start unknown.
-        Err(_) => return Owner::Alive(None),
-    };
-    // Fields after the command name (which may contain spaces and ')'):
-    // state is field 3, starttime field 22 (proc(5)).
-    let Some((_, rest)) = stat.rsplit_once(')') else {
-        return Owner::Alive(None);
-    };
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    if matches!(fields.first(), Some(&"Z") | Some(&"X")) {
-        return Owner::Dead;
-    }
-    let started = fields
-        .get(19)
-        .and_then(|t| t.parse::<u64>().ok())
-        .and_then(|ticks| Some(boot_time()? + ticks_to_duration(ticks)?));
-    Owner::Alive(started)
-}
-
-fn ticks_to_duration(ticks: u64) -> Option<Duration> {
-    // SAFETY: sysconf takes an integer name and has no other effect.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    let hz = u64::try_from(hz).ok().filter(|&h| h > 0)?;
-    Some(Duration::from_secs(ticks / hz) + Duration::from_nanos((ticks % hz) * 1_000_000_000 / hz))
-}
-
-/// The boot time (`btime` of `/proc/stat`, whole seconds).
-fn boot_time() -> Option<SystemTime> {
-    let stat = fs::read_to_string("/proc/stat").ok()?;
-    let secs = stat
-        .lines()
-        .find_map(|l| l.strip_prefix("btime "))?
-        .trim()
-        .parse()
-        .ok()?;
-    Some(UNIX_EPOCH + Duration::from_secs(secs))
+    stale::pid_in_name(name, PREFIX, "")
 }
 
 /// Opens directory `dir` (not through a symlink) and takes an exclusive
@@ -110,10 +36,7 @@ pub(super) fn try_lock(dir: &Path) -> io::Result<fs::File> {
         .read(true)
         .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(dir)?;
-    // SAFETY: flock on a descriptor we own for the call; no memory involved.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    stale::flock_nb(&f, libc::LOCK_EX)?;
     Ok(f)
 }
 
@@ -154,7 +77,7 @@ pub(super) fn remove_stale(parent: &Path) -> usize {
         let changed = UNIX_EPOCH
             + Duration::from_secs(u64::try_from(m.ctime()).unwrap_or(0))
             + Duration::from_nanos(u64::try_from(m.ctime_nsec()).unwrap_or(0));
-        if !is_stale(changed, owner(pid)) {
+        if !stale::is_stale(changed, stale::owner(pid)) {
             continue;
         }
         // A live daemon (whatever its pid namespace) holds the lock; ours,
@@ -200,22 +123,6 @@ mod tests {
     }
 
     #[test]
-    fn staleness_needs_a_dead_or_younger_owner() {
-        let t = UNIX_EPOCH + Duration::from_secs(1_000_000);
-        assert!(is_stale(t, Owner::Dead));
-        // The live daemon that made it started before it changed.
-        assert!(!is_stale(
-            t,
-            Owner::Alive(Some(t - Duration::from_secs(60)))
-        ));
-        // Within the slack of the boot time's resolution: kept.
-        assert!(!is_stale(t, Owner::Alive(Some(t + Duration::from_secs(1)))));
-        // Started well after: the pid was reused.
-        assert!(is_stale(t, Owner::Alive(Some(t + Duration::from_secs(10)))));
-        assert!(!is_stale(t, Owner::Alive(None)));
-    }
-
-    #[test]
     fn a_locked_directory_cannot_be_locked_again() {
         let d = std::env::temp_dir().join(format!("kvferry-lock-test-{}", std::process::id()));
         let _ = fs::remove_dir_all(&d);
@@ -233,17 +140,5 @@ mod tests {
         assert!(try_lock(&link).is_err(), "never through a symlink");
         fs::remove_file(&link).unwrap();
         fs::remove_dir(&d).unwrap();
-    }
-
-    #[test]
-    fn this_process_is_alive_and_started_in_the_past() {
-        match owner(std::process::id()) {
-            Owner::Alive(Some(started)) => {
-                assert!(started <= SystemTime::now() + SLACK, "{started:?}")
-            }
-            other => panic!("this process reads as {other:?}"),
-        }
-        // pid_max is at most 2^22: this pid never exists.
-        assert_eq!(owner(u32::MAX / 2), Owner::Dead);
     }
 }

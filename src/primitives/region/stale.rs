@@ -8,8 +8,8 @@
 //! A file is removed only when all of these hold:
 //! - its name is exactly `kvferry-<pid>-<n>.buf` and `<pid>` is not this
 //!   process;
-//! - no process with that pid is alive in this pid namespace
-//!   (`kill(pid, 0)` fails with `ESRCH`);
+//! - no live process has that pid in this pid namespace (none, or a
+//!   zombie: `primitives::stale::owner`);
 //! - it is a regular file (opened with `O_NOFOLLOW`: a symlink is never
 //!   followed, nor removed) owned by this effective uid;
 //! - nobody holds its lock: every live creator holds a shared `flock` on
@@ -30,57 +30,30 @@
 
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::Path;
 
+use crate::primitives::stale::{self, Owner};
+
 /// `kvferry-<pid>-<n>.buf` → `pid`, or `None` for any other name.
-pub(super) fn buffer_pid(name: &str) -> Option<i32> {
-    let (pid, n) = name
-        .strip_prefix("kvferry-")?
-        .strip_suffix(".buf")?
-        .split_once('-')?;
-    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-    if !digits(pid) || !digits(n) {
-        return None;
-    }
-    pid.parse().ok().filter(|&p| p > 0)
-}
-
-/// True unless `kill(pid, 0)` says no such process (`ESRCH`): `EPERM`
-/// means it exists under another uid.
-fn pid_alive(pid: i32) -> bool {
-    // SAFETY: kill with signal 0 sends nothing; it only checks the pid.
-    if unsafe { libc::kill(pid, 0) } == 0 {
-        return true;
-    }
-    io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
-}
-
-/// `flock(file, op | LOCK_NB)`.
-fn flock_nb(file: &File, op: libc::c_int) -> io::Result<()> {
-    // SAFETY: flock on a descriptor this `File` owns; no memory is passed.
-    if unsafe { libc::flock(file.as_raw_fd(), op | libc::LOCK_NB) } == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
+pub(super) fn buffer_pid(name: &str) -> Option<u32> {
+    stale::pid_in_name(name, "kvferry-", ".buf")
 }
 
 /// Takes the creator's shared lock on a buffer file (held until the file
 /// is closed): a sweeper's exclusive lock fails while it is held.
 /// `WouldBlock` if a sweeper holds the file right now.
 pub(super) fn lock_shared(file: &File) -> io::Result<()> {
-    flock_nb(file, libc::LOCK_SH)
+    stale::flock_nb(file, libc::LOCK_SH)
 }
 
 /// Removes `dir/name` if it is a stale buffer file (see the module docs);
 /// returns whether it did.
-fn remove_if_stale(dir: &Path, name: &str, own_pid: i32, euid: u32) -> bool {
+fn remove_if_stale(dir: &Path, name: &str, own_pid: u32, euid: u32) -> bool {
     let Some(pid) = buffer_pid(name) else {
         return false;
     };
-    if pid == own_pid || pid_alive(pid) {
+    if pid == own_pid || stale::owner(pid) != Owner::Dead {
         return false;
     }
     let path = dir.join(name);
@@ -94,7 +67,7 @@ fn remove_if_stale(dir: &Path, name: &str, own_pid: i32, euid: u32) -> bool {
     let Ok(meta) = file.metadata() else {
         return false;
     };
-    if !meta.is_file() || meta.uid() != euid || flock_nb(&file, libc::LOCK_EX).is_err() {
+    if !meta.is_file() || meta.uid() != euid || stale::flock_nb(&file, libc::LOCK_EX).is_err() {
         return false;
     }
     // Under the lock: the name must still be the inode checked above.
@@ -111,7 +84,7 @@ pub fn remove_stale_buffers(dir: &Path) -> usize {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return 0;
     };
-    let own_pid = std::process::id() as i32;
+    let own_pid = std::process::id();
     // SAFETY: geteuid has no preconditions and cannot fail.
     let euid = unsafe { libc::geteuid() };
     let mut removed = 0;
@@ -131,11 +104,15 @@ mod tests {
     use super::*;
 
     /// A pid that was alive a moment ago and is dead now (a reaped child).
-    fn dead_pid() -> i32 {
+    fn dead_pid() -> u32 {
         let mut c = std::process::Command::new("true").spawn().unwrap();
-        let pid = c.id() as i32;
+        let pid = c.id();
         c.wait().unwrap();
-        assert!(!pid_alive(pid), "pid {pid} was reused at once");
+        assert_eq!(
+            stale::owner(pid),
+            Owner::Dead,
+            "pid {pid} was reused at once"
+        );
         pid
     }
 
