@@ -11,7 +11,6 @@ mod common_sender;
 #[path = "common/process.rs"]
 mod process;
 
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -531,98 +530,6 @@ fn the_daemon_replaces_a_stale_socket_but_never_a_live_one_or_a_file() {
     assert!(DecoderDaemon::start(Arc::clone(&r), AttachConfig::new(dir.sock())).is_err());
     let _c = connect(&dir.sock());
     wait_for("the live daemon's session", || d.clients() == 1);
-}
-
-/// Removes a file (a symlink) when dropped, also when the test fails.
-struct RemoveOnDrop(PathBuf);
-
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-/// Removes an empty directory when dropped, also when the test fails.
-struct RemoveDirOnDrop(PathBuf);
-
-impl Drop for RemoveDirOnDrop {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir(&self.0);
-    }
-}
-
-/// The ring directory of the daemon serving `sock` (from its hello).
-fn ring_dir_of(sock: &Path) -> PathBuf {
-    let c = connect(sock);
-    Path::new(&c.hello().sq_path)
-        .parent()
-        .expect("ring files live in a directory")
-        .to_owned()
-}
-
-#[test]
-fn a_starting_daemon_removes_a_killed_daemons_ring_dir_but_not_a_live_ones() {
-    let dir = TempDir::new("kvferry-attach");
-    let (dead_sock, live_sock) = (dir.0.join("dead.sock"), dir.0.join("live.sock"));
-    let (mut dead, _) = spawn_receiver_binary(&dead_sock, &dir.0.join("dead-buf"));
-    let (mut live, _) = spawn_receiver_binary(&live_sock, &dir.0.join("live-buf"));
-    let dead_dir = ring_dir_of(&dead_sock);
-    let live_dir = ring_dir_of(&live_sock);
-    let dead_pid = dead.child.id();
-    assert!(dead_dir.starts_with("/dev/shm"), "{}", dead_dir.display());
-    dead.sigkill();
-    assert!(
-        dead_dir.is_dir(),
-        "SIGKILL leaves the ring directory behind"
-    );
-    // A symlink with a dead daemon's name is never followed.
-    let target = dir.0.join("not-a-ring-dir");
-    std::fs::create_dir(&target).unwrap();
-    std::fs::write(target.join("precious"), b"x").unwrap();
-    let link = PathBuf::from(format!("/dev/shm/kvferry-attach-{dead_pid}-4242"));
-    let _ = std::fs::remove_file(&link);
-    std::os::unix::fs::symlink(&target, &link).unwrap();
-    let _link = RemoveOnDrop(link.clone());
-    // A directory with a dead pid's name that a process still locks (a
-    // daemon in another pid namespace) is kept.
-    let locked = PathBuf::from(format!("/dev/shm/kvferry-attach-{dead_pid}-4343"));
-    let _ = std::fs::remove_dir(&locked);
-    std::fs::create_dir(&locked).unwrap();
-    let locked_guard = RemoveDirOnDrop(locked.clone());
-    let lock = std::fs::File::open(&locked).unwrap();
-    // SAFETY: flock on a descriptor we own; no memory involved.
-    assert_eq!(
-        unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) },
-        0
-    );
-
-    let r = Arc::new(receiver(4));
-    let d = daemon(&r, &dir.sock(), |_| {});
-    assert!(
-        !dead_dir.exists(),
-        "the killed daemon's ring directory is removed"
-    );
-    assert!(live_dir.is_dir(), "a live daemon's ring directory is kept");
-    assert!(d.ring_dir().is_dir());
-    assert!(
-        target.join("precious").exists(),
-        "the symlink was not followed"
-    );
-    assert!(
-        link.symlink_metadata().is_ok(),
-        "a symlink is not a ring directory"
-    );
-    assert!(locked.is_dir(), "a locked ring directory is kept");
-    drop((lock, locked_guard));
-    // The live daemon still serves, and cleans up after itself on SIGTERM.
-    drop(connect(&live_sock));
-    // SAFETY: kill with a pid we spawned and still own (not yet reaped).
-    unsafe { libc::kill(live.child.id() as i32, libc::SIGTERM) };
-    live.wait_success("the live daemon's exit on SIGTERM");
-    assert!(
-        !live_dir.exists(),
-        "a daemon stopped cleanly removes its ring directory"
-    );
 }
 
 /// Waits until `c`'s earlier submissions are handled: the daemon handles
