@@ -186,16 +186,11 @@ fn sigkill_of_a_decoder_holding_a_request_releases_its_chunks() {
     child.expect_line("ATTACH:holding");
     assert_eq!(allocated(&r), 6, "the holder's chunks stay allocated");
     assert_eq!(d.clients(), 1);
-    let ring_dir = d.ring_dir().to_owned();
-    assert_eq!(std::fs::read_dir(&ring_dir).unwrap().count(), 2);
     child.sigkill();
     wait_for("the killed decoder's chunks to be released", || {
         allocated(&r) == 0
     });
     wait_for("the session to end", || d.clients() == 0);
-    wait_for("its ring files to be removed", || {
-        std::fs::read_dir(&ring_dir).unwrap().count() == 0
-    });
     // The whole buffer is usable again: a request of every slot passes.
     let mut c = connect(&dir.sock());
     c.subscribe("after-kill").unwrap();
@@ -371,10 +366,9 @@ fn another_user_cannot_attach() {
     let dir = TempDir::new("kvferry-attach");
     std::fs::set_permissions(&dir.0, std::fs::Permissions::from_mode(0o755)).unwrap();
     let r = Arc::new(receiver(4));
-    let d = daemon(&r, &dir.sock(), |_| {});
+    let _d = daemon(&r, &dir.sock(), |_| {});
     let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode(&dir.sock()), 0o600);
-    assert_eq!(mode(d.ring_dir()), 0o700);
     // SAFETY: as above.
     if unsafe { libc::geteuid() } != 0 {
         return;

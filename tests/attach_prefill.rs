@@ -444,10 +444,7 @@ fn a_worker_cannot_resize_the_staging_buffer_under_the_sender() {
     }
     let t = setup(4, 1);
     let c = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
-    let f = std::fs::OpenOptions::new()
-        .write(true)
-        .open(&c.hello().buffer_path)
-        .expect("the worker opens the staging file");
+    let f = c.share_file();
     let len = f.metadata().unwrap().len();
     assert_eq!(len, 4 * CHUNK, "its share is the whole buffer here");
     assert!(
@@ -467,11 +464,7 @@ fn intruder_main() {
     let sock = PathBuf::from(std::env::var(SOCK).unwrap());
     let c = PrefillClient::connect(&sock, WAIT).expect("intruder attaches");
     let h = c.hello();
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&h.buffer_path)
-        .expect("the intruder opens its share");
+    let f = c.share_file();
     let size = f.metadata().unwrap().len() as usize;
     println!(
         "SHARE {} OF {} SIZE {size} SLOTS {}",
@@ -487,7 +480,7 @@ fn intruder_main() {
             len,
             libc::PROT_READ | libc::PROT_WRITE,
             libc::MAP_SHARED,
-            std::os::fd::AsRawFd::as_raw_fd(&f),
+            std::os::fd::AsRawFd::as_raw_fd(f),
             0,
         )
     };
@@ -717,9 +710,14 @@ fn sender_shares_are_exclusive_and_in_process_staging_never_takes_a_share_slot()
     let mut b1 = req.try_stage_in(&s1, 1).unwrap();
     assert_eq!(b1.slot_indexes(), &[5]);
     b1.slot_mut(0).unwrap().fill(0xAB);
-    let share_bytes = || std::fs::read(&l1.path).unwrap();
+    let share_bytes = |f: &std::fs::File| {
+        let mut b = vec![0u8; l1.slots * CHUNK as usize];
+        std::os::unix::fs::FileExt::read_exact_at(f, &mut b, 0).unwrap();
+        b
+    };
+    let old = s1.file().try_clone().unwrap();
     assert_eq!(
-        share_bytes()[0],
+        share_bytes(&old)[0],
         0xAB,
         "the share file is the share's slots"
     );
@@ -734,10 +732,17 @@ fn sender_shares_are_exclusive_and_in_process_staging_never_takes_a_share_slot()
     assert_eq!(t.s.staging_in_use(), 0);
     let freed = s1.index();
     drop(s1);
-    assert_eq!(t.s.take_share().unwrap().index(), freed, "given back");
+    let again = t.s.take_share().unwrap();
+    assert_eq!(again.index(), freed, "given back");
     assert!(
-        share_bytes().iter().all(|&b| b == 0),
-        "a share handed out again is zeroed: nothing of its last owner stays"
+        share_bytes(again.file()).iter().all(|&b| b == 0),
+        "a share handed out again is renewed: nothing of its last owner stays"
+    );
+    std::os::unix::fs::FileExt::write_all_at(&old, &[0xCD], 0).unwrap();
+    assert_eq!(
+        share_bytes(again.file())[0],
+        0,
+        "and its last owner's memfd no longer reaches the share"
     );
     req.cancel();
     other.cancel();

@@ -2,8 +2,8 @@
 decoder attached to `kvferry receiver --attach` and a prefill worker
 attached to `kvferry sender --attach`.
 
-Pure Python 3 standard library: socket (the lease and the submission
-doorbell), mmap + ctypes (the rings' head/tail words and the futex doorbell),
+Pure Python 3 standard library: socket (the lease, the submission
+doorbell, and the hello's descriptors with SCM_RIGHTS), mmap + ctypes (the rings' head/tail words and the futex doorbell),
 struct (the entries). A decoder reads chunk bytes in place from the
 receiver's buffer, mapped read-only; a prefill worker fills staging slots in
 place in the sender's staging buffer, mapped writable.
@@ -18,6 +18,7 @@ submission doorbell byte (once per submission, once per prefill batch)
 instead of only when the daemon's session asked for it (need-wakeup). Linux x86-64 only (SYS_futex = 202).
 """
 
+import array
 import ctypes
 import mmap
 import os
@@ -25,8 +26,14 @@ import socket
 import struct
 import time
 
-ATTACH_VERSION = 2
+ATTACH_VERSION = 3
 HELLO_LEN = 1024
+# Descriptors an accepting hello carries (SCM_RIGHTS, in this order): the
+# submission ring, the completion ring, the data (receive buffer read-only,
+# or the worker's staging share). The client makes room for MAX_FDS and
+# closes every one past HELLO_FDS.
+HELLO_FDS = 3
+MAX_FDS = 8
 HELLO_MAGIC = b"KVFATCH1"
 RING_MAGIC = b"KVFRING1"
 RING_VERSION = 1
@@ -71,14 +78,11 @@ class AttachError(Exception):
 
 
 class Ring:
-    """One side of a kvferry-ring SPSC file."""
+    """One side of a kvferry-ring SPSC ring (a memfd the daemon passed;
+    `path` only names it in errors)."""
 
-    def __init__(self, path, entry_size, side):
-        fd = os.open(path, os.O_RDWR)
-        try:
-            self.mm = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+    def __init__(self, fd, path, entry_size, side):
+        self.mm = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         magic, version, kind, cap, esize = struct.unpack_from("<8sIIQQ", self.mm, 0)
         slots_offset = struct.unpack_from("<Q", self.mm, 56)[0]
         if magic != RING_MAGIC or version != RING_VERSION or kind != 1:
@@ -166,12 +170,31 @@ class _Hello:
     """The daemon's hello, checked (docs/attach.md)."""
 
     def __init__(self, sock, role, sq_entry_size):
-        hello = b""
-        while len(hello) < HELLO_LEN:
-            part = sock.recv(HELLO_LEN - len(hello))
-            if not part:
-                raise AttachError("daemon closed before its hello (%d bytes)" % len(hello))
-            hello += part
+        hello, fds, extra = b"", [], 0
+        try:
+            while len(hello) < HELLO_LEN:
+                part, anc, flags, _ = sock.recvmsg(
+                    HELLO_LEN - len(hello), socket.CMSG_SPACE(MAX_FDS * 4),
+                    socket.MSG_CMSG_CLOEXEC)
+                if flags & socket.MSG_CTRUNC:
+                    extra += 1
+                for level, kind, data in anc:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        got = array.array("i")
+                        got.frombytes(data[:len(data) - len(data) % got.itemsize])
+                        fds.extend(got)
+                if not part:
+                    raise AttachError("daemon closed before its hello (%d bytes)" % len(hello))
+                hello += part
+            self._check(hello, role, sq_entry_size, len(fds), extra)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        # Exactly HELLO_FDS (checked above): sq ring, cq ring, data.
+        self.sq_fd, self.cq_fd, self.data_fd = fds
+
+    def _check(self, hello, role, sq_entry_size, nfds, extra):
         if hello[:8] != HELLO_MAGIC:
             raise AttachError("bad hello magic")
         (version, got_role, status, self.client_id, sq_entry, cq_entry, _sqc, _cqc,
@@ -183,13 +206,17 @@ class _Hello:
             raise AttachError("refused by the daemon (status %d)" % status)
         if got_role != role or sq_entry != sq_entry_size or cq_entry != EVENT.size:
             raise AttachError("unexpected role or entry sizes")
-
-        def path(off):
-            return hello[off:off + 256].split(b"\0", 1)[0].decode()
-
-        self.sq_path, self.cq_path, self.buffer_path = path(72), path(328), path(584)
+        announced = struct.unpack_from("<I", hello, 72)[0]
+        if nfds != HELLO_FDS or extra or announced != HELLO_FDS:
+            raise AttachError("hello carried %d descriptors (and %d more), expected %d"
+                              % (nfds, extra, HELLO_FDS))
         # Prefill: this worker's staging share (the buffer file is its memfd).
         self.share, self.shares, self.share_first_slot = struct.unpack_from("<IIQ", hello, 840)
+
+    def close(self):
+        """Closes the received descriptors (mmap keeps its own)."""
+        for fd in (self.sq_fd, self.cq_fd, self.data_fd):
+            os.close(fd)
 
 
 def _connect(sock_path, timeout):
@@ -207,13 +234,13 @@ class DecoderClient:
         h = _Hello(self.sock, ROLE_DECODER, SUBMIT.size)
         self.client_id, self.slots, self.chunk_bytes = h.client_id, h.slots, h.chunk_bytes
         self.data_offset, self.max_outstanding = h.data_offset, h.max_outstanding
-        self.sq = Ring(h.sq_path, SUBMIT.size, "producer")
-        self.cq = Ring(h.cq_path, EVENT.size, "consumer")
-        fd = os.open(h.buffer_path, os.O_RDONLY)
         try:
-            self.buf = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
+            self.sq = Ring(h.sq_fd, "sq", SUBMIT.size, "producer")
+            self.cq = Ring(h.cq_fd, "cq", EVENT.size, "consumer")
+            # A read-only descriptor: it cannot be mapped writable.
+            self.buf = mmap.mmap(h.data_fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
         finally:
-            os.close(fd)
+            h.close()
         if len(self.buf) < self.data_offset + self.slots * self.chunk_bytes:
             raise AttachError("receive buffer shorter than its geometry")
         self.view = memoryview(self.buf)
@@ -314,13 +341,15 @@ class PrefillClient:
         # The buffer file is this worker's staging share alone: SLOT entries
         # index it (0..slots); other workers' slots are not in it.
         self.share, self.shares = h.share, h.shares
-        self.sq = Ring(h.sq_path, PSUBMIT.size, "producer")
-        self.cq = Ring(h.cq_path, EVENT.size, "consumer")
-        fd = os.open(h.buffer_path, os.O_RDWR)
         try:
-            self.buf = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self.sq = Ring(h.sq_fd, "sq", PSUBMIT.size, "producer")
+            self.cq = Ring(h.cq_fd, "cq", EVENT.size, "consumer")
+            self.buf = mmap.mmap(h.data_fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
-            os.close(fd)
+            h.close()
+        # A child this process forks does not inherit the share: it could
+        # otherwise write it after this worker left (docs/attach.md, "Trust").
+        self.buf.madvise(mmap.MADV_DONTFORK)
         if len(self.buf) < self.slots * self.chunk_bytes:
             raise AttachError("staging buffer shorter than its geometry")
         self.view = memoryview(self.buf)

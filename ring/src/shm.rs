@@ -1,10 +1,13 @@
 //! Creating and opening ring files (memmap2), shared by `spsc::shared` and
 //! `mpsc::shared`. The creator fills a temporary sibling file and renames it
 //! into place, so `open` never sees a half-written header; `open` validates
-//! every header field before the ring is used.
+//! every header field before the ring is used. Anonymous rings
+//! ([`create_memfd`]) live in a sealed memfd that has no name at all; the
+//! other process gets the descriptor (e.g. with `SCM_RIGHTS`) and
+//! [`open_file`] validates it exactly as `open` validates a path.
 
 use std::fs::{self, File, OpenOptions};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64 as StdAtomicU64;
 
@@ -100,8 +103,21 @@ fn fill_and_rename<T: Plain>(
         .open(tmp)
         .map_err(io(tmp))?;
     check_in_memory(&file, path)?;
-    file.set_len(geom.total_len).map_err(io(tmp))?;
-    let mut map = map(&file, tmp)?;
+    let map = fill::<T>(&file, tmp, geom, kind)?;
+    fs::rename(tmp, path).map_err(io(path))?;
+    // SAFETY: the mapping is total_len bytes and initialised for `geom`.
+    Ok(unsafe { Ring::from_mapping(map, geom, kind) })
+}
+
+/// Sizes `file` for `geom`, maps it and writes the header (magic last).
+fn fill<T: Plain>(
+    file: &File,
+    path: &Path,
+    geom: &Geometry,
+    kind: Kind,
+) -> Result<MmapMut, ShmError> {
+    file.set_len(geom.total_len).map_err(io(path))?;
+    let mut map = map(file, path)?;
     let ctrl = map.as_mut_ptr() as *mut Control;
     // SAFETY: the mapping is page aligned and at least total_len >=
     // size_of::<Control>() bytes, and nobody else knows the temporary file
@@ -113,9 +129,49 @@ fn fill_and_rename<T: Plain>(
     // Release: pairs with the Acquire load of the magic in `open`; the magic
     // is written last so a reader that sees it sees the whole header.
     header.magic.store(MAGIC, Ordering::Release);
-    fs::rename(tmp, path).map_err(io(path))?;
+    Ok(map)
+}
+
+/// Create an anonymous ring: a memfd (named `name` in `/proc/*/fd` links
+/// only; no file system path reaches it) sized, filled and then sealed
+/// against shrinking and growing, so no process holding it can truncate
+/// the ring under another's mapping (`SIGBUS`). Returns the ring and the
+/// descriptor (close-on-exec) to hand to the other side.
+pub(crate) fn create_memfd<T: Plain>(
+    name: &std::ffi::CStr,
+    capacity: usize,
+    kind: Kind,
+) -> Result<(Ring<T>, File), ShmError> {
+    check_align::<T>()?;
+    let too_large = CapacityError {
+        requested: capacity,
+    };
+    let cap = round_capacity(capacity).ok_or(too_large)?;
+    let geom = Geometry::of::<T>(cap, kind).ok_or(too_large)?;
+    let path = memfd_path(name);
+    // SAFETY: `name` is a NUL-terminated C string; memfd_create takes no
+    // other pointer.
+    let fd =
+        unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if fd < 0 {
+        return Err(io(&path)(std::io::Error::last_os_error()));
+    }
+    // SAFETY: `fd` was just created and is owned by nobody else.
+    let file = unsafe { File::from_raw_fd(fd) };
+    check_in_memory(&file, &path)?;
+    let map = fill::<T>(&file, &path, &geom, kind)?;
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: fcntl on a descriptor we own, with integer arguments.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(io(&path)(std::io::Error::last_os_error()));
+    }
     // SAFETY: the mapping is total_len bytes and initialised for `geom`.
-    Ok(unsafe { Ring::from_mapping(map, geom, kind) })
+    Ok((unsafe { Ring::from_mapping(map, &geom, kind) }, file))
+}
+
+/// How an anonymous ring is named in errors and `SharedRing::path`.
+pub(crate) fn memfd_path(name: &std::ffi::CStr) -> PathBuf {
+    PathBuf::from(format!("memfd:{}", name.to_string_lossy()))
 }
 
 fn map(file: &File, path: &Path) -> Result<MmapMut, ShmError> {
@@ -135,7 +191,20 @@ pub(crate) fn open<T: Plain>(path: &Path, kind: Kind) -> Result<Ring<T>, ShmErro
         .write(true)
         .open(path)
         .map_err(io(path))?;
-    check_in_memory(&file, path)?;
+    open_file(&file, path, kind)
+}
+
+/// Map the ring in `file` (opened read-write, e.g. a descriptor received
+/// from its creator) and validate its header for `T` and `kind`, exactly
+/// as [`open`] does; `path` only names it in errors. The mapping outlives
+/// the descriptor, which the caller may close.
+pub(crate) fn open_file<T: Plain>(
+    file: &File,
+    path: &Path,
+    kind: Kind,
+) -> Result<Ring<T>, ShmError> {
+    check_align::<T>()?;
+    check_in_memory(file, path)?;
     let len = file.metadata().map_err(io(path))?.len();
     let ctrl_len = std::mem::size_of::<Control>() as u64;
     if len < ctrl_len {
@@ -144,7 +213,7 @@ pub(crate) fn open<T: Plain>(path: &Path, kind: Kind) -> Result<Ring<T>, ShmErro
             expected: ctrl_len,
         });
     }
-    let map = map(&file, path)?;
+    let map = map(file, path)?;
     // SAFETY: the mapping is page aligned and at least size_of::<Control>()
     // bytes; every field of Header is an integer (any bit pattern valid).
     let header = unsafe { &*(map.as_ptr() as *const Header) };

@@ -1011,3 +1011,34 @@ fn per_client_spsc_rings_survive_a_killed_client() {
     assert!(next[3] < N, "the victim finished before it was killed");
     assert_eq!(cons[3].len(), 0);
 }
+
+#[test]
+fn anonymous_ring_is_a_sealed_memfd_checked_like_a_file() {
+    use std::os::fd::AsRawFd;
+    let a = spsc::shared::create_anonymous::<u32>(c"kvferry-test-ring", 8).unwrap();
+    let f = a.file().expect("an anonymous ring has its memfd");
+    let link = std::fs::read_link(format!("/proc/self/fd/{}", f.as_raw_fd())).unwrap();
+    assert!(
+        link.to_string_lossy()
+            .starts_with("/memfd:kvferry-test-ring"),
+        "no file-system name: {}",
+        link.display()
+    );
+    assert!(f.set_len(0).is_err(), "sealed against shrinking");
+    let dup = f.try_clone().unwrap();
+    let b = spsc::shared::from_file::<u32>(&dup, "received").unwrap();
+    drop(dup);
+    let mut p = a.producer().unwrap();
+    let mut c = b.consumer().unwrap();
+    p.push(5).unwrap();
+    assert_eq!(c.pop(), Some(5));
+    // The same header checks as `open`: wrong entry type.
+    let e = spsc::shared::from_file::<u64>(f, "received").unwrap_err();
+    assert!(
+        matches!(e, kvferry_ring::ShmError::EntrySizeMismatch { .. }),
+        "{e}"
+    );
+    // A descriptor that is no ring.
+    let plain = std::fs::File::open("/proc/self/status").unwrap();
+    assert!(spsc::shared::from_file::<u32>(&plain, "status").is_err());
+}

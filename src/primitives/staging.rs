@@ -8,9 +8,15 @@
 //! every slot; with `shares` ([`StagingBuffer::with_shares`]) segments
 //! `0..shares` are the per-worker staging shares (equal, page-aligned slot
 //! ranges) and one last segment holds the remaining slots, if any. An
-//! attached prefill worker opens only its share's memfd (`docs/attach.md`),
-//! so its mapping cannot reach another share's bytes, and a memfd sealed at
-//! the share's size cannot be mapped or grown past it.
+//! attached prefill worker gets only its share's memfd (`SCM_RIGHTS`,
+//! `docs/attach.md`), so its mapping cannot reach another share's bytes,
+//! and a memfd sealed at the share's size cannot be mapped or grown past it.
+//!
+//! A share is revoked from its last holder by [`StagingBuffer::renew_share`]:
+//! a fresh memfd mapped over the share's range (`MAP_FIXED`), so whatever
+//! still maps the old memfd writes pages nobody reads. Not for a buffer a
+//! transport pinned ([`StagingBuffer::pin`]: an RDMA memory region keeps
+//! the old pages); see `sender/share.rs` for what happens then.
 //!
 //! Which slot belongs to whom is decided by the sender's slot allocator, not
 //! by this module: a caller writes only slots it allocated, and the transport
@@ -20,6 +26,8 @@
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 /// Errors creating or using a [`StagingBuffer`].
 #[derive(Debug, thiserror::Error)]
@@ -69,6 +77,12 @@ pub enum StagingError {
         /// Number of slots.
         slots: usize,
     },
+    /// [`StagingBuffer::renew_share`] of a pinned buffer or of no share.
+    #[error("staging share {share} cannot be renewed (no such share, or the buffer is pinned by a transport)")]
+    NotRenewable {
+        /// The share asked for.
+        share: usize,
+    },
     /// Data longer than a slot.
     #[error("{len} bytes do not fit a staging slot of {slot_bytes} bytes")]
     TooLong {
@@ -101,11 +115,14 @@ pub struct StagingBuffer {
     /// added and removed by the sender (`Sender::register` / `deregister`),
     /// which removes one only while no write from it is in flight.
     regions: parking_lot::RwLock<Vec<Option<(*const u8, u64)>>>,
+    /// A transport registered the pages ([`pin`](Self::pin)).
+    pinned: AtomicBool,
 }
 
-/// One memfd of the buffer: slots `first..first + slots`.
+/// One memfd of the buffer: slots `first..first + slots`. The file is
+/// replaced when a share is renewed; holders of the old one keep theirs.
 struct Segment {
-    file: File,
+    file: parking_lot::Mutex<Arc<File>>,
     first: u32,
     slots: usize,
 }
@@ -125,19 +142,17 @@ impl Drop for Mapping {
 }
 
 /// Where one staging share lives: slots `first_slot..first_slot + slots` of
-/// the buffer, the whole of the memfd at `path`.
+/// the buffer, the whole of its memfd ([`StagingBuffer::share_file`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShareLayout {
     /// The share's first slot in the staging buffer.
     pub first_slot: u32,
     /// Slots in the share.
     pub slots: usize,
+    /// Bytes per slot.
+    pub slot_bytes: u64,
     /// Byte offset of the share in the staging buffer (`first_slot * slot_bytes`).
     pub offset: u64,
-    /// A path the daemon's user can open to map the share (and only it):
-    /// `/proc/<pid>/fd/<memfd>`, exactly `slots * slot_bytes` long, sealed
-    /// against resizing.
-    pub path: PathBuf,
 }
 
 /// Most regions registered at once (bounds the lookup table).
@@ -306,7 +321,7 @@ impl StagingBuffer {
                 return Err(map_err(std::io::Error::last_os_error()));
             }
             segments.push(Segment {
-                file,
+                file: parking_lot::Mutex::new(Arc::new(file)),
                 first: first as u32,
                 slots: n,
             });
@@ -322,6 +337,7 @@ impl StagingBuffer {
             slot_bytes,
             len,
             regions: parking_lot::RwLock::new(Vec::new()),
+            pinned: AtomicBool::new(false),
         })
     }
 
@@ -347,17 +363,88 @@ impl StagingBuffer {
         Some(ShareLayout {
             first_slot: s.first,
             slots: s.slots,
+            slot_bytes: self.slot_bytes,
             offset: self.slot_offset(s.first),
-            path: self.segment_path(s),
         })
     }
 
-    fn segment_path(&self, s: &Segment) -> PathBuf {
-        PathBuf::from(format!(
-            "/proc/{}/fd/{}",
-            std::process::id(),
-            s.file.as_raw_fd()
-        ))
+    /// Share `i`'s memfd as mapped now (`None` if `i >= shares()`): exactly
+    /// `slots * slot_bytes` long, sealed against resizing. The descriptor to
+    /// hand to the share's holder; no path reaches it.
+    pub fn share_file(&self, i: usize) -> Option<Arc<File>> {
+        let s = self.segments.get(i).filter(|_| i < self.shares)?;
+        Some(Arc::clone(&s.file.lock()))
+    }
+
+    /// Marks the pages as registered with a device (an RDMA memory region
+    /// pins them): from now on [`renew_share`](Self::renew_share) refuses,
+    /// because the device would keep using the old pages. Called by the
+    /// transport before the sender hands out any share.
+    pub fn pin(&self) {
+        // Release: pairs with the Acquire in `is_pinned`; the share hand-out
+        // also runs after the transport started (the sender is built after).
+        self.pinned.store(true, Ordering::Release);
+    }
+
+    /// True once a transport [`pin`](Self::pin)ned the buffer.
+    pub fn is_pinned(&self) -> bool {
+        // Acquire: pairs with the Release store in `pin`.
+        self.pinned.load(Ordering::Acquire)
+    }
+
+    /// Revokes share `i` from everything that maps its memfd: maps a fresh,
+    /// zero-filled, sealed memfd over the share's range (`MAP_FIXED`,
+    /// which replaces the old pages in one step) and makes it the share's
+    /// file. Whoever still maps the old memfd (a worker that left, or its
+    /// forked child) writes pages this buffer no longer reads; they are
+    /// freed when the last such mapping goes.
+    /// [`StagingError::NotRenewable`] if the buffer is pinned or `i` is no
+    /// share.
+    ///
+    /// # Safety
+    /// The caller owns share `i`'s slots exclusively for the call: none is
+    /// handed out by the allocator or read by a write in flight (the old
+    /// pages vanish from this mapping).
+    pub(crate) unsafe fn renew_share(&self, i: usize) -> Result<(), StagingError> {
+        let refused = StagingError::NotRenewable { share: i };
+        if self.is_pinned() {
+            return Err(refused);
+        }
+        let s = self
+            .segments
+            .get(i)
+            .filter(|_| i < self.shares)
+            .ok_or(refused)?;
+        let seg_len = s.slots as u64 * self.slot_bytes;
+        let map_err = |source| StagingError::Map {
+            len: seg_len,
+            source,
+        };
+        let file = memfd(seg_len).map_err(map_err)?;
+        let offset = self.slot_offset(s.first) as usize;
+        // SAFETY: the share's range `offset..offset + seg_len` lies inside
+        // our reservation and is page-aligned (as when it was first mapped
+        // in `with_shares`); the caller guarantees nobody reads or writes it
+        // meanwhile, so replacing its pages is unobservable but for the
+        // zeroes. The memfd is ours and sealed at `seg_len`.
+        let p = unsafe {
+            libc::mmap(
+                self.ptr.add(offset).cast(),
+                seg_len as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            // The old mapping stays in place (a failed MAP_FIXED of a
+            // shared file mapping leaves the range as it was, or unmapped
+            // on ENOMEM, which the caller's refusal then covers).
+            return Err(map_err(std::io::Error::last_os_error()));
+        }
+        *s.file.lock() = Arc::new(file);
+        Ok(())
     }
 
     /// Zeroes slots `first..first + n` (clamped to the buffer).
@@ -391,7 +478,8 @@ impl StagingBuffer {
     /// slot `i` at offset `i * slot_bytes`; with shares, share 0 (see
     /// [`share`](Self::share)).
     pub fn file_path(&self) -> PathBuf {
-        self.segment_path(&self.segments[0])
+        let fd = self.segments[0].file.lock().as_raw_fd();
+        PathBuf::from(format!("/proc/{}/fd/{fd}", std::process::id()))
     }
 
     /// Total bytes (`slots * slot_bytes`).
@@ -570,13 +658,14 @@ mod tests {
         assert_eq!((b.shares(), b.pool_slots()), (3, vec![3, 3, 3, 1]));
         let l = b.share(1).unwrap();
         assert_eq!((l.first_slot, l.slots, l.offset), (3, 3, 3 * 4096));
+        let path = format!("/proc/self/fd/{}", b.share_file(1).unwrap().as_raw_fd());
         assert!(b.share(3).is_none(), "the rest is no share");
         // The buffer is contiguous for the transport, and the share's file
         // holds exactly its slots: slot 4 is the file's second slot.
         let p = b.slot_ptr(4).unwrap();
         // SAFETY: the buffer is owned by this test; nothing else touches slot 4.
         unsafe { std::ptr::write_bytes(p, 0xAB, 4096) };
-        let mut f = std::fs::File::open(&l.path).unwrap();
+        let mut f = std::fs::File::open(&path).unwrap();
         assert_eq!(f.metadata().unwrap().len(), 3 * 4096);
         let mut bytes = Vec::new();
         f.read_to_end(&mut bytes).unwrap();
@@ -588,11 +677,51 @@ mod tests {
         // SAFETY: slot 4 is inside the mapping and owned by this test.
         assert_eq!(unsafe { *b.slot_ptr(4).unwrap() }, 0);
         // Sealed at its size: the share cannot be grown.
-        let w = std::fs::OpenOptions::new()
-            .write(true)
-            .open(&l.path)
-            .unwrap();
+        let w = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
         assert!(w.set_len(4 * 4096).is_err());
+    }
+
+    #[test]
+    fn a_renewed_share_is_cut_off_from_the_old_memfd() {
+        let b = StagingBuffer::with_shares(4, 4096, 2).unwrap();
+        let old = b.share_file(1).unwrap();
+        // A holder that keeps its mapping of the old memfd.
+        // SAFETY: a fresh shared mapping of one page of the memfd; unmapped below.
+        let held = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                old.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(held, libc::MAP_FAILED);
+        // SAFETY: slot 2 (share 1) is owned by this test; `held` is one page.
+        unsafe {
+            std::ptr::write_bytes(held.cast::<u8>(), 0x11, 4096);
+            assert_eq!(*b.slot_ptr(2).unwrap(), 0x11, "one memfd, one page");
+            b.renew_share(1).unwrap();
+            std::ptr::write_bytes(held.cast::<u8>(), 0x22, 4096);
+            assert_eq!(*b.slot_ptr(2).unwrap(), 0, "fresh pages, not the old ones");
+            *b.slot_ptr(2).unwrap() = 0x33;
+            assert_eq!(
+                *held.cast::<u8>(),
+                0x22,
+                "and the old holder sees nothing new"
+            );
+            libc::munmap(held, 4096);
+        }
+        assert_ne!(b.share_file(1).unwrap().as_raw_fd(), old.as_raw_fd());
+        b.pin();
+        // SAFETY: as above.
+        assert!(matches!(
+            unsafe { b.renew_share(1) },
+            Err(StagingError::NotRenewable { share: 1 })
+        ));
+        // SAFETY: as above.
+        assert!(unsafe { b.renew_share(2) }.is_err(), "the rest is no share");
     }
 
     #[test]

@@ -1,11 +1,11 @@
 //! Leftovers of kvferry processes that died without cleaning up (SIGKILL,
 //! a crash) in a tmpfs several processes share (`/dev/shm`): the name
 //! rule (`<prefix><pid>-<n><suffix>`), whether the process of a pid is
-//! gone, and the non-blocking `flock` every live owner holds on its file
-//! or directory, which is what finally keeps a live owner's leftovers
+//! gone, and the non-blocking `flock` every live owner holds on its file, which is what finally keeps a live owner's leftovers
 //! (its pid may mean nothing here: another pid namespace). The sweeps
-//! themselves are the owners': receive-buffer files
-//! (`region::remove_stale_buffers`) and attach ring directories.
+//! itself is the owner's: receive-buffer files
+//! (`region::remove_stale_buffers`). (Attach rings are memfds: they leave
+//! nothing behind.)
 
 use std::fs::{self, File};
 use std::io;
@@ -37,12 +37,6 @@ pub(crate) fn flock_nb(file: &File, op: libc::c_int) -> io::Result<()> {
     }
 }
 
-/// How much later than a leftover's last change a process with its pid
-/// must have started to count as a reuse. Process start times are known to
-/// the boot time's one-second resolution; inside this slack the leftover
-/// is kept (a leak at worst, never a live owner's removed).
-const SLACK: Duration = Duration::from_secs(2);
-
 /// Where the process of a pid stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Owner {
@@ -50,17 +44,6 @@ pub(crate) enum Owner {
     Dead,
     /// A live process that started at this time (`None`: unknown).
     Alive(Option<SystemTime>),
-}
-
-/// Whether a leftover last changed at `changed`, named for a process in
-/// state `owner`, is stale (its owner is dead, or the pid was reused by a
-/// process that started after it).
-pub(crate) fn is_stale(changed: SystemTime, owner: Owner) -> bool {
-    match owner {
-        Owner::Dead => true,
-        Owner::Alive(Some(started)) => started > changed + SLACK,
-        Owner::Alive(None) => false,
-    }
 }
 
 /// The state of process `pid`, from `/proc/<pid>/stat`.
@@ -111,26 +94,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn staleness_needs_a_dead_or_younger_owner() {
-        let t = UNIX_EPOCH + Duration::from_secs(1_000_000);
-        assert!(is_stale(t, Owner::Dead));
-        // The live daemon that made it started before it changed.
-        assert!(!is_stale(
-            t,
-            Owner::Alive(Some(t - Duration::from_secs(60)))
-        ));
-        // Within the slack of the boot time's resolution: kept.
-        assert!(!is_stale(t, Owner::Alive(Some(t + Duration::from_secs(1)))));
-        // Started well after: the pid was reused.
-        assert!(is_stale(t, Owner::Alive(Some(t + Duration::from_secs(10)))));
-        assert!(!is_stale(t, Owner::Alive(None)));
-    }
-
-    #[test]
     fn this_process_is_alive_and_started_in_the_past() {
         match owner(std::process::id()) {
             Owner::Alive(Some(started)) => {
-                assert!(started <= SystemTime::now() + SLACK, "{started:?}")
+                assert!(
+                    started <= SystemTime::now() + Duration::from_secs(2),
+                    "{started:?}"
+                )
             }
             other => panic!("this process reads as {other:?}"),
         }

@@ -9,7 +9,14 @@
 //! The file must be on a memory file system (tmpfs such as `/dev/shm`,
 //! hugetlbfs, ramfs): [`create`] and [`open`] refuse any other with
 //! [`ShmError::NotInMemory`].
+//!
+//! An anonymous ring ([`create_anonymous`]) has no path: it is a sealed
+//! memfd whose descriptor ([`SharedRing::file`]) the creator passes to the
+//! other process (`SCM_RIGHTS`), which maps it with [`from_file`] — the
+//! same header checks as [`open`].
 
+use std::ffi::CStr;
+use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -23,6 +30,8 @@ use crate::{Plain, ShmError};
 pub struct SharedRing<T: Plain> {
     ring: Arc<Ring<T>>,
     path: PathBuf,
+    /// The memfd of an anonymous ring ([`create_anonymous`]).
+    file: Option<File>,
 }
 
 /// Create (or atomically replace) the ring file at `path` with `capacity`
@@ -36,6 +45,7 @@ pub fn create<T: Plain>(
     Ok(SharedRing {
         ring: Arc::new(ring),
         path: path.to_path_buf(),
+        file: None,
     })
 }
 
@@ -48,6 +58,35 @@ pub fn open<T: Plain>(path: impl AsRef<Path>) -> Result<SharedRing<T>, ShmError>
     Ok(SharedRing {
         ring: Arc::new(ring),
         path: path.to_path_buf(),
+        file: None,
+    })
+}
+
+/// Create an anonymous ring of `capacity` entries (rounded up to a power
+/// of two): a memfd that no file-system path reaches (`name` shows only in
+/// `/proc/<pid>/fd` links), sealed at its size so no holder can shrink or
+/// grow it. Hand [`SharedRing::file`] to the other process; it maps the
+/// ring with [`from_file`].
+pub fn create_anonymous<T: Plain>(name: &CStr, capacity: usize) -> Result<SharedRing<T>, ShmError> {
+    let (ring, file) = crate::shm::create_memfd::<T>(name, capacity, Kind::Spsc)?;
+    Ok(SharedRing {
+        ring: Arc::new(ring),
+        path: crate::shm::memfd_path(name),
+        file: Some(file),
+    })
+}
+
+/// Map the SPSC ring in `file` (a read-write descriptor, e.g. one received
+/// from the creator of an anonymous ring), with every check of [`open`];
+/// `name` names it in errors and [`SharedRing::path`]. The mapping does not
+/// need the descriptor: drop `file` once this returns.
+pub fn from_file<T: Plain>(file: &File, name: impl AsRef<Path>) -> Result<SharedRing<T>, ShmError> {
+    let path = name.as_ref();
+    let ring = crate::shm::open_file::<T>(file, path, Kind::Spsc)?;
+    Ok(SharedRing {
+        ring: Arc::new(ring),
+        path: path.to_path_buf(),
+        file: None,
     })
 }
 
@@ -69,9 +108,15 @@ impl<T: Plain> SharedRing<T> {
         self.ring.capacity() as usize
     }
 
-    /// The ring file.
+    /// The ring file (an anonymous ring: `memfd:<name>`, which opens nothing).
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The memfd of a ring made by [`create_anonymous`] (`None` otherwise):
+    /// the descriptor to pass to the other side.
+    pub fn file(&self) -> Option<&File> {
+        self.file.as_ref()
     }
 }
 

@@ -127,6 +127,12 @@ pub struct ReceiverArgs {
     /// With --attach: subscriptions plus held requests per client at most.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
     pub attach_max_outstanding: u32,
+    /// With --attach: keep the process dumpable (core dumps, debuggers)
+    /// instead of making it non-dumpable, which is what keeps other
+    /// processes of this user out of its descriptors and memory
+    /// (docs/attach.md, "Trust"). For debugging only.
+    #[arg(long)]
+    pub attach_keep_dumpable: bool,
 }
 
 /// Runs a receiver until SIGINT/SIGTERM.
@@ -209,6 +215,7 @@ pub fn run(a: ReceiverArgs) -> ExitCode {
             let cfg = AttachConfig {
                 max_clients: a.attach_max_clients as usize,
                 max_outstanding: a.attach_max_outstanding as usize,
+                keep_dumpable: a.attach_keep_dumpable,
                 ..AttachConfig::new(path)
             };
             match DecoderDaemon::start(Arc::clone(&receiver), cfg) {

@@ -66,6 +66,12 @@ pub struct SenderArgs {
     /// With --attach: requests, and staged batches, per worker at most.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
     pub attach_max_outstanding: u32,
+    /// With --attach: keep the process dumpable (core dumps, debuggers)
+    /// instead of making it non-dumpable, which is what keeps other
+    /// processes of this user out of its descriptors and memory
+    /// (docs/attach.md, "Trust"). For debugging only.
+    #[arg(long)]
+    pub attach_keep_dumpable: bool,
     /// Print the report as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -177,6 +183,7 @@ fn serve_attached(a: &SenderArgs, cfg: &RunConfig, path: PathBuf) -> ExitCode {
     let acfg = AttachConfig {
         max_clients: a.attach_max_clients as usize,
         max_outstanding: a.attach_max_outstanding as usize,
+        keep_dumpable: a.attach_keep_dumpable,
         ..AttachConfig::new(&path)
     };
     let daemon = match PrefillDaemon::start(Arc::clone(&sender), a.connect.clone(), acfg) {

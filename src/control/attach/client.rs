@@ -4,19 +4,20 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use kvferry_ring::spsc::{self, Consumer, Producer};
 use kvferry_ring::{Plain, ShmError, WaitStatus};
 use memmap2::Mmap;
 
+use super::fds::recv_with_fds;
 use super::layout::{
     error_from_number, DecoderEvent, DecoderSubmit, Hello, HelloError, Refusal, DAEMON_TAG,
-    EV_CHUNK, EV_FAILED, EV_NAME, EV_READY, EV_REFUSED, HELLO_LEN, MAX_REQ_ID, NAME_PART,
-    NO_TOKENS, OP_SUBSCRIBE_ALL, ROLE_DECODER, STATUS_OK,
+    EV_CHUNK, EV_FAILED, EV_NAME, EV_READY, EV_REFUSED, HELLO_FDS, HELLO_LEN, MAX_REQ_ID,
+    NAME_PART, NO_TOKENS, OP_SUBSCRIBE_ALL, ROLE_DECODER, STATUS_OK,
 };
 use super::linger::linger;
 use crate::protocol::ErrorCode;
@@ -33,9 +34,21 @@ pub enum AttachError {
     /// The daemon refused the attachment with this hello status.
     #[error("attach refused by the daemon (status {0})")]
     Refused(u32),
-    /// A ring file failed validation or its side was taken.
+    /// A ring failed validation or its side was taken.
     #[error("attach ring: {0}")]
     Ring(#[from] ShmError),
+    /// An accepting hello came without exactly its descriptors
+    /// (`SCM_RIGHTS`: none, too few, or more than the role's; every one
+    /// received was closed).
+    #[error("attach hello carried {got} descriptors (and {extra} more), expected {expected}")]
+    Descriptors {
+        /// Descriptors the hello must carry ([`HELLO_FDS`]).
+        expected: u32,
+        /// Descriptors received, up to `expected`.
+        got: usize,
+        /// Descriptors received past `expected` (closed).
+        extra: usize,
+    },
     /// The daemon sent something that breaks the protocol.
     #[error("attach protocol: {0}")]
     Protocol(String),
@@ -127,21 +140,52 @@ enum TagState {
     Held(u64),
 }
 
+/// The descriptors an accepting hello hands over, in the order of the
+/// ancillary data (docs/attach.md, "Handshake").
+pub(super) struct Handoff {
+    /// The submission ring's memfd.
+    pub(super) sq: File,
+    /// The completion ring's memfd.
+    pub(super) cq: File,
+    /// The receive buffer (read-only) or the worker's staging share.
+    pub(super) data: File,
+}
+
 /// Connects to `socket`, reads and checks the hello (status, `role`, entry
-/// sizes of `S` and `E`).
+/// sizes of `S` and `E`) and takes exactly its [`HELLO_FDS`] descriptors.
 pub(super) fn handshake<S, E>(
     socket: &Path,
     timeout: Duration,
     role: u32,
-) -> Result<(UnixStream, Hello), AttachError> {
-    let mut sock = UnixStream::connect(socket)?;
+) -> Result<(UnixStream, Hello, Handoff), AttachError> {
+    let sock = UnixStream::connect(socket)?;
     sock.set_read_timeout(Some(timeout))?;
     let mut b = [0u8; HELLO_LEN];
-    sock.read_exact(&mut b)?;
+    let got = recv_with_fds(&sock, &mut b, HELLO_FDS as usize)?;
+    if got.len < HELLO_LEN {
+        return Err(AttachError::Io(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            format!("the daemon closed after {} bytes of the hello", got.len),
+        )));
+    }
     let hello = Hello::decode(&b)?;
     if hello.status != STATUS_OK {
         return Err(AttachError::Refused(hello.status));
     }
+    let bad = AttachError::Descriptors {
+        expected: HELLO_FDS,
+        got: got.fds.len(),
+        extra: got.extra,
+    };
+    let [sq, cq, data]: [_; HELLO_FDS as usize] = match got.fds.try_into() {
+        Ok(fds) if got.extra == 0 && hello.fds == HELLO_FDS => fds,
+        _ => return Err(bad),
+    };
+    let handoff = Handoff {
+        sq: File::from(sq),
+        cq: File::from(cq),
+        data: File::from(data),
+    };
     if hello.role != role
         || hello.sq_entry as usize != std::mem::size_of::<S>()
         || hello.cq_entry as usize != std::mem::size_of::<E>()
@@ -151,7 +195,7 @@ pub(super) fn handshake<S, E>(
             hello.role, hello.sq_entry, hello.cq_entry
         )));
     }
-    Ok((sock, hello))
+    Ok((sock, hello, handoff))
 }
 
 /// Rings the submission doorbell after pushing to `sq`: one byte on the
@@ -260,11 +304,11 @@ impl DecoderClient {
     /// Attaches to the daemon listening on `socket`, waiting at most
     /// `timeout` for its hello.
     pub fn connect(socket: impl AsRef<Path>, timeout: Duration) -> Result<Self, AttachError> {
-        let (sock, hello) =
+        let (sock, hello, fds) =
             handshake::<DecoderSubmit, DecoderEvent>(socket.as_ref(), timeout, ROLE_DECODER)?;
-        let sq = spsc::shared::open::<DecoderSubmit>(&hello.sq_path)?.producer()?;
-        let cq = spsc::shared::open::<DecoderEvent>(&hello.cq_path)?.consumer()?;
-        let file = File::open(PathBuf::from(&hello.buffer_path))?;
+        let sq = spsc::shared::from_file::<DecoderSubmit>(&fds.sq, "attach sq")?.producer()?;
+        let cq = spsc::shared::from_file::<DecoderEvent>(&fds.cq, "attach cq")?.consumer()?;
+        let file = fds.data;
         let need = hello
             .slots
             .checked_mul(hello.chunk_bytes)
@@ -275,8 +319,8 @@ impl DecoderClient {
                 "buffer file shorter than {need} bytes"
             )));
         }
-        // SAFETY: the file is opened read-only and mapped read-only (we
-        // never write through it). The receiver never truncates its buffer
+        // SAFETY: the descriptor is read-only (the daemon opened it so) and
+        // mapped read-only (we never write through it). The receiver never truncates its buffer
         // while running, and it writes a slot only while no client holds it:
         // bytes are read (`chunk`) only for slots of a held `Delivery`.
         let buf = unsafe { Mmap::map(&file) }?;

@@ -6,7 +6,7 @@
 use std::fs;
 use std::io::{self, Write};
 use std::os::fd::{AsFd, AsRawFd};
-use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -15,7 +15,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::layout::{Hello, STATUS_INTERNAL, STATUS_TOO_MANY_CLIENTS, STATUS_WRONG_UID};
-use super::poll::{own_uid, peer_uid, poll, readable};
+use super::poll::{own_uid, peer, poll, readable, Peer};
 use super::serve::{serve, Serve};
 use crate::eventfd::EventFd;
 
@@ -25,15 +25,13 @@ use crate::eventfd::EventFd;
 pub struct AttachConfig {
     /// The Unix socket to bind.
     pub socket: PathBuf,
-    /// The directory the daemon creates (mode 0700, owned by its user) for
-    /// the per-client ring files; the hello names each file by its full
-    /// path. It must be on tmpfs/hugetlbfs (the ring crate refuses
-    /// disk-backed files: a store into a written-back page can block in the
-    /// file system while a ring position is claimed). Default: a fresh
-    /// `/dev/shm/kvferry-attach-<pid>-<n>`. Removed when the daemon stops;
-    /// a starting daemon removes the `kvferry-attach-<pid>-<n>` directories
-    /// of dead daemons in this directory's parent (`stale.rs`).
-    pub ring_dir: PathBuf,
+    /// Keep the process dumpable (default false). Starting a daemon makes
+    /// the whole process non-dumpable (`prctl(PR_SET_DUMPABLE, 0)`), so no
+    /// other process of its user can open `/proc/<pid>/fd/*` (each
+    /// worker's staging share, every client's rings), read its memory or
+    /// ptrace it; the cost is no core dumps and no debugger attach without
+    /// root. True keeps both, for debugging, and gives that isolation up.
+    pub keep_dumpable: bool,
     /// Live attachments at most (default 16).
     pub max_clients: usize,
     /// Per client at most (default 64): subscriptions plus held requests
@@ -49,16 +47,9 @@ pub struct AttachConfig {
 impl AttachConfig {
     /// The defaults for `socket`.
     pub fn new(socket: impl Into<PathBuf>) -> Self {
-        static NEXT: AtomicUsize = AtomicUsize::new(0);
-        // Relaxed: only uniqueness within the process matters.
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let ring_dir = PathBuf::from(format!(
-            "/dev/shm/kvferry-attach-{}-{n}",
-            std::process::id()
-        ));
         Self {
             socket: socket.into(),
-            ring_dir,
+            keep_dumpable: false,
             max_clients: 16,
             max_outstanding: 64,
             sq_capacity: 256,
@@ -80,10 +71,12 @@ pub(super) trait Role: Send + Sync + Sized + 'static {
     /// One client's session: served by [`serve`] until the client leaves
     /// or the daemon stops; dropping it gives back everything it held.
     type Session: Serve + Send + 'static;
-    /// Sets client `id` up (rings, hello on `sock`).
+    /// Sets client `id` (the process `peer`) up: rings, hello and
+    /// descriptors on `sock`.
     fn open(
         shared: &Arc<DaemonShared<Self>>,
         id: u32,
+        peer: Peer,
         sock: &UnixStream,
     ) -> io::Result<Self::Session>;
 }
@@ -92,12 +85,6 @@ pub(super) trait Role: Send + Sync + Sized + 'static {
 pub(super) struct DaemonShared<R> {
     pub(super) role: R,
     pub(super) cfg: AttachConfig,
-    pub(super) dir: PathBuf,
-    /// The ring directory, open and `flock`ed for the daemon's life: a
-    /// starting daemon never removes a locked directory (`stale.rs`), even
-    /// one whose daemon's pid it cannot see (another pid namespace). The
-    /// kernel drops the lock when the process dies.
-    _dir_lock: fs::File,
     /// Set once by [`Daemon::drop`]; every thread polls it.
     pub(super) stop: EventFd,
     /// Live sessions.
@@ -106,7 +93,7 @@ pub(super) struct DaemonShared<R> {
 
 /// A running attach daemon of role `R`. Dropping it stops accepting, ends
 /// every session (giving back what their clients held) and removes the
-/// socket and ring directory.
+/// socket.
 pub(super) struct Daemon<R: Role> {
     pub(super) shared: Arc<DaemonShared<R>>,
     accept: Option<JoinHandle<()>>,
@@ -147,8 +134,8 @@ fn remove_stale_socket(path: &Path) -> io::Result<()> {
 }
 
 impl<R: Role> Daemon<R> {
-    /// Binds `cfg.socket` (mode 0600), creates `cfg.ring_dir` (mode 0700)
-    /// and starts the accept thread.
+    /// Makes the process non-dumpable (unless `cfg.keep_dumpable`), binds
+    /// `cfg.socket` (mode 0600) and starts the accept thread.
     pub(super) fn start(role: R, cfg: AttachConfig) -> io::Result<Self> {
         if cfg.max_clients == 0 || cfg.max_outstanding == 0 || cfg.cq_capacity < 2 {
             return Err(io::Error::new(
@@ -156,32 +143,10 @@ impl<R: Role> Daemon<R> {
                 "attach: max_clients, max_outstanding must be positive and cq_capacity at least 2",
             ));
         }
+        if !cfg.keep_dumpable {
+            non_dumpable()?;
+        }
         remove_stale_socket(&cfg.socket)?;
-        let dir = cfg.ring_dir.clone();
-        if let Some(parent) = dir.parent() {
-            super::stale::remove_stale(parent);
-        }
-        match fs::DirBuilder::new().mode(0o700).create(&dir) {
-            Ok(()) => {}
-            // Left by a daemon that died (same pid reused) or planted in a
-            // world-writable /dev/shm: used only if it is a directory this
-            // user owns, and made 0700 again.
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-                let m = fs::symlink_metadata(&dir)?;
-                if !m.is_dir() || m.uid() != own_uid() {
-                    return Err(io::Error::new(
-                        io::ErrorKind::AlreadyExists,
-                        format!(
-                            "attach ring directory {} exists and is not a directory of this user",
-                            dir.display()
-                        ),
-                    ));
-                }
-                fs::set_permissions(&dir, fs::Permissions::from_mode(0o700))?
-            }
-            Err(e) => return Err(e),
-        }
-        let dir_lock = super::stale::lock_dir(&dir)?;
         let listener = UnixListener::bind(&cfg.socket)?;
         // A peer connecting between bind and chmod is still checked by uid.
         fs::set_permissions(&cfg.socket, fs::Permissions::from_mode(0o600))?;
@@ -189,8 +154,6 @@ impl<R: Role> Daemon<R> {
         let shared = Arc::new(DaemonShared {
             role,
             cfg,
-            dir,
-            _dir_lock: dir_lock,
             stop: EventFd::new()?,
             live: AtomicUsize::new(0),
         });
@@ -228,14 +191,22 @@ impl<R: Role> Drop for Daemon<R> {
             );
         }
         let _ = fs::remove_file(&self.shared.cfg.socket);
-        let _ = fs::remove_dir(&self.shared.dir);
     }
 }
 
-fn refuse(mut sock: UnixStream, status: u32) {
-    if let Some(b) = Hello::refusal(status).encode() {
-        let _ = sock.write_all(&b);
+/// `prctl(PR_SET_DUMPABLE, 0)`: from now on `/proc/<pid>/{fd,mem,maps,...}`
+/// of this process are open to root only, no process of the same user can
+/// ptrace it, and it dumps no core. Undone only by an `execve`.
+fn non_dumpable() -> io::Result<()> {
+    // SAFETY: prctl with integer arguments only.
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } != 0 {
+        return Err(io::Error::last_os_error());
     }
+    Ok(())
+}
+
+fn refuse(mut sock: UnixStream, status: u32) {
+    let _ = sock.write_all(&Hello::refusal(status).encode());
 }
 
 fn accept_loop<R: Role>(shared: &Arc<DaemonShared<R>>, listener: &UnixListener) {
@@ -266,9 +237,9 @@ fn accept_loop<R: Role>(shared: &Arc<DaemonShared<R>>, listener: &UnixListener) 
             };
             let _ = sock.set_nonblocking(false);
             let _ = sock.set_write_timeout(Some(Duration::from_secs(1)));
-            match peer_uid(&sock) {
-                Ok(uid) if uid == own_uid() => {}
-                Ok(uid) => {
+            let peer = match peer(&sock) {
+                Ok(p) if p.uid == own_uid() => p,
+                Ok(Peer { uid, .. }) => {
                     tracing::warn!(uid, "attach: refused a peer of another uid");
                     refuse(sock, STATUS_WRONG_UID);
                     continue;
@@ -277,7 +248,7 @@ fn accept_loop<R: Role>(shared: &Arc<DaemonShared<R>>, listener: &UnixListener) 
                     tracing::warn!(error = %e, "attach: SO_PEERCRED failed");
                     continue;
                 }
-            }
+            };
             // Relaxed: only this thread increments; sessions decrement.
             if shared.live.load(Ordering::Relaxed) >= shared.cfg.max_clients {
                 refuse(sock, STATUS_TOO_MANY_CLIENTS);
@@ -285,7 +256,7 @@ fn accept_loop<R: Role>(shared: &Arc<DaemonShared<R>>, listener: &UnixListener) 
             }
             next_id = next_id.wrapping_add(1);
             let id = next_id;
-            let session = match R::open(shared, id, &sock) {
+            let session = match R::open(shared, id, peer, &sock) {
                 Ok(s) => s,
                 Err(e) => {
                     tracing::warn!(client = id, error = %e, "attach: cannot set up the client");

@@ -8,13 +8,15 @@ use crate::protocol::ErrorCode;
 
 /// Attach protocol version, carried in the hello; bumped on any change of
 /// an entry layout, the hello or a code's meaning.
-pub const ATTACH_VERSION: u32 = 2;
+pub const ATTACH_VERSION: u32 = 3;
 /// First 8 bytes of the hello.
 pub const HELLO_MAGIC: [u8; 8] = *b"KVFATCH1";
 /// Size of the hello message in bytes.
 pub const HELLO_LEN: usize = 1024;
-/// Bytes of a path field in the hello (NUL-padded).
-pub const PATH_FIELD: usize = 256;
+/// Descriptors an accepting hello carries (`SCM_RIGHTS`, in this order):
+/// the submission ring, the completion ring, the data (the receive buffer
+/// read-only for a decoder, the worker's staging share for prefill).
+pub const HELLO_FDS: u32 = 3;
 /// Longest `req_id` a submission carries inline.
 pub const MAX_REQ_ID: usize = 112;
 /// `DecoderEvent::tokens` of a chunk without a token count.
@@ -412,13 +414,9 @@ pub struct Hello {
     /// Prefill: receivers a BEGIN may name (indexes `0..receivers`);
     /// decoder: 0.
     pub receivers: u32,
-    /// Submission ring file.
-    pub sq_path: String,
-    /// Completion ring file.
-    pub cq_path: String,
-    /// Receive buffer file (decoder) or this worker's staging share's
-    /// memfd (prefill).
-    pub buffer_path: String,
+    /// Descriptors attached to the hello ([`HELLO_FDS`] when it accepts,
+    /// 0 with a refusal).
+    pub fds: u32,
     /// Prefill: the share's index (`0..shares`); decoder: 0.
     pub share: u32,
     /// Prefill: staging shares the sender has; decoder: 0.
@@ -437,15 +435,11 @@ pub enum HelloError {
     /// A protocol version this build does not speak.
     #[error("attach protocol version {0}, expected {ATTACH_VERSION}")]
     Version(u32),
-    /// A path field is not NUL-terminated UTF-8.
-    #[error("bad path field at offset {0}")]
-    BadPath(usize),
 }
 
-const OFF_SQ_PATH: usize = 72;
-const OFF_CQ_PATH: usize = OFF_SQ_PATH + PATH_FIELD;
-const OFF_BUF_PATH: usize = OFF_CQ_PATH + PATH_FIELD;
-const OFF_SHARE: usize = OFF_BUF_PATH + PATH_FIELD;
+/// Offset of [`Hello::fds`]; bytes after it up to `OFF_SHARE` are reserved.
+const OFF_FDS: usize = 72;
+const OFF_SHARE: usize = 840;
 const _: () = assert!(OFF_SHARE == 840 && OFF_SHARE + 16 <= HELLO_LEN);
 
 fn u32_at(b: &[u8; HELLO_LEN], off: usize) -> u32 {
@@ -458,15 +452,6 @@ fn u64_at(b: &[u8; HELLO_LEN], off: usize) -> u64 {
     let mut w = [0u8; 8];
     w.copy_from_slice(&b[off..off + 8]);
     u64::from_le_bytes(w)
-}
-
-fn path_at(b: &[u8; HELLO_LEN], off: usize) -> Result<String, HelloError> {
-    let field = &b[off..off + PATH_FIELD];
-    let end = field
-        .iter()
-        .position(|&c| c == 0)
-        .ok_or(HelloError::BadPath(off))?;
-    String::from_utf8(field[..end].to_vec()).map_err(|_| HelloError::BadPath(off))
 }
 
 impl Hello {
@@ -486,17 +471,15 @@ impl Hello {
             data_offset: 0,
             max_outstanding: 0,
             receivers: 0,
-            sq_path: String::new(),
-            cq_path: String::new(),
-            buffer_path: String::new(),
+            fds: 0,
             share: 0,
             shares: 0,
             share_first_slot: 0,
         }
     }
 
-    /// The wire form; `None` if a path does not fit its field (with its NUL).
-    pub fn encode(&self) -> Option<[u8; HELLO_LEN]> {
+    /// The wire form.
+    pub fn encode(&self) -> [u8; HELLO_LEN] {
         let mut b = [0u8; HELLO_LEN];
         b[0..8].copy_from_slice(&HELLO_MAGIC);
         for (off, v) in [
@@ -510,6 +493,7 @@ impl Hello {
             (36, self.cq_capacity),
             (64, self.max_outstanding),
             (68, self.receivers),
+            (OFF_FDS, self.fds),
             (OFF_SHARE, self.share),
             (OFF_SHARE + 4, self.shares),
         ] {
@@ -523,21 +507,10 @@ impl Hello {
         ] {
             b[off..off + 8].copy_from_slice(&v.to_le_bytes());
         }
-        for (off, p) in [
-            (OFF_SQ_PATH, &self.sq_path),
-            (OFF_CQ_PATH, &self.cq_path),
-            (OFF_BUF_PATH, &self.buffer_path),
-        ] {
-            let p = p.as_bytes();
-            if p.len() >= PATH_FIELD || p.contains(&0) {
-                return None;
-            }
-            b[off..off + p.len()].copy_from_slice(p);
-        }
-        Some(b)
+        b
     }
 
-    /// Parses and checks a hello (magic, version, paths).
+    /// Parses and checks a hello (magic, version).
     pub fn decode(b: &[u8; HELLO_LEN]) -> Result<Self, HelloError> {
         if b[0..8] != HELLO_MAGIC {
             return Err(HelloError::BadMagic);
@@ -560,9 +533,7 @@ impl Hello {
             data_offset: u64_at(b, 56),
             max_outstanding: u32_at(b, 64),
             receivers: u32_at(b, 68),
-            sq_path: path_at(b, OFF_SQ_PATH)?,
-            cq_path: path_at(b, OFF_CQ_PATH)?,
-            buffer_path: path_at(b, OFF_BUF_PATH)?,
+            fds: u32_at(b, OFF_FDS),
             share: u32_at(b, OFF_SHARE),
             shares: u32_at(b, OFF_SHARE + 4),
             share_first_slot: u64_at(b, OFF_SHARE + 8),
@@ -580,13 +551,16 @@ mod tests {
         h.client_id = 7;
         h.slots = 16;
         h.chunk_bytes = 4096;
-        h.sq_path = "/tmp/a.sq".into();
-        h.buffer_path = "/dev/shm/b".into();
-        let b = h.encode().unwrap();
+        h.fds = HELLO_FDS;
+        h.share = 2;
+        let b = h.encode();
         assert_eq!(&b[0..8], b"KVFATCH1");
+        assert_eq!(u32_at(&b, 8), 3);
         assert_eq!(u32_at(&b, 20), 7);
         assert_eq!(u64_at(&b, 40), 16);
-        assert_eq!(&b[72..81], b"/tmp/a.sq");
+        assert_eq!(u32_at(&b, 72), 3);
+        assert_eq!(u32_at(&b, 840), 2);
+        assert!(b[76..840].iter().all(|&x| x == 0), "reserved");
         assert_eq!(Hello::decode(&b).unwrap(), h);
         let mut bad = b;
         bad[0] = b'X';
@@ -594,11 +568,6 @@ mod tests {
         let mut bad = b;
         bad[8] = 9;
         assert_eq!(Hello::decode(&bad), Err(HelloError::Version(9)));
-        let mut bad = b;
-        bad[OFF_SQ_PATH..OFF_SQ_PATH + PATH_FIELD].fill(b'a');
-        assert_eq!(Hello::decode(&bad), Err(HelloError::BadPath(OFF_SQ_PATH)));
-        h.cq_path = "x".repeat(PATH_FIELD);
-        assert_eq!(h.encode(), None);
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! Attach from another process: decoder processes (in any language) talk to
-//! a running receiver through a Unix socket (the lease and the submission
-//! doorbell) and one pair of shared-memory SPSC rings each (`kvferry-ring`'s
-//! `spsc::shared` files), and read chunk bytes in place from the receive
+//! a running receiver through a Unix socket (the lease, the submission
+//! doorbell, and the hand-off of every descriptor by `SCM_RIGHTS`) and one
+//! pair of shared-memory SPSC rings each (`kvferry-ring`'s anonymous
+//! `spsc::shared` memfds), and read chunk bytes in place from the receive
 //! buffer mapped read-only. `docs/attach.md` specifies every byte.
 //!
 //! - [`DecoderDaemon`]: the receiver side (accept loop, one session thread
@@ -13,6 +14,7 @@
 
 mod client;
 mod daemon;
+mod fds;
 pub mod layout;
 mod linger;
 mod poll;
@@ -20,7 +22,6 @@ mod prefill;
 mod prefill_client;
 mod serve;
 mod session;
-mod stale;
 
 pub use client::{AttachError, ChunkDesc, DecoderClient, Delivery, Event};
 pub use daemon::AttachConfig;

@@ -1,4 +1,4 @@
-//! `poll(2)` on a few descriptors with a timeout, and the peer uid of a Unix
+//! `poll(2)` on a few descriptors with a timeout, and the peer of a Unix
 //! socket: the two syscalls the attach daemon needs beyond std.
 
 use std::io;
@@ -35,8 +35,17 @@ pub(crate) fn readable(fd: RawFd) -> libc::pollfd {
     }
 }
 
-/// The uid of the process at the other end of `sock` (`SO_PEERCRED`).
-pub(crate) fn peer_uid(sock: &UnixStream) -> io::Result<u32> {
+/// The peer of an attach socket at `connect` time (`SO_PEERCRED`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Peer {
+    /// Its uid.
+    pub(crate) uid: u32,
+    /// Its pid as this pid namespace sees it (0 if it has none here).
+    pub(crate) pid: i32,
+}
+
+/// The process at the other end of `sock` (`SO_PEERCRED`).
+pub(crate) fn peer(sock: &UnixStream) -> io::Result<Peer> {
     let mut cred = libc::ucred {
         pid: 0,
         uid: 0,
@@ -57,7 +66,10 @@ pub(crate) fn peer_uid(sock: &UnixStream) -> io::Result<u32> {
     if r != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(cred.uid)
+    Ok(Peer {
+        uid: cred.uid,
+        pid: cred.pid,
+    })
 }
 
 /// This process's effective uid.

@@ -1,6 +1,7 @@
 //! Prefill attach: [`PrefillDaemon`] over a running [`Sender`], and one
 //! attached worker's session. Each worker holds one staging share
-//! ([`Sender::take_share`]) and maps only that share's memfd writable; it
+//! ([`Sender::take_share`]), gets that share's memfd only (`SCM_RIGHTS`)
+//! and maps it writable; it
 //! fills the slots the session staged for it in place and submits them; the
 //! session drives the sender's public API for it (`begin`, `try_stage_in`,
 //! `StagedBatch::submit`, `completion_fd`, `cancel`) and sleeps in `poll`
@@ -11,7 +12,7 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::Arc;
@@ -25,7 +26,8 @@ use super::layout::{
     STATUS_NO_SHARE, STATUS_OK,
 };
 use super::poll::readable;
-use super::serve::{open_rings, Completions, Doorbell, RingFiles, Serve};
+use super::poll::Peer;
+use super::serve::{open_rings, Completions, Doorbell, Serve};
 use crate::protocol::ErrorCode;
 use crate::sender::{
     Request, RequestSpec, RequestStatus, Sender, StagedBatch, StagingShare, StoreError,
@@ -41,13 +43,14 @@ pub(super) struct Prefills {
 /// Serves attached prefill workers over a running [`Sender`] (see
 /// `docs/attach.md`): admission, staging, transport and ProxyNotif stay in
 /// the sender. Dropping it stops accepting, ends every session (cancelling
-/// its clients' live requests) and removes the socket and ring directory.
+/// its clients' live requests) and removes the socket.
 #[derive(Debug)]
 pub struct PrefillDaemon(Daemon<Prefills>);
 
 impl PrefillDaemon {
-    /// Binds `cfg.socket` (mode 0600), creates `cfg.ring_dir` (mode 0700)
-    /// and starts the accept thread. A BEGIN names its receiver by index
+    /// Makes the process non-dumpable (unless
+    /// [`AttachConfig::keep_dumpable`]), binds `cfg.socket` (mode 0600) and
+    /// starts the accept thread. A BEGIN names its receiver by index
     /// into `receivers` (ZMQ endpoints). The sender needs staging shares
     /// ([`SenderConfig::staging_shares`](crate::sender::SenderConfig)): each
     /// worker holds one; a worker past the free shares is refused with
@@ -77,12 +80,6 @@ impl PrefillDaemon {
         self.0.socket()
     }
 
-    /// The directory of the per-client ring files
-    /// ([`AttachConfig::ring_dir`]).
-    pub fn ring_dir(&self) -> &Path {
-        &self.0.shared.dir
-    }
-
     /// Live attachments.
     pub fn clients(&self) -> usize {
         self.0.clients()
@@ -93,24 +90,37 @@ impl Role for Prefills {
     const NAME: &'static str = "prefill";
     type Session = Session;
 
-    fn open(shared: &Arc<DaemonShared<Self>>, id: u32, sock: &UnixStream) -> io::Result<Session> {
+    fn open(
+        shared: &Arc<DaemonShared<Self>>,
+        id: u32,
+        peer: Peer,
+        sock: &UnixStream,
+    ) -> io::Result<Session> {
         let sender = &shared.role.sender;
-        let share = sender.take_share().map_err(|e| {
+        let mut share = sender.take_share().map_err(|e| {
             tracing::debug!(client = id, error = %e, "no staging share for the worker");
             io::Error::other(OpenRefused(STATUS_NO_SHARE))
         })?;
-        let layout = share.layout();
+        // For a pinned (RDMA) staging buffer: the share is quarantined
+        // after this worker leaves, until its process exited.
+        share.set_holder(peer.pid)?;
+        let layout = share.layout().clone();
         let mut hello = Hello::refusal(STATUS_OK);
         hello.role = ROLE_PREFILL;
         hello.slots = layout.slots as u64;
-        hello.chunk_bytes = sender.staging_file().2;
+        hello.chunk_bytes = layout.slot_bytes;
         hello.data_offset = 0;
         hello.receivers = shared.role.receivers.len() as u32;
-        hello.buffer_path = layout.path.to_string_lossy().into_owned();
         hello.share = share.index() as u32;
         hello.shares = sender.staging_shares() as u32;
         hello.share_first_slot = u64::from(layout.first_slot);
-        let rings = open_rings::<PrefillSubmit, DecoderEvent, _>(shared, id, sock, hello)?;
+        let rings = open_rings::<PrefillSubmit, DecoderEvent, _>(
+            shared,
+            id,
+            sock,
+            hello,
+            share.file().as_fd(),
+        )?;
         let sq_cap = rings.sq.capacity();
         Ok(Session {
             id,
@@ -119,7 +129,6 @@ impl Role for Prefills {
             ring_full: false,
             sq: rings.sq,
             cq: rings.cq,
-            _files: rings.files,
             tags: HashMap::with_capacity(shared.cfg.max_outstanding),
             batches: 0,
             waiting: Vec::with_capacity(shared.cfg.max_outstanding),
@@ -168,7 +177,6 @@ pub(super) struct Session {
     ring_full: bool,
     sq: Consumer<PrefillSubmit>,
     cq: Completions<DecoderEvent>,
-    _files: RingFiles,
     /// At most `max_outstanding` requests.
     tags: HashMap<u64, Req>,
     /// Held plus pending batches over all tags, at most `max_outstanding`.

@@ -3,7 +3,7 @@
 //! submit them with their keys.
 
 use std::collections::{HashMap, HashSet};
-use std::fs::OpenOptions;
+use std::fs::File;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -78,6 +78,9 @@ pub struct PrefillClient {
     sq: Producer<PrefillSubmit>,
     cq: Consumer<DecoderEvent>,
     staging: MmapMut,
+    /// The share's memfd (the mapping does not need it; kept for
+    /// [`share_file`](Self::share_file)).
+    share: File,
     hello: Hello,
     /// Live requests (tags).
     tags: HashSet<u64>,
@@ -106,32 +109,34 @@ impl PrefillClient {
     /// Attaches to the sender daemon listening on `socket`, waiting at
     /// most `timeout` for its hello, and maps its staging buffer writable.
     pub fn connect(socket: impl AsRef<Path>, timeout: Duration) -> Result<Self, AttachError> {
-        let (sock, hello) =
+        let (sock, hello, fds) =
             handshake::<PrefillSubmit, DecoderEvent>(socket.as_ref(), timeout, ROLE_PREFILL)?;
-        let sq = spsc::shared::open::<PrefillSubmit>(&hello.sq_path)?.producer()?;
-        let cq = spsc::shared::open::<DecoderEvent>(&hello.cq_path)?.consumer()?;
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&hello.buffer_path)?;
+        let sq = spsc::shared::from_file::<PrefillSubmit>(&fds.sq, "attach sq")?.producer()?;
+        let cq = spsc::shared::from_file::<DecoderEvent>(&fds.cq, "attach cq")?.consumer()?;
+        let file = fds.data;
         let need = hello
             .slots
             .checked_mul(hello.chunk_bytes)
             .ok_or_else(|| AttachError::Protocol("staging geometry overflows".into()))?;
-        // SAFETY: the file is the sender's staging memfd, never truncated
-        // while the daemon runs. This client writes only slots the daemon
+        // SAFETY: the file is the sender's staging share memfd, sealed
+        // against shrinking. This client writes only slots the daemon
         // staged for it (`slot_mut` checks that the batch is held) and only
         // before submitting them; the daemon's transport reads a slot only
-        // after the SUBMIT, and no other process of another user can open it.
+        // after the SUBMIT, and no other process can open the memfd (it
+        // has no name; the daemon is non-dumpable).
         let staging = unsafe { MmapMut::map_mut(&file) }?;
         if (staging.len() as u64) < need {
             return Err(AttachError::Protocol("staging mapping too short".into()));
         }
+        // A child this process forks does not inherit the share: it could
+        // otherwise write it after this worker left (docs/attach.md, "Trust").
+        staging.advise(memmap2::Advice::DontFork)?;
         Ok(Self {
             sock,
             sq,
             cq,
             staging,
+            share: file,
             hello,
             tags: HashSet::new(),
             held: HashSet::new(),
@@ -144,6 +149,16 @@ impl PrefillClient {
     /// The daemon's hello (geometry, limits, receiver count).
     pub fn hello(&self) -> &Hello {
         &self.hello
+    }
+
+    /// The staging share's memfd the daemon passed (exactly `slots *
+    /// chunk_bytes` long, sealed against resizing), e.g. to register it
+    /// with a device. Writing it is the same as writing [`slot_mut`]
+    /// slices, with the same rules.
+    ///
+    /// [`slot_mut`]: Self::slot_mut
+    pub fn share_file(&self) -> &File {
+        &self.share
     }
 
     fn push(&mut self, s: PrefillSubmit) -> Result<(), AttachError> {

@@ -1,19 +1,19 @@
-//! What every attach session shares, whatever its role: the ring files and
-//! the hello, the completion ring with its bounded outbox, and the poll
+//! What every attach session shares, whatever its role: the rings and the
+//! hello with the client's descriptors, the completion ring with its bounded outbox, and the poll
 //! loop (socket doorbell and lease, daemon stop, the role's descriptors).
 
 use std::collections::VecDeque;
-use std::io::{self, Read, Write};
-use std::os::fd::{AsFd, AsRawFd};
+use std::io::{self, Read};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use kvferry_ring::spsc::{self, Consumer, Producer};
 use kvferry_ring::Plain;
 
 use super::daemon::{AttachConfig, DaemonShared};
-use super::layout::{Hello, ATTACH_VERSION, STATUS_OK};
+use super::fds::send_with_fds;
+use super::layout::{Hello, ATTACH_VERSION, HELLO_FDS, STATUS_OK};
 use super::linger::linger;
 use super::poll::{poll, readable};
 
@@ -25,41 +25,35 @@ use super::poll::{poll, readable};
 /// sleeps in `poll` without a timeout.
 pub(super) const RETRY: Duration = Duration::from_millis(1);
 
-/// A session's two ring files, removed when it ends.
-pub(super) struct RingFiles([PathBuf; 2]);
-
-impl Drop for RingFiles {
-    fn drop(&mut self) {
-        for f in &self.0 {
-            let _ = std::fs::remove_file(f);
-        }
-    }
-}
-
 /// The daemon's sides of a session's rings.
 pub(super) struct Rings<S: Plain, E: Plain> {
     pub(super) sq: Consumer<S>,
     pub(super) cq: Completions<E>,
-    pub(super) files: RingFiles,
 }
 
-/// Creates client `id`'s ring files in the daemon's directory, fills the
-/// ring fields of `hello` (the role fills the rest) and writes it on `sock`,
-/// which is then made non-blocking.
+/// Creates client `id`'s two rings as anonymous memfds (no name any other
+/// process could open), fills the ring fields of `hello` (the role fills
+/// the rest) and writes it on `sock` with the descriptors attached
+/// (`SCM_RIGHTS`: submission ring, completion ring, `data`); `sock` is then
+/// made non-blocking. The daemon keeps only its mappings: its copies of the
+/// ring descriptors are closed when this returns, so the rings' pages go
+/// when both sides unmapped them (a dead client's with the session).
 pub(super) fn open_rings<S: Plain, E: Plain, R>(
     shared: &DaemonShared<R>,
     id: u32,
     sock: &UnixStream,
     mut hello: Hello,
+    data: BorrowedFd<'_>,
 ) -> io::Result<Rings<S, E>> {
     let cfg: &AttachConfig = &shared.cfg;
-    let sq_path = shared.dir.join(format!("{id}.sq"));
-    let cq_path = shared.dir.join(format!("{id}.cq"));
-    // Made first, so the files go on any error below.
-    let files = RingFiles([sq_path.clone(), cq_path.clone()]);
     let ring_err = |e: kvferry_ring::ShmError| io::Error::other(e.to_string());
-    let sq_ring = spsc::shared::create::<S>(&sq_path, cfg.sq_capacity).map_err(ring_err)?;
-    let cq_ring = spsc::shared::create::<E>(&cq_path, cfg.cq_capacity).map_err(ring_err)?;
+    let sq_ring = spsc::shared::create_anonymous::<S>(c"kvferry-attach-sq", cfg.sq_capacity)
+        .map_err(ring_err)?;
+    let cq_ring = spsc::shared::create_anonymous::<E>(c"kvferry-attach-cq", cfg.cq_capacity)
+        .map_err(ring_err)?;
+    let (Some(sq_file), Some(cq_file)) = (sq_ring.file(), cq_ring.file()) else {
+        return Err(io::Error::other("an anonymous ring without its memfd"));
+    };
     let sq = sq_ring.consumer().map_err(ring_err)?;
     let cq = cq_ring.producer().map_err(ring_err)?;
     hello.version = ATTACH_VERSION;
@@ -70,12 +64,12 @@ pub(super) fn open_rings<S: Plain, E: Plain, R>(
     hello.sq_capacity = sq_ring.capacity() as u32;
     hello.cq_capacity = cq_ring.capacity() as u32;
     hello.max_outstanding = cfg.max_outstanding as u32;
-    hello.sq_path = sq_path.to_string_lossy().into_owned();
-    hello.cq_path = cq_path.to_string_lossy().into_owned();
-    let bytes = hello
-        .encode()
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "attach paths too long"))?;
-    (&*sock).write_all(&bytes)?;
+    hello.fds = HELLO_FDS;
+    send_with_fds(
+        sock,
+        &hello.encode(),
+        &[sq_file.as_fd(), cq_file.as_fd(), data],
+    )?;
     sock.set_nonblocking(true)?;
     Ok(Rings {
         sq,
@@ -83,7 +77,6 @@ pub(super) fn open_rings<S: Plain, E: Plain, R>(
             ring: cq,
             outbox: VecDeque::new(),
         },
-        files,
     })
 }
 

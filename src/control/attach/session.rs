@@ -5,7 +5,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::Arc;
@@ -20,7 +20,8 @@ use super::layout::{
     OP_SUBSCRIBE_ALL, ROLE_DECODER, STATUS_OK,
 };
 use super::poll::readable;
-use super::serve::{open_rings, Completions, Doorbell, RingFiles, Serve};
+use super::poll::Peer;
+use super::serve::{open_rings, Completions, Doorbell, Serve};
 use crate::protocol::ErrorCode;
 use crate::receiver::{ReadyFeed, Receiver, RequestChunks, RequestHandle, RequestStatus};
 use crate::region::DATA_OFFSET;
@@ -50,14 +51,13 @@ const FEED_SLACK: usize = 64;
 
 /// Serves attached decoder processes over a running [`Receiver`] (see
 /// `docs/attach.md`). Dropping it stops accepting, ends every session
-/// (releasing what their clients held) and removes the socket and ring
-/// directory.
+/// (releasing what their clients held) and removes the socket.
 #[derive(Debug)]
 pub struct DecoderDaemon(Daemon<Decoders>);
 
 impl DecoderDaemon {
-    /// Binds `cfg.socket` (mode 0600), creates `cfg.ring_dir` (mode 0700) and
-    /// starts the accept thread.
+    /// Makes the process non-dumpable (unless [`AttachConfig::keep_dumpable`]),
+    /// binds `cfg.socket` (mode 0600) and starts the accept thread.
     pub fn start(receiver: Arc<Receiver>, cfg: AttachConfig) -> io::Result<Self> {
         let role = Decoders {
             receiver,
@@ -70,12 +70,6 @@ impl DecoderDaemon {
     /// The socket clients connect to.
     pub fn socket(&self) -> &Path {
         self.0.socket()
-    }
-
-    /// The directory of the per-client ring files
-    /// ([`AttachConfig::ring_dir`]).
-    pub fn ring_dir(&self) -> &Path {
-        &self.0.shared.dir
     }
 
     /// Requests subscribed (pending or held) over all clients.
@@ -93,21 +87,32 @@ impl Role for Decoders {
     const NAME: &'static str = "decoder";
     type Session = Session;
 
-    fn open(shared: &Arc<DaemonShared<Self>>, id: u32, sock: &UnixStream) -> io::Result<Session> {
+    fn open(
+        shared: &Arc<DaemonShared<Self>>,
+        id: u32,
+        _peer: Peer,
+        sock: &UnixStream,
+    ) -> io::Result<Session> {
         let region = shared.role.receiver.region();
+        // The client gets a read-only descriptor of the receive buffer: it
+        // cannot map it writable. Opened anew by path: the receiver's own
+        // descriptor is read-write. (The buffer keeps its name: senders of
+        // the shm transport open it by path, docs/attach.md "Trust".)
+        let buffer = std::fs::File::open(region.file_path().ok_or_else(|| {
+            io::Error::other("attach: the receive buffer is caller memory without a file")
+        })?)?;
         let mut hello = Hello::refusal(STATUS_OK);
         hello.role = ROLE_DECODER;
         hello.slots = region.capacity_chunks();
         hello.chunk_bytes = region.chunk_bytes();
         hello.data_offset = DATA_OFFSET;
-        hello.buffer_path = region.path().to_string_lossy().into_owned();
-        let rings = open_rings::<DecoderSubmit, DecoderEvent, _>(shared, id, sock, hello)?;
+        let rings =
+            open_rings::<DecoderSubmit, DecoderEvent, _>(shared, id, sock, hello, buffer.as_fd())?;
         let sq_cap = rings.sq.capacity();
         Ok(Session {
             id,
             sq: rings.sq,
             cq: rings.cq,
-            _files: rings.files,
             tags: HashMap::with_capacity(shared.cfg.max_outstanding),
             waiting: Vec::with_capacity(shared.cfg.max_outstanding),
             scratch: Vec::new(),
@@ -142,7 +147,6 @@ pub(super) struct Session {
     sq: Consumer<DecoderSubmit>,
     /// Single events (FAILED, REFUSED) wait in its outbox for room.
     cq: Completions<DecoderEvent>,
-    _files: RingFiles,
     tags: HashMap<u64, Entry>,
     /// Tags of `Sub::Waiting` entries, in the order of their descriptors
     /// after the first two of the last poll.

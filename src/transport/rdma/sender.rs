@@ -79,6 +79,9 @@ impl RdmaTransport {
         let max_wr = u32::try_from(credits)
             .map_err(|_| TransportError::Config(format!("{credits} credits")))?;
         let pd = Pd::new(self.ctx.clone())?;
+        // The MR pins these pages: staging shares cannot be renewed onto
+        // fresh memfds from now on (they are quarantined instead).
+        local.pin();
         let (addr, len) = (local.as_ptr(), local.len());
         let owner: Arc<dyn std::any::Any + Send + Sync> = local.clone();
         // SAFETY: the staging buffer's mapping covers `addr..addr + len` and
