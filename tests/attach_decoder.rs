@@ -677,3 +677,15 @@ fn submissions_after_the_session_went_to_sleep_are_always_served() {
         }
     }
 }
+
+#[test]
+fn the_python_client_refuses_a_hello_without_exactly_its_descriptors() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/python");
+    let mut py = ChildProc::spawn(
+        Command::new("python3")
+            .arg(dir.join("handoff_check.py"))
+            .env("PYTHONPATH", &dir),
+    );
+    py.expect_line("HANDOFF OK");
+    py.wait_success("clients/python/handoff_check.py");
+}

@@ -747,3 +747,343 @@ fn sender_shares_are_exclusive_and_in_process_staging_never_takes_a_share_slot()
     req.cancel();
     other.cancel();
 }
+
+/// The re-executed child of the revocation tests: attaches, maps its
+/// share's memfd a second time, detaches (the socket closes, the client's
+/// own mapping goes) and stays alive with that mapping. On each stdin line
+/// `WRITE` it writes 0xEE over the whole mapping and answers `WROTE`;
+/// stdin closed: it exits.
+fn lingerer_main() {
+    use std::io::BufRead;
+    let sock = PathBuf::from(std::env::var(SOCK).unwrap());
+    let c = PrefillClient::connect(&sock, WAIT).expect("lingerer attaches");
+    let f = c.share_file().try_clone().unwrap();
+    let len = f.metadata().unwrap().len() as usize;
+    // SAFETY: a fresh shared mapping of the share memfd this process was
+    // given, written only through `p` below.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            std::os::fd::AsRawFd::as_raw_fd(&f),
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED, "mmap of the share");
+    println!("SHARE {}", c.hello().share);
+    drop(c);
+    println!("DETACHED");
+    for line in std::io::stdin().lock().lines() {
+        if line.unwrap().trim() == "WRITE" {
+            // SAFETY: `p` maps `len` bytes of the memfd, alive until exit.
+            unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0xEE, len) };
+            println!("WROTE");
+        }
+    }
+}
+
+fn lingerer_child(test: &str, sock: &Path) -> ChildProc {
+    ChildProc::spawn(
+        Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", test, "--nocapture", "--test-threads=1"])
+            .env(ROLE, "lingerer")
+            .env(SOCK, sock)
+            .stdin(Stdio::piped()),
+    )
+}
+
+fn tell(child: &mut ChildProc, line: &str) {
+    use std::io::Write;
+    let stdin = child.child.stdin.as_mut().expect("piped stdin");
+    writeln!(stdin, "{line}").unwrap();
+    stdin.flush().unwrap();
+}
+
+#[test]
+fn a_detached_worker_still_writing_its_old_share_changes_nothing_the_next_worker_submits() {
+    if let Ok(role) = std::env::var(ROLE) {
+        assert_eq!(role, "lingerer");
+        return lingerer_main();
+    }
+    let t = setup(4, 1);
+    let mut old = lingerer_child(
+        "a_detached_worker_still_writing_its_old_share_changes_nothing_the_next_worker_submits",
+        t.d.socket(),
+    );
+    let share = old.expect_line("SHARE");
+    old.expect_line("DETACHED");
+    wait_for("the lingerer's session to end", || t.d.clients() == 0);
+    // The next worker gets the same (only) share, while the old holder is
+    // alive and still maps it.
+    let mut c = PrefillClient::connect(t.d.socket(), WAIT).expect("the next worker attaches");
+    assert!(
+        share.ends_with(&format!("SHARE {}", c.hello().share)),
+        "the same share: {share}"
+    );
+    let req = unique("prv");
+    let n = 4;
+    let tag = c.begin(&req, 0, n as u32).unwrap();
+    c.stage(tag, n as u32).unwrap();
+    let b = staged(&mut c, "the batch");
+    let (mut keys, mut lens) = (Vec::new(), Vec::new());
+    for i in 0..n {
+        let data = chunk(&req, i, n);
+        c.slot_mut(&b, i).expect("held slot")[..data.len()].copy_from_slice(&data);
+        keys.push(key(&req, REQUEST, i as u32, n as u32));
+        lens.push(data.len() as u32);
+    }
+    // Filled; now the old holder writes every byte of its old mapping.
+    tell(&mut old, "WRITE");
+    old.expect_line("WROTE");
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    c.submit(b, &keys, &lens).expect("submitted");
+    match next(&mut c, "DONE") {
+        PrefillEvent::Done { tag: t2 } => assert_eq!(t2, tag),
+        other => panic!("expected DONE, got {other:?}"),
+    }
+    verify_at_receiver(&t.r, &req, n);
+    drop(old.child.stdin.take());
+    old.wait_success("the lingerer");
+}
+
+/// A transport that pins the staging buffer like RDMA's memory region
+/// does, over the shm transport.
+struct Pinning(Box<dyn kvferry::transport::Transport>);
+
+impl kvferry::transport::Transport for Pinning {
+    fn kind(&self) -> &'static str {
+        self.0.kind()
+    }
+    fn local_descriptor(&self) -> kvferry::protocol::Descriptor {
+        self.0.local_descriptor()
+    }
+    fn start(
+        self: Box<Self>,
+        local: Arc<kvferry::staging::StagingBuffer>,
+    ) -> Result<kvferry::transport::Started, kvferry::transport::TransportError> {
+        local.pin();
+        self.0.start(local)
+    }
+}
+
+#[test]
+fn on_a_pinned_staging_buffer_a_share_waits_until_its_last_holder_exited() {
+    if let Ok(role) = std::env::var(ROLE) {
+        assert_eq!(role, "lingerer");
+        return lingerer_main();
+    }
+    use kvferry::attach::layout::STATUS_NO_SHARE;
+    use kvferry::sender::ShareError;
+    let dir = TempDir::new("kvferry-prefill");
+    let r = Arc::new(receiver(64));
+    let cfg = SenderConfig {
+        staging_shares: 1,
+        ..sender_cfg(4, None)
+    };
+    let inner = kvferry::transport::by_name(&cfg.transport, &cfg.transport_config).unwrap();
+    let s = Arc::new(Sender::with_transport(cfg, Box::new(Pinning(inner))).unwrap());
+    let d = PrefillDaemon::start(
+        Arc::clone(&s),
+        vec![r.endpoint().to_owned()],
+        AttachConfig::new(dir.sock()),
+    )
+    .unwrap();
+    let mut old = lingerer_child(
+        "on_a_pinned_staging_buffer_a_share_waits_until_its_last_holder_exited",
+        d.socket(),
+    );
+    old.expect_line("DETACHED");
+    tell(&mut old, "WRITE");
+    old.expect_line("WROTE");
+    wait_for("the lingerer's session to end", || d.clients() == 0);
+    // The pages cannot be swapped under the pinned buffer: the share stays
+    // quarantined while its last holder lives.
+    assert_eq!(s.take_share().unwrap_err(), ShareError::HolderAlive);
+    match PrefillClient::connect(d.socket(), WAIT) {
+        Err(AttachError::Refused(st)) => assert_eq!(st, STATUS_NO_SHARE),
+        other => panic!("expected status {STATUS_NO_SHARE}, got {other:?}"),
+    }
+    drop(old.child.stdin.take());
+    old.wait_success("the lingerer");
+    // Exited: the share comes back, zeroed.
+    let deadline = Instant::now() + WAIT;
+    let c = loop {
+        match PrefillClient::connect(d.socket(), WAIT) {
+            Ok(c) => break c,
+            Err(AttachError::Refused(_)) if Instant::now() < deadline => {
+                thread::sleep(Duration::from_millis(10))
+            }
+            Err(e) => panic!("no share after its holder exited: {e}"),
+        }
+    };
+    let mut bytes = vec![0u8; 4 * CHUNK as usize];
+    std::os::unix::fs::FileExt::read_exact_at(c.share_file(), &mut bytes, 0).unwrap();
+    assert!(bytes.iter().all(|&b| b == 0), "zeroed before the hand-out");
+}
+
+/// The re-executed hostile child: a process of the daemon's user with the
+/// daemon's capabilities that tries to reach the daemon's share memfds
+/// through `/proc` and looks for ring files by name.
+fn hostile_main() {
+    let ids = std::env::var(REQ).unwrap();
+    let (pid, tid) = ids.split_once('/').unwrap();
+    let fds = std::env::var(COUNT).unwrap();
+    // Capabilities are per thread: as root only the host's test thread
+    // shed CAP_SYS_PTRACE, so its /proc/<pid>/task/<tid> is the path the
+    // check is about (the same descriptors and memory as /proc/<pid>).
+    for dir in [format!("/proc/{pid}"), format!("/proc/{pid}/task/{tid}")] {
+        for fd in fds.split(',') {
+            let path = format!("{dir}/fd/{fd}");
+            let e = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .expect_err("the daemon's share memfd is out of reach");
+            assert_eq!(
+                e.kind(),
+                std::io::ErrorKind::PermissionDenied,
+                "{path}: {e}"
+            );
+            println!("{path}: {e}");
+        }
+        let e = std::fs::File::open(format!("{dir}/mem")).expect_err("no memory access");
+        assert_eq!(
+            e.kind(),
+            std::io::ErrorKind::PermissionDenied,
+            "{dir}/mem: {e}"
+        );
+    }
+    // Nothing of the daemon's has a name in /dev/shm but the receiver's
+    // buffer file (the shm data plane opens it by path).
+    let tag = format!("-{pid}-");
+    assert!(
+        !std::path::Path::new(&format!("/dev/shm/kvferry-attach-{pid}-0")).exists(),
+        "no ring directory"
+    );
+    for entry in std::fs::read_dir("/dev/shm").unwrap().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.contains(&tag) {
+            assert!(
+                name.ends_with(".buf"),
+                "/dev/shm/{name} is reachable by name"
+            );
+        }
+    }
+    println!("HOSTILE REFUSED");
+}
+
+/// As root: drops `CAP_SYS_PTRACE` (which bypasses every check of
+/// [`hostile_main`]) from this thread's bounding, effective and permitted
+/// sets, so that it and the children it executes have the same
+/// capabilities and the same uid: what stands between them is only the
+/// daemon's non-dumpable flag. A no-op for other users (no capabilities).
+fn drop_cap_sys_ptrace() {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    const VERSION_3: u32 = 0x2008_0522;
+    const CAP_SYS_PTRACE: u32 = 19;
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return;
+    }
+    // SAFETY: prctl with integer arguments.
+    assert_eq!(
+        unsafe {
+            libc::prctl(
+                libc::PR_CAPBSET_DROP,
+                CAP_SYS_PTRACE as libc::c_ulong,
+                0,
+                0,
+                0,
+            )
+        },
+        0,
+        "PR_CAPBSET_DROP: {}",
+        std::io::Error::last_os_error()
+    );
+    let mut h = Header {
+        version: VERSION_3,
+        pid: 0,
+    };
+    let mut d = [Data::default(); 2];
+    // SAFETY: capget writes two Data structs for the v3 header.
+    assert_eq!(
+        unsafe { libc::syscall(libc::SYS_capget, &mut h, d.as_mut_ptr()) },
+        0
+    );
+    d[0].effective &= !(1 << CAP_SYS_PTRACE);
+    d[0].permitted &= !(1 << CAP_SYS_PTRACE);
+    // SAFETY: capset reads the header and two Data structs.
+    assert_eq!(
+        unsafe { libc::syscall(libc::SYS_capset, &mut h, d.as_ptr()) },
+        0,
+        "capset: {}",
+        std::io::Error::last_os_error()
+    );
+}
+
+const HOSTILE_TEST: &str = "a_same_uid_process_cannot_open_the_daemons_shares_nor_find_its_rings";
+
+/// The re-executed daemon host of the hostile test: its own process, so
+/// that it can shed `CAP_SYS_PTRACE` like its hostile child.
+fn hostile_host_main() {
+    drop_cap_sys_ptrace();
+    let t = setup(4, 1);
+    let c = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
+    // The daemon's share memfds (and this in-process client's descriptor
+    // of its share): this process reaches them through its own /proc.
+    let share_fds: Vec<String> = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            std::fs::read_link(e.path())
+                .is_ok_and(|l| l.to_string_lossy().starts_with("/memfd:kvferry-staging"))
+        })
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(!share_fds.is_empty(), "the daemon holds its share memfds");
+    let mut h = ChildProc::spawn(
+        Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", HOSTILE_TEST, "--nocapture", "--test-threads=1"])
+            .env(ROLE, "hostile")
+            // SAFETY: gettid has no preconditions.
+            .env(
+                REQ,
+                format!("{}/{}", std::process::id(), unsafe { libc::gettid() }),
+            )
+            .env(COUNT, share_fds.join(",")),
+    );
+    h.expect_line("HOSTILE REFUSED");
+    h.wait_success("the hostile process");
+    drop(c);
+    println!("HOST DONE");
+}
+
+#[test]
+fn a_same_uid_process_cannot_open_the_daemons_shares_nor_find_its_rings() {
+    match std::env::var(ROLE).as_deref() {
+        Ok("hostile") => return hostile_main(),
+        Ok("hostile-host") => return hostile_host_main(),
+        Ok(_) => return,
+        Err(_) => {}
+    }
+    let mut host = ChildProc::spawn(
+        Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", HOSTILE_TEST, "--nocapture", "--test-threads=1"])
+            .env(ROLE, "hostile-host"),
+    );
+    host.expect_line("HOST DONE");
+    host.wait_success("the daemon host");
+}

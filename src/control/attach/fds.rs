@@ -22,14 +22,20 @@ fn cmsg_space(n: usize) -> usize {
 }
 
 /// Writes all of `bytes` on `sock` (blocking), the first part in one
-/// `sendmsg` carrying `fds` (none: a plain write).
+/// `sendmsg` carrying `fds` (none: a plain write; at most 28, what one
+/// control buffer holds, else `InvalidInput`).
 pub(crate) fn send_with_fds(
     sock: &UnixStream,
     bytes: &[u8],
     fds: &[BorrowedFd<'_>],
 ) -> io::Result<()> {
-    assert!(fds.len() <= MAX_FDS, "at most MAX_FDS descriptors");
     let mut cbuf = CmsgBuf([0; 128]);
+    if cmsg_space(fds.len()) > cbuf.0.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "too many descriptors for one message",
+        ));
+    }
     let mut iov = libc::iovec {
         iov_base: bytes.as_ptr() as *mut libc::c_void,
         iov_len: bytes.len(),
@@ -40,7 +46,6 @@ pub(crate) fn send_with_fds(
     msg.msg_iovlen = 1;
     if !fds.is_empty() {
         let space = cmsg_space(fds.len());
-        debug_assert!(space <= cbuf.0.len());
         msg.msg_control = cbuf.0.as_mut_ptr().cast();
         msg.msg_controllen = space as _;
         // SAFETY: msg_control points at `space` writable, aligned bytes, so
@@ -150,4 +155,106 @@ pub(crate) fn recv_with_fds(
         out.len += n as usize;
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs::File;
+    use std::os::fd::AsFd;
+    use std::os::unix::net::UnixListener;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::attach::layout::{
+        DecoderEvent, DecoderSubmit, Hello, HELLO_FDS, ROLE_DECODER, STATUS_OK,
+    };
+    use crate::attach::{AttachError, DecoderClient};
+
+    /// A fake daemon on a fresh socket: accepts one client and sends an
+    /// accepting hello with `fds` copies of a descriptor attached (split in
+    /// two sends when `split`, the descriptors on the first).
+    fn fake_daemon(fds: usize, split: bool) -> (std::path::PathBuf, std::thread::JoinHandle<()>) {
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        // Relaxed: a unique number.
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path =
+            std::env::temp_dir().join(format!("kvferry-fds-{}-{n}.sock", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let l = UnixListener::bind(&path).unwrap();
+        let t = std::thread::spawn(move || {
+            let (s, _) = l.accept().unwrap();
+            let mut h = Hello::refusal(STATUS_OK);
+            h.role = ROLE_DECODER;
+            h.sq_entry = std::mem::size_of::<DecoderSubmit>() as u32;
+            h.cq_entry = std::mem::size_of::<DecoderEvent>() as u32;
+            h.fds = HELLO_FDS;
+            let b = h.encode();
+            let f = File::open("/dev/null").unwrap();
+            let all: Vec<BorrowedFd<'_>> = (0..fds).map(|_| f.as_fd()).collect();
+            let cut = if split { 100 } else { b.len() };
+            send_with_fds(&s, &b[..cut], &all).unwrap();
+            if split {
+                send_with_fds(&s, &b[cut..], &[]).unwrap();
+            }
+            // Keep the socket until the client has read (it closes first).
+            let _ = io::Read::read(&mut &s, &mut [0u8; 1]);
+        });
+        (path, t)
+    }
+
+    fn attach(fds: usize, split: bool) -> AttachError {
+        let (path, t) = fake_daemon(fds, split);
+        let e = DecoderClient::connect(&path, Duration::from_secs(10))
+            .expect_err("no client from a wrong hand-off");
+        t.join().unwrap();
+        let _ = std::fs::remove_file(&path);
+        e
+    }
+
+    #[test]
+    fn a_hello_without_exactly_its_descriptors_is_a_typed_error() {
+        for (fds, split, got, extra) in [
+            (0, false, 0, 0),
+            (2, false, 2, 0),
+            (2, true, 2, 0),
+            (4, false, 3, 1),
+            (MAX_FDS + 4, true, 3, 9),
+        ] {
+            match attach(fds, split) {
+                AttachError::Descriptors {
+                    expected: HELLO_FDS,
+                    got: g,
+                    extra: x,
+                } => assert!(
+                    g == got && (x == extra || (fds > MAX_FDS && x > 0)),
+                    "{fds} sent: got {g} + {x}"
+                ),
+                other => panic!("{fds} descriptors sent: {other}"),
+            }
+        }
+    }
+
+    #[test]
+    fn descriptors_past_the_wanted_count_are_closed() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let f = File::open("/dev/null").unwrap();
+        // The pipe's read end sees EOF only once every copy of its write
+        // end is closed: ours, and the two received past the wanted one.
+        let mut p = [0 as RawFd; 2];
+        // SAFETY: pipe2 fills two descriptors, owned below.
+        assert_eq!(
+            unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) },
+            0
+        );
+        // SAFETY: fresh descriptors nobody else owns.
+        let (r, w) = unsafe { (File::from_raw_fd(p[0]), File::from_raw_fd(p[1])) };
+        send_with_fds(&a, b"hello", &[f.as_fd(), w.as_fd(), w.as_fd()]).unwrap();
+        drop(w);
+        let mut buf = [0u8; 5];
+        let got = recv_with_fds(&b, &mut buf, 1).unwrap();
+        assert_eq!((got.len, got.fds.len(), got.extra), (5, 1, 2));
+        assert_eq!(&buf, b"hello");
+        let n = io::Read::read(&mut &r, &mut [0u8; 1]);
+        assert_eq!(n.ok(), Some(0), "EOF: the extra descriptors were closed");
+    }
 }
