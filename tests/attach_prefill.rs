@@ -1087,3 +1087,66 @@ fn a_same_uid_process_cannot_open_the_daemons_shares_nor_find_its_rings() {
     host.expect_line("HOST DONE");
     host.wait_success("the daemon host");
 }
+
+/// The re-executed child of the fork test: attaches, gets one staged slot,
+/// forks; the forked child reads the slot through the same pointer (its
+/// exit status is the byte, or it dies of the fault). Prints how it ended.
+fn forker_main() {
+    let sock = PathBuf::from(std::env::var(SOCK).unwrap());
+    let mut c = PrefillClient::connect(&sock, WAIT).expect("forker attaches");
+    let tag = c.begin(&unique("pfk"), 0, 1).unwrap();
+    c.stage(tag, 1).unwrap();
+    let b = staged(&mut c, "the forker's slot");
+    let slot = c.slot_mut(&b, 0).expect("held slot");
+    slot[0] = 7;
+    let p = slot.as_ptr();
+    // SAFETY: the child only reads one byte and `_exit`s (no allocation,
+    // no lock: async-signal-safe after fork in a threaded process).
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        // SAFETY: `p` was a valid mapping in the parent; in the child it is
+        // mapped only if the share was inherited (else the read faults,
+        // which is what is tested).
+        let v = unsafe { p.read_volatile() };
+        // SAFETY: _exit takes an integer and ends the process.
+        unsafe { libc::_exit(i32::from(v)) };
+    }
+    assert!(pid > 0, "fork: {}", std::io::Error::last_os_error());
+    let mut st = 0;
+    // SAFETY: waits for the child just forked; `st` is a live local.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut st, 0) }, pid);
+    if libc::WIFSIGNALED(st) {
+        println!("FORKED CHILD signal {}", libc::WTERMSIG(st));
+    } else {
+        println!("FORKED CHILD exit {}", libc::WEXITSTATUS(st));
+    }
+    c.cancel(tag).unwrap();
+}
+
+#[test]
+fn a_forked_child_of_a_worker_does_not_inherit_its_share() {
+    if let Ok(role) = std::env::var(ROLE) {
+        assert_eq!(role, "forker");
+        return forker_main();
+    }
+    let t = setup(4, 1);
+    let mut w = ChildProc::spawn(
+        Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "a_forked_child_of_a_worker_does_not_inherit_its_share",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(ROLE, "forker")
+            .env(SOCK, t.d.socket()),
+    );
+    let line = w.expect_line("FORKED CHILD");
+    assert!(
+        line.ends_with(&format!("signal {}", libc::SIGSEGV)),
+        "the forked child must fault on the share (MADV_DONTFORK): {line}"
+    );
+    w.wait_success("the forker");
+    wait_for("the forker's session to end", || t.d.clients() == 0);
+    wait_sender_empty(&t.s, "after the forker");
+}

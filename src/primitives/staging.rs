@@ -399,7 +399,9 @@ impl StagingBuffer {
     /// forked child) writes pages this buffer no longer reads; they are
     /// freed when the last such mapping goes.
     /// [`StagingError::NotRenewable`] if the buffer is pinned or `i` is no
-    /// share.
+    /// share; [`StagingError::Map`] if the new memfd or its mapping failed,
+    /// after which the range may be unmapped: the share must not be used
+    /// until a later renewal succeeds.
     ///
     /// # Safety
     /// The caller owns share `i`'s slots exclusively for the call: none is
@@ -438,9 +440,10 @@ impl StagingBuffer {
             )
         };
         if p == libc::MAP_FAILED {
-            // The old mapping stays in place (a failed MAP_FIXED of a
-            // shared file mapping leaves the range as it was, or unmapped
-            // on ENOMEM, which the caller's refusal then covers).
+            // A failed MAP_FIXED may leave the range unmapped (ENOMEM, the
+            // mapping count limit). Harmless while the caller keeps the
+            // share free: nothing reads a free share's range, and the share
+            // is handed out only after a renewal that succeeded.
             return Err(map_err(std::io::Error::last_os_error()));
         }
         *s.file.lock() = Arc::new(file);
@@ -473,10 +476,12 @@ impl StagingBuffer {
         self.slot_bytes
     }
 
-    /// A path another process of this user can open to map the first
-    /// segment (`/proc/<pid>/fd/<memfd>`): without shares the whole buffer,
-    /// slot `i` at offset `i * slot_bytes`; with shares, share 0 (see
-    /// [`share`](Self::share)).
+    /// A path to map the first segment (`/proc/<pid>/fd/<memfd>`): without
+    /// shares the whole buffer, slot `i` at offset `i * slot_bytes`; with
+    /// shares, share 0 as mapped now (see [`share`](Self::share)). Other
+    /// processes of this user can open it only while this process is
+    /// dumpable (an attach daemon makes it non-dumpable; attached workers
+    /// get their share's descriptor instead, [`share_file`](Self::share_file)).
     pub fn file_path(&self) -> PathBuf {
         let fd = self.segments[0].file.lock().as_raw_fd();
         PathBuf::from(format!("/proc/{}/fd/{fd}", std::process::id()))
@@ -716,12 +721,14 @@ mod tests {
         assert_ne!(b.share_file(1).unwrap().as_raw_fd(), old.as_raw_fd());
         b.pin();
         // SAFETY: as above.
+        let pinned = unsafe { b.renew_share(1) };
         assert!(matches!(
-            unsafe { b.renew_share(1) },
+            pinned,
             Err(StagingError::NotRenewable { share: 1 })
         ));
         // SAFETY: as above.
-        assert!(unsafe { b.renew_share(2) }.is_err(), "the rest is no share");
+        let rest = unsafe { b.renew_share(2) };
+        assert!(rest.is_err(), "the rest is no share");
     }
 
     #[test]

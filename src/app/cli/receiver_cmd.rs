@@ -117,8 +117,9 @@ pub struct ReceiverArgs {
     /// its replies) further replies to it are dropped and counted.
     #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(i32).range(1..))]
     pub reply_queue_per_peer: i32,
-    /// Serve attached decoder processes on this Unix socket (ring files in
-    /// a fresh 0700 `/dev/shm/kvferry-attach-<pid>-<n>/`; see docs/attach.md).
+    /// Serve attached decoder processes on this Unix socket (rings and the
+    /// buffer passed as descriptors; the process becomes non-dumpable; see
+    /// docs/attach.md).
     #[arg(long)]
     pub attach: Option<PathBuf>,
     /// With --attach: live attachments at most.

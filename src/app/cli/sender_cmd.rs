@@ -49,9 +49,9 @@ pub struct SenderArgs {
     #[command(flatten)]
     pub load: LoadArgs,
     /// Serve attached prefill workers on this Unix socket instead of
-    /// generating load (ring files in a fresh 0700
-    /// `/dev/shm/kvferry-attach-<pid>-<n>/`; see docs/attach.md); a
-    /// worker's BEGIN names its receiver by index into --connect.
+    /// generating load (rings and staging shares passed as descriptors;
+    /// the process becomes non-dumpable; see docs/attach.md); a worker's
+    /// BEGIN names its receiver by index into --connect.
     #[arg(long)]
     pub attach: Option<PathBuf>,
     /// With --attach: live attachments at most.

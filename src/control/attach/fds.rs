@@ -242,10 +242,8 @@ mod tests {
         // end is closed: ours, and the two received past the wanted one.
         let mut p = [0 as RawFd; 2];
         // SAFETY: pipe2 fills two descriptors, owned below.
-        assert_eq!(
-            unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) },
-            0
-        );
+        let made = unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) };
+        assert_eq!(made, 0);
         // SAFETY: fresh descriptors nobody else owns.
         let (r, w) = unsafe { (File::from_raw_fd(p[0]), File::from_raw_fd(p[1])) };
         send_with_fds(&a, b"hello", &[f.as_fd(), w.as_fd(), w.as_fd()]).unwrap();

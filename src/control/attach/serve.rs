@@ -1,6 +1,7 @@
 //! What every attach session shares, whatever its role: the rings and the
-//! hello with the client's descriptors, the completion ring with its bounded outbox, and the poll
-//! loop (socket doorbell and lease, daemon stop, the role's descriptors).
+//! hello with the client's descriptors, the completion ring with its
+//! bounded outbox, and the poll loop (socket doorbell and lease, daemon
+//! stop, the role's descriptors).
 
 use std::collections::VecDeque;
 use std::io::{self, Read};

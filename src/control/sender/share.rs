@@ -195,6 +195,8 @@ impl StagingShare {
             // no write in flight reads them.
             if let Err(e) = unsafe { staging.renew_share(index) } {
                 tracing::warn!(share = index, error = %e, "cannot renew a staging share");
+                // Still `used`: the next take renews it again before any
+                // hand-out (its range may be unmapped meanwhile).
                 give_back(taken);
                 return Err(ShareError::Renew);
             }
