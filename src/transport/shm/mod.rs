@@ -8,6 +8,7 @@ mod completions;
 mod engine;
 mod peers;
 mod poster;
+mod stream;
 
 use std::collections::HashMap;
 use std::sync::Arc;
