@@ -123,10 +123,8 @@ fn execute(
     // before the completion, a registered range is not written by its owner
     // before the write's completion — `Sender::register`'s contract; the
     // receiver granted the remote slot to this write alone).
-    // `stream::copy` fences its streamed stores before returning, so the
-    // completion's publish orders them as it does ordinary stores.
     unsafe {
-        super::stream::copy(
+        std::ptr::copy_nonoverlapping(
             src,
             region.data_ptr().add(op.remote_offset as usize),
             op.len as usize,

@@ -8,7 +8,6 @@ mod completions;
 mod engine;
 mod peers;
 mod poster;
-mod stream;
 
 use std::collections::HashMap;
 use std::sync::Arc;
