@@ -14,6 +14,12 @@
 //!    the completion ring → read a byte in place → RELEASE). Requests are
 //!    written (untimed) by an in-process `Sender` in rounds of
 //!    [`RTT_ROUND`]; only their consumption is timed.
+//!    After criterion's groups, the same two paths once more, interleaved
+//!    round by round ([`RTT_PAIRS`] pairs of [`RTT_ROUND`] requests each):
+//!    the median per-request time of each and the median of the per-pair
+//!    ratios. Both halves of a pair run within a few milliseconds of each
+//!    other, so a burst of load on the shared VM hits both, where
+//!    criterion's groups run one path for seconds, then the other.
 //! 2. After criterion's groups (skip with `KVFERRY_ATTACH_SKIP_E2E=1`):
 //!    end to end through the real binaries with the Python clients
 //!    (`clients/python/bench_e2e.py`): a Python prefill worker attached to
@@ -152,16 +158,42 @@ fn consume_attached(c: &mut DecoderClient, ids: &[String]) {
     }
 }
 
+/// The attached half of bench 1: a [`DecoderDaemon`] over the rig's
+/// receiver and a client attached to it.
+struct Attached {
+    client: DecoderClient,
+    _daemon: DecoderDaemon,
+    dir: std::path::PathBuf,
+}
+
+impl Attached {
+    fn new(rig: &Rig) -> Self {
+        let dir = std::env::temp_dir().join(unique("kvferry-attach-bench"));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let daemon = DecoderDaemon::start(
+            Arc::clone(&rig.receiver),
+            AttachConfig::new(dir.join("attach.sock")),
+        )
+        .expect("daemon starts");
+        let client = DecoderClient::connect(daemon.socket(), WAIT).expect("attaches");
+        Self {
+            client,
+            _daemon: daemon,
+            dir,
+        }
+    }
+}
+
+impl Drop for Attached {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 fn rtt(c: &mut Criterion) {
     let rig = Rig::new();
-    let dir = std::env::temp_dir().join(unique("kvferry-attach-bench"));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let daemon = DecoderDaemon::start(
-        Arc::clone(&rig.receiver),
-        AttachConfig::new(dir.join("attach.sock")),
-    )
-    .expect("daemon starts");
-    let mut client = DecoderClient::connect(daemon.socket(), WAIT).expect("attaches");
+    let mut attached = Attached::new(&rig);
+    let client = &mut attached.client;
 
     let mut group = c.benchmark_group("attach_rtt");
     group.throughput(Throughput::Elements(1));
@@ -172,12 +204,47 @@ fn rtt(c: &mut Criterion) {
         })
     });
     group.bench_function("attached", |b| {
-        b.iter_custom(|iters| timed_rounds(&rig, iters, |ids| consume_attached(&mut client, ids)))
+        b.iter_custom(|iters| timed_rounds(&rig, iters, |ids| consume_attached(client, ids)))
     });
     group.finish();
-    drop(client);
-    drop(daemon);
-    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Pairs of rounds of [`rtt_interleaved`].
+const RTT_PAIRS: usize = 60;
+
+/// Bench 1 again, the two paths alternating round by round (module docs).
+fn rtt_interleaved() {
+    let rig = Rig::new();
+    let mut attached = Attached::new(&rig);
+    let per_request = |d: Duration| d.as_secs_f64() * 1e6 / RTT_ROUND as f64;
+    let (mut inp, mut att, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
+    // One untimed pair first (page faults, first wake-ups).
+    for pair in 0..=RTT_PAIRS {
+        let a = timed_rounds(&rig, RTT_ROUND as u64, |ids| {
+            consume_in_process(&rig.receiver, ids)
+        });
+        let b = timed_rounds(&rig, RTT_ROUND as u64, |ids| {
+            consume_attached(&mut attached.client, ids)
+        });
+        if pair > 0 {
+            inp.push(per_request(a));
+            att.push(per_request(b));
+            ratio.push(b.as_secs_f64() / a.as_secs_f64());
+        }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (a, b) = (median(&mut inp), median(&mut att));
+    println!(
+        "\nattach_rtt interleaved ({RTT_PAIRS} pairs of {RTT_ROUND}-request rounds): \
+         in_process {a:.2} µs, attached {b:.2} µs per request (medians); \
+         median per-pair ratio {:.2} (p10 {:.2}, p90 {:.2})",
+        median(&mut ratio),
+        ratio[ratio.len() / 10],
+        ratio[ratio.len() * 9 / 10]
+    );
 }
 
 /// Runs `consume` over `iters` requests in rounds of [`RTT_ROUND`], timing
@@ -210,8 +277,17 @@ const E2E_CHUNKS: usize = 16;
 const E2E_REQUESTS: usize = 256;
 /// Receive buffer and staging slots (4 requests' worth).
 const E2E_SLOTS: usize = 64;
-/// Requests the Python worker keeps in flight.
+/// Requests the Python worker keeps in flight (`KVFERRY_ATTACH_E2E_WINDOW`
+/// overrides it, for the sweep in docs/benchmarks.md).
 const E2E_WINDOW: usize = 3;
+
+fn e2e_window() -> usize {
+    std::env::var("KVFERRY_ATTACH_E2E_WINDOW")
+        .ok()
+        .and_then(|w| w.parse().ok())
+        .filter(|&w| w > 0)
+        .unwrap_or(E2E_WINDOW)
+}
 
 /// A child process killed on drop, its stdout lines on a channel.
 struct Proc {
@@ -340,7 +416,7 @@ fn python_e2e(mode: &str, dir: &Path) -> f64 {
     };
     let dec = python("decoder", &rsock, &[]);
     dec.line("E2E:subscribed", "python decoder");
-    let window = E2E_WINDOW.to_string();
+    let window = e2e_window().to_string();
     let pf = python("prefill", &ssock, &[&window]);
     let times = |p: &Proc, role: &str| -> (f64, f64, f64) {
         let l = p.line(&format!("E2E:{role} "), role);
@@ -366,9 +442,11 @@ fn e2e() {
     let window = E2E_SLOTS * E2E_CHUNK;
     println!(
         "\nattach end to end (Python worker -> kvferry sender -> shm -> kvferry receiver -> \
-         Python decoder), {} MiB in {} KiB chunks, vs a single-thread memcpy:",
+         Python decoder), {} MiB in {} KiB chunks, {} requests in flight, vs a single-thread \
+         memcpy:",
         bytes >> 20,
-        E2E_CHUNK >> 10
+        E2E_CHUNK >> 10,
+        e2e_window()
     );
     let src = vec![0x33u8; window];
     let mut dst = vec![0x44u8; window];
@@ -394,6 +472,7 @@ fn main() {
     // Only under `cargo bench` (criterion's harness gets `--bench`), not in
     // `cargo test --benches` smoke runs.
     if std::env::args().any(|a| a == "--bench") {
+        rtt_interleaved();
         e2e();
     }
 }

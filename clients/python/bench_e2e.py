@@ -21,8 +21,16 @@ memcpy), so the bytes move three times.
 
 Each role prints one line "E2E:<role> <t_start> <t_end> <bytes>" with
 CLOCK_MONOTONIC seconds (system-wide, so the driver can combine them).
+
+With KVFERRY_E2E_TRACE=PATH each role also writes PATH.<role>: one line per
+request with its index and the CLOCK_MONOTONIC seconds of each stage
+(prefill: BEGIN+STAGE pushed, STAGED popped, SUBMIT pushed, DONE popped;
+decoder: READY popped, RELEASE pushed), then "wait <s>": the seconds the
+role spent in next_event (the rest is Python work). docs/benchmarks.md has
+the breakdown these give.
 """
 
+import os
 import struct
 import sys
 import time
@@ -36,6 +44,18 @@ def stamp_of(i, k):
     return STAMP.pack((i << 20) | k)
 
 
+TRACE = os.environ.get("KVFERRY_E2E_TRACE")
+
+
+def write_trace(role, stages, waited):
+    if not TRACE:
+        return
+    with open("%s.%s" % (TRACE, role), "w") as f:
+        for i in sorted(stages):
+            f.write("%d %s\n" % (i, " ".join("%.9f" % t for t in stages[i])))
+        f.write("wait %.9f\n" % waited)
+
+
 def decoder(sock, prefix, requests, chunks, mode):
     c = kvferry_attach.DecoderClient(sock)
     window = min(c.max_outstanding, requests, 32)
@@ -46,8 +66,12 @@ def decoder(sock, prefix, requests, chunks, mode):
         nxt += 1
     print("E2E:subscribed", flush=True)
     done, moved, t0 = 0, 0, None
+    stages, waited = {}, 0.0
     while done < requests:
+        tw = time.monotonic()
         ev = c.next_event(timeout=60.0)
+        now = time.monotonic()
+        waited += now - tw
         if ev[0] != "ready":
             sys.exit("decoder: expected READY, got %r" % (ev,))
         if t0 is None:
@@ -65,12 +89,15 @@ def decoder(sock, prefix, requests, chunks, mode):
                 sink[:] = mv  # the decoder's own copy (e.g. a host->GPU upload)
             moved += len(mv)
         c.release(tag)
+        if TRACE:
+            stages[i] = [now, time.monotonic()]
         done += 1
         if nxt < requests:
             c.subscribe("%s-%d" % (prefix, nxt))
             nxt += 1
     t1 = time.monotonic()
     print("E2E:decoder %.9f %.9f %d" % (t0, t1, moved), flush=True)
+    write_trace("decoder", stages, waited)
     c.close()
 
 
@@ -81,6 +108,7 @@ def prefill(sock, prefix, requests, chunks, mode, window):
     lens = [cb] * chunks
     inflight = {}  # tag -> request index
     issued = done = 0
+    stages, waited = {}, 0.0
     t0 = time.monotonic()
 
     def start():
@@ -88,15 +116,22 @@ def prefill(sock, prefix, requests, chunks, mode, window):
         tag = c.begin("%s-%d" % (prefix, issued), 0, chunks)
         c.stage(tag, chunks)
         inflight[tag] = issued
+        if TRACE:
+            stages[issued] = [time.monotonic()]
         issued += 1
 
     while issued < min(window, requests):
         start()
     while done < requests:
+        tw = time.monotonic()
         ev = c.next_event(timeout=60.0)
+        now = time.monotonic()
+        waited += now - tw
         if ev[0] == "staged":
             _, tag, batch, slots = ev
             i = inflight[tag]
+            if TRACE:
+                stages[i].append(now)
             for k, s in enumerate(slots):
                 mv = c.slot(s)
                 if mode == "full":
@@ -106,8 +141,12 @@ def prefill(sock, prefix, requests, chunks, mode, window):
                 mv[cb - 8:] = st
             keys = ["%s-%d/%d" % (prefix, i, k) for k in range(chunks)]
             c.submit(tag, batch, keys, lens)
+            if TRACE:
+                stages[i].append(time.monotonic())
         elif ev[0] == "done":
-            del inflight[ev[1]]
+            i = inflight.pop(ev[1])
+            if TRACE:
+                stages[i].append(now)
             done += 1
             if issued < requests:
                 start()
@@ -115,6 +154,7 @@ def prefill(sock, prefix, requests, chunks, mode, window):
             sys.exit("prefill: unexpected event %r" % (ev,))
     t1 = time.monotonic()
     print("E2E:prefill %.9f %.9f %d" % (t0, t1, requests * chunks * cb), flush=True)
+    write_trace("prefill", stages, waited)
     c.close()
 
 

@@ -3,6 +3,12 @@
 //! the bytes from the staging buffer into the mapped receiver buffer and
 //! posts one [`Completion`] per op to the completion ring. It parks on the
 //! submission ring's doorbell when idle.
+//!
+//! Completions go out every [`FLUSH_BYTES`] copied, not only once per
+//! popped batch: with several requests' writes popped together, a request
+//! whose writes are done must not wait for the copies of the requests
+//! behind it (that turned a window of requests in flight into lockstep
+//! bursts: `docs/benchmarks.md`, "Python end to end").
 
 use std::sync::Arc;
 
@@ -18,6 +24,12 @@ use super::peers::PeerTable;
 /// Ops taken from the submission ring per batch (the peer table is refreshed
 /// once per batch).
 const BATCH: usize = 64;
+
+/// Bytes copied after which the completions of the ops copied so far are
+/// published, even mid-batch: about 0.1 ms of copying at memcpy speed, so a
+/// request waits at most that long for the ops popped after its own, while
+/// small ops (64 × 4 KiB) still go out with one publish per batch.
+const FLUSH_BYTES: u64 = 1 << 20;
 
 /// Everything the engine thread owns.
 pub(super) struct Engine {
@@ -37,7 +49,7 @@ impl Engine {
         let mut regions: Vec<Option<Arc<Region>>> = Vec::new();
         let mut seen_version = 0u64;
         tracing::debug!("shm copy engine started");
-        loop {
+        'run: loop {
             match self.sq.wait(None) {
                 WaitStatus::Ready => {}
                 WaitStatus::Closed => break,
@@ -51,19 +63,32 @@ impl Engine {
             // posted is visible (see PeerTable::bump).
             self.peers.refresh(&mut seen_version, &mut regions);
             done.clear();
-            for op in &ops[..n] {
+            let mut copied = 0u64;
+            for (i, op) in ops[..n].iter().enumerate() {
                 let status = execute(op, &self.local, &regions);
                 tracing::trace!(work_id = op.work_id, %status, "shm write");
                 done.push(Completion::new(op.work_id, status));
-            }
-            // Credits guarantee room for every completion; fewer pushed means
-            // the completion half was dropped and nobody is listening.
-            if self.cq.push_slice(&done) < done.len() {
-                tracing::debug!("shm copy engine: completion half gone, stopping");
-                break;
+                // Saturating: a peer's bogus length (refused above) only
+                // flushes early.
+                copied = copied.saturating_add(op.len);
+                if copied >= FLUSH_BYTES || i + 1 == n {
+                    if !self.publish(&done) {
+                        tracing::debug!("shm copy engine: completion half gone, stopping");
+                        break 'run;
+                    }
+                    done.clear();
+                    copied = 0;
+                }
             }
         }
         tracing::debug!("shm copy engine stopped");
+    }
+
+    /// Publishes `done` on the completion ring; false if the completion
+    /// half is gone (credits guarantee room for every completion, so fewer
+    /// pushed means nobody is listening).
+    fn publish(&mut self, done: &[Completion]) -> bool {
+        self.cq.push_slice(done) == done.len()
     }
 }
 
