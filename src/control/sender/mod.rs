@@ -33,8 +33,12 @@ mod registered;
 mod reply;
 mod request;
 mod share;
+mod slab;
 mod table;
 mod wire;
+
+#[cfg(test)]
+mod handle_tests;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -59,7 +63,7 @@ pub use self::registered::{MemoryRegion, RegisterError, WriteError, WriteHandle}
 use self::request::Handle;
 pub use self::request::{Request, RequestSpec, StagedBatch};
 pub use self::share::{ShareError, StagingShare, MAX_SHARES};
-use self::table::{Batch, BatchData, Req, ReqState, Table};
+use self::table::{Batch, BatchData, Req, ReqKey, ReqState, Table};
 
 /// Sender configuration.
 #[derive(Debug, Clone)]
@@ -279,19 +283,20 @@ impl Shared {
         if spec.total_chunks == 0 {
             return Err(StoreError::ZeroTotalChunks);
         }
-        let handle = |r: &Req| Handle {
+        let handle = |key: ReqKey, r: &Req| Handle {
             shared: Arc::clone(self),
-            req_id: spec.req_id.clone(),
+            key,
+            req_id: Arc::clone(&r.req_id),
             signal: Arc::clone(&r.signal),
             cancel: r.cancel.clone(),
         };
         let (id, h) = {
             let mut t = self.table.lock();
-            if let Some(r) = t.reqs.get(&spec.req_id) {
+            if let Some((key, r)) = t.by_name(&spec.req_id) {
                 return match &r.p.state {
                     ReqState::Done(s) => Err(StoreError::RequestEnded(s.clone())),
                     _ if reuse => Ok(Request {
-                        h: Arc::new(handle(r)),
+                        h: Arc::new(handle(key, r)),
                     }),
                     _ => Err(StoreError::DuplicateRequest {
                         req_id: spec.req_id.clone(),
@@ -299,35 +304,38 @@ impl Shared {
                 };
             }
             let req = Req::new(spec, self.cfg.chunk_bytes, Arc::new(Signal::default()));
-            let batch = self.batch_for(
-                &req,
+            let key = t.insert(req);
+            let batch = Self::batch_for(
+                key,
                 KeyList::default(),
                 SmallVec::new(),
                 BatchData::Empty,
                 false,
                 0,
             );
-            let h = handle(&req);
-            t.reqs.insert(spec.req_id.clone(), req);
+            let h = t.reqs.get(key).map(|r| handle(key, r));
             let id = t.next_batch;
             t.next_batch += 1;
             t.batches.insert(id, batch);
             (id, h)
         };
+        // `None` cannot happen: inserted just above, under the same lock.
+        let Some(h) = h else {
+            return Err(StoreError::Closed);
+        };
         if !self.submit_id(id) {
             let mut t = self.table.lock();
             t.batches.remove(&id);
-            t.reqs.remove(&spec.req_id);
+            t.remove(h.key);
             return Err(StoreError::Closed);
         }
         debug!(req_id = %spec.req_id, total = spec.total_chunks, "begun");
         Ok(Request { h: Arc::new(h) })
     }
 
-    /// A batch of `req` with its geometry.
+    /// A batch of request `req` (its geometry is the request's).
     fn batch_for(
-        &self,
-        req: &Req,
+        req: ReqKey,
         keys: KeyList,
         lens: SmallVec<[u32; 16]>,
         data: BatchData,
@@ -336,15 +344,12 @@ impl Shared {
     ) -> Batch {
         let bytes = lens.iter().map(|&l| l as usize).sum();
         Batch {
-            req_id: req.req_id.clone(),
+            req,
             keys,
             lens,
             data,
             is_last,
             stored_at: Instant::now(),
-            fmt: req.fmt,
-            shape: req.shape.clone(),
-            dtype: req.dtype.clone(),
             last_chunk_toks,
             bytes,
             remote: Vec::new(),
@@ -382,9 +387,9 @@ impl Shared {
     /// cannot overshoot). `is_last`: the caller's claim (copying `store`),
     /// or `None` to end the request when the count reaches its total.
     fn reserve(&self, h: &Handle, n: usize, is_last: Option<bool>) -> Result<Reserved, StoreError> {
-        let req_id = h.req_id.as_str();
+        let req_id = &*h.req_id;
         let mut t = self.table.lock();
-        let Some(req) = t.reqs.get_mut(req_id) else {
+        let Some(req) = t.reqs.get_mut(h.key) else {
             // Ended so long ago that the table forgot it (its handles keep
             // the terminal status).
             return Err(StoreError::RequestEnded(h.signal.status()));
@@ -421,9 +426,9 @@ impl Shared {
     }
 
     /// Gives back a reservation whose batch was not published.
-    fn unreserve(&self, req_id: &str, n: usize, is_last: bool) {
+    fn unreserve(&self, key: ReqKey, n: usize, is_last: bool) {
         let mut t = self.table.lock();
-        if let Some(r) = t.reqs.get_mut(req_id) {
+        if let Some(r) = t.reqs.get_mut(key) {
             r.p.stored_chunks -= n;
             if is_last {
                 r.p.last_stored = false;
@@ -444,21 +449,19 @@ impl Shared {
         reserved: &Reserved,
         last_chunk_toks: Option<i64>,
     ) -> Result<(), StoreError> {
-        let req_id = h.req_id.as_str();
         let n = lens.len();
         let toks = last_chunk_toks.unwrap_or_else(|| lens.last().map_or(0, |&l| i64::from(l)));
         // Copied before the table lock is taken (one buffer for all keys).
         let keys = KeyList::from_keys(keys);
         let id = {
             let mut t = self.table.lock();
-            let live = t.reqs.get(req_id).filter(|r| r.p.state.live());
-            let Some(req) = live else {
+            if !t.reqs.get(h.key).is_some_and(|r| r.p.state.live()) {
                 drop(t);
                 let bytes = lens.iter().map(|&l| l as usize).sum();
                 self.release_data(data, bytes);
-                return Err(self.stopped(req_id, &h.signal));
-            };
-            let batch = self.batch_for(req, keys, lens, data, reserved.is_last, toks);
+                return Err(self.stopped(h.key, &h.signal));
+            }
+            let batch = Self::batch_for(h.key, keys, lens, data, reserved.is_last, toks);
             let id = t.next_batch;
             t.next_batch += 1;
             t.batches.insert(id, batch);
@@ -471,7 +474,7 @@ impl Shared {
             if let Some(b) = batch {
                 self.release_data(b.data, b.bytes);
             }
-            self.unreserve(req_id, n, reserved.is_last);
+            self.unreserve(h.key, n, reserved.is_last);
             return Err(StoreError::Closed);
         }
         self.stats.inc(Counter::Batches);
@@ -567,9 +570,9 @@ impl Shared {
             let set = match self.slots.alloc(n, Some(deadline), &h.cancel) {
                 Ok(set) => set,
                 Err(e) => {
-                    self.unreserve(&h.req_id, n, reserved.is_last);
+                    self.unreserve(h.key, n, reserved.is_last);
                     return Err(match e {
-                        AllocError::Cancelled => self.stopped(&h.req_id, &h.signal),
+                        AllocError::Cancelled => self.stopped(h.key, &h.signal),
                         AllocError::Timeout => StoreError::StagingTimeout,
                         AllocError::TooLarge { requested, slots } => StoreError::BatchTooLarge {
                             chunks: requested,
@@ -591,7 +594,7 @@ impl Shared {
                         (used + bytes <= max).then_some(used + bytes)
                     });
             if let Err(used) = reserved_bytes {
-                self.unreserve(&h.req_id, n, reserved.is_last);
+                self.unreserve(h.key, n, reserved.is_last);
                 self.stats.inc(Counter::Backpressure);
                 return Err(StoreError::Backpressure {
                     needed: bytes,
@@ -671,9 +674,9 @@ impl Shared {
     /// [`StoreError::Cancelled`] only for a cancel; a failure (or any ended
     /// request) is [`StoreError::RequestEnded`] with the status it ends with.
     /// The one mapping for every wait that a request's cancel token ends.
-    pub(crate) fn stopped(&self, req_id: &str, signal: &Signal) -> StoreError {
+    pub(crate) fn stopped(&self, key: ReqKey, signal: &Signal) -> StoreError {
         let t = self.table.lock();
-        match t.reqs.get(req_id).map(|r| &r.p.state) {
+        match t.reqs.get(key).map(|r| &r.p.state) {
             Some(ReqState::Aborting(RequestStatus::Cancelled)) => StoreError::Cancelled,
             Some(ReqState::Aborting(s) | ReqState::Done(s)) => StoreError::RequestEnded(s.clone()),
             // Live (a token fired by close) or forgotten: the handle's view.
@@ -685,15 +688,15 @@ impl Shared {
     }
 
     /// Starts the fenced abort of a live request.
-    fn cancel(&self, req_id: &str) -> bool {
+    fn cancel(&self, key: ReqKey) -> bool {
         let ok = {
             let mut t = self.table.lock();
             let ok = t
                 .reqs
-                .get_mut(req_id)
+                .get_mut(key)
                 .is_some_and(|r| r.abort_with(RequestStatus::Cancelled));
             if ok {
-                t.attention.push(req_id.to_owned());
+                t.attention.push(key);
             }
             ok
         };
@@ -922,7 +925,7 @@ impl Sender {
         let req = self.shared.begin(&spec.request(), true)?;
         {
             let t = self.shared.table.lock();
-            if let Some(r) = t.reqs.get(&spec.req_id) {
+            if let Some(r) = t.reqs.get(req.h.key) {
                 if r.receiver != spec.receiver {
                     return Err(StoreError::ReceiverMismatch {
                         req_id: spec.req_id.clone(),
@@ -981,12 +984,17 @@ impl Sender {
     /// then tells the receiver to release everything (fenced abort).
     /// Returns false if the request is unknown or already ended.
     pub fn cancel_request(&self, req_id: &str) -> bool {
-        self.shared.cancel(req_id)
+        let key = self.shared.table.lock().by_name(req_id).map(|(k, _)| k);
+        key.is_some_and(|k| self.shared.cancel(k))
     }
 
     /// The current status of a request (`None` if unknown or forgotten).
     pub fn status(&self, req_id: &str) -> Option<RequestStatus> {
-        self.shared.table.lock().reqs.get(req_id).map(Req::status)
+        self.shared
+            .table
+            .lock()
+            .by_name(req_id)
+            .map(|(_, r)| r.status())
     }
 
     /// Waits until the request is terminal or `deadline` passes; returns its
@@ -998,8 +1006,9 @@ impl Sender {
     /// (a decoder waits with `Receiver::wait_ready`, not on this).
     pub fn wait(&self, req_id: &str, deadline: Instant) -> Option<RequestStatus> {
         let mut t = self.shared.table.lock();
+        let key = t.by_name(req_id)?.0;
         loop {
-            let s = t.reqs.get(req_id).map(Req::status)?;
+            let s = t.reqs.get(key).map(Req::status)?;
             if s.is_terminal()
                 || self
                     .shared
@@ -1007,7 +1016,7 @@ impl Sender {
                     .wait_until(&mut t, deadline)
                     .timed_out()
             {
-                return t.reqs.get(req_id).map(Req::status);
+                return t.reqs.get(key).map(Req::status);
             }
         }
     }
@@ -1264,16 +1273,16 @@ impl Sender {
                     .timed_out()
             {}
         }
-        let active: Vec<String> = {
+        let active: Vec<ReqKey> = {
             let t = self.shared.table.lock();
             t.reqs
                 .iter()
                 .filter(|(_, r)| !matches!(r.p.state, ReqState::Done(_)))
-                .map(|(k, _)| k.clone())
+                .map(|(k, _)| k)
                 .collect()
         };
         for r in active {
-            if self.cancel_request(&r) {
+            if self.shared.cancel(r) {
                 cancelled += 1;
             }
         }
