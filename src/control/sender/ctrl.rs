@@ -26,7 +26,7 @@ use crate::zmq_io::{readable, Reactor};
 
 use super::core::{AbortStep, ReplyStep, Rules};
 use super::peer::{Mode, Outstanding, Peer};
-use super::table::{BatchData, InFlight, ReqKey, ReqState, Table};
+use super::table::{Batch, BatchData, InFlight, ReqKey, ReqState, Table};
 use super::wire::AllocRequestRef;
 use super::{RequestStatus, Shared};
 
@@ -48,7 +48,8 @@ pub(super) struct Ctrl {
     shared: Arc<Shared>,
     poster: Box<dyn Poster>,
     reactor: Reactor,
-    submissions: kvferry_ring::mpsc::Consumer<u64>,
+    /// The id the next batch taken from the submission ring gets.
+    next_batch: u64,
     peers: Vec<Peer>,
     peer_by_endpoint: HashMap<String, usize>,
     static_peers: HashMap<String, RemoteBuffer>,
@@ -71,12 +72,20 @@ pub(super) struct Ctrl {
     runs: Vec<usize>,
 }
 
+impl Drop for Ctrl {
+    /// Also on a panic: callers stop waiting for a full submission ring.
+    fn drop(&mut self) {
+        // Release: pairs with the Acquire load in `Shared::submit_batch`;
+        // the flag publishes nothing else.
+        self.shared.ctrl_gone.store(true, Ordering::Release);
+    }
+}
+
 impl Ctrl {
     pub fn new(
         shared: Arc<Shared>,
         poster: Box<dyn Poster>,
         reactor: Reactor,
-        submissions: kvferry_ring::mpsc::Consumer<u64>,
     ) -> Result<Self, super::SenderError> {
         let proxy = match &shared.cfg.proxy {
             Some(ep) => {
@@ -95,7 +104,7 @@ impl Ctrl {
             shared,
             poster,
             reactor,
-            submissions,
+            next_batch: 1,
             peers: Vec::new(),
             peer_by_endpoint: HashMap::new(),
             static_peers,
@@ -133,8 +142,8 @@ impl Ctrl {
 
     /// One pass over every input.
     fn step(&mut self) {
-        while let Some(id) = self.submissions.pop() {
-            self.enqueue(id);
+        while let Some(b) = self.shared.inbox.pop() {
+            self.enqueue(*b);
         }
         let lost = {
             let mut t = self.shared.table.lock();
@@ -216,7 +225,7 @@ impl Ctrl {
         // published before our check is seen, one after it sees the flag.
         self.shared.ctrl_parked.store(true, Ordering::SeqCst);
         std::sync::atomic::fence(Ordering::SeqCst);
-        let busy = !self.submissions.is_empty()
+        let busy = !self.shared.inbox.is_empty()
             || {
                 let t = self.shared.table.lock();
                 !t.attention.is_empty() || !t.lost_peers.is_empty()
@@ -242,21 +251,23 @@ impl Ctrl {
         self.shared.ctrl_parked.store(false, Ordering::SeqCst);
     }
 
-    /// Moves a submitted batch into its request's send queue.
-    fn enqueue(&mut self, id: u64) {
+    /// Moves a submitted batch into its request's send queue (or releases
+    /// it if the request stopped meanwhile).
+    fn enqueue(&mut self, b: Batch) {
+        let key = b.req;
+        let id = self.next_batch;
+        self.next_batch += 1;
         let mut t = self.shared.table.lock();
-        let Some(key) = t.batches.get(&id).map(|b| b.req) else {
-            return;
-        };
         match t.reqs.get_mut(key).filter(|r| r.p.state.live()) {
-            Some(r) => r.p.queued.push_back(id),
+            Some(r) => {
+                r.p.queued.push_back(id);
+                t.batches.insert(id, b);
+            }
             None => {
-                if let Some(b) = t.batches.remove(&id) {
-                    self.release_data(b.data, b.bytes);
-                }
+                drop(t);
+                self.release_data(b.data, b.bytes);
             }
         }
-        drop(t);
         self.dirty.insert(key);
     }
 

@@ -34,6 +34,7 @@ mod reply;
 mod request;
 mod share;
 mod slab;
+mod submit;
 mod table;
 mod wire;
 
@@ -249,8 +250,15 @@ pub(crate) struct Shared {
     /// The ctrl thread is (about to be) asleep: producers must wake it.
     pub ctrl_parked: AtomicBool,
     pub stop: AtomicBool,
-    /// Caller threads → ctrl: ids of published batches, in send order.
+    /// Set when the ctrl thread ended (also by a panic): nobody drains the
+    /// submission ring any more.
+    pub ctrl_gone: AtomicBool,
+    /// The submission ring's producer each new request handle's
+    /// [`Outbox`](submit::Outbox) is cloned from (locked at `begin` only).
     pub submit: Mutex<kvferry_ring::mpsc::Producer<u64>>,
+    /// Caller threads → ctrl: the batches themselves, in send order (taken
+    /// by ctrl only).
+    pub inbox: submit::Inbox,
     /// Runs completion callbacks off the ctrl thread.
     pub announcer: Arc<Announcer>,
 }
@@ -283,20 +291,24 @@ impl Shared {
         if spec.total_chunks == 0 {
             return Err(StoreError::ZeroTotalChunks);
         }
-        let handle = |key: ReqKey, r: &Req| Handle {
+        // This handle's own end of the submission ring (cloned outside the
+        // table lock; only `begin` takes the prototype's lock).
+        let outbox = submit::Outbox::new(self.submit.lock().clone());
+        let handle = |key: ReqKey, r: &Req, outbox| Handle {
             shared: Arc::clone(self),
             key,
             req_id: Arc::clone(&r.req_id),
             signal: Arc::clone(&r.signal),
             cancel: r.cancel.clone(),
+            outbox,
         };
-        let (id, h) = {
+        let (batch, h) = {
             let mut t = self.table.lock();
             if let Some((key, r)) = t.by_name(&spec.req_id) {
                 return match &r.p.state {
                     ReqState::Done(s) => Err(StoreError::RequestEnded(s.clone())),
                     _ if reuse => Ok(Request {
-                        h: Arc::new(handle(key, r)),
+                        h: Arc::new(handle(key, r, outbox)),
                     }),
                     _ => Err(StoreError::DuplicateRequest {
                         req_id: spec.req_id.clone(),
@@ -313,21 +325,17 @@ impl Shared {
                 false,
                 0,
             );
-            let h = t.reqs.get(key).map(|r| handle(key, r));
-            let id = t.next_batch;
-            t.next_batch += 1;
-            t.batches.insert(id, batch);
-            (id, h)
+            let h = t.reqs.get(key).map(|r| handle(key, r, outbox));
+            (batch, h)
         };
         // `None` cannot happen: inserted just above, under the same lock.
         let Some(h) = h else {
             return Err(StoreError::Closed);
         };
-        if !self.submit_id(id) {
-            let mut t = self.table.lock();
-            t.batches.remove(&id);
-            t.remove(h.key);
-            return Err(StoreError::Closed);
+        if let Err((_, e)) = self.submit_batch(&h, Box::new(batch)) {
+            // The admission message holds no data to give back.
+            self.table.lock().remove(h.key);
+            return Err(e);
         }
         debug!(req_id = %spec.req_id, total = spec.total_chunks, "begun");
         Ok(Request { h: Arc::new(h) })
@@ -386,6 +394,13 @@ impl Shared {
     /// Reserves `n` chunks of the request's count (so concurrent batches
     /// cannot overshoot). `is_last`: the caller's claim (copying `store`),
     /// or `None` to end the request when the count reaches its total.
+    ///
+    /// The one table lock a submit still takes: the count is the core's
+    /// `Progress::stored_chunks`, which ctrl's completion check reads
+    /// together with the request's state, so a reservation must be atomic
+    /// with that state (a request cannot complete or abort between a
+    /// caller's check and its reservation). Moving the count into an atomic
+    /// word of the handle that ctrl reads is the next step (docs/architecture.md).
     fn reserve(&self, h: &Handle, n: usize, is_last: Option<bool>) -> Result<Reserved, StoreError> {
         let req_id = &*h.req_id;
         let mut t = self.table.lock();
@@ -451,39 +466,26 @@ impl Shared {
     ) -> Result<(), StoreError> {
         let n = lens.len();
         let toks = last_chunk_toks.unwrap_or_else(|| lens.last().map_or(0, |&l| i64::from(l)));
-        // Copied before the table lock is taken (one buffer for all keys).
-        let keys = KeyList::from_keys(keys);
-        let id = {
-            let mut t = self.table.lock();
-            if !t.reqs.get(h.key).is_some_and(|r| r.p.state.live()) {
-                drop(t);
-                let bytes = lens.iter().map(|&l| l as usize).sum();
-                self.release_data(data, bytes);
-                return Err(self.stopped(h.key, &h.signal));
-            }
-            let batch = Self::batch_for(h.key, keys, lens, data, reserved.is_last, toks);
-            let id = t.next_batch;
-            t.next_batch += 1;
-            t.batches.insert(id, batch);
-            id
-        };
-        if !self.submit_id(id) {
-            // The ctrl thread is gone (it only stops on close, or if it
-            // panicked): nobody will ever send this batch.
-            let batch = self.table.lock().batches.remove(&id);
-            if let Some(b) = batch {
-                self.release_data(b.data, b.bytes);
-            }
+        // A request that stopped since the reservation (cancelled, failed,
+        // closed) takes no more batches. Read without the table lock: every
+        // abort fires the request's cancel token (`Req::aborted`) under it,
+        // and the end sets the terminal status. (A stop after this check
+        // is seen by ctrl, which drops the batch when it takes it.)
+        if h.signal.terminal().is_some() || h.cancel.is_cancelled() {
+            let bytes = lens.iter().map(|&l| l as usize).sum();
+            self.release_data(data, bytes);
             self.unreserve(h.key, n, reserved.is_last);
-            return Err(StoreError::Closed);
+            return Err(self.stopped(h.key, &h.signal));
+        }
+        let keys = KeyList::from_keys(keys);
+        let batch = Self::batch_for(h.key, keys, lens, data, reserved.is_last, toks);
+        if let Err((b, e)) = self.submit_batch(h, Box::new(batch)) {
+            self.release_data(b.data, b.bytes);
+            self.unreserve(h.key, n, reserved.is_last);
+            return Err(e);
         }
         self.stats.inc(Counter::Batches);
-        debug!(
-            batch = id,
-            admitted = reserved.admitted,
-            chunks = n,
-            "submitted"
-        );
+        debug!(admitted = reserved.admitted, chunks = n, "submitted");
         Ok(())
     }
 
@@ -628,31 +630,41 @@ impl Shared {
         }
     }
 
-    /// Queues a batch id for the ctrl thread. False if the ctrl thread is
-    /// gone (its end of the ring dropped), so the caller never waits for a
-    /// consumer that cannot come back.
-    fn submit_id(&self, id: u64) -> bool {
+    /// Hands a batch to the ctrl thread through the handle's end of the
+    /// submission ring (ring order = send order). If the ring is full the
+    /// caller waits for ctrl to drain it (spin, yield, then 100 µs naps), at
+    /// most `staging_timeout` ([`StoreError::StagingTimeout`]);
+    /// [`StoreError::Closed`] at once if the sender stopped or its ctrl
+    /// thread is gone, so nobody waits for a consumer that cannot come
+    /// back. On error the batch comes back to the caller.
+    fn submit_batch(&self, h: &Handle, b: Box<Batch>) -> Result<(), (Box<Batch>, StoreError)> {
+        let mut b = b;
         let mut backoff = crate::backoff::Backoff::new();
+        let mut deadline = None;
         loop {
-            {
-                let mut ring = self.submit.lock();
-                if ring.push(id).is_ok() {
-                    break;
-                }
-                if ring.is_closed() {
-                    return false;
-                }
+            // Acquire (both): pair with the Release stores in `Sender::close`
+            // and in ctrl's drop; the flags publish nothing else.
+            if self.stop.load(Ordering::Acquire) || self.ctrl_gone.load(Ordering::Acquire) {
+                return Err((b, StoreError::Closed));
+            }
+            match h.outbox.push(b) {
+                Ok(()) => break,
+                Err(back) => b = back,
             }
             // The ring is sized far above what staging and the pending area
-            // admit, so this only happens under a burst of empty batches:
-            // let ctrl drain it.
+            // admit, so this only happens under a burst of begins or empty
+            // batches: let ctrl drain it.
+            let end = *deadline.get_or_insert_with(|| Instant::now() + self.cfg.staging_timeout);
+            if Instant::now() >= end {
+                return Err((b, StoreError::StagingTimeout));
+            }
             self.wake_ctrl();
             if backoff.snooze() == crate::backoff::Step::ShouldPark {
                 std::thread::sleep(Duration::from_micros(100));
             }
         }
         self.wake_ctrl();
-        true
+        Ok(())
     }
 
     /// Gives a batch's staging slots or pending bytes back.
@@ -836,7 +848,7 @@ impl Sender {
         let stop_limit = crate::threads::STOP_JOIN_DEADLINE + poster.drop_deadline();
         let registry = poster.local_registry();
         let reactor = crate::zmq_io::Reactor::new()?;
-        let (submit, submissions) = kvferry_ring::mpsc::channel::<u64>(SUBMIT_RING);
+        let (submit, inbox) = submit::channel(SUBMIT_RING);
         let shared = Arc::new(Shared {
             slots,
             shares,
@@ -848,13 +860,15 @@ impl Sender {
             waker: reactor.waker(),
             ctrl_parked: AtomicBool::new(false),
             stop: AtomicBool::new(false),
+            ctrl_gone: AtomicBool::new(false),
             submit: Mutex::new(submit),
+            inbox,
             announcer: Arc::new(Announcer::default()),
             cfg,
         });
         let mut pins = crate::threads::PinPlan::new(shared.cfg.pin_cpus.clone());
         let ctrl = {
-            let ctrl = ctrl::Ctrl::new(Arc::clone(&shared), poster, reactor, submissions)?;
+            let ctrl = ctrl::Ctrl::new(Arc::clone(&shared), poster, reactor)?;
             let name = format!("kvf-send-ctrl-{}", shared.cfg.sender_id);
             crate::threads::spawn_named(&name, pins.next(), move || ctrl.run())?
         };

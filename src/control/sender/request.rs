@@ -60,6 +60,9 @@ pub(crate) struct Handle {
     pub req_id: Arc<str>,
     pub signal: Arc<Signal>,
     pub cancel: crate::cancel::CancelToken,
+    /// This handle's end of the submission ring (its batches go to ctrl
+    /// through it, not through the table).
+    pub outbox: super::submit::Outbox,
 }
 
 /// One transfer, from [`Sender::begin`](super::Sender::begin) to its

@@ -194,9 +194,9 @@ pub(crate) struct Table {
     /// name a request by its id (status, wait, cancel, the copying `store`)
     /// and for refusing a duplicate `begin`. Never on a handle's path.
     pub by_id: HashMap<Arc<str>, ReqKey>,
+    /// Batches ctrl took from the submission ring, by the id it gave them.
     pub batches: HashMap<u64, Batch>,
     pub inflight: HashMap<u64, InFlight>,
-    pub next_batch: u64,
     /// Requests the ctrl thread must look at (set by poll and caller threads).
     pub attention: Vec<ReqKey>,
     /// Transport peers whose writes completed with `ConnectionLost` (set by
@@ -218,7 +218,6 @@ impl Default for Table {
             by_id: HashMap::new(),
             batches: HashMap::new(),
             inflight: HashMap::new(),
-            next_batch: 0,
             attention: Vec::new(),
             lost_peers: Vec::new(),
             terminal_order: VecDeque::new(),
