@@ -522,7 +522,9 @@ impl Ctrl {
                         // all landed before the loss still completes.
                         let complete = {
                             let t = self.shared.table.lock();
-                            t.reqs.get(key).is_some_and(|r| r.p.is_complete())
+                            t.reqs
+                                .get(key)
+                                .is_some_and(|r| r.p.is_complete(r.stored.get()))
                         };
                         if complete {
                             self.progress_live(key, i);
@@ -590,7 +592,7 @@ impl Ctrl {
         };
         r.p = p;
         // 3. Complete.
-        if r.p.is_complete() {
+        if r.p.is_complete(r.stored.get()) {
             let now = Instant::now();
             let (last, bytes, req_id) = (r.last_completion_at, r.bytes, Arc::clone(&r.req_id));
             self.notify_complete(i, &req_id);

@@ -23,6 +23,7 @@
 mod completion;
 #[doc(hidden)]
 pub mod core;
+mod count;
 mod ctrl;
 mod error;
 mod keys;
@@ -297,6 +298,8 @@ impl Shared {
         let handle = |key: ReqKey, r: &Req, outbox| Handle {
             shared: Arc::clone(self),
             key,
+            total: r.total,
+            stored: Arc::clone(&r.stored),
             req_id: Arc::clone(&r.req_id),
             signal: Arc::clone(&r.signal),
             cancel: r.cancel.clone(),
@@ -394,61 +397,36 @@ impl Shared {
     /// Reserves `n` chunks of the request's count (so concurrent batches
     /// cannot overshoot). `is_last`: the caller's claim (copying `store`),
     /// or `None` to end the request when the count reaches its total.
-    ///
-    /// The one table lock a submit still takes: the count is the core's
-    /// `Progress::stored_chunks`, which ctrl's completion check reads
-    /// together with the request's state, so a reservation must be atomic
-    /// with that state (a request cannot complete or abort between a
-    /// caller's check and its reservation). Moving the count into an atomic
-    /// word of the handle that ctrl reads is the next step (docs/architecture.md).
+    /// Without the table lock: the count is the handle's atomic word
+    /// ([`count::StoredCount`]), liveness its cancel token and terminal
+    /// status (an abort fires the token; a request completes only once its
+    /// last batch is reserved, after which no reservation succeeds).
     fn reserve(&self, h: &Handle, n: usize, is_last: Option<bool>) -> Result<Reserved, StoreError> {
-        let req_id = &*h.req_id;
-        let mut t = self.table.lock();
-        let Some(req) = t.reqs.get_mut(h.key) else {
-            // Ended so long ago that the table forgot it (its handles keep
-            // the terminal status).
-            return Err(StoreError::RequestEnded(h.signal.status()));
-        };
-        match &req.p.state {
-            ReqState::Done(s) => return Err(StoreError::RequestEnded(s.clone())),
-            ReqState::Aborting(RequestStatus::Cancelled) => return Err(StoreError::Cancelled),
-            // Failing: report the failure it will end with.
-            ReqState::Aborting(s) => return Err(StoreError::RequestEnded(s.clone())),
-            _ => {}
+        if let Some(s) = h.signal.terminal() {
+            return Err(StoreError::RequestEnded(s.clone()));
         }
-        if req.p.last_stored {
-            return Err(StoreError::AfterLastBatch {
-                req_id: req_id.to_owned(),
-            });
+        if h.cancel.is_cancelled() {
+            return Err(self.stopped(h.key, &h.signal));
         }
-        if req.p.stored_chunks + n > req.total {
-            return Err(StoreError::TooManyChunks {
-                req_id: req_id.to_owned(),
-                chunks: req.p.stored_chunks + n,
-                total: req.total,
-            });
-        }
-        let is_last = is_last.unwrap_or(req.p.stored_chunks + n == req.total);
-        if n == 0 && !is_last {
-            return Err(StoreError::EmptyBatchNotLast);
-        }
-        req.p.stored_chunks += n;
-        req.p.last_stored |= is_last;
+        let req_id = || h.req_id.to_string();
+        let is_last = h.stored.reserve(n, h.total, is_last).map_err(|r| match r {
+            core::Refusal::AfterLast => StoreError::AfterLastBatch { req_id: req_id() },
+            core::Refusal::TooMany { chunks } => StoreError::TooManyChunks {
+                req_id: req_id(),
+                chunks,
+                total: h.total,
+            },
+            core::Refusal::EmptyNotLast => StoreError::EmptyBatchNotLast,
+        })?;
         Ok(Reserved {
-            admitted: req.p.state == ReqState::Admitted,
+            admitted: h.signal.is_admitted(),
             is_last,
         })
     }
 
     /// Gives back a reservation whose batch was not published.
-    fn unreserve(&self, key: ReqKey, n: usize, is_last: bool) {
-        let mut t = self.table.lock();
-        if let Some(r) = t.reqs.get_mut(key) {
-            r.p.stored_chunks -= n;
-            if is_last {
-                r.p.last_stored = false;
-            }
-        }
+    fn unreserve(&self, h: &Handle, n: usize, is_last: bool) {
+        h.stored.unreserve(n, is_last);
     }
 
     /// Publishes a reserved batch and queues its id for ctrl (ring order =
@@ -474,14 +452,14 @@ impl Shared {
         if h.signal.terminal().is_some() || h.cancel.is_cancelled() {
             let bytes = lens.iter().map(|&l| l as usize).sum();
             self.release_data(data, bytes);
-            self.unreserve(h.key, n, reserved.is_last);
+            self.unreserve(h, n, reserved.is_last);
             return Err(self.stopped(h.key, &h.signal));
         }
         let keys = KeyList::from_keys(keys);
         let batch = Self::batch_for(h.key, keys, lens, data, reserved.is_last, toks);
         if let Err((b, e)) = self.submit_batch(h, Box::new(batch)) {
             self.release_data(b.data, b.bytes);
-            self.unreserve(h.key, n, reserved.is_last);
+            self.unreserve(h, n, reserved.is_last);
             return Err(e);
         }
         self.stats.inc(Counter::Batches);
@@ -572,7 +550,7 @@ impl Shared {
             let set = match self.slots.alloc(n, Some(deadline), &h.cancel) {
                 Ok(set) => set,
                 Err(e) => {
-                    self.unreserve(h.key, n, reserved.is_last);
+                    self.unreserve(h, n, reserved.is_last);
                     return Err(match e {
                         AllocError::Cancelled => self.stopped(h.key, &h.signal),
                         AllocError::Timeout => StoreError::StagingTimeout,
@@ -596,7 +574,7 @@ impl Shared {
                         (used + bytes <= max).then_some(used + bytes)
                     });
             if let Err(used) = reserved_bytes {
-                self.unreserve(h.key, n, reserved.is_last);
+                self.unreserve(h, n, reserved.is_last);
                 self.stats.inc(Counter::Backpressure);
                 return Err(StoreError::Backpressure {
                     needed: bytes,

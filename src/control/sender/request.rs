@@ -58,6 +58,10 @@ pub(crate) struct Handle {
     /// The request's slot in the sender's table (no lookup by id).
     pub key: ReqKey,
     pub req_id: Arc<str>,
+    /// The request's `total_chunks`.
+    pub total: usize,
+    /// What the callers stored of it (reserved here, read by ctrl).
+    pub stored: Arc<super::count::StoredCount>,
     pub signal: Arc<Signal>,
     pub cancel: crate::cancel::CancelToken,
     /// This handle's end of the submission ring (its batches go to ctrl

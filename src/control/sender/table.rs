@@ -16,6 +16,7 @@ use crate::transport::PeerIndex;
 
 use super::completion::Signal;
 use super::core::{Phase, Progress};
+use super::count::StoredCount;
 use super::keys::KeyList;
 use super::registered::WriteLease;
 use super::slab::{Key, Slab};
@@ -85,6 +86,9 @@ pub(crate) struct Req {
     pub dtype: String,
     /// The protocol state (decisions in `core.rs`).
     pub p: Progress<RequestStatus>,
+    /// What the callers stored (shared with the handles, which reserve in
+    /// it without the table lock).
+    pub stored: Arc<StoredCount>,
     pub cancel: CancelToken,
     /// What the request's handles read (admission, terminal status).
     pub signal: Arc<Signal>,
@@ -113,6 +117,7 @@ impl Req {
             },
             dtype: spec.dtype.clone(),
             p: Progress::default(),
+            stored: Arc::default(),
             cancel: CancelToken::new(),
             signal,
             keys_sent: KeyList::default(),
@@ -149,19 +154,20 @@ impl Req {
 
     /// One line for state dumps.
     pub fn describe(&self) -> String {
+        let stored = self.stored.get();
         format!(
             "req {} -> {}: {:?}, stored {}/{} completed {}, queued {}, awaiting reply {}, unstaged {}, in flight {}, last stored {} replied {}",
             self.req_id,
             self.receiver,
             self.p.state,
-            self.p.stored_chunks,
+            stored.chunks,
             self.total,
             self.p.completed_chunks,
             self.p.queued.len(),
             self.p.awaiting_reply,
             self.p.unstaged.len(),
             self.p.in_flight_ops,
-            self.p.last_stored,
+            stored.last,
             self.p.last_replied
         )
     }
