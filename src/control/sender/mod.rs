@@ -424,14 +424,10 @@ impl Shared {
         })
     }
 
-    /// Gives back a reservation whose batch was not published.
-    fn unreserve(&self, h: &Handle, n: usize, is_last: bool) {
-        h.stored.unreserve(n, is_last);
-    }
-
-    /// Publishes a reserved batch and queues its id for ctrl (ring order =
-    /// send order). On error the batch's data is released and the
-    /// reservation given back.
+    /// Publishes a reserved batch: hands it to ctrl through the handle's
+    /// end of the submission ring (ring order = send order), no table lock.
+    /// On error the batch's data is released and the reservation given
+    /// back.
     #[allow(clippy::too_many_arguments)]
     fn publish(
         &self,
@@ -452,14 +448,14 @@ impl Shared {
         if h.signal.terminal().is_some() || h.cancel.is_cancelled() {
             let bytes = lens.iter().map(|&l| l as usize).sum();
             self.release_data(data, bytes);
-            self.unreserve(h, n, reserved.is_last);
+            h.stored.unreserve(n, reserved.is_last);
             return Err(self.stopped(h.key, &h.signal));
         }
         let keys = KeyList::from_keys(keys);
         let batch = Self::batch_for(h.key, keys, lens, data, reserved.is_last, toks);
         if let Err((b, e)) = self.submit_batch(h, Box::new(batch)) {
             self.release_data(b.data, b.bytes);
-            self.unreserve(h, n, reserved.is_last);
+            h.stored.unreserve(n, reserved.is_last);
             return Err(e);
         }
         self.stats.inc(Counter::Batches);
@@ -550,7 +546,7 @@ impl Shared {
             let set = match self.slots.alloc(n, Some(deadline), &h.cancel) {
                 Ok(set) => set,
                 Err(e) => {
-                    self.unreserve(h, n, reserved.is_last);
+                    h.stored.unreserve(n, reserved.is_last);
                     return Err(match e {
                         AllocError::Cancelled => self.stopped(h.key, &h.signal),
                         AllocError::Timeout => StoreError::StagingTimeout,
@@ -574,7 +570,7 @@ impl Shared {
                         (used + bytes <= max).then_some(used + bytes)
                     });
             if let Err(used) = reserved_bytes {
-                self.unreserve(h, n, reserved.is_last);
+                h.stored.unreserve(n, reserved.is_last);
                 self.stats.inc(Counter::Backpressure);
                 return Err(StoreError::Backpressure {
                     needed: bytes,
