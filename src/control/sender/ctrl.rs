@@ -545,7 +545,7 @@ impl Ctrl {
         }
     }
 
-    pub(super) fn abort(&mut self, key: ReqKey, code: ErrorCode, reason: String) {
+    fn abort(&mut self, key: ReqKey, code: ErrorCode, reason: String) {
         {
             let mut t = self.shared.table.lock();
             let Some(r) = t.reqs.get_mut(key) else {
