@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use crate::receiver::{Receiver, ReceiverConfig};
 
-use super::{RequestSpec, RequestStatus, Sender, SenderConfig, StoreError};
+use super::{RequestSpec, RequestStatus, Sender, SenderConfig, StoreError, SUBMIT_RING};
 
 const CHUNK: usize = 1024;
 
@@ -85,5 +85,52 @@ fn a_stale_handle_never_reaches_the_request_that_reuses_its_slot() {
         receiver.get("old/1").is_none(),
         "the stale store sent nothing"
     );
+    assert_eq!(sender.close(deadline()), 0);
+}
+
+#[test]
+fn a_full_submission_ring_makes_the_caller_wait_until_its_deadline_then_drains() {
+    // Nothing listens there: once ctrl runs, every request fails at once
+    // (the handshake's connect, or the Hello's answer timeout).
+    let nowhere = "tcp://127.0.0.1:9";
+    let sender = Sender::new(SenderConfig {
+        chunk_bytes: CHUNK as u64,
+        staging_slots: 4,
+        staging_timeout: Duration::from_millis(200),
+        hello_answer_timeout: Duration::from_millis(200),
+        ..Default::default()
+    })
+    .map(std::sync::Arc::new)
+    .expect("sender");
+    let held = sender.shared.inbox.hold();
+    // Every begin puts its admission message on the ring; ctrl takes none.
+    let mut reqs = Vec::with_capacity(SUBMIT_RING);
+    for i in 0..SUBMIT_RING {
+        let spec = RequestSpec::new(format!("full-{i}"), nowhere, 1);
+        reqs.push(sender.begin(spec).expect("room in the ring"));
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    let s = std::sync::Arc::clone(&sender);
+    let waiter = std::thread::spawn(move || {
+        let r = s.begin(RequestSpec::new("one-too-many", nowhere, 1));
+        let _ = tx.send(r.map(|r| r.id().to_owned()));
+    });
+    let got = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("a begin on a full submission ring hung past 30 s (its wait has no deadline)");
+    assert_eq!(got, Err(StoreError::StagingTimeout));
+    waiter.join().expect("no panic");
+    assert_eq!(sender.status("one-too-many"), None, "not registered");
+    drop(held);
+    // ctrl drains the ring: every request reaches its (failed) end.
+    for r in [&reqs[0], &reqs[SUBMIT_RING - 1]] {
+        assert!(
+            matches!(r.wait(deadline()), RequestStatus::Failed { .. }),
+            "{} ended",
+            r.id()
+        );
+    }
+    drop(reqs);
+    let sender = std::sync::Arc::try_unwrap(sender).expect("the waiter's clone is gone");
     assert_eq!(sender.close(deadline()), 0);
 }

@@ -89,6 +89,13 @@ impl Inbox {
     pub fn is_empty(&self) -> bool {
         self.consumer.lock().is_empty()
     }
+
+    /// Holds the consumer: ctrl stops taking batches until the guard drops
+    /// (tests fill the ring with it).
+    #[cfg(test)]
+    pub fn hold(&self) -> parking_lot::MutexGuard<'_, Consumer<Token>> {
+        self.consumer.lock()
+    }
 }
 
 impl Drop for Inbox {
