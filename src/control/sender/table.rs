@@ -1,7 +1,9 @@
 //! The sender's shared request table: per-request progress (in a slab, by
 //! the [`ReqKey`] a [`Request`](super::Request) handle carries), batches
-//! waiting to be sent or written, and writes in flight. One lock guards it;
-//! caller, ctrl and poll threads hold it for short, allocation-free steps.
+//! waiting to be sent or written, and writes in flight. One lock guards it,
+//! held for short, allocation-free steps by the ctrl and poll threads;
+//! caller threads take it only to cancel, to name a request by id, and on
+//! error paths (a submit reserves and hands its batch over without it).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
