@@ -384,3 +384,86 @@ fn callbacks_run_off_the_ctrl_thread_in_completion_order() {
     s.clear_callback();
     wait_sender_empty(&s, "after callbacks");
 }
+
+#[test]
+fn many_caller_threads_submit_concurrently_and_every_byte_lands() {
+    // Callers hand their batches to ctrl through the submission ring, each
+    // request handle through its own end of it; several threads also feed
+    // one request at once. Bounded: 8 threads x 6 requests x 8 chunks, plus
+    // 4 threads x 8 chunks of one shared request, 4 KiB chunks.
+    const THREADS: u64 = 8;
+    const PER_THREAD: u64 = 6;
+    const TOTAL: u32 = 8;
+    const SHARED_TOTAL: u32 = 32;
+    let r = Arc::new(receiver(128));
+    let s = Arc::new(sender(sender_cfg(16, None)));
+    let endpoint = r.endpoint().to_owned();
+    let mut threads = Vec::new();
+    for t in 0..THREADS {
+        let (r, s, endpoint) = (Arc::clone(&r), Arc::clone(&s), endpoint.clone());
+        threads.push(std::thread::spawn(move || {
+            for j in 0..PER_THREAD {
+                let request = t * PER_THREAD + j;
+                let id = format!("mt-{request}");
+                let req = s
+                    .begin(RequestSpec::new(&id, endpoint.as_str(), TOTAL as usize))
+                    .unwrap_or_else(|e| panic!("begin {id}: {e}"));
+                for part in 0..TOTAL / 2 {
+                    let range = part * 2..part * 2 + 2;
+                    if request % 2 == 0 {
+                        stage_and_submit(&req, request, TOTAL, range)
+                    } else {
+                        let keys: Vec<String> =
+                            range.clone().map(|i| key(&id, request, i, TOTAL)).collect();
+                        let bufs: Vec<Vec<u8>> = range
+                            .map(|i| {
+                                let mut b = Vec::new();
+                                payloads().fill(chunk_id(request, i, TOTAL), &mut b);
+                                b
+                            })
+                            .collect();
+                        let chunks: Vec<&[u8]> = bufs.iter().map(Vec::as_slice).collect();
+                        req.store(&keys, &chunks)
+                    }
+                    .unwrap_or_else(|e| panic!("batch {part} of {id}: {e}"));
+                }
+                assert_eq!(req.wait(deadline()), RequestStatus::Completed, "{id}");
+                consume(&r, &id, request, TOTAL).unwrap_or_else(|e| panic!("{id}: {e}"));
+            }
+        }));
+    }
+    let shared_no = THREADS * PER_THREAD;
+    let shared = s
+        .begin(RequestSpec::new(
+            "mt-shared",
+            endpoint.as_str(),
+            SHARED_TOTAL as usize,
+        ))
+        .unwrap();
+    let mut feeders = Vec::new();
+    for f in 0..4u32 {
+        let req = shared.clone();
+        feeders.push(std::thread::spawn(move || {
+            for part in 0..4 {
+                let start = f * 8 + part * 2;
+                stage_and_submit(&req, shared_no, SHARED_TOTAL, start..start + 2)
+                    .unwrap_or_else(|e| panic!("feeder {f} batch {part}: {e}"));
+            }
+        }));
+    }
+    for (i, h) in feeders.into_iter().enumerate() {
+        join_within(&format!("feeder {i}"), h);
+    }
+    assert_eq!(shared.wait(deadline()), RequestStatus::Completed);
+    consume(&r, "mt-shared", shared_no, SHARED_TOTAL).unwrap();
+    for (i, h) in threads.into_iter().enumerate() {
+        join_within(&format!("caller thread {i}"), h);
+    }
+    wait_sender_empty(&s, "after the concurrent callers");
+    wait_receiver_empty(&r, "after the concurrent callers");
+    let st = s.stats();
+    assert_eq!(
+        st.counter(kvferry::stats::Counter::Completed),
+        THREADS * PER_THREAD + 1
+    );
+}

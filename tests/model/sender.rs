@@ -43,9 +43,9 @@ pub fn store(cfg: &Cfg, st: &mut State, r: usize) -> bool {
     let last = b + 1 == cfg.reqs[r].batches.len();
     let q = &mut st.reqs[r];
     q.registered = true;
-    q.p.stored_chunks += n as usize;
+    q.count.chunks += n as usize;
     if last {
-        q.p.last_stored = true;
+        q.count.last = true;
     }
     if staged_path {
         // `slots.alloc(n, deadline, cancel)`: all-or-nothing, FIFO, blocking.
@@ -82,10 +82,7 @@ pub fn unblock(cfg: &Cfg, st: &mut State, s: usize) -> bool {
     if !st.reqs[r].p.state.live() {
         // AllocError::Cancelled → `undo`, StoreError::Cancelled.
         let q = &mut st.reqs[r];
-        q.p.stored_chunks -= n as usize;
-        if last {
-            q.p.last_stored = false;
-        }
+        q.count = q.count.unreserve(n as usize, last);
         st.snd[s].blocked_on = None;
         return true;
     }
@@ -198,7 +195,7 @@ fn progress_live(cfg: &Cfg, st: &mut State, r: usize) {
     p.post_answered(rules(cfg), |b| stage_and_post(cfg, st, r, b as u8));
     st.reqs[r].p = p;
     // 3. Complete.
-    if st.reqs[r].p.is_complete() {
+    if st.reqs[r].p.is_complete(st.reqs[r].count) {
         notify_proxy(cfg, st, r);
         if cfg.rules.hello {
             st.to_rx[s].push_back(Wire::Done { req: r as u8 });

@@ -6,7 +6,7 @@
 use std::collections::VecDeque;
 
 use kvferry::protocol::AllocResponse;
-use kvferry::sender::core::{InOrder, Phase, Progress, Turn};
+use kvferry::sender::core::{InOrder, Phase, Progress, Stored, Turn};
 use kvferry::ErrorCode;
 
 use super::config::Cfg;
@@ -59,6 +59,8 @@ pub struct SBatch {
 pub struct SReq {
     /// The sender core's state of the request.
     pub p: Progress<Status>,
+    /// What the caller stored (the shell's atomic count, `count.rs`).
+    pub count: Stored,
     /// `store` was called at least once (the table has an entry).
     pub registered: bool,
     /// Batches the caller finished storing.
@@ -197,6 +199,7 @@ impl State {
         };
         let sreq = |r: usize| SReq {
             p: Progress::default(),
+            count: Stored::default(),
             registered: false,
             stored: 0,
             sent: 0,

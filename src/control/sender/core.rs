@@ -175,6 +175,66 @@ impl<O, B, T: Copy> InOrder<O, B, T> {
     }
 }
 
+/// What the callers stored of a request: the chunks of the batches they
+/// reserved so far, and whether the last batch is among them. The shell
+/// keeps it apart from [`Progress`] (caller threads reserve without
+/// ctrl's lock); [`Progress::is_complete`] takes it as an input.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Stored {
+    /// Chunks reserved.
+    pub chunks: usize,
+    /// The last batch was reserved.
+    pub last: bool,
+}
+
+/// Why a batch cannot be reserved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// The last batch was stored already.
+    AfterLast,
+    /// It would bring the count to `chunks`, past the request's total.
+    TooMany {
+        /// The count it would reach.
+        chunks: usize,
+    },
+    /// An empty batch that is not the last one.
+    EmptyNotLast,
+}
+
+impl Stored {
+    /// The count after a batch of `n` chunks of a request of `total`, and
+    /// whether that batch is the last: `is_last` is the caller's claim, or
+    /// `None` to end the request when the count reaches `total`.
+    pub fn reserve(
+        self,
+        n: usize,
+        total: usize,
+        is_last: Option<bool>,
+    ) -> Result<(Stored, bool), Refusal> {
+        if self.last {
+            return Err(Refusal::AfterLast);
+        }
+        let chunks = self.chunks + n;
+        if chunks > total {
+            return Err(Refusal::TooMany { chunks });
+        }
+        let last = is_last.unwrap_or(chunks == total);
+        if n == 0 && !last {
+            return Err(Refusal::EmptyNotLast);
+        }
+        Ok((Stored { chunks, last }, last))
+    }
+
+    /// The count without a reservation of `n` chunks (`last`: it was the
+    /// last batch) whose batch was never handed over.
+    pub fn unreserve(self, n: usize, last: bool) -> Stored {
+        Stored {
+            chunks: self.chunks.saturating_sub(n),
+            last: self.last && !last,
+        }
+    }
+}
+
 /// One request's protocol state (batches are named by the shell's ids).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Progress<S> {
@@ -188,12 +248,8 @@ pub struct Progress<S> {
     pub unstaged: VecDeque<u64>,
     /// Writes posted (or waiting for transport credit) and not completed.
     pub in_flight_ops: usize,
-    /// Chunks the callers stored.
-    pub stored_chunks: usize,
     /// Chunks written, or already held by the receiver.
     pub completed_chunks: usize,
-    /// The caller stored the last batch.
-    pub last_stored: bool,
     /// The last batch was answered.
     pub last_replied: bool,
     /// The first AllocRequest went out.
@@ -211,9 +267,7 @@ impl<S> Default for Progress<S> {
             awaiting_reply: 0,
             unstaged: VecDeque::new(),
             in_flight_ops: 0,
-            stored_chunks: 0,
             completed_chunks: 0,
-            last_stored: false,
             last_replied: false,
             first_sent: false,
             cancel_sent: false,
@@ -289,16 +343,17 @@ impl<S: Status> Progress<S> {
     }
 
     /// Every write completed, the last batch answered, nothing left to
-    /// send: the request is complete (invariant 3's condition).
-    pub fn is_complete(&self) -> bool {
+    /// send: the request is complete (invariant 3's condition). `stored`:
+    /// what the callers stored.
+    pub fn is_complete(&self, stored: Stored) -> bool {
         matches!(self.state, Phase::Admitted)
-            && self.last_stored
+            && stored.last
             && self.last_replied
             && self.queued.is_empty()
             && self.unstaged.is_empty()
             && self.awaiting_reply == 0
             && self.in_flight_ops == 0
-            && self.completed_chunks == self.stored_chunks
+            && self.completed_chunks == stored.chunks
     }
 
     /// How many queued batches may be sent now: all once admitted; before,

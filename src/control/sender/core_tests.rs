@@ -34,9 +34,15 @@ fn answered(ids: &[u64]) -> P {
         let r = p.on_reply(id, 2, k + 1 == ids.len(), CAP, &ok(&[s, s + 1], &[]));
         assert!(matches!(r.step, ReplyStep::Write { .. }));
     }
-    p.stored_chunks = 2 * ids.len();
-    p.last_stored = true;
     p
+}
+
+/// What the callers stored of the request `answered(ids)` builds.
+fn all_stored(ids: &[u64]) -> Stored {
+    Stored {
+        chunks: 2 * ids.len(),
+        last: true,
+    }
 }
 
 #[test]
@@ -185,9 +191,10 @@ fn in_order_staging_stops_at_the_first_waiting_batch() {
 #[test]
 fn complete_only_once_every_write_landed_and_the_last_batch_was_answered() {
     let mut p = answered(&[1, 2]);
-    assert!(!p.is_complete(), "batches not posted");
+    let all = all_stored(&[1, 2]);
+    assert!(!p.is_complete(all), "batches not posted");
     p.post_answered(Rules::KVFERRY, |_| Some(1));
-    assert!(!p.is_complete(), "writes in flight");
+    assert!(!p.is_complete(all), "writes in flight");
     assert_eq!(
         p.write_done(2, true, || unreachable!()),
         WriteDone {
@@ -195,7 +202,7 @@ fn complete_only_once_every_write_landed_and_the_last_batch_was_answered() {
             attention: false
         }
     );
-    assert!(!p.is_complete(), "one write still in flight");
+    assert!(!p.is_complete(all), "one write still in flight");
     assert_eq!(
         p.write_done(2, true, || unreachable!()),
         WriteDone {
@@ -203,9 +210,20 @@ fn complete_only_once_every_write_landed_and_the_last_batch_was_answered() {
             attention: true
         }
     );
-    assert!(p.is_complete());
+    assert!(p.is_complete(all));
+    assert!(
+        !p.is_complete(Stored { last: false, ..all }),
+        "last batch not stored"
+    );
+    assert!(
+        !p.is_complete(Stored {
+            chunks: all.chunks + 1,
+            ..all
+        }),
+        "a reserved batch not arrived"
+    );
     p.last_replied = false;
-    assert!(!p.is_complete(), "last batch unanswered");
+    assert!(!p.is_complete(all), "last batch unanswered");
 }
 
 #[test]
@@ -307,4 +325,46 @@ fn draining_an_in_order_queue_forgets_outstanding_then_waiting() {
     assert_eq!(q.drain().collect::<Vec<_>>(), [1, 2, 3]);
     assert!(q.is_idle());
     assert!(q.send(4, (), || ()), "a fresh connection sends at once");
+}
+
+#[test]
+fn reservations_stop_at_the_total_and_after_the_last_batch() {
+    let s = Stored::default();
+    let (s, last) = s.reserve(3, 8, None).unwrap();
+    assert_eq!(
+        (s, last),
+        (
+            Stored {
+                chunks: 3,
+                last: false
+            },
+            false
+        )
+    );
+    assert_eq!(s.reserve(6, 8, None), Err(Refusal::TooMany { chunks: 9 }));
+    assert_eq!(s.reserve(0, 8, None), Err(Refusal::EmptyNotLast));
+    // The caller's claim ends it early (the copying `store`).
+    let (early, last) = s.reserve(1, 8, Some(true)).unwrap();
+    assert!(last && early.last);
+    assert_eq!(early.reserve(1, 8, None), Err(Refusal::AfterLast));
+    let (full, last) = s.reserve(5, 8, None).unwrap();
+    assert_eq!(
+        (full, last),
+        (
+            Stored {
+                chunks: 8,
+                last: true
+            },
+            true
+        )
+    );
+    // Giving the last batch back reopens the request.
+    assert_eq!(full.unreserve(5, true), s);
+    assert_eq!(
+        s.unreserve(1, false),
+        Stored {
+            chunks: 2,
+            last: false
+        }
+    );
 }

@@ -26,7 +26,7 @@ use crate::zmq_io::{readable, Reactor};
 
 use super::core::{AbortStep, ReplyStep, Rules};
 use super::peer::{Mode, Outstanding, Peer};
-use super::table::{BatchData, InFlight, ReqState, Table};
+use super::table::{Batch, BatchData, InFlight, ReqKey, ReqState, Table};
 use super::wire::AllocRequestRef;
 use super::{RequestStatus, Shared};
 
@@ -48,7 +48,8 @@ pub(super) struct Ctrl {
     shared: Arc<Shared>,
     poster: Box<dyn Poster>,
     reactor: Reactor,
-    submissions: kvferry_ring::mpsc::Consumer<u64>,
+    /// The id the next batch taken from the submission ring gets.
+    next_batch: u64,
     peers: Vec<Peer>,
     peer_by_endpoint: HashMap<String, usize>,
     static_peers: HashMap<String, RemoteBuffer>,
@@ -58,7 +59,7 @@ pub(super) struct Ctrl {
     next_seq: u64,
     next_work: u64,
     buf: Vec<u8>,
-    dirty: HashSet<String>,
+    dirty: HashSet<ReqKey>,
     /// Answered batches whose pending bytes wait in the staging allocator's
     /// FIFO queue, by batch id.
     staging_requests: HashMap<u64, crate::slots::SlotRequest>,
@@ -71,12 +72,20 @@ pub(super) struct Ctrl {
     runs: Vec<usize>,
 }
 
+impl Drop for Ctrl {
+    /// Also on a panic: callers stop waiting for a full submission ring.
+    fn drop(&mut self) {
+        // Release: pairs with the Acquire load in `Shared::submit_batch`;
+        // the flag publishes nothing else.
+        self.shared.ctrl_gone.store(true, Ordering::Release);
+    }
+}
+
 impl Ctrl {
     pub fn new(
         shared: Arc<Shared>,
         poster: Box<dyn Poster>,
         reactor: Reactor,
-        submissions: kvferry_ring::mpsc::Consumer<u64>,
     ) -> Result<Self, super::SenderError> {
         let proxy = match &shared.cfg.proxy {
             Some(ep) => {
@@ -95,7 +104,7 @@ impl Ctrl {
             shared,
             poster,
             reactor,
-            submissions,
+            next_batch: 1,
             peers: Vec::new(),
             peer_by_endpoint: HashMap::new(),
             static_peers,
@@ -133,8 +142,8 @@ impl Ctrl {
 
     /// One pass over every input.
     fn step(&mut self) {
-        while let Some(id) = self.submissions.pop() {
-            self.enqueue(id);
+        while let Some(b) = self.shared.inbox.pop() {
+            self.enqueue(*b);
         }
         let lost = {
             let mut t = self.shared.table.lock();
@@ -143,7 +152,7 @@ impl Ctrl {
             for (id, r) in &self.staging_requests {
                 if r.is_ready() {
                     if let Some(b) = t.batches.get(id) {
-                        self.dirty.insert(b.req_id.clone());
+                        self.dirty.insert(b.req);
                     }
                 }
             }
@@ -195,16 +204,16 @@ impl Ctrl {
             if self.dirty.is_empty() {
                 break;
             }
-            let mut dirty: Vec<String> = self.dirty.drain().collect();
+            let mut dirty: Vec<ReqKey> = self.dirty.drain().collect();
             // Oldest request first (not hash order): first batches go out in
             // store order, so receivers admit requests FIFO as stored, and
             // in LMCache mode the next request is the oldest waiting one.
             {
                 let t = self.shared.table.lock();
-                dirty.sort_by_cached_key(|id| t.reqs.get(id).map_or(u64::MAX, |r| r.order));
+                dirty.sort_by_cached_key(|&k| t.reqs.get(k).map_or(u64::MAX, |r| r.order));
             }
             for req in dirty {
-                self.progress(&req);
+                self.progress(req);
             }
         }
     }
@@ -216,7 +225,7 @@ impl Ctrl {
         // published before our check is seen, one after it sees the flag.
         self.shared.ctrl_parked.store(true, Ordering::SeqCst);
         std::sync::atomic::fence(Ordering::SeqCst);
-        let busy = !self.submissions.is_empty()
+        let busy = !self.shared.inbox.is_empty()
             || {
                 let t = self.shared.table.lock();
                 !t.attention.is_empty() || !t.lost_peers.is_empty()
@@ -242,22 +251,24 @@ impl Ctrl {
         self.shared.ctrl_parked.store(false, Ordering::SeqCst);
     }
 
-    /// Moves a submitted batch into its request's send queue.
-    fn enqueue(&mut self, id: u64) {
+    /// Moves a submitted batch into its request's send queue (or releases
+    /// it if the request stopped meanwhile).
+    fn enqueue(&mut self, b: Batch) {
+        let key = b.req;
+        let id = self.next_batch;
+        self.next_batch += 1;
         let mut t = self.shared.table.lock();
-        let Some(req_id) = t.batches.get(&id).map(|b| b.req_id.clone()) else {
-            return;
-        };
-        let live = t.reqs.get(&req_id).is_some_and(|r| r.p.state.live());
-        if live {
-            if let Some(r) = t.reqs.get_mut(&req_id) {
+        match t.reqs.get_mut(key).filter(|r| r.p.state.live()) {
+            Some(r) => {
                 r.p.queued.push_back(id);
+                t.batches.insert(id, b);
             }
-        } else if let Some(b) = t.batches.remove(&id) {
-            self.release_data(b.data, b.bytes);
+            None => {
+                drop(t);
+                self.release_data(b.data, b.bytes);
+            }
         }
-        drop(t);
-        self.dirty.insert(req_id);
+        self.dirty.insert(key);
     }
 
     /// Gives staging slots back from this thread. Batches waiting for
@@ -417,8 +428,8 @@ impl Ctrl {
         let Some(mut b) = t.batches.remove(&id) else {
             return;
         };
-        self.dirty.insert(b.req_id.clone());
-        let Some(r) = t.reqs.get_mut(&b.req_id) else {
+        self.dirty.insert(b.req);
+        let Some(r) = t.reqs.get_mut(b.req) else {
             drop(t);
             return self.release_data(b.data, b.bytes);
         };
@@ -481,12 +492,12 @@ impl Ctrl {
     }
 
     /// Advances one request as far as it can go now.
-    fn progress(&mut self, req_id: &str) {
+    fn progress(&mut self, key: ReqKey) {
         // The receiver's endpoint is copied only to connect a new peer: a
         // known one is looked up under the lock (no allocation per step).
         let Some((state, peer)) = ({
             let t = self.shared.table.lock();
-            t.reqs.get(req_id).map(|r| {
+            t.reqs.get(key).map(|r| {
                 let peer = match self.peer_by_endpoint.get(&r.receiver) {
                     Some(&i) => Ok(i),
                     None => Err(r.receiver.clone()),
@@ -498,11 +509,11 @@ impl Ctrl {
         };
         match state {
             ReqState::Done(_) => {}
-            ReqState::Aborting(_) => self.progress_abort(req_id),
+            ReqState::Aborting(_) => self.progress_abort(key),
             ReqState::Pending | ReqState::Admitted => {
                 let i = match peer.or_else(|receiver| self.peer_for(&receiver)) {
                     Ok(i) => i,
-                    Err(reason) => return self.abort(req_id, ErrorCode::PeerUnavailable, reason),
+                    Err(reason) => return self.abort(key, ErrorCode::PeerUnavailable, reason),
                 };
                 match self.peers[i].mode.clone() {
                     Mode::Handshaking(_) => {}
@@ -511,10 +522,12 @@ impl Ctrl {
                         // all landed before the loss still completes.
                         let complete = {
                             let t = self.shared.table.lock();
-                            t.reqs.get(req_id).is_some_and(|r| r.p.is_complete())
+                            t.reqs
+                                .get(key)
+                                .is_some_and(|r| r.p.is_complete(r.stored.get()))
                         };
                         if complete {
-                            self.progress_live(req_id, i);
+                            self.progress_live(key, i);
                         }
                     }
                     Mode::Failed(_) if self.rehello_allowed(i, Instant::now()) => {
@@ -522,41 +535,40 @@ impl Ctrl {
                         // the backoff has passed; this request waits for it.
                         self.rehello(i);
                         if let Mode::Failed(reason) = self.peers[i].mode.clone() {
-                            self.abort(req_id, ErrorCode::PeerUnavailable, reason);
+                            self.abort(key, ErrorCode::PeerUnavailable, reason);
                         }
                     }
-                    Mode::Failed(reason) => self.abort(req_id, ErrorCode::PeerUnavailable, reason),
-                    Mode::Extended | Mode::Legacy => self.progress_live(req_id, i),
+                    Mode::Failed(reason) => self.abort(key, ErrorCode::PeerUnavailable, reason),
+                    Mode::Extended | Mode::Legacy => self.progress_live(key, i),
                 }
             }
         }
     }
 
-    fn abort(&mut self, req_id: &str, code: ErrorCode, reason: String) {
+    fn abort(&mut self, key: ReqKey, code: ErrorCode, reason: String) {
         {
             let mut t = self.shared.table.lock();
-            let Some(r) = t.reqs.get_mut(req_id) else {
+            let Some(r) = t.reqs.get_mut(key) else {
                 return;
             };
             if !r.abort_with(RequestStatus::Failed { code, reason }) {
                 return;
             }
         }
-        self.dirty.insert(req_id.to_owned());
+        self.dirty.insert(key);
     }
 
-    fn progress_live(&mut self, req_id: &str, i: usize) {
+    fn progress_live(&mut self, key: ReqKey, i: usize) {
         let legacy = self.peers[i].mode == Mode::Legacy;
         let shared = Arc::clone(&self.shared);
         let mut t = shared.table.lock();
         // 1. Send what may be sent.
-        let Some(r) = t.reqs.get_mut(req_id) else {
+        let Some(r) = t.reqs.get_mut(key) else {
             return;
         };
         let turn = legacy.then_some(&mut self.peers[i].turn);
-        let me = &r.req_id;
-        for _ in 0..r.p.sendable(RULES, turn, me) {
-            let Some(r) = t.reqs.get_mut(req_id) else {
+        for _ in 0..r.p.sendable(RULES, turn, &key) {
+            let Some(r) = t.reqs.get_mut(key) else {
                 break;
             };
             let Some((id, first)) = r.p.next_to_send() else {
@@ -570,28 +582,28 @@ impl Ctrl {
         // 2. Stage and post answered batches (the core decides the order).
         // The request's progress is taken out of the table while the shell
         // stages and posts (it needs the table's batches and writes).
-        let Some(r) = t.reqs.get_mut(req_id) else {
+        let Some(r) = t.reqs.get_mut(key) else {
             return;
         };
         let mut p = std::mem::take(&mut r.p);
-        p.post_answered(RULES, |id| self.stage_and_post(&mut t, i, req_id, id));
-        let Some(r) = t.reqs.get_mut(req_id) else {
+        p.post_answered(RULES, |id| self.stage_and_post(&mut t, i, key, id));
+        let Some(r) = t.reqs.get_mut(key) else {
             return;
         };
         r.p = p;
         // 3. Complete.
-        if r.p.is_complete() {
+        if r.p.is_complete(r.stored.get()) {
             let now = Instant::now();
-            let (last, bytes) = (r.last_completion_at, r.bytes);
-            self.notify_complete(i, req_id);
+            let (last, bytes, req_id) = (r.last_completion_at, r.bytes, Arc::clone(&r.req_id));
+            self.notify_complete(i, &req_id);
             if let Some(last) = last {
                 self.shared
                     .stats
                     .record(Stage::Notify, now.saturating_duration_since(last));
             }
-            debug!(req_id, bytes, "complete");
+            debug!(req_id = %req_id, bytes, "complete");
             self.shared.stats.inc(Counter::Completed);
-            self.finish(&mut t, req_id, RequestStatus::Completed);
+            self.finish(&mut t, key, RequestStatus::Completed);
         }
     }
 
@@ -599,7 +611,7 @@ impl Ctrl {
     fn send_batch(&mut self, t: &mut Table, i: usize, id: u64) {
         let now = Instant::now();
         let Some(b) = t.batches.get(&id) else { return };
-        let Some(r) = t.reqs.get_mut(&b.req_id) else {
+        let Some(r) = t.reqs.get_mut(b.req) else {
             return;
         };
         let extended = self.peers[i].mode == Mode::Extended;
@@ -612,16 +624,16 @@ impl Ctrl {
             .stats
             .record(Stage::Pending, now.saturating_duration_since(b.stored_at));
         let span =
-            tracing::trace_span!("batch", req_id = %b.req_id, batch = id, chunks = b.keys.len());
+            tracing::trace_span!("batch", req_id = %r.req_id, batch = id, chunks = b.keys.len());
         let _g = span.enter();
         self.buf.clear();
         AllocRequestRef {
             keys: &b.keys,
-            fmt: b.fmt,
-            shape: &b.shape,
-            dtype: &b.dtype,
+            fmt: r.fmt,
+            shape: &r.shape,
+            dtype: &r.dtype,
             last_chunk_toks: b.last_chunk_toks,
-            req_id: &b.req_id,
+            req_id: &r.req_id,
             is_last_batch: b.is_last,
             total_chunks: r.total as i64,
             seq,
@@ -650,7 +662,7 @@ impl Ctrl {
     /// Moves an answered batch into staging if needed and queues its writes.
     /// Returns how many writes it queued, or `None` if staging is full
     /// (retried when slots free up).
-    fn stage_and_post(&mut self, t: &mut Table, i: usize, req_id: &str, id: u64) -> Option<usize> {
+    fn stage_and_post(&mut self, t: &mut Table, i: usize, key: ReqKey, id: u64) -> Option<usize> {
         let Some(b) = t.batches.get_mut(&id) else {
             return Some(0);
         };
@@ -714,7 +726,7 @@ impl Ctrl {
             BatchData::Staged(set) => set,
             BatchData::Registered { src, lease } => {
                 return Some(self.post_registered(
-                    t, req_id, peer, rbytes, &b.writes, &b.remote, &b.lens, &src, lease,
+                    t, key, peer, rbytes, &b.writes, &b.remote, &b.lens, &src, lease,
                 ));
             }
             BatchData::Pending(_) | BatchData::Empty => return Some(0),
@@ -735,10 +747,6 @@ impl Ctrl {
             });
         }
         crate::transport::coalesce(&self.chunk_ops, &mut self.merged, &mut self.runs);
-        let rid = t
-            .reqs
-            .get(req_id)
-            .map_or_else(|| Arc::from(req_id), |r| Arc::clone(&r.id));
         let mut set = set;
         for (k, mut op) in self.merged.drain(..).enumerate() {
             let run = self.runs[k];
@@ -749,7 +757,7 @@ impl Ctrl {
             t.inflight.insert(
                 op.work_id,
                 InFlight {
-                    req_id: Arc::clone(&rid),
+                    req: key,
                     chunks: run as u32,
                     bytes: op.len,
                     slots,
@@ -773,7 +781,7 @@ impl Ctrl {
     fn post_registered(
         &mut self,
         t: &mut Table,
-        req_id: &str,
+        key: ReqKey,
         peer: PeerIndex,
         rbytes: u64,
         writes: &[u32],
@@ -797,17 +805,13 @@ impl Ctrl {
             });
         }
         crate::transport::coalesce(&self.chunk_ops, &mut self.merged, &mut self.runs);
-        let rid = t
-            .reqs
-            .get(req_id)
-            .map_or_else(|| Arc::from(req_id), |r| Arc::clone(&r.id));
         for (k, mut op) in self.merged.drain(..).enumerate() {
             op.work_id = self.next_work;
             self.next_work += 1;
             t.inflight.insert(
                 op.work_id,
                 InFlight {
-                    req_id: Arc::clone(&rid),
+                    req: key,
                     chunks: self.runs[k] as u32,
                     bytes: op.len,
                     slots: crate::slots::SlotSet::default(),
@@ -837,14 +841,14 @@ impl Ctrl {
                     for op in failed {
                         if let Some(w) = t.inflight.remove(&op.work_id) {
                             self.free_staging(w.slots);
-                            if let Some(r) = t.reqs.get_mut(&*w.req_id) {
+                            if let Some(r) = t.reqs.get_mut(w.req) {
                                 r.p.write_withdrawn();
                                 r.abort_with(RequestStatus::Failed {
                                     code: ErrorCode::WriteFailed,
                                     reason: format!("transport error: {e}"),
                                 });
                             }
-                            self.dirty.insert(w.req_id.to_string());
+                            self.dirty.insert(w.req);
                         }
                     }
                     return;
@@ -855,18 +859,14 @@ impl Ctrl {
 
     /// Abort path: drop unsent work, wait for in-flight writes, then fence
     /// with CancelNotif (invariant 7).
-    fn progress_abort(&mut self, req_id: &str) {
+    fn progress_abort(&mut self, key: ReqKey) {
         // Writes not yet handed to the transport are simply not posted.
         let shared = Arc::clone(&self.shared);
         let mut t = shared.table.lock();
         let mine: Vec<u64> = self
             .backlog
             .iter()
-            .filter(|op| {
-                t.inflight
-                    .get(&op.work_id)
-                    .is_some_and(|w| &*w.req_id == req_id)
-            })
+            .filter(|op| t.inflight.get(&op.work_id).is_some_and(|w| w.req == key))
             .map(|op| op.work_id)
             .collect();
         if !mine.is_empty() {
@@ -874,13 +874,13 @@ impl Ctrl {
             for w in mine {
                 if let Some(f) = t.inflight.remove(&w) {
                     self.free_staging(f.slots);
-                    if let Some(r) = t.reqs.get_mut(req_id) {
+                    if let Some(r) = t.reqs.get_mut(key) {
                         r.p.write_withdrawn();
                     }
                 }
             }
         }
-        let Some(r) = t.reqs.get_mut(req_id) else {
+        let Some(r) = t.reqs.get_mut(key) else {
             return;
         };
         let mut p = std::mem::take(&mut r.p);
@@ -892,7 +892,7 @@ impl Ctrl {
                 self.shared.release_data(b.data, b.bytes);
             }
         });
-        let Some(r) = t.reqs.get_mut(req_id) else {
+        let Some(r) = t.reqs.get_mut(key) else {
             return;
         };
         r.p = p;
@@ -903,14 +903,15 @@ impl Ctrl {
         if cancel {
             let keys = std::mem::take(&mut r.keys_sent).to_vec();
             if let Some(&i) = self.peer_by_endpoint.get(&r.receiver) {
-                self.send_cancel(i, req_id, keys);
+                let req_id = Arc::clone(&r.req_id);
+                self.send_cancel(i, &req_id, keys);
             }
         }
         match &status {
             RequestStatus::Cancelled => self.shared.stats.inc(Counter::Cancelled),
             _ => self.shared.stats.inc(Counter::Failed),
         }
-        self.finish(&mut t, req_id, status);
+        self.finish(&mut t, key, status);
     }
 
     fn send_cancel(&mut self, i: usize, req_id: &str, keys: Vec<String>) {
@@ -1004,41 +1005,43 @@ impl Ctrl {
     /// Records a terminal status; callbacks run after the lock is released.
     /// A request to a kvferry receiver that ends failed or cancelled tells
     /// the proxy (once).
-    fn finish(&mut self, t: &mut Table, req_id: &str, status: RequestStatus) {
-        let receiver = t.reqs.get(req_id).map(|r| r.receiver.clone());
-        let live = t
-            .reqs
-            .get(req_id)
-            .is_some_and(|r| !matches!(r.p.state, ReqState::Done(_)));
+    fn finish(&mut self, t: &mut Table, key: ReqKey, status: RequestStatus) {
+        let Some(r) = t.reqs.get(key) else {
+            return;
+        };
+        let (receiver, req_id) = (r.receiver.clone(), Arc::clone(&r.req_id));
+        let live = !matches!(r.p.state, ReqState::Done(_));
         // ProxyFailed is a kvferry extension: only a receiver that answered
         // Hello proves a kvferry deployment. A sender talking to an LMCache
         // receiver serves an LMCache proxy, whose strict decoders would
         // refuse the unknown tag (tests/lmcache: kvferry_sender_vs_lmcache_receiver).
-        let kvferry_peer = receiver
-            .as_ref()
-            .and_then(|e| self.peer_by_endpoint.get(e))
+        let kvferry_peer = self
+            .peer_by_endpoint
+            .get(&receiver)
             .is_some_and(|&i| matches!(self.peers[i].mode, Mode::Extended | Mode::Reconnecting));
         if live && kvferry_peer {
             match &status {
-                RequestStatus::Failed { code, reason } => self.notify_failed(req_id, *code, reason),
+                RequestStatus::Failed { code, reason } => {
+                    self.notify_failed(&req_id, *code, reason)
+                }
                 RequestStatus::Cancelled => {
-                    self.notify_failed(req_id, ErrorCode::Cancelled, "cancelled by the sender")
+                    self.notify_failed(&req_id, ErrorCode::Cancelled, "cancelled by the sender")
                 }
                 RequestStatus::InProgress | RequestStatus::Completed => {}
             }
         }
-        t.finish(req_id, status.clone());
-        self.finished.push((req_id.to_owned(), status));
+        t.finish(key, status.clone());
+        self.finished.push((req_id.to_string(), status));
         // LMCache mode: the receiver is free for the next request.
-        if let Some(&i) = receiver.as_ref().and_then(|e| self.peer_by_endpoint.get(e)) {
-            if self.peers[i].turn.release(req_id) {
-                let next: Vec<String> = t
+        if let Some(&i) = self.peer_by_endpoint.get(&receiver) {
+            if self.peers[i].turn.release(&key) {
+                let next: Vec<ReqKey> = t
                     .reqs
-                    .values()
-                    .filter(|r| {
+                    .iter()
+                    .filter(|(_, r)| {
                         r.receiver == self.peers[i].endpoint && r.p.state == ReqState::Pending
                     })
-                    .map(|r| r.req_id.clone())
+                    .map(|(k, _)| k)
                     .collect();
                 self.dirty.extend(next);
             }
@@ -1059,11 +1062,11 @@ impl Ctrl {
     fn dirty_peer(&mut self, i: usize) {
         let t = self.shared.table.lock();
         let endpoint = &self.peers[i].endpoint;
-        let ids: Vec<String> = t
+        let ids: Vec<ReqKey> = t
             .reqs
-            .values()
-            .filter(|r| &r.receiver == endpoint && !matches!(r.p.state, ReqState::Done(_)))
-            .map(|r| r.req_id.clone())
+            .iter()
+            .filter(|(_, r)| &r.receiver == endpoint && !matches!(r.p.state, ReqState::Done(_)))
+            .map(|(k, _)| k)
             .collect();
         drop(t);
         self.dirty.extend(ids);

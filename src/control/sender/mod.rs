@@ -23,6 +23,7 @@
 mod completion;
 #[doc(hidden)]
 pub mod core;
+mod count;
 mod ctrl;
 mod error;
 mod keys;
@@ -33,8 +34,13 @@ mod registered;
 mod reply;
 mod request;
 mod share;
+mod slab;
+mod submit;
 mod table;
 mod wire;
+
+#[cfg(test)]
+mod handle_tests;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -59,7 +65,7 @@ pub use self::registered::{MemoryRegion, RegisterError, WriteError, WriteHandle}
 use self::request::Handle;
 pub use self::request::{Request, RequestSpec, StagedBatch};
 pub use self::share::{ShareError, StagingShare, MAX_SHARES};
-use self::table::{Batch, BatchData, Req, ReqState, Table};
+use self::table::{Batch, BatchData, Req, ReqKey, ReqState, Table};
 
 /// Sender configuration.
 #[derive(Debug, Clone)]
@@ -245,8 +251,15 @@ pub(crate) struct Shared {
     /// The ctrl thread is (about to be) asleep: producers must wake it.
     pub ctrl_parked: AtomicBool,
     pub stop: AtomicBool,
-    /// Caller threads → ctrl: ids of published batches, in send order.
+    /// Set when the ctrl thread ended (also by a panic): nobody drains the
+    /// submission ring any more.
+    pub ctrl_gone: AtomicBool,
+    /// The submission ring's producer each new request handle's
+    /// [`Outbox`](submit::Outbox) is cloned from (locked at `begin` only).
     pub submit: Mutex<kvferry_ring::mpsc::Producer<u64>>,
+    /// Caller threads → ctrl: the batches themselves, in send order (taken
+    /// by ctrl only).
+    pub inbox: submit::Inbox,
     /// Runs completion callbacks off the ctrl thread.
     pub announcer: Arc<Announcer>,
 }
@@ -279,19 +292,26 @@ impl Shared {
         if spec.total_chunks == 0 {
             return Err(StoreError::ZeroTotalChunks);
         }
-        let handle = |r: &Req| Handle {
+        // This handle's own end of the submission ring (cloned outside the
+        // table lock; only `begin` takes the prototype's lock).
+        let outbox = submit::Outbox::new(self.submit.lock().clone());
+        let handle = |key: ReqKey, r: &Req, outbox| Handle {
             shared: Arc::clone(self),
-            req_id: spec.req_id.clone(),
+            key,
+            total: r.total,
+            stored: Arc::clone(&r.stored),
+            req_id: Arc::clone(&r.req_id),
             signal: Arc::clone(&r.signal),
             cancel: r.cancel.clone(),
+            outbox,
         };
-        let (id, h) = {
+        let (batch, h) = {
             let mut t = self.table.lock();
-            if let Some(r) = t.reqs.get(&spec.req_id) {
+            if let Some((key, r)) = t.by_name(&spec.req_id) {
                 return match &r.p.state {
                     ReqState::Done(s) => Err(StoreError::RequestEnded(s.clone())),
                     _ if reuse => Ok(Request {
-                        h: Arc::new(handle(r)),
+                        h: Arc::new(handle(key, r, outbox)),
                     }),
                     _ => Err(StoreError::DuplicateRequest {
                         req_id: spec.req_id.clone(),
@@ -299,35 +319,34 @@ impl Shared {
                 };
             }
             let req = Req::new(spec, self.cfg.chunk_bytes, Arc::new(Signal::default()));
-            let batch = self.batch_for(
-                &req,
+            let key = t.insert(req);
+            let batch = Self::batch_for(
+                key,
                 KeyList::default(),
                 SmallVec::new(),
                 BatchData::Empty,
                 false,
                 0,
             );
-            let h = handle(&req);
-            t.reqs.insert(spec.req_id.clone(), req);
-            let id = t.next_batch;
-            t.next_batch += 1;
-            t.batches.insert(id, batch);
-            (id, h)
+            let h = t.reqs.get(key).map(|r| handle(key, r, outbox));
+            (batch, h)
         };
-        if !self.submit_id(id) {
-            let mut t = self.table.lock();
-            t.batches.remove(&id);
-            t.reqs.remove(&spec.req_id);
+        // `None` cannot happen: inserted just above, under the same lock.
+        let Some(h) = h else {
             return Err(StoreError::Closed);
+        };
+        if let Err((_, e)) = self.submit_batch(&h, Box::new(batch)) {
+            // The admission message holds no data to give back.
+            self.table.lock().remove(h.key);
+            return Err(e);
         }
         debug!(req_id = %spec.req_id, total = spec.total_chunks, "begun");
         Ok(Request { h: Arc::new(h) })
     }
 
-    /// A batch of `req` with its geometry.
+    /// A batch of request `req` (its geometry is the request's).
     fn batch_for(
-        &self,
-        req: &Req,
+        req: ReqKey,
         keys: KeyList,
         lens: SmallVec<[u32; 16]>,
         data: BatchData,
@@ -336,15 +355,12 @@ impl Shared {
     ) -> Batch {
         let bytes = lens.iter().map(|&l| l as usize).sum();
         Batch {
-            req_id: req.req_id.clone(),
+            req,
             keys,
             lens,
             data,
             is_last,
             stored_at: Instant::now(),
-            fmt: req.fmt,
-            shape: req.shape.clone(),
-            dtype: req.dtype.clone(),
             last_chunk_toks,
             bytes,
             remote: Vec::new(),
@@ -381,59 +397,37 @@ impl Shared {
     /// Reserves `n` chunks of the request's count (so concurrent batches
     /// cannot overshoot). `is_last`: the caller's claim (copying `store`),
     /// or `None` to end the request when the count reaches its total.
+    /// Without the table lock: the count is the handle's atomic word
+    /// ([`count::StoredCount`]), liveness its cancel token and terminal
+    /// status (an abort fires the token; a request completes only once its
+    /// last batch is reserved, after which no reservation succeeds).
     fn reserve(&self, h: &Handle, n: usize, is_last: Option<bool>) -> Result<Reserved, StoreError> {
-        let req_id = h.req_id.as_str();
-        let mut t = self.table.lock();
-        let Some(req) = t.reqs.get_mut(req_id) else {
-            // Ended so long ago that the table forgot it (its handles keep
-            // the terminal status).
-            return Err(StoreError::RequestEnded(h.signal.status()));
-        };
-        match &req.p.state {
-            ReqState::Done(s) => return Err(StoreError::RequestEnded(s.clone())),
-            ReqState::Aborting(RequestStatus::Cancelled) => return Err(StoreError::Cancelled),
-            // Failing: report the failure it will end with.
-            ReqState::Aborting(s) => return Err(StoreError::RequestEnded(s.clone())),
-            _ => {}
+        if let Some(s) = h.signal.terminal() {
+            return Err(StoreError::RequestEnded(s.clone()));
         }
-        if req.p.last_stored {
-            return Err(StoreError::AfterLastBatch {
-                req_id: req_id.to_owned(),
-            });
+        if h.cancel.is_cancelled() {
+            return Err(self.stopped(h.key, &h.signal));
         }
-        if req.p.stored_chunks + n > req.total {
-            return Err(StoreError::TooManyChunks {
-                req_id: req_id.to_owned(),
-                chunks: req.p.stored_chunks + n,
-                total: req.total,
-            });
-        }
-        let is_last = is_last.unwrap_or(req.p.stored_chunks + n == req.total);
-        if n == 0 && !is_last {
-            return Err(StoreError::EmptyBatchNotLast);
-        }
-        req.p.stored_chunks += n;
-        req.p.last_stored |= is_last;
+        let req_id = || h.req_id.to_string();
+        let is_last = h.stored.reserve(n, h.total, is_last).map_err(|r| match r {
+            core::Refusal::AfterLast => StoreError::AfterLastBatch { req_id: req_id() },
+            core::Refusal::TooMany { chunks } => StoreError::TooManyChunks {
+                req_id: req_id(),
+                chunks,
+                total: h.total,
+            },
+            core::Refusal::EmptyNotLast => StoreError::EmptyBatchNotLast,
+        })?;
         Ok(Reserved {
-            admitted: req.p.state == ReqState::Admitted,
+            admitted: h.signal.is_admitted(),
             is_last,
         })
     }
 
-    /// Gives back a reservation whose batch was not published.
-    fn unreserve(&self, req_id: &str, n: usize, is_last: bool) {
-        let mut t = self.table.lock();
-        if let Some(r) = t.reqs.get_mut(req_id) {
-            r.p.stored_chunks -= n;
-            if is_last {
-                r.p.last_stored = false;
-            }
-        }
-    }
-
-    /// Publishes a reserved batch and queues its id for ctrl (ring order =
-    /// send order). On error the batch's data is released and the
-    /// reservation given back.
+    /// Publishes a reserved batch: hands it to ctrl through the handle's
+    /// end of the submission ring (ring order = send order), no table lock.
+    /// On error the batch's data is released and the reservation given
+    /// back.
     #[allow(clippy::too_many_arguments)]
     fn publish(
         &self,
@@ -444,43 +438,28 @@ impl Shared {
         reserved: &Reserved,
         last_chunk_toks: Option<i64>,
     ) -> Result<(), StoreError> {
-        let req_id = h.req_id.as_str();
         let n = lens.len();
         let toks = last_chunk_toks.unwrap_or_else(|| lens.last().map_or(0, |&l| i64::from(l)));
-        // Copied before the table lock is taken (one buffer for all keys).
+        // A request that stopped since the reservation (cancelled, failed,
+        // closed) takes no more batches. Read without the table lock: every
+        // abort fires the request's cancel token (`Req::aborted`) under it,
+        // and the end sets the terminal status. (A stop after this check
+        // is seen by ctrl, which drops the batch when it takes it.)
+        if h.signal.terminal().is_some() || h.cancel.is_cancelled() {
+            let bytes = lens.iter().map(|&l| l as usize).sum();
+            self.release_data(data, bytes);
+            h.stored.unreserve(n, reserved.is_last);
+            return Err(self.stopped(h.key, &h.signal));
+        }
         let keys = KeyList::from_keys(keys);
-        let id = {
-            let mut t = self.table.lock();
-            let live = t.reqs.get(req_id).filter(|r| r.p.state.live());
-            let Some(req) = live else {
-                drop(t);
-                let bytes = lens.iter().map(|&l| l as usize).sum();
-                self.release_data(data, bytes);
-                return Err(self.stopped(req_id, &h.signal));
-            };
-            let batch = self.batch_for(req, keys, lens, data, reserved.is_last, toks);
-            let id = t.next_batch;
-            t.next_batch += 1;
-            t.batches.insert(id, batch);
-            id
-        };
-        if !self.submit_id(id) {
-            // The ctrl thread is gone (it only stops on close, or if it
-            // panicked): nobody will ever send this batch.
-            let batch = self.table.lock().batches.remove(&id);
-            if let Some(b) = batch {
-                self.release_data(b.data, b.bytes);
-            }
-            self.unreserve(req_id, n, reserved.is_last);
-            return Err(StoreError::Closed);
+        let batch = Self::batch_for(h.key, keys, lens, data, reserved.is_last, toks);
+        if let Err((b, e)) = self.submit_batch(h, Box::new(batch)) {
+            self.release_data(b.data, b.bytes);
+            h.stored.unreserve(n, reserved.is_last);
+            return Err(e);
         }
         self.stats.inc(Counter::Batches);
-        debug!(
-            batch = id,
-            admitted = reserved.admitted,
-            chunks = n,
-            "submitted"
-        );
+        debug!(admitted = reserved.admitted, chunks = n, "submitted");
         Ok(())
     }
 
@@ -567,9 +546,9 @@ impl Shared {
             let set = match self.slots.alloc(n, Some(deadline), &h.cancel) {
                 Ok(set) => set,
                 Err(e) => {
-                    self.unreserve(&h.req_id, n, reserved.is_last);
+                    h.stored.unreserve(n, reserved.is_last);
                     return Err(match e {
-                        AllocError::Cancelled => self.stopped(&h.req_id, &h.signal),
+                        AllocError::Cancelled => self.stopped(h.key, &h.signal),
                         AllocError::Timeout => StoreError::StagingTimeout,
                         AllocError::TooLarge { requested, slots } => StoreError::BatchTooLarge {
                             chunks: requested,
@@ -591,7 +570,7 @@ impl Shared {
                         (used + bytes <= max).then_some(used + bytes)
                     });
             if let Err(used) = reserved_bytes {
-                self.unreserve(&h.req_id, n, reserved.is_last);
+                h.stored.unreserve(n, reserved.is_last);
                 self.stats.inc(Counter::Backpressure);
                 return Err(StoreError::Backpressure {
                     needed: bytes,
@@ -625,31 +604,41 @@ impl Shared {
         }
     }
 
-    /// Queues a batch id for the ctrl thread. False if the ctrl thread is
-    /// gone (its end of the ring dropped), so the caller never waits for a
-    /// consumer that cannot come back.
-    fn submit_id(&self, id: u64) -> bool {
+    /// Hands a batch to the ctrl thread through the handle's end of the
+    /// submission ring (ring order = send order). If the ring is full the
+    /// caller waits for ctrl to drain it (spin, yield, then 100 µs naps), at
+    /// most `staging_timeout` ([`StoreError::StagingTimeout`]);
+    /// [`StoreError::Closed`] at once if the sender stopped or its ctrl
+    /// thread is gone, so nobody waits for a consumer that cannot come
+    /// back. On error the batch comes back to the caller.
+    fn submit_batch(&self, h: &Handle, b: Box<Batch>) -> Result<(), (Box<Batch>, StoreError)> {
+        let mut b = b;
         let mut backoff = crate::backoff::Backoff::new();
+        let mut deadline = None;
         loop {
-            {
-                let mut ring = self.submit.lock();
-                if ring.push(id).is_ok() {
-                    break;
-                }
-                if ring.is_closed() {
-                    return false;
-                }
+            // Acquire (both): pair with the Release stores in `Sender::close`
+            // and in ctrl's drop; the flags publish nothing else.
+            if self.stop.load(Ordering::Acquire) || self.ctrl_gone.load(Ordering::Acquire) {
+                return Err((b, StoreError::Closed));
+            }
+            match h.outbox.push(b) {
+                Ok(()) => break,
+                Err(back) => b = back,
             }
             // The ring is sized far above what staging and the pending area
-            // admit, so this only happens under a burst of empty batches:
-            // let ctrl drain it.
+            // admit, so this only happens under a burst of begins or empty
+            // batches: let ctrl drain it.
+            let end = *deadline.get_or_insert_with(|| Instant::now() + self.cfg.staging_timeout);
+            if Instant::now() >= end {
+                return Err((b, StoreError::StagingTimeout));
+            }
             self.wake_ctrl();
             if backoff.snooze() == crate::backoff::Step::ShouldPark {
                 std::thread::sleep(Duration::from_micros(100));
             }
         }
         self.wake_ctrl();
-        true
+        Ok(())
     }
 
     /// Gives a batch's staging slots or pending bytes back.
@@ -671,9 +660,9 @@ impl Shared {
     /// [`StoreError::Cancelled`] only for a cancel; a failure (or any ended
     /// request) is [`StoreError::RequestEnded`] with the status it ends with.
     /// The one mapping for every wait that a request's cancel token ends.
-    pub(crate) fn stopped(&self, req_id: &str, signal: &Signal) -> StoreError {
+    pub(crate) fn stopped(&self, key: ReqKey, signal: &Signal) -> StoreError {
         let t = self.table.lock();
-        match t.reqs.get(req_id).map(|r| &r.p.state) {
+        match t.reqs.get(key).map(|r| &r.p.state) {
             Some(ReqState::Aborting(RequestStatus::Cancelled)) => StoreError::Cancelled,
             Some(ReqState::Aborting(s) | ReqState::Done(s)) => StoreError::RequestEnded(s.clone()),
             // Live (a token fired by close) or forgotten: the handle's view.
@@ -685,15 +674,15 @@ impl Shared {
     }
 
     /// Starts the fenced abort of a live request.
-    fn cancel(&self, req_id: &str) -> bool {
+    fn cancel(&self, key: ReqKey) -> bool {
         let ok = {
             let mut t = self.table.lock();
             let ok = t
                 .reqs
-                .get_mut(req_id)
+                .get_mut(key)
                 .is_some_and(|r| r.abort_with(RequestStatus::Cancelled));
             if ok {
-                t.attention.push(req_id.to_owned());
+                t.attention.push(key);
             }
             ok
         };
@@ -833,7 +822,7 @@ impl Sender {
         let stop_limit = crate::threads::STOP_JOIN_DEADLINE + poster.drop_deadline();
         let registry = poster.local_registry();
         let reactor = crate::zmq_io::Reactor::new()?;
-        let (submit, submissions) = kvferry_ring::mpsc::channel::<u64>(SUBMIT_RING);
+        let (submit, inbox) = submit::channel(SUBMIT_RING);
         let shared = Arc::new(Shared {
             slots,
             shares,
@@ -845,13 +834,15 @@ impl Sender {
             waker: reactor.waker(),
             ctrl_parked: AtomicBool::new(false),
             stop: AtomicBool::new(false),
+            ctrl_gone: AtomicBool::new(false),
             submit: Mutex::new(submit),
+            inbox,
             announcer: Arc::new(Announcer::default()),
             cfg,
         });
         let mut pins = crate::threads::PinPlan::new(shared.cfg.pin_cpus.clone());
         let ctrl = {
-            let ctrl = ctrl::Ctrl::new(Arc::clone(&shared), poster, reactor, submissions)?;
+            let ctrl = ctrl::Ctrl::new(Arc::clone(&shared), poster, reactor)?;
             let name = format!("kvf-send-ctrl-{}", shared.cfg.sender_id);
             crate::threads::spawn_named(&name, pins.next(), move || ctrl.run())?
         };
@@ -922,7 +913,7 @@ impl Sender {
         let req = self.shared.begin(&spec.request(), true)?;
         {
             let t = self.shared.table.lock();
-            if let Some(r) = t.reqs.get(&spec.req_id) {
+            if let Some(r) = t.reqs.get(req.h.key) {
                 if r.receiver != spec.receiver {
                     return Err(StoreError::ReceiverMismatch {
                         req_id: spec.req_id.clone(),
@@ -981,12 +972,17 @@ impl Sender {
     /// then tells the receiver to release everything (fenced abort).
     /// Returns false if the request is unknown or already ended.
     pub fn cancel_request(&self, req_id: &str) -> bool {
-        self.shared.cancel(req_id)
+        let key = self.shared.table.lock().by_name(req_id).map(|(k, _)| k);
+        key.is_some_and(|k| self.shared.cancel(k))
     }
 
     /// The current status of a request (`None` if unknown or forgotten).
     pub fn status(&self, req_id: &str) -> Option<RequestStatus> {
-        self.shared.table.lock().reqs.get(req_id).map(Req::status)
+        self.shared
+            .table
+            .lock()
+            .by_name(req_id)
+            .map(|(_, r)| r.status())
     }
 
     /// Waits until the request is terminal or `deadline` passes; returns its
@@ -998,8 +994,9 @@ impl Sender {
     /// (a decoder waits with `Receiver::wait_ready`, not on this).
     pub fn wait(&self, req_id: &str, deadline: Instant) -> Option<RequestStatus> {
         let mut t = self.shared.table.lock();
+        let key = t.by_name(req_id)?.0;
         loop {
-            let s = t.reqs.get(req_id).map(Req::status)?;
+            let s = t.reqs.get(key).map(Req::status)?;
             if s.is_terminal()
                 || self
                     .shared
@@ -1007,7 +1004,7 @@ impl Sender {
                     .wait_until(&mut t, deadline)
                     .timed_out()
             {
-                return t.reqs.get(req_id).map(Req::status);
+                return t.reqs.get(key).map(Req::status);
             }
         }
     }
@@ -1264,16 +1261,16 @@ impl Sender {
                     .timed_out()
             {}
         }
-        let active: Vec<String> = {
+        let active: Vec<ReqKey> = {
             let t = self.shared.table.lock();
             t.reqs
                 .iter()
                 .filter(|(_, r)| !matches!(r.p.state, ReqState::Done(_)))
-                .map(|(k, _)| k.clone())
+                .map(|(k, _)| k)
                 .collect()
         };
         for r in active {
-            if self.cancel_request(&r) {
+            if self.shared.cancel(r) {
                 cancelled += 1;
             }
         }

@@ -15,6 +15,7 @@ use std::time::Instant;
 use crate::protocol::Descriptor;
 
 use super::core::{InOrder, Turn};
+use super::table::ReqKey;
 use crate::transport::{PeerIndex, RemoteBuffer};
 
 /// Replies queued per receiver connection before ZMQ stops reading it
@@ -78,7 +79,7 @@ pub(super) struct Peer {
     /// waiting for it.
     pub in_order: InOrder<Outstanding, Vec<u8>, Instant>,
     /// Legacy mode: the one request being transferred.
-    pub turn: Turn<String>,
+    pub turn: Turn<ReqKey>,
     pub last_heartbeat: Instant,
     /// Incarnation of the socket (the identity changes when it is replaced).
     pub generation: u32,

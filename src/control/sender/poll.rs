@@ -52,7 +52,7 @@ pub(super) fn run(shared: Arc<Shared>, mut completions: Box<dyn Completions>) {
                 shared
                     .stats
                     .record(Stage::Transfer, now.saturating_duration_since(w.posted_at));
-                let Some(r) = t.reqs.get_mut(&*w.req_id) else {
+                let Some(r) = t.reqs.get_mut(w.req) else {
                     continue;
                 };
                 let done =
@@ -67,10 +67,10 @@ pub(super) fn run(shared: Arc<Shared>, mut completions: Box<dyn Completions>) {
                     shared.stats.add(Counter::Bytes, w.bytes);
                 } else if done.aborted {
                     r.aborted();
-                    debug!(req_id = %w.req_id, status = %c.status(), "write failed; aborting the request");
+                    debug!(req_id = %r.req_id, status = %c.status(), "write failed; aborting the request");
                 }
                 if done.attention {
-                    t.attention.push(w.req_id.to_string());
+                    t.attention.push(w.req);
                 }
                 nudge = true;
             }

@@ -14,6 +14,7 @@ use smallvec::SmallVec;
 
 use super::completion::Signal;
 use super::registered::{MemoryRegion, RegionEntry, WriteHandle, WriteLease};
+use super::table::ReqKey;
 use super::{RequestStatus, Shared, StoreError};
 
 /// What one transfer is: the per-request part of LMCache's `transfer_spec`.
@@ -54,9 +55,18 @@ impl RequestSpec {
 /// What a [`Request`] and its batches share.
 pub(crate) struct Handle {
     pub shared: Arc<Shared>,
-    pub req_id: String,
+    /// The request's slot in the sender's table (no lookup by id).
+    pub key: ReqKey,
+    pub req_id: Arc<str>,
+    /// The request's `total_chunks`.
+    pub total: usize,
+    /// What the callers stored of it (reserved here, read by ctrl).
+    pub stored: Arc<super::count::StoredCount>,
     pub signal: Arc<Signal>,
     pub cancel: crate::cancel::CancelToken,
+    /// This handle's end of the submission ring (its batches go to ctrl
+    /// through it, not through the table).
+    pub outbox: super::submit::Outbox,
 }
 
 /// One transfer, from [`Sender::begin`](super::Sender::begin) to its
@@ -83,7 +93,7 @@ pub struct Request {
 impl std::fmt::Debug for Request {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Request")
-            .field("req_id", &self.h.req_id)
+            .field("req_id", &&*self.h.req_id)
             .field("admitted", &self.h.signal.is_admitted())
             .field("status", &self.h.signal.status())
             .finish()
@@ -130,7 +140,7 @@ impl Request {
     /// Cancels the request (see [`Sender::cancel_request`](super::Sender::cancel_request)).
     /// False if it already ended.
     pub fn cancel(&self) -> bool {
-        self.h.shared.cancel(&self.h.req_id)
+        self.h.shared.cancel(self.h.key)
     }
 
     /// Staging slots for the next `n` chunks, to fill in place and
@@ -152,7 +162,7 @@ impl Request {
             .slots
             .alloc(n, Some(deadline), &self.h.cancel)
             .map_err(|e| match e {
-                AllocError::Cancelled => self.h.shared.stopped(&self.h.req_id, &self.h.signal),
+                AllocError::Cancelled => self.h.shared.stopped(self.h.key, &self.h.signal),
                 AllocError::Timeout => StoreError::StagingTimeout,
                 AllocError::TooLarge { requested, slots } => StoreError::BatchTooLarge {
                     chunks: requested,
@@ -322,7 +332,7 @@ impl Request {
             return Err(StoreError::RequestEnded(s.clone()));
         }
         if self.h.cancel.is_cancelled() {
-            return Err(self.h.shared.stopped(&self.h.req_id, &self.h.signal));
+            return Err(self.h.shared.stopped(self.h.key, &self.h.signal));
         }
         Ok(())
     }
@@ -351,7 +361,7 @@ pub struct StagedBatch {
 impl std::fmt::Debug for StagedBatch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StagedBatch")
-            .field("req_id", &self.h.req_id)
+            .field("req_id", &&*self.h.req_id)
             .field("slots", &self.len())
             .finish()
     }

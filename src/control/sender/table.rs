@@ -1,6 +1,9 @@
-//! The sender's shared request table: per-request progress, batches waiting
-//! to be sent or written, and writes in flight. One lock guards it; caller,
-//! ctrl and poll threads hold it for short, allocation-free steps.
+//! The sender's shared request table: per-request progress (in a slab, by
+//! the [`ReqKey`] a [`Request`](super::Request) handle carries), batches
+//! waiting to be sent or written, and writes in flight. One lock guards it,
+//! held for short, allocation-free steps by the ctrl and poll threads;
+//! caller threads take it only to cancel, to name a request by id, and on
+//! error paths (a submit reserves and hands its batch over without it).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -15,8 +18,10 @@ use crate::transport::PeerIndex;
 
 use super::completion::Signal;
 use super::core::{Phase, Progress};
+use super::count::StoredCount;
 use super::keys::KeyList;
 use super::registered::WriteLease;
+use super::slab::{Key, Slab};
 use super::{RequestSpec, RequestStatus};
 
 /// Where a batch's bytes are.
@@ -37,19 +42,20 @@ pub(crate) enum BatchData {
     Empty,
 }
 
+/// A request's key in [`Table::reqs`]: a stale one (of a request the table
+/// forgot) reaches nothing, even once its slot holds a newer request.
+pub(crate) type ReqKey = Key;
+
 /// One `store` call's batch.
 #[derive(Debug)]
 pub(crate) struct Batch {
-    pub req_id: String,
+    pub req: ReqKey,
     /// The chunks' keys, copied once from the caller (one buffer).
     pub keys: KeyList,
     pub lens: SmallVec<[u32; 16]>,
     pub data: BatchData,
     pub is_last: bool,
     pub stored_at: Instant,
-    pub fmt: i64,
-    pub shape: Vec<i64>,
-    pub dtype: String,
     pub last_chunk_toks: i64,
     /// Total payload bytes (pending-area accounting).
     pub bytes: usize,
@@ -68,10 +74,9 @@ static NEXT_ORDER: AtomicU64 = AtomicU64::new(0);
 /// A request's progress.
 #[derive(Debug)]
 pub(crate) struct Req {
-    pub req_id: String,
-    /// The same id, shared by the request's writes in flight (one
-    /// allocation per request, not one per posted write).
-    pub id: Arc<str>,
+    /// The id, for the wire and logs (shared with the request's handles and
+    /// [`Table::by_id`]: one allocation per request).
+    pub req_id: Arc<str>,
     /// Creation order (first `store`): the ctrl thread serves older
     /// requests first, so first batches leave in store order.
     pub order: u64,
@@ -83,6 +88,9 @@ pub(crate) struct Req {
     pub dtype: String,
     /// The protocol state (decisions in `core.rs`).
     pub p: Progress<RequestStatus>,
+    /// What the callers stored (shared with the handles, which reserve in
+    /// it without the table lock).
+    pub stored: Arc<StoredCount>,
     pub cancel: CancelToken,
     /// What the request's handles read (admission, terminal status).
     pub signal: Arc<Signal>,
@@ -96,8 +104,7 @@ pub(crate) struct Req {
 impl Req {
     pub fn new(spec: &RequestSpec, chunk_bytes: u64, signal: Arc<Signal>) -> Self {
         Self {
-            req_id: spec.req_id.clone(),
-            id: Arc::from(spec.req_id.as_str()),
+            req_id: Arc::from(spec.req_id.as_str()),
             // Relaxed: one RMW chain is totally ordered on its own, and
             // requests are created under the table lock, so the numbers
             // follow creation order; nothing else is published through it.
@@ -112,6 +119,7 @@ impl Req {
             },
             dtype: spec.dtype.clone(),
             p: Progress::default(),
+            stored: Arc::default(),
             cancel: CancelToken::new(),
             signal,
             keys_sent: KeyList::default(),
@@ -148,19 +156,20 @@ impl Req {
 
     /// One line for state dumps.
     pub fn describe(&self) -> String {
+        let stored = self.stored.get();
         format!(
             "req {} -> {}: {:?}, stored {}/{} completed {}, queued {}, awaiting reply {}, unstaged {}, in flight {}, last stored {} replied {}",
             self.req_id,
             self.receiver,
             self.p.state,
-            self.p.stored_chunks,
+            stored.chunks,
             self.total,
             self.p.completed_chunks,
             self.p.queued.len(),
             self.p.awaiting_reply,
             self.p.unstaged.len(),
             self.p.in_flight_ops,
-            self.p.last_stored,
+            stored.last,
             self.p.last_replied
         )
     }
@@ -169,8 +178,7 @@ impl Req {
 /// A posted write: which request, how many chunks, which staging slots.
 #[derive(Debug)]
 pub(crate) struct InFlight {
-    /// The request's [`Req::id`] (shared, not copied per write).
-    pub req_id: Arc<str>,
+    pub req: ReqKey,
     pub chunks: u32,
     pub bytes: u64,
     pub slots: SlotSet,
@@ -186,38 +194,85 @@ pub(crate) struct InFlight {
 pub(crate) const TERMINAL_MEMORY: usize = 1 << 16;
 
 /// The shared table.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Table {
-    pub reqs: HashMap<String, Req>,
+    /// Live requests and the last [`TERMINAL_MEMORY`] terminal ones.
+    pub reqs: Slab<Req>,
+    /// The same requests by id: for [`Sender`](super::Sender)'s calls that
+    /// name a request by its id (status, wait, cancel, the copying `store`)
+    /// and for refusing a duplicate `begin`. Never on a handle's path.
+    pub by_id: HashMap<Arc<str>, ReqKey>,
+    /// Batches ctrl took from the submission ring, by the id it gave them.
     pub batches: HashMap<u64, Batch>,
     pub inflight: HashMap<u64, InFlight>,
-    pub next_batch: u64,
     /// Requests the ctrl thread must look at (set by poll and caller threads).
-    pub attention: Vec<String>,
+    pub attention: Vec<ReqKey>,
     /// Transport peers whose writes completed with `ConnectionLost` (set by
     /// the poll thread, drained by ctrl, which decides whether to
     /// re-handshake; no duplicates).
     pub lost_peers: Vec<PeerIndex>,
     /// Terminal requests in the order they ended (for forgetting old ones).
-    pub terminal_order: VecDeque<String>,
+    pub terminal_order: VecDeque<ReqKey>,
+    /// How many terminal requests are remembered ([`TERMINAL_MEMORY`]; the
+    /// tests lower it to make slots reused).
+    pub terminal_memory: usize,
     pub closing: bool,
 }
 
+impl Default for Table {
+    fn default() -> Self {
+        Self {
+            reqs: Slab::default(),
+            by_id: HashMap::new(),
+            batches: HashMap::new(),
+            inflight: HashMap::new(),
+            attention: Vec::new(),
+            lost_peers: Vec::new(),
+            terminal_order: VecDeque::new(),
+            terminal_memory: TERMINAL_MEMORY,
+            closing: false,
+        }
+    }
+}
+
 impl Table {
+    /// Registers a request (its id must not be in [`Table::by_id`]).
+    pub fn insert(&mut self, req: Req) -> ReqKey {
+        let id = Arc::clone(&req.req_id);
+        let key = self.reqs.insert(req);
+        self.by_id.insert(id, key);
+        key
+    }
+
+    /// Forgets a request.
+    pub fn remove(&mut self, key: ReqKey) -> Option<Req> {
+        let r = self.reqs.remove(key)?;
+        if self.by_id.get(&*r.req_id) == Some(&key) {
+            self.by_id.remove(&*r.req_id);
+        }
+        Some(r)
+    }
+
+    /// The request named `req_id`, with its key.
+    pub fn by_name(&self, req_id: &str) -> Option<(ReqKey, &Req)> {
+        let &key = self.by_id.get(req_id)?;
+        self.reqs.get(key).map(|r| (key, r))
+    }
+
     /// Marks a request terminal and forgets the oldest terminal ones.
-    pub fn finish(&mut self, req_id: &str, status: RequestStatus) {
-        if let Some(r) = self.reqs.get_mut(req_id) {
+    pub fn finish(&mut self, key: ReqKey, status: RequestStatus) {
+        if let Some(r) = self.reqs.get_mut(key) {
             r.signal.set_terminal(status.clone());
             r.p.finish(status);
-            self.terminal_order.push_back(req_id.to_owned());
+            self.terminal_order.push_back(key);
         }
-        while self.terminal_order.len() > TERMINAL_MEMORY {
+        while self.terminal_order.len() > self.terminal_memory {
             if let Some(old) = self.terminal_order.pop_front() {
                 if matches!(
-                    self.reqs.get(&old).map(|r| &r.p.state),
+                    self.reqs.get(old).map(|r| &r.p.state),
                     Some(ReqState::Done(_))
                 ) {
-                    self.reqs.remove(&old);
+                    self.remove(old);
                 }
             }
         }

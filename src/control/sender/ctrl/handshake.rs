@@ -14,7 +14,7 @@ use crate::transport::{PeerIndex, RemoteBuffer};
 use crate::zmq_io::readable;
 
 use super::super::peer::{Mode, Outstanding, Peer};
-use super::super::table::ReqState;
+use super::super::table::{ReqKey, ReqState};
 use super::{Ctrl, OLD_SOCKET_LINGER_MS};
 
 impl Ctrl {
@@ -276,17 +276,17 @@ impl Ctrl {
                 continue;
             }
             let endpoint = self.peers[i].endpoint.clone();
-            let live: Vec<String> = {
+            let live: Vec<ReqKey> = {
                 let t = self.shared.table.lock();
                 t.reqs
-                    .values()
-                    .filter(|r| r.receiver == endpoint && r.p.state.live())
-                    .map(|r| r.req_id.clone())
+                    .iter()
+                    .filter(|(_, r)| r.receiver == endpoint && r.p.state.live())
+                    .map(|(k, _)| k)
                     .collect()
             };
             for req in live {
                 self.abort(
-                    &req,
+                    req,
                     ErrorCode::WriteFailed,
                     format!(
                         "the data plane to {endpoint} was lost (connection_lost); the sender re-handshakes with it"
@@ -314,13 +314,14 @@ impl Ctrl {
             if self.peers[i].mode != Mode::Reconnecting || !self.rehello_allowed(i, now) {
                 continue;
             }
-            let aborting = {
-                let t = self.shared.table.lock();
-                let ep = &self.peers[i].endpoint;
-                t.reqs
-                    .values()
-                    .any(|r| &r.receiver == ep && matches!(r.p.state, ReqState::Aborting(_)))
-            };
+            let ep = &self.peers[i].endpoint;
+            let aborting = self
+                .shared
+                .table
+                .lock()
+                .reqs
+                .values()
+                .any(|r| &r.receiver == ep && matches!(r.p.state, ReqState::Aborting(_)));
             if !aborting {
                 self.rehello(i);
                 any = true;

@@ -48,13 +48,14 @@ impl Ctrl {
                 && now.saturating_duration_since(self.peers[i].last_heartbeat) >= hb
             {
                 self.peers[i].last_heartbeat = now;
-                let active = {
-                    let t = self.shared.table.lock();
-                    let ep = &self.peers[i].endpoint;
-                    t.reqs
-                        .values()
-                        .any(|r| &r.receiver == ep && !matches!(r.p.state, ReqState::Done(_)))
-                };
+                let ep = &self.peers[i].endpoint;
+                let active = self
+                    .shared
+                    .table
+                    .lock()
+                    .reqs
+                    .values()
+                    .any(|r| &r.receiver == ep && !matches!(r.p.state, ReqState::Done(_)));
                 if active {
                     self.buf.clear();
                     let hbm = Message::Heartbeat(Heartbeat {
@@ -99,13 +100,7 @@ impl Ctrl {
                     ),
                 );
                 // Reuse the refusal path (aborts the request, frees its data).
-                let req = self
-                    .shared
-                    .table
-                    .lock()
-                    .batches
-                    .get(&id)
-                    .map(|b| b.req_id.clone());
+                let req = self.shared.table.lock().batches.get(&id).map(|b| b.req);
                 self.on_batch_reply(i, id, resp);
                 if let Some(req) = req {
                     self.dirty.insert(req);
