@@ -225,6 +225,15 @@ impl Stored {
         Ok((Stored { chunks, last }, last))
     }
 
+    /// True if giving back a batch (`last`: it was the last one) leaves the
+    /// request unable to complete: another batch reserved the last place,
+    /// so no batch can take the given-back chunks' place
+    /// ([`Refusal::AfterLast`]), and completing would skip them. The shell
+    /// fails the request then.
+    pub fn orphans(self, last: bool) -> bool {
+        self.last && !last
+    }
+
     /// The count without a reservation of `n` chunks (`last`: it was the
     /// last batch) whose batch was never handed over.
     pub fn unreserve(self, n: usize, last: bool) -> Stored {

@@ -55,14 +55,18 @@ impl StoredCount {
         outcome.map(|(_, last)| last)
     }
 
-    /// Gives back a reservation whose batch was never handed over.
-    pub fn unreserve(&self, n: usize, last: bool) {
+    /// Gives back a reservation whose batch was never handed over; true if
+    /// that orphans the request ([`Stored::orphans`]: it must fail).
+    #[must_use = "an orphaned request must be failed"]
+    pub fn unreserve(&self, n: usize, last: bool) -> bool {
         // AcqRel/Acquire: see `reserve`.
-        let _ = self
+        let prev = self
             .0
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
                 Some(pack(unpack(v).unreserve(n, last)))
-            });
+            })
+            .unwrap_or_else(|v| v);
+        unpack(prev).orphans(last)
     }
 }
 
@@ -106,7 +110,7 @@ mod tests {
                 last: true
             }
         );
-        c.unreserve(2, true);
+        assert!(!c.unreserve(2, true), "giving the last batch back reopens");
         assert_eq!(
             c.get(),
             Stored {

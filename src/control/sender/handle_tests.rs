@@ -134,3 +134,49 @@ fn a_full_submission_ring_makes_the_caller_wait_until_its_deadline_then_drains()
     let sender = std::sync::Arc::try_unwrap(sender).expect("the waiter's clone is gone");
     assert_eq!(sender.close(deadline()), 0);
 }
+
+/// Two callers feed one request of 8 chunks: A reserved 4 and waits for
+/// staging, B stores the last 4 meanwhile; then A gives its 4 back (its
+/// wait timed out). No batch can take their place any more (after the
+/// last), so the request must fail, not complete without them.
+#[test]
+fn a_batch_given_back_after_the_last_one_was_stored_fails_the_request() {
+    let receiver = Receiver::start(ReceiverConfig {
+        listen: "tcp://127.0.0.1:0".into(),
+        capacity_chunks: 8,
+        chunk_bytes: CHUNK as u64,
+        ..Default::default()
+    })
+    .expect("receiver");
+    let sender = Sender::new(SenderConfig {
+        chunk_bytes: CHUNK as u64,
+        staging_slots: 8,
+        ..Default::default()
+    })
+    .expect("sender");
+    let req = sender
+        .begin(RequestSpec::new("fed-twice", receiver.endpoint(), 8))
+        .expect("begins");
+    // A's reservation, as `store` makes it before its staging wait.
+    assert_eq!(req.h.stored.reserve(4, 8, None), Ok(false));
+    // B stores the last 4 chunks.
+    let keys: Vec<String> = (4..8).map(|i| format!("fed-twice/{i}")).collect();
+    let chunk = [7u8; CHUNK];
+    req.store(&keys, &[&chunk[..]; 4])
+        .expect("B's batch stored");
+    // A's wait timed out: it gives its 4 chunks back.
+    sender.shared.give_back(&req.h, 4, false);
+    match req.wait(deadline()) {
+        RequestStatus::Failed { code, .. } => {
+            assert_eq!(code, crate::protocol::ErrorCode::InconsistentRequest)
+        }
+        other => panic!("the request ended {other:?}, not failed"),
+    }
+    assert!(
+        receiver
+            .wait_ready("fed-twice", Instant::now() + Duration::from_secs(2))
+            .is_err(),
+        "the decoder never sees the request as ready"
+    );
+    assert_eq!(sender.close(deadline()), 0);
+}

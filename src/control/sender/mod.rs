@@ -448,14 +448,14 @@ impl Shared {
         if h.signal.terminal().is_some() || h.cancel.is_cancelled() {
             let bytes = lens.iter().map(|&l| l as usize).sum();
             self.release_data(data, bytes);
-            h.stored.unreserve(n, reserved.is_last);
+            self.give_back(h, n, reserved.is_last);
             return Err(self.stopped(h.key, &h.signal));
         }
         let keys = KeyList::from_keys(keys);
         let batch = Self::batch_for(h.key, keys, lens, data, reserved.is_last, toks);
         if let Err((b, e)) = self.submit_batch(h, Box::new(batch)) {
             self.release_data(b.data, b.bytes);
-            h.stored.unreserve(n, reserved.is_last);
+            self.give_back(h, n, reserved.is_last);
             return Err(e);
         }
         self.stats.inc(Counter::Batches);
@@ -546,7 +546,7 @@ impl Shared {
             let set = match self.slots.alloc(n, Some(deadline), &h.cancel) {
                 Ok(set) => set,
                 Err(e) => {
-                    h.stored.unreserve(n, reserved.is_last);
+                    self.give_back(h, n, reserved.is_last);
                     return Err(match e {
                         AllocError::Cancelled => self.stopped(h.key, &h.signal),
                         AllocError::Timeout => StoreError::StagingTimeout,
@@ -570,7 +570,7 @@ impl Shared {
                         (used + bytes <= max).then_some(used + bytes)
                     });
             if let Err(used) = reserved_bytes {
-                h.stored.unreserve(n, reserved.is_last);
+                self.give_back(h, n, reserved.is_last);
                 self.stats.inc(Counter::Backpressure);
                 return Err(StoreError::Backpressure {
                     needed: bytes,
@@ -674,6 +674,34 @@ impl Shared {
     }
 
     /// Starts the fenced abort of a live request.
+    /// Gives back a reservation of `n` chunks whose batch was never handed
+    /// over (`last`: it was the last batch). If another caller reserved the
+    /// last batch meanwhile, the given-back chunks can never be stored, so
+    /// the request fails instead of completing without them.
+    fn give_back(&self, h: &Handle, n: usize, last: bool) {
+        if !h.stored.unreserve(n, last) {
+            return;
+        }
+        let failed = {
+            let mut t = self.table.lock();
+            let ok = t.reqs.get_mut(h.key).is_some_and(|r| {
+                r.abort_with(RequestStatus::Failed {
+                    code: ErrorCode::InconsistentRequest,
+                    reason: format!(
+                        "a batch of {n} chunks was given back after the last batch was stored"
+                    ),
+                })
+            });
+            if ok {
+                t.attention.push(h.key);
+            }
+            ok
+        };
+        if failed {
+            self.wake_ctrl();
+        }
+    }
+
     fn cancel(&self, key: ReqKey) -> bool {
         let ok = {
             let mut t = self.table.lock();
