@@ -1213,7 +1213,9 @@ impl Sender {
     /// zeroed, for one owner until the [`StagingShare`] is dropped. Errors:
     /// [`ShareError::NoShares`], [`ShareError::AllHeld`],
     /// [`ShareError::Draining`] (a free share's slots are still read by
-    /// writes its last owner posted).
+    /// writes its last owner posted), [`ShareError::HolderAlive`] (pinned
+    /// staging, e.g. rdma: the free shares' last holders still run),
+    /// [`ShareError::Renew`] (a fresh memfd for the share could not be made).
     pub fn take_share(&self) -> Result<StagingShare, ShareError> {
         StagingShare::take(&self.shared)
     }
@@ -1222,6 +1224,9 @@ impl Sender {
     /// slot count and size: slot `i` at offset `i * slot_bytes`. With
     /// staging shares it names share 0's memfd only (slot count included);
     /// a worker maps its own share ([`take_share`](Self::take_share)).
+    /// The path is `/proc/<pid>/fd/<memfd>`: another process of this user
+    /// opens it only while this process is dumpable, which an attach daemon
+    /// is not (attached workers get their share's descriptor instead).
     pub fn staging_file(&self) -> (std::path::PathBuf, usize, u64) {
         let s = &self.shared.staging;
         let slots = s.share(0).map_or(s.slots(), |l| l.slots);
