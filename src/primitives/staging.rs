@@ -12,7 +12,7 @@
 //! `docs/attach.md`), so its mapping cannot reach another share's bytes,
 //! and a memfd sealed at the share's size cannot be mapped or grown past it.
 //!
-//! A share is revoked from its last holder by [`StagingBuffer::renew_share`]:
+//! A share is revoked from its last holder by `StagingBuffer::renew_share`:
 //! a fresh memfd mapped over the share's range (`MAP_FIXED`), so whatever
 //! still maps the old memfd writes pages nobody reads. Not for a buffer a
 //! transport pinned ([`StagingBuffer::pin`]: an RDMA memory region keeps
@@ -77,7 +77,7 @@ pub enum StagingError {
         /// Number of slots.
         slots: usize,
     },
-    /// [`StagingBuffer::renew_share`] of a pinned buffer or of no share.
+    /// `StagingBuffer::renew_share` of a pinned buffer or of no share.
     #[error("staging share {share} cannot be renewed (no such share, or the buffer is pinned by a transport)")]
     NotRenewable {
         /// The share asked for.
@@ -377,7 +377,7 @@ impl StagingBuffer {
     }
 
     /// Marks the pages as registered with a device (an RDMA memory region
-    /// pins them): from now on [`renew_share`](Self::renew_share) refuses,
+    /// pins them): from now on `renew_share` refuses,
     /// because the device would keep using the old pages. Called by the
     /// transport before the sender hands out any share.
     pub fn pin(&self) {

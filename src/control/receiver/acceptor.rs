@@ -63,7 +63,7 @@ impl AcceptorFactory {
     }
 
     /// The acceptor a receiver needs to offer the data plane `transport`:
-    /// `"rdma"` → [`AcceptorFactory::rdma`] with the device from
+    /// `"rdma"` → `AcceptorFactory::rdma` with the device from
     /// `KVFERRY_RDMA_*` (with the `rdma` feature; without it
     /// [`TransportError::NotBuilt`](crate::transport::TransportError::NotBuilt));
     /// `"shm"` and `"tcp"` → `None` (offered to every sender alike);

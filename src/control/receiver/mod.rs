@@ -97,7 +97,7 @@ pub struct ReceiverConfig {
     /// Budgets and deadlines of the TCP data listener (see `docs/security.md`).
     pub tcp_data_limits: TcpDataLimits,
     /// Also offer a data plane set up per sender during `Hello` (RDMA:
-    /// [`AcceptorFactory::rdma`] with the `rdma` feature). Built over the
+    /// `AcceptorFactory::rdma` with the `rdma` feature). Built over the
     /// receive buffer at start; a failure (e.g. no RDMA device) fails
     /// [`Receiver::start`] with [`ReceiverError::Transport`]. Default `None`.
     pub acceptor: Option<AcceptorFactory>,

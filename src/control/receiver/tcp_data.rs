@@ -99,7 +99,7 @@ pub struct TcpDataLimits {
     /// oldest. Default 4.
     pub max_per_sender: usize,
     /// Connections held at once (further capped at half the soft
-    /// `RLIMIT_NOFILE`). Default [`MAX_DATA_CONNECTIONS`].
+    /// `RLIMIT_NOFILE`). Default 1024 (`MAX_DATA_CONNECTIONS`).
     pub max_connections: usize,
 }
 

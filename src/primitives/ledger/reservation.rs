@@ -7,7 +7,7 @@ use super::Ledger;
 
 /// Chunks admitted for one request and not yet allocated to slots.
 ///
-/// Created by [`Ledger::try_admit`], [`Ledger::admit`] or an
+/// Created by [`Ledger::try_admit`] or an
 /// [`AdmissionQueue`](super::AdmissionQueue). [`allocate`](Self::allocate)
 /// turns reserved chunks into allocated ones; that cannot fail while chunks
 /// remain, because they were counted in `committed` at admission.

@@ -199,7 +199,7 @@ impl SlotAllocator {
 
     /// [`try_alloc`](Self::try_alloc) from `pool` (`None` also for an
     /// unknown pool). If it comes up short and the pool has a free signal
-    /// ([`set_free_signal`](Self::set_free_signal)), the signal is armed:
+    /// (`set_free_signal`), the signal is armed:
     /// the next [`free`](Self::free) that gives slots of this pool back
     /// signals it once.
     pub fn try_alloc_in(&self, pool: usize, n: usize) -> Option<SlotSet> {
