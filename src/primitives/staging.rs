@@ -180,6 +180,33 @@ impl std::fmt::Debug for StagingBuffer {
     }
 }
 
+/// A fresh sealed memfd of `len` bytes mapped read-write at `at`
+/// (`MAP_FIXED`, replacing whatever was mapped there); the memfd, for a
+/// worker to map.
+///
+/// # Safety
+/// `at..at + len` is page-aligned, lies inside a mapping the caller owns,
+/// and nothing reads or writes it during the call (its old pages vanish).
+unsafe fn map_fresh_segment(at: *mut u8, len: u64) -> std::io::Result<File> {
+    let file = memfd(len)?;
+    // SAFETY: the caller's contract covers the range; the memfd is ours and
+    // sealed at `len`, so the mapping never reaches past its end.
+    let p = unsafe {
+        libc::mmap(
+            at.cast(),
+            len as usize,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_FIXED,
+            file.as_raw_fd(),
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(file)
+}
+
 /// A sealed memfd of `len` bytes.
 fn memfd(len: u64) -> std::io::Result<File> {
     // SAFETY: the name is a NUL-terminated literal; memfd_create takes
@@ -300,26 +327,13 @@ impl StagingBuffer {
         let mut first = 0usize;
         for n in sizes {
             let seg_len = n as u64 * slot_bytes;
-            let file = memfd(seg_len).map_err(map_err)?;
             let offset = first as u64 * slot_bytes;
             // SAFETY: `offset` is page-aligned (every segment but the last
             // is a whole number of pages) and `offset + seg_len <= len <=
-            // total`, so the fixed mapping replaces only part of our own
-            // reservation. The memfd is ours and sealed at `seg_len`; all
-            // access goes through `ptr`.
-            let p = unsafe {
-                libc::mmap(
-                    map.ptr.add(offset as usize).cast(),
-                    seg_len as usize,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_SHARED | libc::MAP_FIXED,
-                    file.as_raw_fd(),
-                    0,
-                )
-            };
-            if p == libc::MAP_FAILED {
-                return Err(map_err(std::io::Error::last_os_error()));
-            }
+            // total`, so the range lies inside our own reservation, which
+            // nothing reads or writes yet; all access goes through `ptr`.
+            let file = unsafe { map_fresh_segment(map.ptr.add(offset as usize), seg_len) }
+                .map_err(map_err)?;
             segments.push(Segment {
                 file: parking_lot::Mutex::new(Arc::new(file)),
                 first: first as u32,
@@ -422,30 +436,15 @@ impl StagingBuffer {
             len: seg_len,
             source,
         };
-        let file = memfd(seg_len).map_err(map_err)?;
         let offset = self.slot_offset(s.first) as usize;
         // SAFETY: the share's range `offset..offset + seg_len` lies inside
         // our reservation and is page-aligned (as when it was first mapped
         // in `with_shares`); the caller guarantees nobody reads or writes it
         // meanwhile, so replacing its pages is unobservable but for the
-        // zeroes. The memfd is ours and sealed at `seg_len`.
-        let p = unsafe {
-            libc::mmap(
-                self.ptr.add(offset).cast(),
-                seg_len as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_FIXED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            // A failed MAP_FIXED may leave the range unmapped (ENOMEM, the
-            // mapping count limit). Harmless while the caller keeps the
-            // share free: nothing reads a free share's range, and the share
-            // is handed out only after a renewal that succeeded.
-            return Err(map_err(std::io::Error::last_os_error()));
-        }
+        // zeroes. A failed MAP_FIXED may leave the range unmapped (ENOMEM,
+        // the mapping count limit): harmless while the caller keeps the
+        // share free, and it is handed out only after a renewal succeeded.
+        let file = unsafe { map_fresh_segment(self.ptr.add(offset), seg_len) }.map_err(map_err)?;
         *s.file.lock() = Arc::new(file);
         Ok(())
     }

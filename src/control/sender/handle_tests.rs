@@ -14,8 +14,8 @@ fn deadline() -> Instant {
     Instant::now() + Duration::from_secs(30)
 }
 
-#[test]
-fn a_stale_handle_never_reaches_the_request_that_reuses_its_slot() {
+/// A receiver of 8 slots and a sender with `staging` slots, of [`CHUNK`].
+fn pair(staging: usize) -> (Receiver, Sender) {
     let receiver = Receiver::start(ReceiverConfig {
         listen: "tcp://127.0.0.1:0".into(),
         capacity_chunks: 8,
@@ -25,10 +25,16 @@ fn a_stale_handle_never_reaches_the_request_that_reuses_its_slot() {
     .expect("receiver");
     let sender = Sender::new(SenderConfig {
         chunk_bytes: CHUNK as u64,
-        staging_slots: 4,
+        staging_slots: staging,
         ..Default::default()
     })
     .expect("sender");
+    (receiver, sender)
+}
+
+#[test]
+fn a_stale_handle_never_reaches_the_request_that_reuses_its_slot() {
+    let (receiver, sender) = pair(4);
     // Forget every request as soon as it ends, so its slot is reused next.
     sender.shared.table.lock().terminal_memory = 0;
 
@@ -141,19 +147,7 @@ fn a_full_submission_ring_makes_the_caller_wait_until_its_deadline_then_drains()
 /// last), so the request must fail, not complete without them.
 #[test]
 fn a_batch_given_back_after_the_last_one_was_stored_fails_the_request() {
-    let receiver = Receiver::start(ReceiverConfig {
-        listen: "tcp://127.0.0.1:0".into(),
-        capacity_chunks: 8,
-        chunk_bytes: CHUNK as u64,
-        ..Default::default()
-    })
-    .expect("receiver");
-    let sender = Sender::new(SenderConfig {
-        chunk_bytes: CHUNK as u64,
-        staging_slots: 8,
-        ..Default::default()
-    })
-    .expect("sender");
+    let (receiver, sender) = pair(8);
     let req = sender
         .begin(RequestSpec::new("fed-twice", receiver.endpoint(), 8))
         .expect("begins");
