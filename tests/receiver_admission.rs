@@ -65,7 +65,7 @@ fn seed_example_b_is_answered_only_after_a_is_done_and_freed() {
     consume(&r, &keys("c", 4));
     assert_idle(&r);
     // The admission wait of B was recorded next to A's (zero) wait.
-    assert_eq!(r.admission_wait_histogram().len(), 2);
+    assert_eq!(r.admission_wait().count, 2);
 }
 
 #[test]

@@ -689,8 +689,15 @@ impl Receiver {
         }
     }
 
-    /// A copy of the admission-wait histogram (microseconds).
-    pub fn admission_wait_histogram(&self) -> hdrhistogram::Histogram<u64> {
+    /// How long requests waited for admission, from their first batch to
+    /// the grant: count, median, p99, largest and mean, in microseconds.
+    pub fn admission_wait(&self) -> crate::stats::LatencySummary {
+        crate::stats::LatencySummary::of(&self.shared.state.lock().admission_wait_us)
+    }
+
+    /// A copy of the admission-wait histogram (microseconds), for the
+    /// metrics endpoint's buckets.
+    pub(crate) fn admission_wait_histogram(&self) -> hdrhistogram::Histogram<u64> {
         self.shared.state.lock().admission_wait_us.clone()
     }
 
