@@ -729,6 +729,24 @@ fn python_and_rust_prefill_workers_feed_a_python_decoder_through_both_binaries()
     }
     dec.expect_line("ATTACH:ok");
     dec.wait_success("python decoder of the rust worker's request");
+    // A chunk geometry and a token count: shape [CHUNK / 2] of bf16, so
+    // the receiver sizes the last chunk of 100 tokens 200 bytes, and the
+    // Python decoder sees its 100 tokens (the Python worker first checks
+    // that a bad dtype and a token count past the shape are refused).
+    let half = (CHUNK / 2).to_string();
+    let mut dec = python(
+        "decoder_check.py",
+        &[rs, "pyp-3", "4", "200", "release", "100"],
+    );
+    dec.expect_line("ATTACH:subscribed");
+    let mut pf = python(
+        "prefill_check.py",
+        &[ss, "pyp-3", "4", "200", "3", &half, "bf16", "100"],
+    );
+    pf.expect_line("PREFILL:ok");
+    pf.wait_success("python prefill worker with a geometry");
+    dec.expect_line("ATTACH:ok");
+    dec.wait_success("python decoder of the geometry request");
 }
 
 #[test]
