@@ -32,7 +32,7 @@ use kvferry::attach::{
 use kvferry::protocol::{AllocRequest, AllocResponse, ErrorCode, Message};
 use kvferry::receiver::Receiver;
 use kvferry::sender::{Sender, SenderConfig};
-use process::{ChildProc, TempDir};
+use process::{wait_exit, ChildProc, TempDir};
 
 const ROLE: &str = "KVFERRY_PREFILL_ROLE";
 const SOCK: &str = "KVFERRY_PREFILL_SOCK";
@@ -747,6 +747,85 @@ fn python_and_rust_prefill_workers_feed_a_python_decoder_through_both_binaries()
     pf.wait_success("python prefill worker with a geometry");
     dec.expect_line("ATTACH:ok");
     dec.wait_success("python decoder of the geometry request");
+}
+
+/// `kvferry sender --attach` generates no load: each load option, on the
+/// command line or as a `--config` key, is refused at start with a message
+/// naming it (exit code 2, no socket bound), never ignored; the options
+/// and keys it uses start it.
+#[test]
+fn kvferry_sender_attach_refuses_every_option_it_does_not_use() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let dir = TempDir::new("kvferry-prefill");
+    let sock = dir.0.join("send.sock");
+    let base = [
+        "sender",
+        "--connect",
+        "tcp://127.0.0.1:9",
+        "--attach",
+        sock.to_str().unwrap(),
+    ];
+    let err_file = dir.0.join("stderr");
+    let refused = |extra: &[&str], names: &str| {
+        let mut child = Command::new(BIN)
+            .args(base)
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&err_file).unwrap())
+            .spawn()
+            .expect("run kvferry sender");
+        // Without the refusal it would serve until killed: bounded.
+        let st = wait_exit(&mut child, &format!("kvferry sender --attach {extra:?}"));
+        let err = std::fs::read_to_string(&err_file).unwrap();
+        assert_eq!(st.code(), Some(2), "{extra:?} is refused: {err}");
+        assert!(err.contains(names), "the message names {names}: {err}");
+        assert!(!sock.exists(), "{extra:?}: refused before binding");
+    };
+    for (opt, value) in [
+        ("--prefillers", Some("2")),
+        ("--decoders", Some("2")),
+        ("--requests", Some("5")),
+        ("--chunks", Some("1..4")),
+        ("--batch", Some("2")),
+        ("--capacity-chunks", Some("8")),
+        ("--concurrency", Some("2")),
+        ("--abort-rate", Some("0.5")),
+        ("--fail-rate", Some("0.1")),
+        ("--seed", Some("3")),
+        ("--stall-timeout", Some("5")),
+        ("--copy-store", None),
+        ("--key-format", Some("lmcache")),
+        ("--json", None),
+        ("--quiet", None),
+    ] {
+        let mut extra = vec![opt];
+        extra.extend(value);
+        refused(&extra, opt);
+    }
+    refused(&["--requests", "5", "--json"], "--requests, --json");
+    let cfg = dir.0.join("load.toml");
+    std::fs::write(&cfg, "chunk_bytes = 4096\nrequests = 10\nseed = 4\n").unwrap();
+    let c = cfg.to_str().unwrap();
+    refused(&["--config", c], "requests (in");
+    refused(&["--config", c], "seed (in");
+    // What it uses: these keys and options start it.
+    std::fs::write(
+        &cfg,
+        "chunk_bytes = 4096\nstaging_slots = 8\ntransport = \"shm\"\nmax_pending_bytes = 65536\n",
+    )
+    .unwrap();
+    let (_d, _) = spawn_binary(
+        &[
+            &base[..],
+            &["--config", c, "--sender-id", "s", "--attach-shares", "2"],
+        ]
+        .concat(),
+        "sender",
+        "kvferry sender attach on ",
+    );
 }
 
 #[test]
