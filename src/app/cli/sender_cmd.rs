@@ -171,7 +171,8 @@ fn refuse_unused_with_attach(a: &SenderArgs) -> Result<(), String> {
         ("--quiet", a.quiet),
     ]
     .into_iter()
-    .filter_map(|(name, set)| set.then(|| name.to_owned()))
+    .filter(|&(_, set)| set)
+    .map(|(name, _)| name.to_owned())
     .collect();
     if let Some(path) = &l.config {
         // Read again for its keys (`LoadArgs::config` parsed it already).
