@@ -22,14 +22,17 @@ use common_sender::{
     deadline, key, receiver, sender, sender_cfg, unique, wait_for, wait_receiver_empty,
     wait_sender_empty, CHUNK, WAIT,
 };
-use kvferry::attach::layout::{PrefillSubmit, OP_KEY, OP_SUBMIT, STATUS_NO_SHARE};
-use kvferry::attach::{
-    AttachConfig, AttachError, PrefillClient, PrefillDaemon, PrefillEvent, Refusal, StagedSlots,
+use kvferry::attach::layout::{
+    PrefillSubmit, MAX_REQ_ID, MAX_SHAPE_DIMS, OP_KEY, OP_SUBMIT, STATUS_NO_SHARE,
 };
-use kvferry::protocol::ErrorCode;
+use kvferry::attach::{
+    AttachConfig, AttachError, BeginGeometry, PrefillClient, PrefillDaemon, PrefillEvent, Refusal,
+    StagedSlots,
+};
+use kvferry::protocol::{AllocRequest, AllocResponse, ErrorCode, Message};
 use kvferry::receiver::Receiver;
 use kvferry::sender::{Sender, SenderConfig};
-use process::{ChildProc, TempDir};
+use process::{wait_exit, ChildProc, TempDir};
 
 const ROLE: &str = "KVFERRY_PREFILL_ROLE";
 const SOCK: &str = "KVFERRY_PREFILL_SOCK";
@@ -299,6 +302,329 @@ fn a_cancel_reports_failed_cancelled_and_frees_the_batch() {
     wait_receiver_empty(&t.r, "after the cancel");
 }
 
+fn expect_refused(c: &mut PrefillClient, tag: u64, want: Refusal, what: &str) {
+    match next(c, what) {
+        PrefillEvent::Refused { tag: t, reason } => {
+            assert_eq!((t, reason), (tag, Some(want)), "{what}")
+        }
+        other => panic!("{what}: expected REFUSED({want:?}), got {other:?}"),
+    }
+}
+
+fn expect_done(c: &mut PrefillClient, tag: u64, what: &str) {
+    match next(c, what) {
+        PrefillEvent::Done { tag: t } => assert_eq!(t, tag, "{what}"),
+        other => panic!("{what}: expected DONE, got {other:?}"),
+    }
+}
+
+/// Fills `b` with `lens[i]` bytes of chunk `i` of `req_id` and submits it
+/// with keys `req_id/i` (and `toks` for its last chunk, if given).
+fn fill_keyed(
+    c: &mut PrefillClient,
+    mut b: StagedSlots,
+    req_id: &str,
+    lens: &[usize],
+    toks: Option<u32>,
+) {
+    for (i, &len) in lens.iter().enumerate() {
+        c.slot_mut(&b, i).expect("held slot")[..len].copy_from_slice(&python_pattern(i, len));
+    }
+    if let Some(t) = toks {
+        b.set_last_chunk_toks(t);
+    }
+    let keys: Vec<String> = (0..lens.len()).map(|i| format!("{req_id}/{i}")).collect();
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let lens: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
+    c.submit(b, &keys, &lens).expect("submitted");
+}
+
+/// What an in-process caller sets with `RequestSpec { fmt, shape, dtype }`
+/// and `StagedBatch::set_last_chunk_toks`, an attached worker sets too:
+/// the kvferry receiver sizes the last chunk from the shape, dtype and
+/// token count (a one-dimensional shape: `full / tokens * toks` bytes) and
+/// its holder sees the token count; a worker that sets nothing gets the
+/// defaults (the last chunk's byte length as its token count).
+#[test]
+fn an_attached_workers_geometry_and_token_count_reach_the_receiver() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let t = setup(8, 2);
+    let mut a = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
+    // [CHUNK / 2] elements of 2 bytes: a full chunk is CHUNK bytes, and a
+    // last chunk of 50 tokens is 100 bytes.
+    let g = BeginGeometry::new(2, &[CHUNK as i64 / 2], "bf16").unwrap();
+    let req = unique("pg");
+    let tag = a.begin_with(&req, 0, 3, &g).unwrap();
+    a.stage(tag, 3).unwrap();
+    let b = staged(&mut a, "the batch");
+    let lens = [CHUNK as usize, CHUNK as usize, 100];
+    fill_keyed(&mut a, b, &req, &lens, Some(50));
+    expect_done(&mut a, tag, "DONE");
+    t.r.wait_ready(&req, deadline())
+        .expect("ready at the receiver");
+    for (i, &len) in lens.iter().enumerate() {
+        let c = t.r.get(&format!("{req}/{i}")).expect("held");
+        assert_eq!(
+            c.len(),
+            len,
+            "chunk {i}'s length, from shape, dtype and tokens"
+        );
+        assert!(
+            c.bytes() == python_pattern(i, len).as_slice(),
+            "chunk {i}'s bytes"
+        );
+        let want = (i == 2).then_some(50);
+        assert_eq!(c.tokens(), want, "chunk {i}'s token count");
+    }
+    // The defaults: shape [CHUNK] of uint8, tokens = the last length.
+    let req2 = unique("pg");
+    let tag = a.begin(&req2, 0, 1).unwrap();
+    a.stage(tag, 1).unwrap();
+    let b = staged(&mut a, "the default batch");
+    fill_keyed(&mut a, b, &req2, &[777], None);
+    expect_done(&mut a, tag, "default DONE");
+    t.r.wait_ready(&req2, deadline()).expect("ready");
+    let c = t.r.get(&format!("{req2}/0")).expect("held");
+    assert_eq!((c.len(), c.tokens()), (777, Some(777)));
+}
+
+/// Receives the next AllocRequest on a raw ROUTER standing in for an
+/// LMCache receiver; returns it and the sender's identity.
+fn recv_alloc(router: &zmq::Socket, what: &str) -> (Vec<u8>, AllocRequest) {
+    let end = deadline();
+    loop {
+        let left = end.saturating_duration_since(Instant::now());
+        assert!(!left.is_zero(), "hung: no AllocRequest for {what}");
+        let mut items = [router.as_poll_item(zmq::POLLIN)];
+        if zmq::poll(&mut items, left.as_millis().clamp(1, 100) as i64).expect("poll") == 0 {
+            continue;
+        }
+        let frames = router.recv_multipart(0).expect("recv");
+        match kvferry::protocol::decode(frames.last().expect("a frame")) {
+            Ok(Message::AllocRequest(m)) => return (frames[0].clone(), m),
+            other => panic!("{what}: expected an AllocRequest, got {other:?}"),
+        }
+    }
+}
+
+fn reply(router: &zmq::Socket, id: &[u8], indexes: Vec<i64>) {
+    let r = kvferry::protocol::encode(&Message::AllocResponse(AllocResponse::ok(
+        indexes,
+        Vec::new(),
+        None,
+    )));
+    router
+        .send_multipart([id, &[][..], &r[..]], 0)
+        .expect("reply");
+}
+
+/// The AllocRequests an attached worker's requests cause carry its fmt,
+/// shape and dtype (admission and batch) and its last chunk's token count,
+/// as a raw ROUTER playing an LMCache receiver (no Hello, a static buffer)
+/// decodes them; the defaults are those of `RequestSpec::new`.
+#[test]
+fn the_alloc_requests_of_an_attached_worker_carry_its_fmt_shape_dtype_and_tokens() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let dir = TempDir::new("kvferry-prefill");
+    // A kvferry receiver only for its buffer file (the sender's writes go
+    // there; the ROUTER hands out slots of it).
+    let r = receiver(8);
+    let router = kvferry::zmq_io::context()
+        .socket(zmq::ROUTER)
+        .expect("router");
+    router.set_linger(0).expect("linger");
+    router.bind("tcp://127.0.0.1:0").expect("bind");
+    let ep = router.get_last_endpoint().unwrap().unwrap();
+    let run = kvferry::runner::RunConfig {
+        static_buffers: vec![format!("{ep}={}", r.shm_path().display())],
+        ..Default::default()
+    };
+    let s = Arc::new(sender(SenderConfig {
+        staging_shares: 1,
+        use_extensions: false,
+        static_peers: run.static_peers().expect("static peer"),
+        ..sender_cfg(8, None)
+    }));
+    let d = PrefillDaemon::start(
+        Arc::clone(&s),
+        vec![ep.clone()],
+        AttachConfig::new(dir.sock()),
+    )
+    .expect("daemon starts");
+    let mut a = PrefillClient::connect(d.socket(), WAIT).unwrap();
+    let shape = [2i64, 16, CHUNK as i64 / 64];
+    let g = BeginGeometry::new(5, &shape, "bfloat16").unwrap();
+    let req = unique("pw");
+    let tag = a.begin_with(&req, 0, 2, &g).unwrap();
+    let (id, m) = recv_alloc(&router, "the admission");
+    assert!(m.keys.is_empty(), "an admission message: {m:?}");
+    assert_eq!(
+        (m.fmt, &m.shape[..], &m.dtype[..]),
+        (5, &shape[..], "bfloat16")
+    );
+    assert_eq!((&m.req_id[..], m.total_chunks), (&req[..], 2));
+    reply(&router, &id, Vec::new());
+    a.stage(tag, 2).unwrap();
+    let b = staged(&mut a, "the batch");
+    fill_keyed(&mut a, b, &req, &[CHUNK as usize, 1000], Some(9));
+    let (id, m) = recv_alloc(&router, "the batch");
+    assert_eq!(m.keys, [format!("{req}/0"), format!("{req}/1")]);
+    assert_eq!(
+        (m.fmt, &m.shape[..], &m.dtype[..]),
+        (5, &shape[..], "bfloat16")
+    );
+    assert_eq!((m.last_chunk_toks, m.is_last_batch), (9, true));
+    reply(&router, &id, vec![0, 1]);
+    expect_done(&mut a, tag, "DONE");
+    // Nothing set: RequestSpec::new's geometry, tokens = the byte length.
+    let req = unique("pw");
+    let tag = a.begin(&req, 0, 1).unwrap();
+    let (id, m) = recv_alloc(&router, "the default admission");
+    assert_eq!(
+        (m.fmt, &m.shape[..], &m.dtype[..]),
+        (0, &[CHUNK as i64][..], "uint8")
+    );
+    reply(&router, &id, Vec::new());
+    a.stage(tag, 1).unwrap();
+    let b = staged(&mut a, "the default batch");
+    fill_keyed(&mut a, b, &req, &[300], None);
+    let (id, m) = recv_alloc(&router, "the default batch");
+    assert_eq!((m.last_chunk_toks, m.is_last_batch), (300, true));
+    reply(&router, &id, vec![2]);
+    expect_done(&mut a, tag, "default DONE");
+    drop(a);
+    drop(d);
+    wait_sender_empty(&s, "after the raw receiver's requests");
+}
+
+/// A hostile worker's geometry and token counts out of range are refused
+/// with their typed code, one by one, by the session that keeps serving
+/// it; a refused SUBMIT gives its batch back; another worker's request,
+/// staged meanwhile, completes untouched.
+#[test]
+fn out_of_range_geometry_and_token_counts_are_refused_and_the_daemon_keeps_serving() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let t = setup(8, 2);
+    let mut victim = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
+    let mut h = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
+    let vreq = unique("pv");
+    let vg = BeginGeometry::new(1, &[CHUNK as i64 / 4], "float32").unwrap();
+    let vtag = victim.begin_with(&vreq, 0, 2, &vg).unwrap();
+    victim.stage(vtag, 2).unwrap();
+    let vb = staged(&mut victim, "the victim's batch");
+    let ok = BeginGeometry::new(1, &[2, 8], "bf16").unwrap();
+    let bad: Vec<(&str, BeginGeometry)> = vec![
+        (
+            "9 dims",
+            BeginGeometry {
+                ndims: MAX_SHAPE_DIMS as u32 + 1,
+                ..ok
+            },
+        ),
+        (
+            "u32::MAX dims",
+            BeginGeometry {
+                ndims: u32::MAX,
+                ..ok
+            },
+        ),
+        ("dtype not UTF-8", {
+            let mut g = ok;
+            g.dtype[..2].copy_from_slice(&[0xff, 0xfe]);
+            g.dtype_len = 2;
+            g
+        }),
+        (
+            "dtype_len 200",
+            BeginGeometry {
+                dtype_len: 200,
+                ..ok
+            },
+        ),
+        (
+            "unknown dtype",
+            BeginGeometry::new(1, &[2, 8], "bfloat17").unwrap(),
+        ),
+        (
+            "negative dim",
+            BeginGeometry::new(1, &[2, -8], "bf16").unwrap(),
+        ),
+        ("zero dim", BeginGeometry::new(1, &[0], "bf16").unwrap()),
+        (
+            "overflow",
+            BeginGeometry::new(1, &[i64::MAX, i64::MAX], "bf16").unwrap(),
+        ),
+        (
+            "larger than a slot",
+            BeginGeometry::new(1, &[2, CHUNK as i64], "bf16").unwrap(),
+        ),
+        (
+            "default shape of bf16",
+            BeginGeometry::new(1, &[], "bf16").unwrap(),
+        ),
+        (
+            "negative fmt",
+            BeginGeometry::new(-1, &[2, 8], "bf16").unwrap(),
+        ),
+    ];
+    for (i, (what, g)) in bad.iter().enumerate() {
+        let tag = 1000 + i as u64;
+        let s = PrefillSubmit::begin(tag, 0, 1, &format!("bad-{i}"), g).unwrap();
+        h.submit_raw(s).unwrap();
+        expect_refused(&mut h, tag, Refusal::BadGeometry, what);
+    }
+    // A req_id past MAX_REQ_ID (a KEY's text may be that long, a BEGIN's not).
+    let mut s = PrefillSubmit::begin(2000, 0, 1, "r", &ok).unwrap();
+    s.text[..MAX_REQ_ID + 1].fill(b'r');
+    s.text_len = MAX_REQ_ID as u32 + 1;
+    h.submit_raw(s).unwrap();
+    expect_refused(&mut h, 2000, Refusal::BadReqId, "a 113-byte req_id");
+    assert!(
+        t.s.status("bad-0").is_none() && t.s.active_requests() == 1,
+        "no refused BEGIN reached the sender"
+    );
+    // A valid request; a SUBMIT whose token count is past the shape's
+    // largest dimension (8) is refused and its batch goes back.
+    let req = unique("pt");
+    let tag = h.begin_with(&req, 0, 1, &ok).unwrap();
+    h.stage(tag, 1).unwrap();
+    let b = staged(&mut h, "the hostile worker's batch");
+    assert_eq!(t.s.staging_in_use(), 3);
+    fill_keyed(&mut h, b, &req, &[32], Some(9));
+    expect_refused(
+        &mut h,
+        tag,
+        Refusal::BadTokens,
+        "9 tokens of a [2, 8] chunk",
+    );
+    wait_for("the refused batch's slot to come back", || {
+        t.s.staging_in_use() == 2
+    });
+    h.stage(tag, 1).unwrap();
+    let b = staged(&mut h, "the batch again");
+    fill_keyed(&mut h, b, &req, &[32], Some(8));
+    expect_done(&mut h, tag, "the hostile worker's valid request");
+    t.r.wait_ready(&req, deadline())
+        .expect("ready at the receiver");
+    let c = t.r.get(&format!("{req}/0")).expect("held");
+    assert_eq!((c.len(), c.tokens()), (32, Some(8)));
+    drop(c);
+    // The victim: untouched, completes.
+    fill_keyed(&mut victim, vb, &vreq, &[CHUNK as usize, 40], Some(10));
+    expect_done(&mut victim, vtag, "the victim's DONE");
+    t.r.wait_ready(&vreq, deadline())
+        .expect("ready at the receiver");
+    let c = t.r.get(&format!("{vreq}/1")).expect("held");
+    assert_eq!((c.len(), c.tokens()), (40, Some(10)));
+    assert!(c.bytes() == python_pattern(1, 40).as_slice());
+}
+
 const BIN: &str = env!("CARGO_BIN_EXE_kvferry");
 
 /// Starts the kvferry binary with `args`; waits for its `announce` line
@@ -403,6 +729,103 @@ fn python_and_rust_prefill_workers_feed_a_python_decoder_through_both_binaries()
     }
     dec.expect_line("ATTACH:ok");
     dec.wait_success("python decoder of the rust worker's request");
+    // A chunk geometry and a token count: shape [CHUNK / 2] of bf16, so
+    // the receiver sizes the last chunk of 100 tokens 200 bytes, and the
+    // Python decoder sees its 100 tokens (the Python worker first checks
+    // that a bad dtype and a token count past the shape are refused).
+    let half = (CHUNK / 2).to_string();
+    let mut dec = python(
+        "decoder_check.py",
+        &[rs, "pyp-3", "4", "200", "release", "100"],
+    );
+    dec.expect_line("ATTACH:subscribed");
+    let mut pf = python(
+        "prefill_check.py",
+        &[ss, "pyp-3", "4", "200", "3", &half, "bf16", "100"],
+    );
+    pf.expect_line("PREFILL:ok");
+    pf.wait_success("python prefill worker with a geometry");
+    dec.expect_line("ATTACH:ok");
+    dec.wait_success("python decoder of the geometry request");
+}
+
+/// `kvferry sender --attach` generates no load: each load option, on the
+/// command line or as a `--config` key, is refused at start with a message
+/// naming it (exit code 2, no socket bound), never ignored; the options
+/// and keys it uses start it.
+#[test]
+fn kvferry_sender_attach_refuses_every_option_it_does_not_use() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let dir = TempDir::new("kvferry-prefill");
+    let sock = dir.0.join("send.sock");
+    let base = [
+        "sender",
+        "--connect",
+        "tcp://127.0.0.1:9",
+        "--attach",
+        sock.to_str().unwrap(),
+    ];
+    let err_file = dir.0.join("stderr");
+    let refused = |extra: &[&str], names: &str| {
+        let mut child = Command::new(BIN)
+            .args(base)
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&err_file).unwrap())
+            .spawn()
+            .expect("run kvferry sender");
+        // Without the refusal it would serve until killed: bounded.
+        let st = wait_exit(&mut child, &format!("kvferry sender --attach {extra:?}"));
+        let err = std::fs::read_to_string(&err_file).unwrap();
+        assert_eq!(st.code(), Some(2), "{extra:?} is refused: {err}");
+        assert!(err.contains(names), "the message names {names}: {err}");
+        assert!(!sock.exists(), "{extra:?}: refused before binding");
+    };
+    for (opt, value) in [
+        ("--prefillers", Some("2")),
+        ("--decoders", Some("2")),
+        ("--requests", Some("5")),
+        ("--chunks", Some("1..4")),
+        ("--batch", Some("2")),
+        ("--capacity-chunks", Some("8")),
+        ("--concurrency", Some("2")),
+        ("--abort-rate", Some("0.5")),
+        ("--fail-rate", Some("0.1")),
+        ("--seed", Some("3")),
+        ("--stall-timeout", Some("5")),
+        ("--copy-store", None),
+        ("--key-format", Some("lmcache")),
+        ("--json", None),
+        ("--quiet", None),
+    ] {
+        let mut extra = vec![opt];
+        extra.extend(value);
+        refused(&extra, opt);
+    }
+    refused(&["--requests", "5", "--json"], "--requests, --json");
+    let cfg = dir.0.join("load.toml");
+    std::fs::write(&cfg, "chunk_bytes = 4096\nrequests = 10\nseed = 4\n").unwrap();
+    let c = cfg.to_str().unwrap();
+    refused(&["--config", c], "requests (in");
+    refused(&["--config", c], "seed (in");
+    // What it uses: these keys and options start it.
+    std::fs::write(
+        &cfg,
+        "chunk_bytes = 4096\nstaging_slots = 8\ntransport = \"shm\"\nmax_pending_bytes = 65536\n",
+    )
+    .unwrap();
+    let (_d, _) = spawn_binary(
+        &[
+            &base[..],
+            &["--config", c, "--sender-id", "s", "--attach-shares", "2"],
+        ]
+        .concat(),
+        "sender",
+        "kvferry sender attach on ",
+    );
 }
 
 #[test]

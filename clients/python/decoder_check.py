@@ -1,12 +1,12 @@
 """CI check of the Python decoder client (driven by tests/attach_decoder.rs).
 
-usage: decoder_check.py SOCKET REQ_ID N LAST_LEN MODE
+usage: decoder_check.py SOCKET REQ_ID N LAST_LEN MODE [LAST_TOKENS]
 Subscribes to REQ_ID (REQ_ID "*": a wildcard subscription, and the first
 request delivered to it is checked), prints "ATTACH:subscribed", waits for it, checks every
 byte of its N chunks (byte j of chunk i is (i * 31 + j) & 0xff; all chunks
 are full but the last, LAST_LEN bytes), then in MODE "release" releases it
 and prints "ATTACH:ok"; in MODE "hold" prints "ATTACH:holding" and sleeps
-until killed.
+until killed. With LAST_TOKENS the last chunk must carry that token count.
 """
 
 import sys
@@ -25,6 +25,7 @@ def expected(i, length):
 
 def main():
     sock, req_id, n, last, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    last_tokens = int(sys.argv[6]) if len(sys.argv) > 6 else None
     c = kvferry_attach.DecoderClient(sock)
     if req_id == "*":
         c.subscribe_all()
@@ -55,6 +56,8 @@ def main():
             sys.exit("chunk %d: %d bytes, expected %d" % (i, len(data), want_len))
         if data != expected(i, want_len)[:want_len]:
             sys.exit("chunk %d differs" % i)
+    if last_tokens is not None and chunks[-1][2] != last_tokens:
+        sys.exit("last chunk: %r tokens, expected %d" % (chunks[-1][2], last_tokens))
     if mode == "hold":
         print("ATTACH:holding", flush=True)
         time.sleep(120)

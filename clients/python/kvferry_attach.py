@@ -26,7 +26,7 @@ import socket
 import struct
 import time
 
-ATTACH_VERSION = 3
+ATTACH_VERSION = 4
 HELLO_LEN = 1024
 # Descriptors an accepting hello carries (SCM_RIGHTS, in this order): the
 # submission ring, the completion ring, the data (receive buffer read-only,
@@ -41,6 +41,11 @@ MAX_REQ_ID = 112
 NO_TOKENS = 0xFFFFFFFF
 
 MAX_TEXT = 224
+# A BEGIN's chunk geometry (fmt, shape, dtype) follows its req_id at
+# GEOMETRY_AT of the text (entry offset 144); all zero = the defaults.
+GEOMETRY_AT = MAX_REQ_ID
+MAX_SHAPE_DIMS = 8
+MAX_DTYPE = 32
 
 OP_SUBSCRIBE, OP_RELEASE, OP_SUBSCRIBE_ALL = 1, 2, 3
 DAEMON_TAG = 1 << 63  # tags of wildcard deliveries (the daemon's)
@@ -52,9 +57,11 @@ EV_NAME = 8
 ROLE_DECODER, ROLE_PREFILL = 1, 2
 
 SUBMIT = struct.Struct("<IIQ112s")   # op, req_id_len, tag, req_id
-PSUBMIT = struct.Struct("<IIQIIII224s")  # op, len, tag, a, b, reserved, text_len, text
+PSUBMIT = struct.Struct("<IIQIIII224s")  # op, len, tag, a, b, c, text_len, text
+GEOMETRY = struct.Struct("<q8qII32s")  # fmt, shape[8], ndims, dtype_len, dtype
 EVENT = struct.Struct("<IIQIIII")    # kind, code, tag, a, b, len, tokens
 assert SUBMIT.size == 128 and EVENT.size == 32 and PSUBMIT.size == 256
+assert GEOMETRY_AT + GEOMETRY.size == MAX_TEXT
 
 # Ring control block offsets (docs/ring.md).
 OFF_TAIL, OFF_HEAD = 128, 256
@@ -328,10 +335,10 @@ class DecoderClient:
 
 
 class PrefillClient:
-    """An attached prefill worker: begin(req_id, receiver, total),
-    stage(tag, n), next_event() -> ('staged', tag, batch, [slots]),
-    slot(slot) (a writable memoryview, in place), submit(tag, batch, keys,
-    lens), cancel(tag)."""
+    """An attached prefill worker: begin(req_id, receiver, total, fmt=0,
+    shape=(), dtype=""), stage(tag, n), next_event() -> ('staged', tag,
+    batch, [slots]), slot(slot) (a writable memoryview, in place),
+    submit(tag, batch, keys, lens, last_chunk_toks=None), cancel(tag)."""
 
     def __init__(self, sock_path, timeout=30.0):
         self.sock = _connect(sock_path, timeout)
@@ -357,8 +364,10 @@ class PrefillClient:
         self.next_batch = 1
         self.held = set()  # (tag, batch) staged for us and not submitted
 
-    def _push(self, op, tag, a=0, b=0, length=0, text=b"", wait=0.0, ring=True):
-        entry = PSUBMIT.pack(op, length, tag, a, b, 0, len(text), text)
+    def _push(self, op, tag, a=0, b=0, length=0, text=b"", wait=0.0, ring=True, c=0, extra=b""):
+        # `extra`: bytes after the text's used part (a BEGIN's geometry).
+        body = text.ljust(GEOMETRY_AT, b"\0") + extra if extra else text
+        entry = PSUBMIT.pack(op, length, tag, a, b, c, len(text), body)
         deadline = time.monotonic() + wait
         while not self.sq.push(entry):
             if time.monotonic() >= deadline:
@@ -371,13 +380,22 @@ class PrefillClient:
             # check could miss a sleeping session (module docs).
             self.sock.sendall(b"\1")  # the doorbell
 
-    def begin(self, req_id, receiver, total_chunks):
+    def begin(self, req_id, receiver, total_chunks, fmt=0, shape=(), dtype=""):
+        """Begins req_id; fmt, shape and dtype are the request's chunk
+        geometry (AllocRequest's fields; the defaults: shape [chunk_bytes]
+        of uint8). The daemon refuses a geometry out of range (code 12)."""
         raw = req_id.encode()
-        if not 0 < len(raw) <= MAX_TEXT:
-            raise ValueError("req_id must be 1..%d bytes" % MAX_TEXT)
+        if not 0 < len(raw) <= MAX_REQ_ID:
+            raise ValueError("req_id must be 1..%d bytes" % MAX_REQ_ID)
+        shape = [int(d) for d in shape]
+        dt = dtype.encode()
+        if len(shape) > MAX_SHAPE_DIMS or len(dt) > MAX_DTYPE:
+            raise ValueError("at most %d dims and %d dtype bytes" % (MAX_SHAPE_DIMS, MAX_DTYPE))
+        geometry = GEOMETRY.pack(fmt, *(shape + [0] * (MAX_SHAPE_DIMS - len(shape))),
+                                 len(shape), len(dt), dt)
         tag = self.next_tag
         self.next_tag += 1
-        self._push(OP_BEGIN, tag, receiver, total_chunks, 0, raw)
+        self._push(OP_BEGIN, tag, receiver, total_chunks, 0, raw, extra=geometry)
         return tag
 
     def stage(self, tag, n):
@@ -393,7 +411,12 @@ class PrefillClient:
         off = slot * self.chunk_bytes
         return self.view[off:off + self.chunk_bytes]
 
-    def submit(self, tag, batch, keys, lens):
+    def submit(self, tag, batch, keys, lens, last_chunk_toks=None):
+        """last_chunk_toks: the token count of the last chunk
+        (AllocRequest.last_chunk_toks; None: its length in bytes)."""
+        toks = NO_TOKENS if last_chunk_toks is None else last_chunk_toks
+        if not 0 <= toks <= NO_TOKENS:
+            raise ValueError("last_chunk_toks must be 0..%d" % (NO_TOKENS - 1))
         raws = [k.encode() for k in keys]
         for raw in raws:
             if not 0 < len(raw) <= MAX_TEXT:
@@ -401,7 +424,7 @@ class PrefillClient:
         # One doorbell per batch, after the SUBMIT (a full ring still rings).
         for i, (raw, length) in enumerate(zip(raws, lens)):
             self._push(OP_KEY, tag, batch, i, length, raw, wait=10.0, ring=False)
-        self._push(OP_SUBMIT, tag, batch, len(raws), wait=10.0)
+        self._push(OP_SUBMIT, tag, batch, len(raws), wait=10.0, c=toks)
         self.held.discard((tag, batch))
 
     def cancel(self, tag):

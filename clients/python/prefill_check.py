@@ -1,11 +1,16 @@
 """CI check of the Python prefill worker (driven by tests/attach_prefill.rs).
 
-usage: prefill_check.py SOCKET REQ_ID N LAST_LEN
+usage: prefill_check.py SOCKET REQ_ID N LAST_LEN [FMT SHAPE DTYPE LAST_TOKS]
 Attaches to `kvferry sender --attach SOCKET`, begins REQ_ID (N chunks, to
 the daemon's receiver 0), stages the N slots, fills them in place with the
 pattern decoder_check.py verifies (byte j of chunk i is (i * 31 + j) & 0xff;
 all chunks are full but the last, LAST_LEN bytes), submits them with keys
 REQ_ID/000.. and prints "PREFILL:ok" once the sender reports DONE.
+
+With FMT SHAPE DTYPE LAST_TOKS (SHAPE: dimensions joined by commas) the
+request carries that chunk geometry and the last chunk that token count;
+first a BEGIN of an unknown dtype and a SUBMIT of LAST_TOKS past the
+shape's largest dimension are checked to be refused (codes 12 and 13).
 """
 
 import sys
@@ -21,20 +26,43 @@ def pattern(i, length):
     return ((PERIOD[start:256] + PERIOD[:start]) * reps)[:length]
 
 
-def main():
-    sock, req_id, n, last = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    c = kvferry_attach.PrefillClient(sock)
-    tag = c.begin(req_id, 0, n)
-    batch = c.stage(tag, n)
+def staged(c, tag, batch, n):
     ev = c.next_event(timeout=30.0)
     if ev[0] != "staged" or ev[1] != tag or ev[2] != batch or len(ev[3]) != n:
         sys.exit("expected STAGED of %d slots, got %r" % (n, ev))
+    return ev[3]
+
+
+def main():
+    sock, req_id, n, last = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    geometry, toks = {}, None
+    if len(sys.argv) > 5:
+        fmt, shape, dtype, toks = sys.argv[5:9]
+        shape = [int(d) for d in shape.split(",")]
+        geometry = dict(fmt=int(fmt), shape=shape, dtype=dtype)
+        toks = int(toks)
+    c = kvferry_attach.PrefillClient(sock)
+    if geometry:
+        bad = c.begin(req_id + "-bad", 0, n, **dict(geometry, dtype="nope16"))
+        ev = c.next_event(timeout=30.0)
+        if ev != ("refused", bad, 12):
+            sys.exit("expected REFUSED 12 (bad geometry), got %r" % (ev,))
+    tag = c.begin(req_id, 0, n, **geometry)
+    keys = ["%s/%03d" % (req_id, i) for i in range(n)]
+    if geometry:
+        batch = c.stage(tag, 1)
+        staged(c, tag, batch, 1)
+        c.submit(tag, batch, keys[:1], [1], last_chunk_toks=max(geometry["shape"]) + 1)
+        ev = c.next_event(timeout=30.0)
+        if ev != ("refused", tag, 13):
+            sys.exit("expected REFUSED 13 (bad tokens), got %r" % (ev,))
+    batch = c.stage(tag, n)
     lens = []
-    for i, slot in enumerate(ev[3]):
+    for i, slot in enumerate(staged(c, tag, batch, n)):
         length = last if i + 1 == n else c.chunk_bytes
         c.slot(slot)[:length] = pattern(i, length)  # in place, no staging copy
         lens.append(length)
-    c.submit(tag, batch, ["%s/%03d" % (req_id, i) for i in range(n)], lens)
+    c.submit(tag, batch, keys, lens, last_chunk_toks=toks)
     ev = c.next_event(timeout=30.0)
     if ev != ("done", tag):
         sys.exit("expected DONE, got %r" % (ev,))

@@ -11,7 +11,11 @@ each), against kvferry's binaries over ZMQ on loopback:
   own `ProxyNotif` class;
 - a raw DEALER speaking LMCache's message classes -> `kvferry receiver`,
   every reply decoded strictly with LMCache's `PDMsg` and checked as
-  LMCache's sender checks it.
+  LMCache's sender checks it;
+- a Python prefill worker (clients/python/kvferry_attach.py) attached to
+  `kvferry sender --attach` -> LMCache's receiver, which allocates its
+  memory objects from the worker's fmt, shape, dtype and last chunk's
+  token count.
 
 Usage: suite.py KVFERRY_BINARY [SCENARIO ...]. Prints one line per scenario
 and `N passed, M failed`; exits 1 on any failure. Run through run.sh (it
@@ -637,6 +641,89 @@ def kvferry_sender_vs_lmcache_receiver():
         abandon(r)
 
 
+def attached_worker_vs_lmcache_receiver():
+    """What an attached worker sets reaches LMCache's receiver as an
+    in-process caller's would: LMCache allocates each memory object from
+    the AllocRequest's fmt, shape and dtype, and the last chunk's from
+    last_chunk_toks on the format's token axis (`MemoryFormat.token_dim`).
+    Checked on what it allocated (shape, dtype, fmt of each object) and on
+    the bytes the worker wrote in place."""
+    sys.path.insert(0, os.path.join(HERE, "..", "..", "clients", "python"))
+    import kvferry_attach
+    from lmcache.v1.memory_management import MemoryFormat
+
+    work = tempfile.mkdtemp(prefix="kvferry-lmc-att-")
+    buf = os.path.join(work, "lmcache.buf")
+    capacity = 8
+    standins.create_kvferry_buffer(buf, CHUNK, capacity)
+    standins.StandInPagedAllocator.buffer_path = buf
+    port, proxy_port = free_port(), free_port()
+    ctx = zmq.Context.instance()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    pull.bind(f"tcp://127.0.0.1:{proxy_port}")
+    r = pd.PDBackendAsync(
+        lmcache_config(
+            "receiver",
+            pd_buffer_size=CHUNK * capacity,
+            pd_peer_host="127.0.0.1",
+            pd_peer_init_port=[port],
+            pd_peer_alloc_port=[port],
+        ),
+        META,
+    )
+    standins.StandInPagedAllocator.buffer_path = None
+    ep = f"tcp://127.0.0.1:{port}"
+    sock = os.path.join(work, "send.sock")
+    sender = Proc(
+        ["sender", "--connect", ep, "--proxy", f"tcp://127.0.0.1:{proxy_port}",
+         f"--static-buffer={ep}={buf}", "--chunk-bytes", str(CHUNK), "--staging-slots", "8",
+         "--attach-shares", "1", "--attach", sock],
+        "kvferry sender attach on ",
+    )
+    c = None
+    try:
+        c = kvferry_attach.PrefillClient(sock)
+        fmt = MemoryFormat.KV_2LTD
+        last_toks = 5
+        tag = c.begin("att-1", 0, 3, fmt=fmt.value, shape=KV_SHAPE, dtype="bfloat16")
+        batch = c.stage(tag, 3)
+        ev = c.next_event(timeout=WAIT)
+        check(ev[0] == "staged" and len(ev[3]) == 3, f"STAGED of 3: {ev}")
+        short = CHUNK // TOKENS * last_toks  # the last chunk: 5 of 16 tokens
+        lens = [CHUNK, CHUNK, short]
+        hashes = [0xA770 + i for i in range(3)]
+        for i, slot in enumerate(ev[3]):
+            c.slot(slot)[: lens[i]] = bytes([0x40 + i]) * lens[i]
+        keys = [CacheEngineKey("m", 1, 0, h, torch.bfloat16).to_string() for h in hashes]
+        c.submit(tag, batch, keys, lens, last_chunk_toks=last_toks)
+        ev = c.next_event(timeout=WAIT)
+        check(ev == ("done", tag), f"DONE: {ev}")
+        check(pull.poll(int(WAIT * 1000)), "hung: no ProxyNotif")
+        n = msgspec.msgpack.decode(pull.recv(), type=pd.PDMsg)
+        check(isinstance(n, pd.ProxyNotif) and n.req_id == "att-1", f"ProxyNotif: {n}")
+        bm = standins.Buffer(CHUNK, capacity, buf)
+        with r.data_lock:
+            objs = {int(k.chunk_hash_hex, 16): o for k, o in r.data.items()}
+        check(sorted(objs) == hashes, f"LMCache holds the 3 keys: {sorted(objs)}")
+        for i, h in enumerate(hashes):
+            m = objs[h].meta
+            want = list(KV_SHAPE)
+            if i == 2:
+                want[fmt.token_dim()] = last_toks
+            check(list(m.shape) == want, f"chunk {i} allocated as {list(m.shape)}, expected {want}")
+            check(m.dtype == torch.bfloat16, f"chunk {i} dtype {m.dtype}")
+            check(m.fmt == fmt, f"chunk {i} fmt {m.fmt}")
+            data = bytes(bm.slot(m.address)[: lens[i]])
+            check(data == bytes([0x40 + i]) * lens[i], f"chunk {i}'s bytes in slot {m.address}")
+    finally:
+        if c is not None:
+            c.close()
+        sender.stop()
+        pull.close()
+        abandon(r)
+
+
 def proxy_failed_vs_lmcache_proxy_decoders():
     """kvferry's ProxyFailed (golden frame of docs/protocol.md, checked byte
     for byte by tests/proxy_failure.rs) against the decoders LMCache-style
@@ -677,6 +764,7 @@ SCENARIOS = [
     lmcache_sender_anonymous_batch,
     strict_decoding_of_every_reply,
     kvferry_sender_vs_lmcache_receiver,
+    attached_worker_vs_lmcache_receiver,
     proxy_failed_vs_lmcache_proxy_decoders,
 ]
 

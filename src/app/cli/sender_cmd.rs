@@ -51,7 +51,9 @@ pub struct SenderArgs {
     /// Serve attached prefill workers on this Unix socket instead of
     /// generating load (rings and staging shares passed as descriptors;
     /// the process becomes non-dumpable; see docs/attach.md); a worker's
-    /// BEGIN names its receiver by index into --connect.
+    /// BEGIN names its receiver by index into --connect. The load
+    /// generator's options (--requests, --batch, --prefillers, ...; and
+    /// such --config keys) are refused with it.
     #[arg(long)]
     pub attach: Option<PathBuf>,
     /// With --attach: live attachments at most.
@@ -100,6 +102,9 @@ pub fn run(a: SenderArgs) -> ExitCode {
         return super::usage_error("--connect has an empty endpoint");
     }
     if let Some(path) = a.attach.clone() {
+        if let Err(e) = refuse_unused_with_attach(&a) {
+            return super::usage_error(e);
+        }
         return serve_attached(&a, &cfg, path);
     }
     let server: Mutex<Option<MetricsServer>> = Mutex::new(None);
@@ -131,6 +136,67 @@ pub fn run(a: SenderArgs) -> ExitCode {
         eprintln!("kvferry: {e}");
     }
     finish(result, a.json)
+}
+
+/// The `--config` keys `--attach` uses: the sender's geometry, data
+/// plane and bounds. Every other key configures the load generator.
+const ATTACH_CONFIG_KEYS: [&str; 5] = [
+    "chunk_bytes",
+    "staging_slots",
+    "transport",
+    "max_pending_bytes",
+    "static_buffers",
+];
+
+/// `--attach` serves workers instead of generating load: every load option
+/// it would ignore (on the command line or as a `--config` key) is an
+/// error naming it, never silently dropped.
+fn refuse_unused_with_attach(a: &SenderArgs) -> Result<(), String> {
+    let l = &a.load;
+    let mut unused: Vec<String> = [
+        ("--prefillers", l.prefillers.is_some()),
+        ("--decoders", l.decoders.is_some()),
+        ("--requests", l.requests.is_some()),
+        ("--chunks", l.chunks.is_some()),
+        ("--batch", l.batch.is_some()),
+        ("--capacity-chunks", l.capacity_chunks.is_some()),
+        ("--concurrency", l.concurrency.is_some()),
+        ("--abort-rate", l.abort_rate.is_some()),
+        ("--fail-rate", l.fail_rate.is_some()),
+        ("--seed", l.seed.is_some()),
+        ("--stall-timeout", l.stall_timeout.is_some()),
+        ("--copy-store", l.copy_store),
+        ("--key-format", a.key_format.is_some()),
+        ("--json", a.json),
+        ("--quiet", a.quiet),
+    ]
+    .into_iter()
+    .filter(|&(_, set)| set)
+    .map(|(name, _)| name.to_owned())
+    .collect();
+    if let Some(path) = &l.config {
+        // Read again for its keys (`LoadArgs::config` parsed it already).
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let table: toml::Table =
+            toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        unused.extend(
+            table
+                .keys()
+                .filter(|k| !ATTACH_CONFIG_KEYS.contains(&k.as_str()))
+                .map(|k| format!("{k} (in {})", path.display())),
+        );
+    }
+    if unused.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "--attach serves attached prefill workers and generates no load, so it does not use {}; \
+         it uses --connect, --proxy, --sender-id, --metrics, --static-buffer, --chunk-bytes, \
+         --staging-slots, --transport, the --attach-* options and, from --config, {}",
+        unused.join(", "),
+        ATTACH_CONFIG_KEYS.join(", ")
+    ))
 }
 
 /// `--attach`: one sender serving attached prefill workers until

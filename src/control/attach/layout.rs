@@ -4,11 +4,11 @@
 
 use kvferry_ring::Plain;
 
-use crate::protocol::ErrorCode;
+use crate::protocol::{chunk_bytes_of, ErrorCode, ProtocolError};
 
 /// Attach protocol version, carried in the hello; bumped on any change of
 /// an entry layout, the hello or a code's meaning.
-pub const ATTACH_VERSION: u32 = 3;
+pub const ATTACH_VERSION: u32 = 4;
 /// First 8 bytes of the hello.
 pub const HELLO_MAGIC: [u8; 8] = *b"KVFATCH1";
 /// Size of the hello message in bytes.
@@ -26,9 +26,22 @@ pub const NO_TOKENS: u32 = u32::MAX;
 pub const ROLE_DECODER: u32 = 1;
 /// Role announced in the hello: a prefill worker attached to a sender.
 pub const ROLE_PREFILL: u32 = 2;
-/// Longest text (req_id of a BEGIN, key of a KEY) a [`PrefillSubmit`]
-/// carries inline.
+/// Longest text (key of a KEY; a BEGIN's req_id is at most
+/// [`MAX_REQ_ID`]) a [`PrefillSubmit`] carries inline.
 pub const MAX_TEXT: usize = 224;
+/// Most dimensions of a BEGIN's chunk shape (the receiver's default
+/// `Limits::max_shape_dims`).
+pub const MAX_SHAPE_DIMS: usize = 8;
+/// Longest dtype name a BEGIN carries, in bytes.
+pub const MAX_DTYPE: usize = 32;
+/// Where a BEGIN's [`BeginGeometry`] starts in [`PrefillSubmit::text`]
+/// (after the req_id's [`MAX_REQ_ID`] bytes; entry offset 144).
+pub const GEOMETRY_AT: usize = MAX_REQ_ID;
+/// Bytes of a [`BeginGeometry`] in a BEGIN entry.
+pub const GEOMETRY_LEN: usize = 112;
+/// Element type of a BEGIN that leaves its dtype empty (the sender's
+/// default, `RequestSpec::new`).
+pub const DEFAULT_DTYPE: &str = "uint8";
 
 /// Hello status: attached.
 pub const STATUS_OK: u32 = 0;
@@ -126,6 +139,16 @@ pub enum Refusal {
     /// index or length out of range, or a key not UTF-8.
     #[error("bad batch, index, length or key")]
     BadBatch = 11,
+    /// A BEGIN whose chunk geometry ([`BeginGeometry`]) is out of range:
+    /// more than [`MAX_SHAPE_DIMS`] dimensions, a dimension below 1, a
+    /// dtype longer than [`MAX_DTYPE`], not UTF-8 or unknown, a negative
+    /// `fmt`, or a chunk larger than the sender's `chunk_bytes`.
+    #[error("bad chunk geometry (fmt, shape or dtype)")]
+    BadGeometry = 12,
+    /// A SUBMIT whose last chunk's token count is past the largest
+    /// dimension of its request's shape. The batch goes back.
+    #[error("last chunk's token count out of range")]
+    BadTokens = 13,
 }
 
 impl Refusal {
@@ -144,6 +167,8 @@ impl Refusal {
             UnknownReceiver,
             SenderRefused,
             BadBatch,
+            BadGeometry,
+            BadTokens,
         ]
         .into_iter()
         .find(|r| *r as u32 == code)
@@ -236,11 +261,15 @@ pub struct PrefillSubmit {
     pub a: u32,
     /// BEGIN: total chunks; STAGE: slots; KEY: chunk index; SUBMIT: chunks.
     pub b: u32,
-    /// Reserved, zero.
-    pub reserved: u32,
+    /// SUBMIT: the token count of the batch's last chunk
+    /// (`AllocRequest.last_chunk_toks`), [`NO_TOKENS`] for the default (its
+    /// length in bytes); otherwise 0.
+    pub c: u32,
     /// Bytes of `text` used.
     pub text_len: u32,
-    /// BEGIN: the req_id; KEY: the chunk key (UTF-8).
+    /// BEGIN: the req_id (at most [`MAX_REQ_ID`] bytes), then at
+    /// [`GEOMETRY_AT`] the request's [`BeginGeometry`]; KEY: the chunk key
+    /// (UTF-8).
     pub text: [u8; MAX_TEXT],
 }
 
@@ -257,7 +286,7 @@ impl PrefillSubmit {
             tag,
             a,
             b,
-            reserved: 0,
+            c: 0,
             text_len: 0,
             text: [0; MAX_TEXT],
         }
@@ -284,6 +313,227 @@ impl PrefillSubmit {
             return None;
         }
         std::str::from_utf8(&self.text[..len]).ok()
+    }
+
+    /// A BEGIN of `req_id` (1..=[`MAX_REQ_ID`] bytes, else `None`) to
+    /// receiver index `receiver` with `total` chunks of `geometry`.
+    pub fn begin(
+        tag: u64,
+        receiver: u32,
+        total: u32,
+        req_id: &str,
+        geometry: &BeginGeometry,
+    ) -> Option<Self> {
+        if req_id.len() > MAX_REQ_ID {
+            return None;
+        }
+        let mut s = Self::with_text(OP_BEGIN, tag, receiver, total, 0, req_id)?;
+        s.text[GEOMETRY_AT..].copy_from_slice(&geometry.encode());
+        Some(s)
+    }
+
+    /// A BEGIN's req_id, validated: `None` if its length is 0 or above
+    /// [`MAX_REQ_ID`] or it is not UTF-8.
+    pub fn begin_req_id(&self) -> Option<&str> {
+        self.text().filter(|t| t.len() <= MAX_REQ_ID)
+    }
+
+    /// A BEGIN's geometry as it is in the entry (unchecked: see
+    /// [`BeginGeometry::check`]).
+    pub fn geometry(&self) -> BeginGeometry {
+        let mut b = [0u8; GEOMETRY_LEN];
+        b.copy_from_slice(&self.text[GEOMETRY_AT..]);
+        BeginGeometry::decode(&b)
+    }
+
+    /// A SUBMIT of the first `chunks` chunks of batch `batch`, the last
+    /// one of `last_chunk_toks` tokens (`None`: the default).
+    pub fn submit(tag: u64, batch: u32, chunks: u32, last_chunk_toks: Option<u32>) -> Self {
+        let mut s = Self::of(OP_SUBMIT, tag, batch, chunks, 0);
+        s.c = last_chunk_toks.unwrap_or(NO_TOKENS);
+        s
+    }
+}
+
+/// The chunk geometry of a request, carried by its BEGIN (bytes 144..256
+/// of the entry): `AllocRequest.fmt`, `shape` and `dtype` of every
+/// AllocRequest of the request. All zero (`Default`): the sender's
+/// defaults, shape `[chunk_bytes]` of [`DEFAULT_DTYPE`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[repr(C)]
+pub struct BeginGeometry {
+    /// KV memory format code, passed through (at least 0).
+    pub fmt: i64,
+    /// Shape of one full chunk; the first `ndims` are used.
+    pub shape: [i64; MAX_SHAPE_DIMS],
+    /// Dimensions used, `0..=MAX_SHAPE_DIMS`; 0: `[chunk_bytes]`.
+    pub ndims: u32,
+    /// Bytes of `dtype` used, `0..=MAX_DTYPE`; 0: [`DEFAULT_DTYPE`].
+    pub dtype_len: u32,
+    /// Element type name, e.g. `"bfloat16"` (see `protocol::dtype_size`).
+    pub dtype: [u8; MAX_DTYPE],
+}
+
+/// Why a BEGIN's [`BeginGeometry`] was refused ([`Refusal::BadGeometry`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GeometryError {
+    /// `ndims` above [`MAX_SHAPE_DIMS`].
+    #[error("{ndims} shape dimensions, at most {MAX_SHAPE_DIMS}")]
+    TooManyDims {
+        /// The entry's `ndims`.
+        ndims: u32,
+    },
+    /// `dtype_len` above [`MAX_DTYPE`].
+    #[error("dtype of {len} bytes, at most {MAX_DTYPE}")]
+    DtypeTooLong {
+        /// The entry's `dtype_len`.
+        len: u32,
+    },
+    /// The dtype bytes are not UTF-8.
+    #[error("dtype is not UTF-8")]
+    DtypeNotUtf8,
+    /// A negative `fmt`.
+    #[error("negative fmt {0}")]
+    NegativeFmt(i64),
+    /// The shape and dtype do not make a chunk size (an unknown dtype, a
+    /// dimension below 1, an overflow).
+    #[error("{0}")]
+    Chunk(ProtocolError),
+    /// A full chunk larger than the sender's slots.
+    #[error("a chunk of this shape is {bytes} bytes, larger than the {max}-byte slots")]
+    TooLarge {
+        /// Bytes of one full chunk.
+        bytes: u64,
+        /// The sender's `chunk_bytes`.
+        max: u64,
+    },
+}
+
+/// A [`BeginGeometry`] that passed [`BeginGeometry::check`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckedGeometry<'a> {
+    /// `fmt`, at least 0.
+    pub fmt: i64,
+    /// The shape (empty: the sender's default, `[chunk_bytes]`).
+    pub shape: &'a [i64],
+    /// The dtype name (the default filled in).
+    pub dtype: &'a str,
+    /// Most tokens a chunk can have: its shape's largest dimension (the
+    /// token axis is one of them).
+    pub max_tokens: u64,
+}
+
+impl BeginGeometry {
+    /// A geometry of `fmt`, `shape` (at most [`MAX_SHAPE_DIMS`]; empty:
+    /// the default) and `dtype` (at most [`MAX_DTYPE`] bytes; empty: the
+    /// default); `None` past a bound.
+    pub fn new(fmt: i64, shape: &[i64], dtype: &str) -> Option<Self> {
+        if shape.len() > MAX_SHAPE_DIMS || dtype.len() > MAX_DTYPE {
+            return None;
+        }
+        let mut g = Self {
+            fmt,
+            ndims: shape.len() as u32,
+            dtype_len: dtype.len() as u32,
+            ..Self::default()
+        };
+        g.shape[..shape.len()].copy_from_slice(shape);
+        g.dtype[..dtype.len()].copy_from_slice(dtype.as_bytes());
+        Some(g)
+    }
+
+    /// Checks every field against the bounds and a sender of `chunk_bytes`
+    /// slots (a full chunk must fit one).
+    pub fn check(&self, chunk_bytes: u64) -> Result<CheckedGeometry<'_>, GeometryError> {
+        let ndims = self.ndims as usize;
+        if ndims > MAX_SHAPE_DIMS {
+            return Err(GeometryError::TooManyDims { ndims: self.ndims });
+        }
+        let len = self.dtype_len as usize;
+        if len > MAX_DTYPE {
+            return Err(GeometryError::DtypeTooLong {
+                len: self.dtype_len,
+            });
+        }
+        let dtype = match std::str::from_utf8(&self.dtype[..len]) {
+            Ok("") => DEFAULT_DTYPE,
+            Ok(d) => d,
+            Err(_) => return Err(GeometryError::DtypeNotUtf8),
+        };
+        if self.fmt < 0 {
+            return Err(GeometryError::NegativeFmt(self.fmt));
+        }
+        let shape = &self.shape[..ndims];
+        // The sender's default shape, as the request will carry it.
+        let default = [i64::try_from(chunk_bytes).unwrap_or(i64::MAX)];
+        let effective = if shape.is_empty() {
+            &default[..]
+        } else {
+            shape
+        };
+        let bytes = chunk_bytes_of(effective, dtype).map_err(GeometryError::Chunk)?;
+        if bytes > chunk_bytes {
+            return Err(GeometryError::TooLarge {
+                bytes,
+                max: chunk_bytes,
+            });
+        }
+        // Every dimension is at least 1 (checked by `chunk_bytes_of`).
+        let max_tokens = effective.iter().map(|&d| d as u64).max().unwrap_or(0);
+        Ok(CheckedGeometry {
+            fmt: self.fmt,
+            shape,
+            dtype,
+            max_tokens,
+        })
+    }
+
+    /// The wire form ([`GEOMETRY_LEN`] bytes, little-endian, at the
+    /// asserted field offsets).
+    pub fn encode(&self) -> [u8; GEOMETRY_LEN] {
+        use std::mem::offset_of;
+        let mut b = [0u8; GEOMETRY_LEN];
+        let fmt = offset_of!(Self, fmt);
+        b[fmt..fmt + 8].copy_from_slice(&self.fmt.to_le_bytes());
+        let shape = offset_of!(Self, shape);
+        for (i, d) in self.shape.iter().enumerate() {
+            b[shape + 8 * i..shape + 8 * i + 8].copy_from_slice(&d.to_le_bytes());
+        }
+        let ndims = offset_of!(Self, ndims);
+        b[ndims..ndims + 4].copy_from_slice(&self.ndims.to_le_bytes());
+        let dtype_len = offset_of!(Self, dtype_len);
+        b[dtype_len..dtype_len + 4].copy_from_slice(&self.dtype_len.to_le_bytes());
+        let dtype = offset_of!(Self, dtype);
+        b[dtype..dtype + MAX_DTYPE].copy_from_slice(&self.dtype);
+        b
+    }
+
+    /// Parses the wire form (unchecked).
+    pub fn decode(b: &[u8; GEOMETRY_LEN]) -> Self {
+        use std::mem::offset_of;
+        let w8 = |at: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&b[at..at + 8]);
+            i64::from_le_bytes(w)
+        };
+        let w4 = |at: usize| {
+            let mut w = [0u8; 4];
+            w.copy_from_slice(&b[at..at + 4]);
+            u32::from_le_bytes(w)
+        };
+        let mut g = Self {
+            fmt: w8(offset_of!(Self, fmt)),
+            ndims: w4(offset_of!(Self, ndims)),
+            dtype_len: w4(offset_of!(Self, dtype_len)),
+            ..Self::default()
+        };
+        let shape = offset_of!(Self, shape);
+        for (i, d) in g.shape.iter_mut().enumerate() {
+            *d = w8(shape + 8 * i);
+        }
+        let dtype = offset_of!(Self, dtype);
+        g.dtype.copy_from_slice(&b[dtype..dtype + MAX_DTYPE]);
+        g
     }
 }
 
@@ -363,9 +613,16 @@ const _: () = {
     assert!(std::mem::offset_of!(PrefillSubmit, tag) == 8);
     assert!(std::mem::offset_of!(PrefillSubmit, a) == 16);
     assert!(std::mem::offset_of!(PrefillSubmit, b) == 20);
-    assert!(std::mem::offset_of!(PrefillSubmit, reserved) == 24);
+    assert!(std::mem::offset_of!(PrefillSubmit, c) == 24);
     assert!(std::mem::offset_of!(PrefillSubmit, text_len) == 28);
     assert!(std::mem::offset_of!(PrefillSubmit, text) == 32);
+    assert!(std::mem::size_of::<BeginGeometry>() == GEOMETRY_LEN);
+    assert!(GEOMETRY_AT + GEOMETRY_LEN == MAX_TEXT);
+    assert!(std::mem::offset_of!(BeginGeometry, fmt) == 0);
+    assert!(std::mem::offset_of!(BeginGeometry, shape) == 8);
+    assert!(std::mem::offset_of!(BeginGeometry, ndims) == 72);
+    assert!(std::mem::offset_of!(BeginGeometry, dtype_len) == 76);
+    assert!(std::mem::offset_of!(BeginGeometry, dtype) == 80);
     assert!(std::mem::size_of::<DecoderSubmit>() == 128);
     assert!(std::mem::offset_of!(DecoderSubmit, op) == 0);
     assert!(std::mem::offset_of!(DecoderSubmit, req_id_len) == 4);
@@ -555,7 +812,7 @@ mod tests {
         h.share = 2;
         let b = h.encode();
         assert_eq!(&b[0..8], b"KVFATCH1");
-        assert_eq!(u32_at(&b, 8), 3);
+        assert_eq!(u32_at(&b, 8), 4);
         assert_eq!(u32_at(&b, 20), 7);
         assert_eq!(u64_at(&b, 40), 16);
         assert_eq!(u32_at(&b, 72), 3);
@@ -604,9 +861,100 @@ mod tests {
         }
         assert_eq!(error_from_number(0), None);
         assert_eq!(error_from_number(999), None);
-        for r in 1..=11 {
+        for r in 1..=13 {
             assert_eq!(Refusal::from_code(r).map(|r| r as u32), Some(r));
         }
-        assert_eq!(Refusal::from_code(12), None);
+        assert_eq!(Refusal::from_code(14), None);
+    }
+
+    #[test]
+    fn begin_carries_its_geometry_at_the_documented_offsets() {
+        let g = BeginGeometry::new(3, &[2, 4, 16], "bfloat16").unwrap();
+        let s = PrefillSubmit::begin(9, 1, 5, "req-1", &g).unwrap();
+        let bytes: Vec<u8> = [
+            &s.op.to_le_bytes()[..],
+            &s.len.to_le_bytes(),
+            &s.tag.to_le_bytes(),
+            &s.a.to_le_bytes(),
+            &s.b.to_le_bytes(),
+            &s.c.to_le_bytes(),
+            &s.text_len.to_le_bytes(),
+            &s.text,
+        ]
+        .concat();
+        let at = |off: usize, n: usize| &bytes[off..off + n];
+        assert_eq!(at(0, 4), OP_BEGIN.to_le_bytes());
+        assert_eq!(at(28, 4), 5u32.to_le_bytes());
+        assert_eq!(at(32, 5), b"req-1");
+        assert_eq!(at(144, 8), 3i64.to_le_bytes());
+        assert_eq!(at(152, 8), 2i64.to_le_bytes());
+        assert_eq!(at(168, 8), 16i64.to_le_bytes());
+        assert_eq!(at(216, 4), 3u32.to_le_bytes());
+        assert_eq!(at(220, 4), 8u32.to_le_bytes());
+        assert_eq!(at(224, 8), b"bfloat16");
+        assert_eq!(s.geometry(), g);
+        assert_eq!(s.begin_req_id(), Some("req-1"));
+        let c = g.check(4096).unwrap();
+        assert_eq!(
+            (c.fmt, c.shape, c.dtype, c.max_tokens),
+            (3, &[2, 4, 16][..], "bfloat16", 16)
+        );
+        // Defaults: all zero.
+        let zero = BeginGeometry::default();
+        let d = zero.check(4096).unwrap();
+        assert_eq!((d.shape, d.dtype, d.max_tokens), (&[][..], "uint8", 4096));
+        assert!(PrefillSubmit::begin(1, 0, 1, &"r".repeat(MAX_REQ_ID + 1), &g).is_none());
+        assert!(BeginGeometry::new(0, &[1; MAX_SHAPE_DIMS + 1], "").is_none());
+        assert!(BeginGeometry::new(0, &[], &"x".repeat(MAX_DTYPE + 1)).is_none());
+        let s = PrefillSubmit::submit(9, 2, 3, Some(7));
+        assert_eq!((s.op, s.a, s.b, s.c), (OP_SUBMIT, 2, 3, 7));
+        assert_eq!(PrefillSubmit::submit(9, 2, 3, None).c, NO_TOKENS);
+    }
+
+    #[test]
+    fn every_out_of_range_geometry_is_a_typed_error() {
+        let ok = BeginGeometry::new(1, &[2, 8], "bf16").unwrap();
+        let mut g = ok;
+        g.ndims = MAX_SHAPE_DIMS as u32 + 1;
+        assert_eq!(g.check(4096), Err(GeometryError::TooManyDims { ndims: 9 }));
+        g.ndims = u32::MAX;
+        assert!(matches!(
+            g.check(4096),
+            Err(GeometryError::TooManyDims { .. })
+        ));
+        let mut g = ok;
+        g.dtype_len = MAX_DTYPE as u32 + 1;
+        assert_eq!(g.check(4096), Err(GeometryError::DtypeTooLong { len: 33 }));
+        let mut g = ok;
+        g.dtype[0] = 0xff;
+        assert_eq!(g.check(4096), Err(GeometryError::DtypeNotUtf8));
+        let g = BeginGeometry::new(0, &[2, 8], "bfloat17").unwrap();
+        assert!(matches!(
+            g.check(4096),
+            Err(GeometryError::Chunk(ProtocolError::UnknownDtype(_)))
+        ));
+        let g = BeginGeometry::new(-1, &[2, 8], "bf16").unwrap();
+        assert_eq!(g.check(4096), Err(GeometryError::NegativeFmt(-1)));
+        let g = BeginGeometry::new(0, &[2, -8], "bf16").unwrap();
+        assert!(matches!(
+            g.check(4096),
+            Err(GeometryError::Chunk(ProtocolError::NonPositiveDim { .. }))
+        ));
+        let g = BeginGeometry::new(0, &[i64::MAX, i64::MAX], "bf16").unwrap();
+        assert_eq!(
+            g.check(4096),
+            Err(GeometryError::Chunk(ProtocolError::ChunkBytesOverflow))
+        );
+        let g = BeginGeometry::new(0, &[2, 2048], "bf16").unwrap();
+        assert_eq!(
+            g.check(4096),
+            Err(GeometryError::TooLarge {
+                bytes: 8192,
+                max: 4096
+            })
+        );
+        // The default shape with a 2-byte dtype is two slots' worth.
+        let g = BeginGeometry::new(0, &[], "bf16").unwrap();
+        assert!(matches!(g.check(4096), Err(GeometryError::TooLarge { .. })));
     }
 }

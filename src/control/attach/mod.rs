@@ -25,7 +25,7 @@ mod session;
 
 pub use client::{AttachError, ChunkDesc, DecoderClient, Delivery, Event};
 pub use daemon::AttachConfig;
-pub use layout::Refusal;
+pub use layout::{BeginGeometry, GeometryError, Refusal};
 pub use prefill::PrefillDaemon;
 pub use prefill_client::{PrefillClient, PrefillEvent, StagedSlots};
 pub use session::DecoderDaemon;

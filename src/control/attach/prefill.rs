@@ -22,8 +22,8 @@ use kvferry_ring::spsc::Consumer;
 use super::daemon::{AttachConfig, Daemon, DaemonShared, OpenRefused, Role};
 use super::layout::{
     error_number, DecoderEvent, Hello, PrefillSubmit, Refusal, EV_DONE, EV_FAILED, EV_REFUSED,
-    EV_SLOT, EV_STAGED, MAX_TEXT, OP_BEGIN, OP_CANCEL, OP_KEY, OP_STAGE, OP_SUBMIT, ROLE_PREFILL,
-    STATUS_NO_SHARE, STATUS_OK,
+    EV_SLOT, EV_STAGED, MAX_TEXT, NO_TOKENS, OP_BEGIN, OP_CANCEL, OP_KEY, OP_STAGE, OP_SUBMIT,
+    ROLE_PREFILL, STATUS_NO_SHARE, STATUS_OK,
 };
 use super::poll::readable;
 use super::poll::Peer;
@@ -152,6 +152,9 @@ struct Held {
 /// One request of the worker.
 struct Req {
     request: Request,
+    /// Most tokens its SUBMITs may give a last chunk (the largest
+    /// dimension of its shape).
+    max_tokens: u64,
     /// Batches staged and not submitted, by the worker's batch id.
     held: HashMap<u32, Held>,
     /// STAGEs waiting for admission or free staging: (batch id, slots).
@@ -267,13 +270,26 @@ impl Session {
         if self.tags.len() >= self.shared.cfg.max_outstanding {
             return self.refuse(s.tag, Refusal::TooManyOutstanding);
         }
-        let Some(req_id) = s.text() else {
+        let Some(req_id) = s.begin_req_id() else {
             return self.refuse(s.tag, Refusal::BadReqId);
         };
         let Some(receiver) = self.shared.role.receivers.get(s.a as usize) else {
             return self.refuse(s.tag, Refusal::UnknownReceiver);
         };
-        let spec = RequestSpec::new(req_id, receiver.as_str(), s.b as usize);
+        let entry = s.geometry();
+        let geometry = match entry.check(self.share.layout().slot_bytes) {
+            Ok(g) => g,
+            Err(e) => {
+                tracing::debug!(tag = s.tag, error = %e, "bad geometry");
+                return self.refuse(s.tag, Refusal::BadGeometry);
+            }
+        };
+        let spec = RequestSpec {
+            fmt: geometry.fmt,
+            shape: geometry.shape.to_vec(),
+            dtype: geometry.dtype.to_owned(),
+            ..RequestSpec::new(req_id, receiver.as_str(), s.b as usize)
+        };
         match self.shared.role.sender.begin(spec) {
             Ok(request) => {
                 tracing::debug!(tag = s.tag, req_id, "begun");
@@ -281,6 +297,7 @@ impl Session {
                     s.tag,
                     Req {
                         request,
+                        max_tokens: geometry.max_tokens,
                         held: HashMap::new(),
                         pending: Vec::new(),
                         cancelled: false,
@@ -404,6 +421,8 @@ impl Session {
             .held
             .get(&s.a)
             .is_some_and(|h| m <= h.key_lens.len() && h.key_lens[..m].iter().all(|&l| l > 0));
+        let tokens = (s.c != NO_TOKENS).then_some(s.c);
+        let tokens_ok = tokens.is_none_or(|t| u64::from(t) <= r.max_tokens);
         // A refused SUBMIT gives the batch back (its slots are freed).
         let Some(h) = r.held.remove(&s.a) else {
             return self.refuse(s.tag, Refusal::BadBatch);
@@ -416,6 +435,9 @@ impl Session {
         if !complete {
             return self.refuse(s.tag, Refusal::BadBatch);
         }
+        if !tokens_ok {
+            return self.refuse(s.tag, Refusal::BadTokens);
+        }
         // One allocation per batch. UTF-8 was checked by
         // `PrefillSubmit::text` when each KEY came in.
         let keys: Vec<&str> = (0..m)
@@ -424,7 +446,11 @@ impl Session {
                 std::str::from_utf8(key).unwrap_or("")
             })
             .collect();
-        let result = h.batch.submit(&keys, &h.lens[..m]);
+        let mut batch = h.batch;
+        if let Some(t) = tokens {
+            batch.set_last_chunk_toks(i64::from(t));
+        }
+        let result = batch.submit(&keys, &h.lens[..m]);
         match result {
             Ok(()) => tracing::debug!(tag = s.tag, batch = s.a, chunks = m, "submitted"),
             Err(e) => self.refuse_store(s.tag, &e),

@@ -13,8 +13,9 @@ use memmap2::MmapMut;
 
 use super::client::{doorbell, follow_ons, handshake, next_entry, ring_socket, AttachError};
 use super::layout::{
-    error_from_number, DecoderEvent, Hello, PrefillSubmit, Refusal, EV_DONE, EV_FAILED, EV_REFUSED,
-    EV_SLOT, EV_STAGED, MAX_TEXT, OP_BEGIN, OP_CANCEL, OP_KEY, OP_STAGE, OP_SUBMIT, ROLE_PREFILL,
+    error_from_number, BeginGeometry, DecoderEvent, Hello, PrefillSubmit, Refusal, EV_DONE,
+    EV_FAILED, EV_REFUSED, EV_SLOT, EV_STAGED, MAX_REQ_ID, MAX_TEXT, OP_CANCEL, OP_KEY, OP_STAGE,
+    ROLE_PREFILL,
 };
 use crate::protocol::ErrorCode;
 
@@ -25,6 +26,7 @@ pub struct StagedSlots {
     tag: u64,
     id: u32,
     slots: Vec<u32>,
+    last_chunk_toks: Option<u32>,
 }
 
 impl StagedSlots {
@@ -41,6 +43,16 @@ impl StagedSlots {
     /// True for a batch of no slots (an empty last batch).
     pub fn is_empty(&self) -> bool {
         self.slots.is_empty()
+    }
+
+    /// Sets the token count of the batch's last submitted chunk
+    /// (`AllocRequest.last_chunk_toks`; default: its length in bytes), as
+    /// `StagedBatch::set_last_chunk_toks` does in process. At most the
+    /// largest dimension of the request's shape (the daemon refuses the
+    /// SUBMIT otherwise, [`Refusal::BadTokens`]); `u32::MAX` means the
+    /// default.
+    pub fn set_last_chunk_toks(&mut self, toks: u32) {
+        self.last_chunk_toks = Some(toks);
     }
 }
 
@@ -184,16 +196,33 @@ impl PrefillClient {
         }
     }
 
-    /// Begins request `req_id` (1..=[`MAX_TEXT`] bytes) of `total_chunks`
-    /// chunks to the daemon's receiver number `receiver`; returns its tag.
+    /// Begins request `req_id` (1..=[`MAX_REQ_ID`] bytes) of
+    /// `total_chunks` chunks to the daemon's receiver number `receiver`,
+    /// with the sender's default chunk geometry (shape `[chunk_bytes]` of
+    /// `uint8`, fmt 0); returns its tag.
     pub fn begin(
         &mut self,
         req_id: &str,
         receiver: u32,
         total_chunks: u32,
     ) -> Result<u64, AttachError> {
+        self.begin_with(req_id, receiver, total_chunks, &BeginGeometry::default())
+    }
+
+    /// [`begin`](Self::begin) with the request's chunk geometry (fmt,
+    /// shape, dtype: what every AllocRequest of the request carries, as a
+    /// `RequestSpec` does in process). The daemon checks it
+    /// ([`BeginGeometry::check`]) and refuses the BEGIN with
+    /// [`Refusal::BadGeometry`] if it is out of range.
+    pub fn begin_with(
+        &mut self,
+        req_id: &str,
+        receiver: u32,
+        total_chunks: u32,
+        geometry: &BeginGeometry,
+    ) -> Result<u64, AttachError> {
         let tag = self.next_tag;
-        let s = PrefillSubmit::with_text(OP_BEGIN, tag, receiver, total_chunks, 0, req_id)
+        let s = PrefillSubmit::begin(tag, receiver, total_chunks, req_id, geometry)
             .ok_or(AttachError::BadReqId)?;
         self.push(s)?;
         self.next_tag += 1;
@@ -266,12 +295,11 @@ impl PrefillClient {
                 .ok_or(AttachError::BadReqId)?;
             self.push_waiting(s)?;
         }
-        self.push_waiting(PrefillSubmit::of(
-            OP_SUBMIT,
+        self.push_waiting(PrefillSubmit::submit(
             b.tag,
             b.id,
             keys.len() as u32,
-            0,
+            b.last_chunk_toks,
         ))
     }
 
@@ -312,6 +340,7 @@ impl PrefillClient {
                     tag: ev.tag,
                     id: ev.a,
                     slots,
+                    last_chunk_toks: None,
                 }))
             }
             EV_DONE | EV_FAILED => {
@@ -347,4 +376,4 @@ impl PrefillClient {
     }
 }
 
-const _: () = assert!(MAX_TEXT <= u16::MAX as usize);
+const _: () = assert!(MAX_TEXT <= u16::MAX as usize && MAX_REQ_ID <= MAX_TEXT);

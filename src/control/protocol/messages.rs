@@ -152,23 +152,29 @@ impl AllocRequest {
     /// [`ProtocolError::NonPositiveDim`], [`ProtocolError::ChunkBytesOverflow`].
     /// (Decoding does not check these; the receiver calls this before it allocates.)
     pub fn chunk_bytes(&self) -> Result<u64, ProtocolError> {
-        let elem = dtype_size(&self.dtype)
-            .ok_or_else(|| ProtocolError::UnknownDtype(self.dtype.clone()))?;
-        if self.shape.is_empty() {
-            return Err(ProtocolError::EmptyShape);
-        }
-        let mut bytes = elem;
-        for (index, &dim) in self.shape.iter().enumerate() {
-            if dim <= 0 {
-                return Err(ProtocolError::NonPositiveDim { index, value: dim });
-            }
-            // dim > 0, so the cast to u64 is lossless.
-            bytes = bytes
-                .checked_mul(dim as u64)
-                .ok_or(ProtocolError::ChunkBytesOverflow)?;
-        }
-        Ok(bytes)
+        chunk_bytes_of(&self.shape, &self.dtype)
     }
+}
+
+/// Bytes of one full chunk of `shape` and `dtype` (see
+/// [`AllocRequest::chunk_bytes`], same errors): the one definition, also
+/// used where a request's geometry is checked before it is sent (attach).
+pub fn chunk_bytes_of(shape: &[i64], dtype: &str) -> Result<u64, ProtocolError> {
+    let elem = dtype_size(dtype).ok_or_else(|| ProtocolError::UnknownDtype(dtype.to_owned()))?;
+    if shape.is_empty() {
+        return Err(ProtocolError::EmptyShape);
+    }
+    let mut bytes = elem;
+    for (index, &dim) in shape.iter().enumerate() {
+        if dim <= 0 {
+            return Err(ProtocolError::NonPositiveDim { index, value: dim });
+        }
+        // dim > 0, so the cast to u64 is lossless.
+        bytes = bytes
+            .checked_mul(dim as u64)
+            .ok_or(ProtocolError::ChunkBytesOverflow)?;
+    }
+    Ok(bytes)
 }
 
 /// Receiver → sender: the reply to an AllocRequest (or, with no indexes, to a CancelNotif).

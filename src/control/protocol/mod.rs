@@ -55,8 +55,8 @@ pub use error::ProtocolError;
 pub use error_code::ErrorCode;
 pub use limits::Limits;
 pub use messages::{
-    AllocRequest, AllocResponse, CancelNotif, Descriptor, Heartbeat, Hello, HelloAck, Message,
-    ProxyFailed, ProxyNotif, TransferDone, GID_LEN,
+    chunk_bytes_of, AllocRequest, AllocResponse, CancelNotif, Descriptor, Heartbeat, Hello,
+    HelloAck, Message, ProxyFailed, ProxyNotif, TransferDone, GID_LEN,
 };
 pub use placement::{placement, Placement, PlacementError};
 pub use scan::{peek_reply_hints, ReplyHints};
