@@ -231,9 +231,9 @@ impl RdmaPoster {
             last.signalled = true;
         }
         // SAFETY: every local range lies inside one MR (`source` above): a
-        // staging segment's, whose MR keeps the buffer alive and which the
-        // CQ thread (which holds the CQ these writes complete on) keeps
-        // registered until it is joined, or a caller's region, whose memory
+        // staging segment's, whose MR keeps the buffer alive (the CQ
+        // thread, which holds the CQ these writes complete on, keeps the
+        // MR table until it is joined), or a caller's region, whose memory
         // the caller keeps allocated while registered
         // (`LocalRegistry::register`'s contract); the read view keeps each
         // MR registered until the post returned. The sender neither reuses
