@@ -23,6 +23,8 @@ mod suite;
 
 #[path = "common_sender/mod.rs"]
 mod common_sender;
+#[path = "common/process.rs"]
+mod process;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -1297,6 +1299,248 @@ fn bench_registered_memory_vs_store_over_rdma() {
             size >> 10,
             requests,
             reg / store
+        );
+    }
+}
+
+// ----- staging shares: one memory region each, renewed per hand-out ---------
+
+/// Role of a re-executed child of the share tests (the test's name).
+const ENV_ROLE: &str = "KVFERRY_RDMA_TEST_ROLE";
+/// The prefill daemon's socket, for the child.
+const ENV_SOCK: &str = "KVFERRY_RDMA_TEST_SOCK";
+
+/// A sender over rdma whose staging buffer is `shares` staging shares of
+/// `per_share` slots of [`common_sender::CHUNK`] bytes each.
+fn rdma_share_sender(shares: usize, per_share: usize) -> kvferry::sender::Sender {
+    kvferry::sender::Sender::with_transport(
+        kvferry::sender::SenderConfig {
+            transport: "rdma".into(),
+            staging_shares: shares,
+            ..common_sender::sender_cfg(shares * per_share, None)
+        },
+        Box::new(RdmaTransport::new(env_cfg()).expect("rdma sender transport")),
+    )
+    .expect("rdma sender starts")
+}
+
+/// The re-executed worker of the fork test: attaches, maps its share's
+/// memfd a second time *without* `MADV_DONTFORK` (a hostile worker's
+/// choice), forks a child that keeps that mapping, detaches and exits.
+/// The child closes every descriptor but stdio (so the attachment ends
+/// with the worker) and, for each `W` read on stdin, writes 0xEE over the
+/// whole mapping and answers `WROTE`; on EOF it exits. After `fork` it
+/// makes only async-signal-safe calls (close_range, read, write, memset,
+/// _exit).
+fn forking_worker_main() {
+    use kvferry::attach::PrefillClient;
+    let sock = std::env::var(ENV_SOCK).expect("the daemon's socket");
+    let c = PrefillClient::connect(&sock, common_sender::WAIT).expect("the worker attaches");
+    let len = c.share_file().metadata().unwrap().len() as usize;
+    // SAFETY: a fresh shared mapping of the share memfd this process was
+    // given; written only by the forked child below.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            std::os::fd::AsRawFd::as_raw_fd(c.share_file()),
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED, "mmap of the share");
+    println!("SHARE {}", c.hello().share);
+    // SAFETY: the child below runs only async-signal-safe code.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        // SAFETY (the whole child): raw syscalls on its own descriptors and
+        // its inherited mapping `p` of `len` bytes, then `_exit`.
+        unsafe {
+            libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32);
+            let mut buf = [0u8; 16];
+            loop {
+                let n = libc::read(0, buf.as_mut_ptr().cast(), buf.len());
+                if n <= 0 {
+                    libc::_exit(0);
+                }
+                for &b in &buf[..n as usize] {
+                    if b == b'W' {
+                        std::ptr::write_bytes(p.cast::<u8>(), 0xEE, len);
+                        let msg = b"WROTE\n";
+                        libc::write(1, msg.as_ptr().cast(), msg.len());
+                    }
+                }
+            }
+        }
+    }
+    assert!(pid > 0, "fork: {}", std::io::Error::last_os_error());
+    println!("FORKED {pid}");
+    drop(c);
+    println!("DETACHED");
+}
+
+/// A worker that forked a child keeping a mapping of its share, then
+/// exited: the share goes to the next worker (a fresh memfd, its memory
+/// region registered again over the fresh pages), the child writes 0xEE
+/// over its old mapping after the next worker filled its slots, and the
+/// receiver holds the next worker's bytes. Without the per-share renewal
+/// (one memory region pinning the old pages) the NIC would send the
+/// child's bytes.
+#[test]
+fn a_forked_child_of_an_exited_worker_cannot_write_the_share_the_next_worker_fills() {
+    const TEST: &str =
+        "a_forked_child_of_an_exited_worker_cannot_write_the_share_the_next_worker_fills";
+    if std::env::var(ENV_ROLE).as_deref() == Ok(TEST) {
+        return forking_worker_main();
+    }
+    if !device_or_skip(TEST) {
+        return;
+    }
+    use common_sender::{chunk_id, consume, key, payloads, unique, wait_for, WAIT};
+    use kvferry::attach::{AttachConfig, PrefillClient, PrefillDaemon, PrefillEvent};
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let dir = process::TempDir::new("kvferry-rdma-share");
+    let r = rdma_receiver();
+    let s = Arc::new(rdma_share_sender(1, 4));
+    let d = PrefillDaemon::start(
+        Arc::clone(&s),
+        vec![r.endpoint().to_owned()],
+        AttachConfig {
+            // The isolation from other processes is not what this tests,
+            // and the other tests of this binary share the process.
+            keep_dumpable: true,
+            ..AttachConfig::new(dir.sock())
+        },
+    )
+    .expect("prefill daemon starts");
+    let mut w = process::ChildProc::spawn(
+        Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", TEST, "--nocapture", "--test-threads=1"])
+            .env(ENV_ROLE, TEST)
+            .env(ENV_SOCK, d.socket())
+            .stdin(Stdio::piped()),
+    );
+    w.expect_line("SHARE 0");
+    w.expect_line("FORKED");
+    w.expect_line("DETACHED");
+    w.wait_success("the forking worker");
+    wait_for("the worker's session to end", || d.clients() == 0);
+    // The next worker (this process) gets the only share.
+    let mut c = PrefillClient::connect(d.socket(), WAIT).expect("the next worker attaches");
+    assert_eq!(c.hello().share, 0);
+    let (req, request, n) = (unique("rdma-fork"), 7u64, 4u32);
+    let tag = c.begin(&req, 0, n).unwrap();
+    c.stage(tag, n).unwrap();
+    let b = match c.next_event(common_sender::deadline()) {
+        Ok(PrefillEvent::Staged(b)) => b,
+        other => panic!("expected STAGED, got {other:?}"),
+    };
+    let (mut keys, mut lens) = (Vec::new(), Vec::new());
+    for i in 0..n {
+        let mut data = Vec::new();
+        payloads().fill(chunk_id(request, i, n), &mut data);
+        c.slot_mut(&b, i as usize).expect("held slot")[..data.len()].copy_from_slice(&data);
+        keys.push(key(&req, request, i, n));
+        lens.push(data.len() as u32);
+    }
+    // Filled; now the forked child writes every byte of its old mapping.
+    let stdin = w.child.stdin.as_mut().expect("piped stdin");
+    stdin
+        .write_all(b"W\n")
+        .and_then(|()| stdin.flush())
+        .unwrap();
+    w.expect_line("WROTE");
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    c.submit(b, &keys, &lens).expect("submitted");
+    match c.next_event(common_sender::deadline()) {
+        Ok(PrefillEvent::Done { tag: t }) => assert_eq!(t, tag),
+        other => panic!("expected DONE, got {other:?}"),
+    }
+    consume(&r, &req, request, n).unwrap_or_else(|e| panic!("{e}"));
+    // EOF: the forked child exits.
+    drop(w.child.stdin.take());
+}
+
+/// Runs one 4-chunk request staged in `share` of `s` to `r`,
+/// checking every byte at the receiver.
+fn request_from_share(
+    s: &kvferry::sender::Sender,
+    r: &kvferry::receiver::Receiver,
+    share: &kvferry::sender::StagingShare,
+    request: u64,
+) {
+    use common_sender::{chunk_id, consume, key, payloads, unique};
+    use kvferry::sender::{RequestSpec, RequestStatus, StoreError};
+    let (req_id, n) = (unique("rdma-renewed"), 4u32);
+    let req = s
+        .begin(RequestSpec::new(&req_id, r.endpoint(), n as usize))
+        .unwrap();
+    let end = common_sender::deadline();
+    let mut batch = loop {
+        match req.try_stage_in(share, n as usize) {
+            Ok(b) => break b,
+            Err(StoreError::NotAdmitted | StoreError::NoStagingNow) if Instant::now() < end => {
+                std::thread::sleep(Duration::from_millis(1))
+            }
+            Err(e) => panic!("staging {req_id} in share {}: {e}", share.index()),
+        }
+    };
+    let mut lens = Vec::new();
+    for (i, slot) in batch.slots_mut().enumerate() {
+        let mut data = Vec::new();
+        payloads().fill(chunk_id(request, i as u32, n), &mut data);
+        slot[..data.len()].copy_from_slice(&data);
+        lens.push(data.len() as u32);
+    }
+    let keys: Vec<String> = (0..n).map(|i| key(&req_id, request, i, n)).collect();
+    batch.submit(&keys, &lens).unwrap();
+    assert_eq!(req.wait(end), RequestStatus::Completed, "{req_id}");
+    consume(r, &req_id, request, n).unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// A share handed out again and again (each time deregistered, renewed
+/// onto a fresh memfd and registered again) still delivers every byte
+/// through its new memory region, as does the other share; prints what a
+/// renewal costs on this device (`--nocapture`: the time of one
+/// `take_share` of a used share, median of 20, per share size).
+#[test]
+fn a_share_renewed_at_every_hand_out_still_delivers_and_its_renewal_cost_is_printed() {
+    const TEST: &str =
+        "a_share_renewed_at_every_hand_out_still_delivers_and_its_renewal_cost_is_printed";
+    if !device_or_skip(TEST) {
+        return;
+    }
+    const ROUNDS: usize = 20;
+    let r = rdma_receiver();
+    let mut request = 0;
+    for per_share in [64usize, 4096] {
+        let s = rdma_share_sender(2, per_share);
+        let other = s.take_share().unwrap();
+        drop(s.take_share().unwrap());
+        let mut times = Vec::with_capacity(ROUNDS);
+        for round in 0..ROUNDS {
+            let t0 = Instant::now();
+            let share = s.take_share().expect("the used share, renewed");
+            times.push(t0.elapsed());
+            if round % 5 == 0 {
+                request += 1;
+                request_from_share(&s, &r, &share, request);
+                request += 1;
+                request_from_share(&s, &r, &other, request);
+            }
+        }
+        times.sort();
+        let mib = (per_share as u64 * common_sender::CHUNK) as f64 / f64::from(1 << 20);
+        println!(
+            "share renewal on {} (deregister + fresh memfd + MAP_FIXED + register), \
+             {per_share} slots x {} B = {mib:.2} MiB: median {:?}, min {:?}, max {:?} over {ROUNDS}",
+            env_cfg().device.as_deref().unwrap_or("the first device"),
+            common_sender::CHUNK,
+            times[ROUNDS / 2],
+            times[0],
+            times[ROUNDS - 1],
         );
     }
 }

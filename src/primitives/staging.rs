@@ -14,9 +14,11 @@
 //!
 //! A share is revoked from its last holder by `StagingBuffer::renew_share`:
 //! a fresh memfd mapped over the share's range (`MAP_FIXED`), so whatever
-//! still maps the old memfd writes pages nobody reads. Not for a buffer a
-//! transport pinned ([`StagingBuffer::pin`]: an RDMA memory region keeps
-//! the old pages); see `sender/share.rs` for what happens then.
+//! still maps the old memfd writes pages nobody reads. A transport that
+//! registers the pages with a device (RDMA: one memory region per segment,
+//! [`StagingBuffer::segments`]) deregisters the share's region before the
+//! renewal and registers it again after (`sender/share.rs`), so the device
+//! reads the fresh pages too.
 //!
 //! Which slot belongs to whom is decided by the sender's slot allocator, not
 //! by this module: a caller writes only slots it allocated, and the transport
@@ -24,9 +26,9 @@
 //! freed after its completion was polled).
 
 use std::fs::File;
+use std::ops::Range;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 /// Errors creating or using a [`StagingBuffer`].
@@ -77,8 +79,8 @@ pub enum StagingError {
         /// Number of slots.
         slots: usize,
     },
-    /// `StagingBuffer::renew_share` of a pinned buffer or of no share.
-    #[error("staging share {share} cannot be renewed (no such share, or the buffer is pinned by a transport)")]
+    /// `StagingBuffer::renew_share` of no share.
+    #[error("staging share {share} cannot be renewed (no such share)")]
     NotRenewable {
         /// The share asked for.
         share: usize,
@@ -115,8 +117,6 @@ pub struct StagingBuffer {
     /// added and removed by the sender (`Sender::register` / `deregister`),
     /// which removes one only while no write from it is in flight.
     regions: parking_lot::RwLock<Vec<Option<(*const u8, u64)>>>,
-    /// A transport registered the pages ([`pin`](Self::pin)).
-    pinned: AtomicBool,
 }
 
 /// One memfd of the buffer: slots `first..first + slots`. The file is
@@ -351,7 +351,6 @@ impl StagingBuffer {
             slot_bytes,
             len,
             regions: parking_lot::RwLock::new(Vec::new()),
-            pinned: AtomicBool::new(false),
         })
     }
 
@@ -390,20 +389,19 @@ impl StagingBuffer {
         Some(Arc::clone(&s.file.lock()))
     }
 
-    /// Marks the pages as registered with a device (an RDMA memory region
-    /// pins them): from now on `renew_share` refuses,
-    /// because the device would keep using the old pages. Called by the
-    /// transport before the sender hands out any share.
-    pub fn pin(&self) {
-        // Release: pairs with the Acquire in `is_pinned`; the share hand-out
-        // also runs after the transport started (the sender is built after).
-        self.pinned.store(true, Ordering::Release);
-    }
-
-    /// True once a transport [`pin`](Self::pin)ned the buffer.
-    pub fn is_pinned(&self) -> bool {
-        // Acquire: pairs with the Release store in `pin`.
-        self.pinned.load(Ordering::Acquire)
+    /// The byte ranges of the buffer's segments, in slot order: the shares
+    /// (`0..shares()`), then the remaining slots if any (without shares:
+    /// one range, the whole buffer). Each is its own memfd; a transport
+    /// that registers the pages with a device registers each segment on
+    /// its own, so a share can be renewed without touching the others.
+    pub fn segments(&self) -> Vec<Range<u64>> {
+        self.segments
+            .iter()
+            .map(|s| {
+                let start = self.slot_offset(s.first);
+                start..start + s.slots as u64 * self.slot_bytes
+            })
+            .collect()
     }
 
     /// Revokes share `i` from everything that maps its memfd: maps a fresh,
@@ -412,20 +410,18 @@ impl StagingBuffer {
     /// file. Whoever still maps the old memfd (a worker that left, or its
     /// forked child) writes pages this buffer no longer reads; they are
     /// freed when the last such mapping goes.
-    /// [`StagingError::NotRenewable`] if the buffer is pinned or `i` is no
-    /// share; [`StagingError::Map`] if the new memfd or its mapping failed,
-    /// after which the range may be unmapped: the share must not be used
-    /// until a later renewal succeeds.
+    /// [`StagingError::NotRenewable`] if `i` is no share;
+    /// [`StagingError::Map`] if the new memfd or its mapping failed, after
+    /// which the range may be unmapped: the share must not be used until a
+    /// later renewal succeeds.
     ///
     /// # Safety
     /// The caller owns share `i`'s slots exclusively for the call: none is
     /// handed out by the allocator or read by a write in flight (the old
-    /// pages vanish from this mapping).
+    /// pages vanish from this mapping), and no device still has the
+    /// share's old pages registered (it would go on reading them).
     pub(crate) unsafe fn renew_share(&self, i: usize) -> Result<(), StagingError> {
         let refused = StagingError::NotRenewable { share: i };
-        if self.is_pinned() {
-            return Err(refused);
-        }
         let s = self
             .segments
             .get(i)
@@ -447,22 +443,6 @@ impl StagingBuffer {
         let file = unsafe { map_fresh_segment(self.ptr.add(offset), seg_len) }.map_err(map_err)?;
         *s.file.lock() = Arc::new(file);
         Ok(())
-    }
-
-    /// Zeroes slots `first..first + n` (clamped to the buffer).
-    ///
-    /// # Safety
-    /// The caller owns these slots exclusively for the call: none is
-    /// handed out by the allocator or read by a write in flight.
-    pub(crate) unsafe fn zero_slots(&self, first: u32, n: usize) {
-        let start = self.slot_offset(first).min(self.len);
-        let end = (n as u64)
-            .saturating_mul(self.slot_bytes)
-            .saturating_add(start)
-            .min(self.len);
-        // SAFETY: `start..end` lies inside the mapping (clamped to `len`);
-        // the caller guarantees nobody else reads or writes it meanwhile.
-        unsafe { std::ptr::write_bytes(self.ptr.add(start as usize), 0, (end - start) as usize) };
     }
 
     /// Number of slots.
@@ -675,11 +655,18 @@ mod tests {
         f.read_to_end(&mut bytes).unwrap();
         assert!(bytes[..4096].iter().all(|&x| x == 0));
         assert!(bytes[4096..8192].iter().all(|&x| x == 0xAB));
-        // SAFETY: as above, for the whole share.
-        unsafe { b.zero_slots(3, 3) };
         assert!(b.source(0, 4 * 4096, 4096).is_some());
-        // SAFETY: slot 4 is inside the mapping and owned by this test.
-        assert_eq!(unsafe { *b.slot_ptr(4).unwrap() }, 0);
+        // One range per memfd, in slot order, covering the buffer.
+        assert_eq!(
+            b.segments(),
+            vec![
+                0..3 * 4096,
+                3 * 4096..6 * 4096,
+                6 * 4096..9 * 4096,
+                9 * 4096..10 * 4096
+            ]
+        );
+        assert_eq!(StagingBuffer::new(3, 100).unwrap().segments(), vec![0..300]);
         // Sealed at its size: the share cannot be grown.
         let w = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
         assert!(w.set_len(4 * 4096).is_err());
@@ -718,16 +705,12 @@ mod tests {
             libc::munmap(held, 4096);
         }
         assert_ne!(b.share_file(1).unwrap().as_raw_fd(), old.as_raw_fd());
-        b.pin();
-        // SAFETY: as above.
-        let pinned = unsafe { b.renew_share(1) };
-        assert!(matches!(
-            pinned,
-            Err(StagingError::NotRenewable { share: 1 })
-        ));
         // SAFETY: as above.
         let rest = unsafe { b.renew_share(2) };
-        assert!(rest.is_err(), "the rest is no share");
+        assert!(
+            matches!(rest, Err(StagingError::NotRenewable { share: 2 })),
+            "the rest is no share"
+        );
     }
 
     #[test]

@@ -172,6 +172,24 @@ pub trait LocalRegistry: Send + Sync {
     /// no op from it is in flight; once this returns the transport never
     /// reads the memory again.
     fn deregister(&self, id: u32);
+
+    /// Lets go of staging share `share`'s pages (rdma: deregisters the
+    /// share's memory region, which unpins them) before the sender renews
+    /// the share (a fresh memfd mapped over its range,
+    /// [`StagingBuffer::segments`](crate::staging::StagingBuffer::segments)
+    /// `[share]`). The caller guarantees no op from the share is in flight;
+    /// once this returns the device no longer reaches the old pages, and
+    /// ops from the share fail (`OutOfBounds`) until
+    /// [`register_share`](Self::register_share). Unknown shares and a share
+    /// already released are ignored.
+    fn release_share(&self, share: usize);
+
+    /// Makes staging share `share`'s current pages readable again after a
+    /// renewal (rdma: registers a memory region over them). A typed error
+    /// if the transport cannot (rdma: `ibv_reg_mr` failed, e.g. the
+    /// locked-memory limit); the share stays released then and must not be
+    /// handed out.
+    fn register_share(&self, share: usize) -> Result<(), TransportError>;
 }
 
 /// What [`Completions::poll`] found.

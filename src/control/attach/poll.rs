@@ -40,8 +40,6 @@ pub(crate) fn readable(fd: RawFd) -> libc::pollfd {
 pub(crate) struct Peer {
     /// Its uid.
     pub(crate) uid: u32,
-    /// Its pid as this pid namespace sees it (0 if it has none here).
-    pub(crate) pid: i32,
 }
 
 /// The process at the other end of `sock` (`SO_PEERCRED`).
@@ -66,10 +64,7 @@ pub(crate) fn peer(sock: &UnixStream) -> io::Result<Peer> {
     if r != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(Peer {
-        uid: cred.uid,
-        pid: cred.pid,
-    })
+    Ok(Peer { uid: cred.uid })
 }
 
 /// This process's effective uid.

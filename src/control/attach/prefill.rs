@@ -93,17 +93,14 @@ impl Role for Prefills {
     fn open(
         shared: &Arc<DaemonShared<Self>>,
         id: u32,
-        peer: Peer,
+        _peer: Peer,
         sock: &UnixStream,
     ) -> io::Result<Session> {
         let sender = &shared.role.sender;
-        let mut share = sender.take_share().map_err(|e| {
+        let share = sender.take_share().map_err(|e| {
             tracing::debug!(client = id, error = %e, "no staging share for the worker");
             io::Error::other(OpenRefused(STATUS_NO_SHARE))
         })?;
-        // For a pinned (RDMA) staging buffer: the share is quarantined
-        // after this worker leaves, until its process exited.
-        share.set_holder(peer.pid)?;
         let layout = share.layout().clone();
         let mut hello = Hello::refusal(STATUS_OK);
         hello.role = ROLE_PREFILL;

@@ -1213,11 +1213,12 @@ impl Sender {
     /// zeroed, for one owner until the [`StagingShare`] is dropped. Errors:
     /// [`ShareError::NoShares`], [`ShareError::AllHeld`],
     /// [`ShareError::Draining`] (a free share's slots are still read by
-    /// writes its last owner posted), [`ShareError::HolderAlive`] (pinned
-    /// staging, e.g. rdma: the free shares' last holders still run),
-    /// [`ShareError::Renew`] (a fresh memfd for the share could not be made).
+    /// writes its last owner posted), [`ShareError::Renew`] (a fresh memfd
+    /// for the share could not be made), [`ShareError::Register`] (the
+    /// transport could not register the renewed share, e.g. rdma's
+    /// `ibv_reg_mr`).
     pub fn take_share(&self) -> Result<StagingShare, ShareError> {
-        StagingShare::take(&self.shared)
+        StagingShare::take(&self.shared, self.registry.as_deref())
     }
 
     /// The staging buffer's file (for an attached worker to map) and its

@@ -10,14 +10,26 @@
 //! was handed out before is taken again, it is renewed
 //! ([`StagingBuffer::renew_share`](crate::staging::StagingBuffer::renew_share):
 //! a fresh memfd mapped over its range), so the last holder's mapping — or
-//! a forked child's — no longer reaches the pages the sender reads. Where
-//! a transport pinned the buffer (RDMA) the pages cannot change: the share
-//! is instead quarantined until its last holder process has exited
-//! ([`StagingShare::set_holder`], a pidfd polled at hand-out), then zeroed.
+//! a forked child's, or that of any process it passed the descriptor to —
+//! no longer reaches the pages the sender reads. A transport that
+//! registered the share's pages with a device (RDMA: one memory region per
+//! share) lets go of them first and registers the fresh ones after
+//! ([`LocalRegistry::release_share`] / [`LocalRegistry::register_share`]),
+//! so the device reads the fresh pages too.
+//!
+//! Why a renewal cannot pull pages from under a write: a share is renewed
+//! only when none of its slots is in use (the `Draining` rule), and a slot
+//! is freed only after the completion of the last write from it was
+//! polled. On RDMA that completion means the NIC is done with the work
+//! request (a signalled completion covers the unsignalled ones before it on
+//! the queue pair; a flushed one comes after the NIC stopped), so no posted
+//! work request names the share's memory region when it is deregistered,
+//! and none can be posted meanwhile: only the share's holder stages from
+//! it, and the share is off the free list, held by nobody, while renewed.
 
 use std::collections::VecDeque;
 use std::fs::File;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -25,6 +37,7 @@ use parking_lot::Mutex;
 use super::Shared;
 use crate::eventfd::EventFd;
 use crate::staging::ShareLayout;
+use crate::transport::LocalRegistry;
 
 /// Most shares one sender may have (each is a memfd, an eventfd and a pool).
 pub const MAX_SHARES: usize = 1024;
@@ -45,53 +58,22 @@ pub enum ShareError {
     /// before its last owner left (they come back when those complete).
     #[error("the free staging shares still have writes in flight from their last owner")]
     Draining,
-    /// Shares are free, but the buffer is pinned (RDMA) and each one's last
-    /// holder process is still alive, so it could still write the pages.
-    #[error("the free staging shares are quarantined: their last holders are still alive")]
-    HolderAlive,
     /// Renewing the share (a fresh memfd) failed: out of memory or
     /// descriptors. The share stays free.
     #[error("renewing a staging share failed (out of memory or descriptors)")]
     Renew,
+    /// The transport could not register the renewed share's pages (rdma:
+    /// `ibv_reg_mr` failed, e.g. the locked-memory limit; the log says
+    /// why). The share stays free and is renewed again at the next take.
+    #[error("registering a renewed staging share with the transport failed (see the log; e.g. the locked-memory limit)")]
+    Register,
 }
 
-/// A free share: its index, whether it was ever handed out (a fresh share
-/// is still zero and untouched: neither renewed nor zeroed), and for a
-/// pinned buffer its last holder's pidfd (quarantine until it exits).
+/// A free share: its index and whether it was ever handed out (a fresh
+/// share is still zero and untouched: not renewed).
 struct Free {
     index: usize,
     used: bool,
-    holder: Option<OwnedFd>,
-}
-
-/// True once the process of `pidfd` has exited (a pidfd polls readable
-/// then; its memory, mappings included, is gone before that).
-fn exited(pidfd: &OwnedFd) -> bool {
-    let mut p = libc::pollfd {
-        fd: pidfd.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one live pollfd, zero timeout.
-    let n = unsafe { libc::poll(&mut p, 1, 0) };
-    n > 0 && p.revents != 0
-}
-
-/// A pidfd for process `pid` (`pidfd_open`, Linux 5.3).
-fn pidfd_open(pid: i32) -> std::io::Result<OwnedFd> {
-    if pid <= 0 {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            "no pid for the share's holder (another pid namespace?)",
-        ));
-    }
-    // SAFETY: the syscall takes two integers and returns a new descriptor.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: a fresh descriptor nobody else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
 /// The sender's shares: which are free (oldest returned first, so a share
@@ -105,15 +87,7 @@ impl ShareList {
     /// `n` free shares with one new eventfd each.
     pub(crate) fn new(n: usize) -> std::io::Result<Self> {
         Ok(Self {
-            free: Mutex::new(
-                (0..n)
-                    .map(|index| Free {
-                        index,
-                        used: false,
-                        holder: None,
-                    })
-                    .collect(),
-            ),
+            free: Mutex::new((0..n).map(|index| Free { index, used: false }).collect()),
             ready: (0..n)
                 .map(|_| EventFd::new().map(Arc::new))
                 .collect::<std::io::Result<_>>()?,
@@ -139,8 +113,6 @@ pub struct StagingShare {
     layout: ShareLayout,
     file: Arc<File>,
     pub(crate) ready: Arc<EventFd>,
-    /// The holder process, for a pinned buffer's quarantine.
-    holder: Option<OwnedFd>,
 }
 
 impl std::fmt::Debug for StagingShare {
@@ -153,29 +125,28 @@ impl std::fmt::Debug for StagingShare {
 }
 
 impl StagingShare {
-    /// Takes a free share whose slots are all free (and, for a pinned
-    /// buffer, whose last holder exited), revokes it from its last holder
-    /// if it was handed out before (renewed, or zeroed where pinned: see
-    /// the module docs) and clears its eventfd.
-    pub(crate) fn take(shared: &Arc<Shared>) -> Result<Self, ShareError> {
+    /// Takes a free share whose slots are all free, revokes it from its
+    /// last holder if it was handed out before (renewed, and re-registered
+    /// with the transport's `registry` if it has one: see the module docs)
+    /// and clears its eventfd.
+    pub(crate) fn take(
+        shared: &Arc<Shared>,
+        registry: Option<&dyn LocalRegistry>,
+    ) -> Result<Self, ShareError> {
         let staging = &shared.staging;
         let n = staging.shares();
         if n == 0 {
             return Err(ShareError::NoShares);
         }
-        let pinned = staging.is_pinned();
         let mut free = shared.shares.free.lock();
         if free.is_empty() {
             return Err(ShareError::AllHeld { shares: n });
         }
-        let drained = |f: &Free| shared.slots.in_use_in(f.index) == 0;
-        let released = |f: &Free| !pinned || f.holder.as_ref().is_none_or(exited);
-        let Some(pos) = free.iter().position(|f| drained(f) && released(f)) else {
-            return Err(if free.iter().any(drained) {
-                ShareError::HolderAlive
-            } else {
-                ShareError::Draining
-            });
+        let Some(pos) = free
+            .iter()
+            .position(|f| shared.slots.in_use_in(f.index) == 0)
+        else {
+            return Err(ShareError::Draining);
         };
         let Some(taken) = free.remove(pos) else {
             return Err(ShareError::Draining);
@@ -188,23 +159,14 @@ impl StagingShare {
             give_back(taken);
             return Err(ShareError::NoShares);
         };
-        if taken.used && !pinned {
-            // SAFETY: the share is held by nobody (just taken off the free
-            // list), and only its holder allocates from its pool, which has
-            // no slot in use (checked above): no batch owns these slots and
-            // no write in flight reads them.
-            if let Err(e) = unsafe { staging.renew_share(index) } {
-                tracing::warn!(share = index, error = %e, "cannot renew a staging share");
+        if taken.used {
+            if let Err(e) = Self::renew(shared, registry, index) {
                 // Still `used`: the next take renews it again before any
-                // hand-out (its range may be unmapped meanwhile).
+                // hand-out (its range may be unmapped, or unregistered,
+                // meanwhile).
                 give_back(taken);
-                return Err(ShareError::Renew);
+                return Err(e);
             }
-        } else if taken.used {
-            // SAFETY: as above; and the last holder process has exited, so
-            // nothing else maps the share's memfd writable (but a child it
-            // forked: docs/attach.md, "Trust").
-            unsafe { staging.zero_slots(layout.first_slot, layout.slots) };
         }
         let Some(file) = staging.share_file(index) else {
             give_back(taken);
@@ -217,24 +179,36 @@ impl StagingShare {
             layout,
             file,
             ready: Arc::clone(ready),
-            holder: None,
         })
     }
 
-    /// Names the process that maps the share (an attached worker, by its
-    /// pid from `SO_PEERCRED`). Needed only where the staging buffer is
-    /// pinned (RDMA): once given back the share is then not handed out
-    /// again until that process has exited. Elsewhere a no-op (the share
-    /// is renewed at the next hand-out instead). Errors: no pidfd for
-    /// `pid` (pid 0, another pid namespace, an old kernel) on a pinned
-    /// buffer — the caller must not hand the share out then.
-    pub fn set_holder(&mut self, pid: i32) -> std::io::Result<()> {
-        if self.shared.staging.is_pinned() {
-            // A pid reused between the peer's connect and this call names
-            // a process that has nothing to do with the share: the
-            // quarantine then lasts longer than needed, never shorter
-            // (the worker itself, having exited, maps nothing).
-            self.holder = Some(pidfd_open(pid)?);
+    /// Renews share `index` (held by nobody: just taken off the free list)
+    /// between the transport's release of its pages and their registration
+    /// again.
+    fn renew(
+        shared: &Shared,
+        registry: Option<&dyn LocalRegistry>,
+        index: usize,
+    ) -> Result<(), ShareError> {
+        let _span = tracing::debug_span!("renew_share", share = index).entered();
+        // No write from the share is in flight (its pool has no slot in
+        // use, checked by `take`), so no work request names its region.
+        if let Some(r) = registry {
+            r.release_share(index);
+        }
+        // SAFETY: the share is held by nobody, and only its holder
+        // allocates from its pool, which has no slot in use: no batch owns
+        // these slots and no write in flight reads them; the transport let
+        // go of the old pages just above.
+        if let Err(e) = unsafe { shared.staging.renew_share(index) } {
+            tracing::warn!(share = index, error = %e, "cannot renew a staging share");
+            return Err(ShareError::Renew);
+        }
+        if let Some(r) = registry {
+            if let Err(e) = r.register_share(index) {
+                tracing::warn!(share = index, error = %e, "cannot register a renewed staging share");
+                return Err(ShareError::Register);
+            }
         }
         Ok(())
     }
@@ -269,11 +243,206 @@ impl StagingShare {
 
 impl Drop for StagingShare {
     fn drop(&mut self) {
-        let holder = self.holder.take();
         self.shared.shares.free.lock().push_back(Free {
             index: self.index,
             used: true,
-            holder,
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::{FileExt, MetadataExt};
+
+    use super::*;
+    use crate::protocol::Descriptor;
+    use crate::sender::{Sender, SenderConfig};
+    use crate::staging::StagingBuffer;
+    use crate::transport::{
+        PeerIndex, Poster, RemoteBuffer, Started, Transport, TransportError, WriteOp,
+    };
+
+    /// What the registry double saw: a share released or registered, with
+    /// the inode of the share's memfd as mapped at that moment.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Seen {
+        Released { share: usize, ino: u64 },
+        Registered { share: usize, ino: u64 },
+    }
+
+    /// A registry that records what the sender asks of it, as a
+    /// device-registering transport (rdma) would see it; `fail` makes the
+    /// next `register_share` fail.
+    #[derive(Default)]
+    struct Double {
+        staging: Mutex<Option<Arc<StagingBuffer>>>,
+        seen: Mutex<Vec<Seen>>,
+        fail: std::sync::atomic::AtomicBool,
+    }
+
+    impl Double {
+        fn ino(&self, share: usize) -> u64 {
+            let staging = self.staging.lock();
+            let file = staging.as_ref().and_then(|s| s.share_file(share));
+            file.map_or(0, |f| f.metadata().map_or(0, |m| m.ino()))
+        }
+        fn take_seen(&self) -> Vec<Seen> {
+            std::mem::take(&mut self.seen.lock())
+        }
+    }
+
+    impl LocalRegistry for Double {
+        unsafe fn register(&self, _: u32, _: *const u8, _: u64) -> Result<(), TransportError> {
+            Ok(())
+        }
+        fn deregister(&self, _: u32) {}
+        fn release_share(&self, share: usize) {
+            let ino = self.ino(share);
+            self.seen.lock().push(Seen::Released { share, ino });
+        }
+        fn register_share(&self, share: usize) -> Result<(), TransportError> {
+            // Relaxed: the flag is set and read by the test thread only.
+            if self.fail.swap(false, std::sync::atomic::Ordering::Relaxed) {
+                return Err(TransportError::Config("the double refuses".into()));
+            }
+            let ino = self.ino(share);
+            self.seen.lock().push(Seen::Registered { share, ino });
+            Ok(())
+        }
+    }
+
+    /// The shm transport with [`Double`] as its poster's registry.
+    struct Registering {
+        inner: Box<dyn Transport>,
+        registry: Arc<Double>,
+    }
+
+    struct RegisteringPoster {
+        inner: Box<dyn Poster>,
+        registry: Arc<Double>,
+    }
+
+    impl Transport for Registering {
+        fn kind(&self) -> &'static str {
+            self.inner.kind()
+        }
+        fn local_descriptor(&self) -> Descriptor {
+            self.inner.local_descriptor()
+        }
+        fn start(self: Box<Self>, local: Arc<StagingBuffer>) -> Result<Started, TransportError> {
+            *self.registry.staging.lock() = Some(Arc::clone(&local));
+            let (inner, completions) = self.inner.start(local)?;
+            let poster = RegisteringPoster {
+                inner,
+                registry: self.registry,
+            };
+            Ok((Box::new(poster), completions))
+        }
+    }
+
+    impl Poster for RegisteringPoster {
+        fn connect(&mut self, remote: &RemoteBuffer) -> Result<PeerIndex, TransportError> {
+            self.inner.connect(remote)
+        }
+        fn disconnect(&mut self, peer: PeerIndex) {
+            self.inner.disconnect(peer)
+        }
+        fn post(&mut self, ops: &[WriteOp]) -> Result<usize, TransportError> {
+            self.inner.post(ops)
+        }
+        fn in_flight(&self) -> usize {
+            self.inner.in_flight()
+        }
+        fn credits(&self) -> usize {
+            self.inner.credits()
+        }
+        fn local_registry(&self) -> Option<Arc<dyn LocalRegistry>> {
+            Some(self.registry.clone())
+        }
+    }
+
+    fn sender(registry: &Arc<Double>) -> Sender {
+        let cfg = SenderConfig {
+            staging_slots: 4,
+            chunk_bytes: 4096,
+            staging_shares: 2,
+            ..SenderConfig::default()
+        };
+        let inner = crate::transport::by_name(&cfg.transport, &cfg.transport_config).unwrap();
+        let t = Registering {
+            inner,
+            registry: Arc::clone(registry),
+        };
+        Sender::with_transport(cfg, Box::new(t)).unwrap()
+    }
+
+    fn ino(f: &File) -> u64 {
+        f.metadata().unwrap().ino()
+    }
+
+    #[test]
+    fn a_used_share_handed_out_again_is_released_renewed_and_registered_again() {
+        let reg = Arc::new(Double::default());
+        let s = sender(&reg);
+        let first = s.take_share().unwrap();
+        let old = ino(first.file());
+        assert!(reg.take_seen().is_empty(), "a fresh share is left as it is");
+        first.file().write_all_at(&[0xAB; 16], 0).unwrap();
+        let share = first.index();
+        drop(first);
+        // Oldest returned first: share 1 (never used) comes before share 0.
+        let fresh = s.take_share().unwrap();
+        assert_ne!(fresh.index(), share);
+        assert!(reg.take_seen().is_empty(), "never used: nothing to renew");
+        let again = s.take_share().unwrap();
+        assert_eq!(again.index(), share);
+        let new = ino(again.file());
+        assert_ne!(new, old, "a fresh memfd for the next holder");
+        // The device let go of the old pages before the renewal and was
+        // given the new ones after it.
+        assert_eq!(
+            reg.take_seen(),
+            vec![
+                Seen::Released { share, ino: old },
+                Seen::Registered { share, ino: new }
+            ]
+        );
+        let mut b = [0xFF; 16];
+        again.file().read_exact_at(&mut b, 0).unwrap();
+        assert_eq!(
+            b, [0; 16],
+            "the next holder reads none of the last one's bytes"
+        );
+    }
+
+    #[test]
+    fn a_failed_registration_is_a_typed_error_and_the_share_stays_free() {
+        let reg = Arc::new(Double::default());
+        let s = sender(&reg);
+        let (a, b) = (s.take_share().unwrap(), s.take_share().unwrap());
+        let (share, old) = (a.index(), ino(a.file()));
+        drop(a);
+        reg.fail.store(true, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(s.take_share().unwrap_err(), ShareError::Register);
+        assert_eq!(reg.take_seen(), vec![Seen::Released { share, ino: old }]);
+        // Renewed, not registered: still free and still `used`, so the
+        // next take renews and registers it again before the hand-out.
+        let unregistered = reg.ino(share);
+        assert_ne!(unregistered, old);
+        let again = s.take_share().unwrap();
+        assert_eq!(again.index(), share);
+        let new = ino(again.file());
+        assert_ne!(new, unregistered);
+        assert_eq!(
+            reg.take_seen(),
+            vec![
+                Seen::Released {
+                    share,
+                    ino: unregistered
+                },
+                Seen::Registered { share, ino: new }
+            ]
+        );
+        drop(b);
     }
 }

@@ -29,7 +29,8 @@ use crate::transport::{Completion, CompletionStatus};
 use super::events::{action, EventAction};
 use super::inflight::{Inflight, Stall};
 use super::peers::{PeerQp, Shared};
-use super::verbs::{Channel, Context, Cq, Mr, Qp};
+use super::regions::LocalMrs;
+use super::verbs::{Channel, Context, Cq, Qp};
 
 /// Work completions taken per poll.
 const WC_BATCH: usize = 64;
@@ -47,9 +48,10 @@ pub(super) struct CqThread {
     pub(super) out: Producer<Completion>,
     /// The device context (its async events).
     pub(super) ctx: Arc<Context>,
-    /// The staging region, kept registered (and its memory alive) until
-    /// this thread is gone, even if the poster's drop stopped waiting.
-    pub(super) _mr: Arc<Mr>,
+    /// The staging segments' MRs (and the caller regions'), kept
+    /// registered (and the staging memory alive) until this thread is
+    /// gone, even if the poster's drop stopped waiting.
+    pub(super) _mrs: Arc<LocalMrs>,
     /// See [`RdmaConfig::stall_timeout`](super::RdmaConfig::stall_timeout).
     pub(super) stall_timeout: Duration,
 }

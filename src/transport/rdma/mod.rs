@@ -1,7 +1,9 @@
 //! The RDMA transport (cargo feature `rdma`, verbs through `ibverbs` /
 //! `ibverbs-sys`): one RC queue pair per sender–receiver pair, a memory
-//! region over the sender's staging buffer, one over each region the
-//! caller registered ([`Poster::local_registry`](crate::transport::Poster::local_registry))
+//! region over each segment of the sender's staging buffer (each staging
+//! share, re-registered when the share is renewed, and the rest), one over
+//! each region the caller registered
+//! ([`Poster::local_registry`](crate::transport::Poster::local_registry))
 //! and one over the receiver's slot area, RDMA WRITE for the data, a signalled completion per chain (or per
 //! [`RdmaConfig::signal_every`] requests), and a CQ-poll thread that feeds
 //! the same [`Completions`](crate::transport::Completions) path as the other
@@ -14,7 +16,7 @@
 //! [`qp_state`] (the INIT/RTR/RTS attributes), [`device`] (finding a
 //! device), [`events`] (what an asynchronous event such as port down or
 //! QP fatal does), `verbs` (owned wrappers over the raw verbs objects),
-//! `regions` (the MRs over caller memory), `cq_thread`, `sender` and
+//! `regions` (the sender's MRs: staging segments and caller memory), `cq_thread`, `sender` and
 //! `receiver`. The first six work without a
 //! device and are unit-tested everywhere; the rest needs one.
 

@@ -1,6 +1,7 @@
 //! The sender's side: [`RdmaTransport`] (one device context, protection
-//! domain, memory region over the staging buffer, CQ with a completion
-//! channel) and its two halves, [`RdmaPoster`] and [`RdmaCompletions`].
+//! domain, memory regions over the staging buffer's segments and the
+//! caller's regions, CQ with a completion channel) and its two halves,
+//! [`RdmaPoster`] and [`RdmaCompletions`].
 //!
 //! Connecting a receiver takes two steps because an RC queue pair needs the
 //! peer's QP number: [`Poster::prepare`] creates a queue pair (INIT) and
@@ -31,8 +32,8 @@ use super::info::QpInfo;
 use super::peers::{PeerQp, Shared};
 use super::plan::{plan, Step};
 use super::qp_state::QpStep;
-use super::regions::{RegionMrs, RegionView};
-use super::verbs::{connect, Channel, Context, Cq, Mr, Pd, Qp, WriteWr};
+use super::regions::{LocalMrs, LocalView};
+use super::verbs::{connect, Channel, Context, Cq, Pd, Qp, WriteWr};
 
 /// Name of the CQ-poll thread.
 pub const CQ_THREAD_NAME: &str = "kvf-rdma-cq";
@@ -79,15 +80,9 @@ impl RdmaTransport {
         let max_wr = u32::try_from(credits)
             .map_err(|_| TransportError::Config(format!("{credits} credits")))?;
         let pd = Pd::new(self.ctx.clone())?;
-        // The MR pins these pages: staging shares cannot be renewed onto
-        // fresh memfds from now on (they are quarantined instead).
-        local.pin();
-        let (addr, len) = (local.as_ptr(), local.len());
-        let owner: Arc<dyn std::any::Any + Send + Sync> = local.clone();
-        // SAFETY: the staging buffer's mapping covers `addr..addr + len` and
-        // lives as long as `owner` (an Arc of it), which the region keeps.
-        // Access 0 = local read only: the NIC only reads it for WRITEs.
-        let mr = Arc::new(unsafe { Mr::register(pd.clone(), addr, len, 0, owner)? });
+        // One MR per staging segment (each share, then the rest), so a
+        // share can be re-registered over fresh pages when it is renewed.
+        let mrs = Arc::new(LocalMrs::new(pd.clone(), local.clone())?);
         let channel = Channel::new(self.ctx.clone())?;
         // At most one signalled entry per op in flight, plus the flush
         // entries of ops a QP error already failed (and whose credits were
@@ -106,7 +101,7 @@ impl RdmaTransport {
             shared: shared.clone(),
             out: tx,
             ctx: self.ctx.clone(),
-            _mr: mr.clone(),
+            _mrs: mrs.clone(),
             stall_timeout: self.cfg.stall_timeout,
         };
         let handle =
@@ -114,10 +109,9 @@ impl RdmaTransport {
         let credits = rx.capacity().min(credits);
         let poster = RdmaPoster {
             cfg: self.cfg,
-            regions: Arc::new(RegionMrs::new(pd.clone())),
+            mrs,
             pd,
             cq,
-            mr,
             local,
             shared: shared.clone(),
             prepared: HashMap::new(),
@@ -153,11 +147,11 @@ pub struct RdmaPoster {
     cfg: RdmaConfig,
     pd: Arc<Pd>,
     cq: Arc<Cq>,
-    mr: Arc<Mr>,
     local: Arc<StagingBuffer>,
-    /// MRs over the caller's registered regions (shared with the sender,
-    /// which registers them: [`Poster::local_registry`]).
-    regions: Arc<RegionMrs>,
+    /// The MRs over the staging segments and the caller's registered
+    /// regions (shared with the sender, which registers regions and
+    /// re-registers renewed shares: [`Poster::local_registry`]).
+    mrs: Arc<LocalMrs>,
     shared: Arc<Shared>,
     /// Queue pairs created by `prepare`, by their QP number, waiting for
     /// the receiver's answer.
@@ -186,7 +180,7 @@ impl RdmaPoster {
         &self,
         peer: PeerIndex,
         ops: &[(WriteOp, bool)],
-        regions: &RegionView<'_>,
+        mrs: &LocalView<'_>,
         now: &mut Vec<(u64, CompletionStatus)>,
     ) {
         let Some(pq) = self.shared.peer(peer) else {
@@ -207,13 +201,14 @@ impl RdmaPoster {
         let mut wrs = Vec::with_capacity(ops.len());
         let mut first_seq = None;
         for (op, signalled) in ops {
-            // Region 0 is the staging buffer's MR, any other a caller's
-            // region (its own MR: the NIC reads the caller's memory).
-            let Some(mr) = (match op.local_region {
-                0 => Some(&*self.mr),
-                id => regions.get(id),
-            }) else {
-                // plan() saw it under the same view: cannot happen.
+            // Region 0: the MR of the staging segment holding the op's
+            // slot; any other a caller's region (its own MR: the NIC reads
+            // the caller's memory).
+            let Some(src) = mrs.source(op.local_region, op.local_offset, op.len) else {
+                // plan() checked the range against the whole buffer under
+                // the same view; this is a staging range across two
+                // segments (the sender's ops are one slot each) or in a
+                // share being renewed (none of its slots is in use then).
                 now.push((op.work_id, CompletionStatus::OutOfBounds));
                 continue;
             };
@@ -221,10 +216,10 @@ impl RdmaPoster {
             first_seq.get_or_insert(seq);
             wrs.push(WriteWr {
                 wr_id: seq,
-                local_addr: mr.addr + op.local_offset,
+                local_addr: src.addr,
                 // plan() rejected lengths above MAX_WRITE_LEN (2^31).
                 len: op.len as u32,
-                lkey: mr.lkey(),
+                lkey: src.lkey,
                 remote_addr: pq.remote.addr + op.remote_offset,
                 rkey: pq.remote.rkey,
                 signalled: *signalled,
@@ -235,16 +230,16 @@ impl RdmaPoster {
         if let Some(last) = wrs.last_mut() {
             last.signalled = true;
         }
-        // SAFETY: plan() checked every local range against its memory: the
-        // staging buffer, which `self.mr` registers and keeps alive until
-        // after the CQ thread (which holds the CQ these writes complete on)
-        // is joined, or a caller's region, whose MR `regions` holds (the
-        // read view keeps it registered until the post returned) and whose
-        // memory the caller keeps allocated while registered
-        // (`LocalRegistry::register`'s contract). The sender neither reuses
-        // a staging slot nor lets a region be deregistered before the
-        // completion of every write from it, and after `ibv_dereg_mr` the
-        // NIC cannot read the memory.
+        // SAFETY: every local range lies inside one MR (`source` above): a
+        // staging segment's, whose MR keeps the buffer alive (the CQ
+        // thread, which holds the CQ these writes complete on, keeps the
+        // MR table until it is joined), or a caller's region, whose memory
+        // the caller keeps allocated while registered
+        // (`LocalRegistry::register`'s contract); the read view keeps each
+        // MR registered until the post returned. The sender neither reuses
+        // a staging slot, nor renews (deregisters) a share, nor lets a
+        // region be deregistered before the completion of every write from
+        // it, and after `ibv_dereg_mr` the NIC cannot read the memory.
         if let Err((_, e)) = unsafe { pq.qp.post_writes(&wrs) } {
             // Part of the chain may be posted without a signalled request
             // at its end: fail the queue pair and everything on it.
@@ -274,8 +269,8 @@ impl Poster for RdmaPoster {
             lid: ctx.lid,
             gid: ctx.gid,
             rkey: 0,
-            addr: self.mr.addr,
-            len: self.mr.len,
+            addr: self.local.as_ptr() as u64,
+            len: self.local.len(),
         };
         self.prepared.insert(info.qp_num, qp);
         Ok(info.to_descriptor())
@@ -382,15 +377,11 @@ impl Poster for RdmaPoster {
         let ops = &ops[..room];
         let mut steps = std::mem::take(&mut self.steps);
         let shared = self.shared.clone();
-        let regions = self.regions.clone();
-        let view = regions.view();
-        let staging_len = self.local.len();
+        let mrs = self.mrs.clone();
+        let view = mrs.view();
         plan(
             ops,
-            |id| match id {
-                0 => Some(staging_len),
-                id => view.get(id).map(|mr| mr.len),
-            },
+            |id| view.len(id),
             self.cfg.signal_every,
             |p| shared.state(p),
             &mut steps,
@@ -426,10 +417,11 @@ impl Poster for RdmaPoster {
         self.credits
     }
 
-    /// The MRs over caller memory: [`Sender::register`](crate::sender::Sender::register)
-    /// registers each region through it.
+    /// The MRs: [`Sender::register`](crate::sender::Sender::register)
+    /// registers each caller region through it, and the sender re-registers
+    /// a staging share through it when it renews the share.
     fn local_registry(&self) -> Option<Arc<dyn LocalRegistry>> {
-        Some(self.regions.clone())
+        Some(self.mrs.clone())
     }
 
     /// A stalled queue pair is fenced after one stall timeout and its ops
