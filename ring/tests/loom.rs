@@ -184,6 +184,43 @@ fn mpsc_reserve_vs_push() {
     });
 }
 
+/// MPSC: producer A holds a claim at the consumer's position while producer
+/// B publishes the next one. B's notify takes the consumer's `need_wakeup`
+/// flag and rings although the consumer cannot use B's entry yet; A's
+/// commit must still wake the consumer. The consumer keeps a producer of its
+/// own until it has both entries, so the close ring of the last producer's
+/// drop cannot hide a lost wakeup (the other models end with that ring).
+/// Before the fix (the consumer loaded the bell after arming the flag), a
+/// ring from B between the arming and that load was counted in the value
+/// the consumer slept on, and nothing woke it: loom reports a deadlock.
+#[test]
+fn mpsc_later_publish_does_not_swallow_the_wakeup() {
+    model(|| {
+        let (mut a, mut c) = mpsc::channel::<u32>(2);
+        let mut b = a.clone();
+        let keep = a.clone();
+        let ta = thread::spawn(move || {
+            let mut batch = a.reserve(1).unwrap();
+            batch.set(0, 1).unwrap();
+            batch.commit();
+        });
+        let tb = thread::spawn(move || {
+            push_mpsc(&mut b, 2);
+        });
+        let mut got = Vec::new();
+        while got.len() < 2 {
+            assert_eq!(c.wait(None), WaitStatus::Ready);
+            got.extend(c.peek().iter());
+        }
+        drop(keep);
+        let mut sorted = got.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, vec![1, 2]);
+        ta.join().unwrap();
+        tb.join().unwrap();
+    });
+}
+
 /// The doorbell alone: one push against a consumer that goes straight to
 /// the futex. A lost wakeup would deadlock (loom reports it).
 #[test]
