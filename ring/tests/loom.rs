@@ -221,6 +221,46 @@ fn mpsc_later_publish_does_not_swallow_the_wakeup() {
     });
 }
 
+/// SPSC form of the same swallow: the producer reads the flag of the
+/// consumer's first arming (set while it waits for entry 1), is preempted
+/// before its swap, and swaps only after the consumer took entry 1 and
+/// armed again for entry 2. Its ring then belongs to an entry already
+/// consumed; entry 2's notify must still wake the consumer. The producer
+/// parks until the consumer has both entries, so no close ring can hide a
+/// lost wakeup. Needs a preemption bound of 3.
+#[test]
+fn spsc_stale_swap_does_not_swallow_the_wakeup() {
+    let mut b = loom::model::Builder::new();
+    if b.preemption_bound.is_none() {
+        b.preemption_bound = Some(3);
+    }
+    b.check(|| {
+        use loom::sync::atomic::{AtomicBool, Ordering};
+        use loom::sync::Arc;
+        let (mut p, mut c) = spsc::channel::<u32>(2);
+        let done = Arc::new(AtomicBool::new(false));
+        let done_p = done.clone();
+        let t = thread::spawn(move || {
+            push_spsc(&mut p, 1);
+            push_spsc(&mut p, 2);
+            // Acquire: pairs with the consumer's Release store below.
+            while !done_p.load(Ordering::Acquire) {
+                thread::park();
+            }
+        });
+        let mut got = Vec::new();
+        while got.len() < 2 {
+            assert_eq!(c.wait(None), WaitStatus::Ready);
+            got.extend(c.pop());
+        }
+        // Release: the producer may drop its handle once it sees this.
+        done.store(true, Ordering::Release);
+        t.thread().unpark();
+        assert_eq!(got, vec![1, 2]);
+        t.join().unwrap();
+    });
+}
+
 /// The doorbell alone: one push against a consumer that goes straight to
 /// the futex. A lost wakeup would deadlock (loom reports it).
 #[test]
