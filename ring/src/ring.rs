@@ -396,16 +396,30 @@ impl<T: Plain> Ring<T> {
         }
         let words = self.sync();
         loop {
+            // The bell value to sleep on is read *before* the flag is armed,
+            // so it never counts a ring that took this arming of the flag.
+            // A producer whose publish `check` cannot use yet (MPSC: a later
+            // position than the one we wait at; SPSC: a producer that read
+            // the flag of our previous arming and swaps it only now) may
+            // take the flag and ring between our arming and our `check`. Had
+            // we read the bell after that ring, we would sleep on a value
+            // that already counts it, with the flag cleared, and the
+            // producer of the entry we do need would find the flag clear and
+            // wake nobody: the `two_process_mpsc` wedge (docs/ring.md,
+            // "Fixed: a swallowed wake-up").
+            //
+            // Acquire: pairs with the Release bump in `Bell::ring`; it also
+            // keeps the flag store below after this load. If we read a bump,
+            // the producer's swap that preceded it happens before our flag
+            // store, so that swap took an earlier arming, not this one; any
+            // producer that takes this arming bumps the bell past `seen`,
+            // which makes FUTEX_WAIT return at once or wakes us.
+            let seen = words.bell.load(Ordering::Acquire);
             // Relaxed: ordered by the barrier below.
             words.need_wakeup.store(1, Ordering::Relaxed);
             // Barrier (C): a SeqCst fence that pairs with the producer's (P)
             // in `notify` (store->load Dekker; see there and `barrier.rs`).
             barrier::store_load();
-            // Acquire: pairs with the Release bump in `Bell::ring`. If we read
-            // a bumped value, the entries (or close) published before that
-            // bump are visible to `check` below; if we read the old value, a
-            // later bump makes FUTEX_WAIT return at once or wakes us.
-            let seen = words.bell.load(Ordering::Acquire);
             let status = check();
             let timeout = match (status, deadline) {
                 (Some(_), _) => None,

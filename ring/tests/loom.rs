@@ -184,6 +184,83 @@ fn mpsc_reserve_vs_push() {
     });
 }
 
+/// MPSC: producer A holds a claim at the consumer's position while producer
+/// B publishes the next one. B's notify takes the consumer's `need_wakeup`
+/// flag and rings although the consumer cannot use B's entry yet; A's
+/// commit must still wake the consumer. The consumer keeps a producer of its
+/// own until it has both entries, so the close ring of the last producer's
+/// drop cannot hide a lost wakeup (the other models end with that ring).
+/// Before the fix (the consumer loaded the bell after arming the flag), a
+/// ring from B between the arming and that load was counted in the value
+/// the consumer slept on, and nothing woke it: loom reports a deadlock.
+#[test]
+fn mpsc_later_publish_does_not_swallow_the_wakeup() {
+    model(|| {
+        let (mut a, mut c) = mpsc::channel::<u32>(2);
+        let mut b = a.clone();
+        let keep = a.clone();
+        let ta = thread::spawn(move || {
+            let mut batch = a.reserve(1).unwrap();
+            batch.set(0, 1).unwrap();
+            batch.commit();
+        });
+        let tb = thread::spawn(move || {
+            push_mpsc(&mut b, 2);
+        });
+        let mut got = Vec::new();
+        while got.len() < 2 {
+            assert_eq!(c.wait(None), WaitStatus::Ready);
+            got.extend(c.peek().iter());
+        }
+        drop(keep);
+        let mut sorted = got.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, vec![1, 2]);
+        ta.join().unwrap();
+        tb.join().unwrap();
+    });
+}
+
+/// SPSC form of the same swallow: the producer reads the flag of the
+/// consumer's first arming (set while it waits for entry 1), is preempted
+/// before its swap, and swaps only after the consumer took entry 1 and
+/// armed again for entry 2. Its ring then belongs to an entry already
+/// consumed; entry 2's notify must still wake the consumer. The producer
+/// parks until the consumer has both entries, so no close ring can hide a
+/// lost wakeup. Needs a preemption bound of 3.
+#[test]
+fn spsc_stale_swap_does_not_swallow_the_wakeup() {
+    let mut b = loom::model::Builder::new();
+    if b.preemption_bound.is_none() {
+        b.preemption_bound = Some(3);
+    }
+    b.check(|| {
+        use loom::sync::atomic::{AtomicBool, Ordering};
+        use loom::sync::Arc;
+        let (mut p, mut c) = spsc::channel::<u32>(2);
+        let done = Arc::new(AtomicBool::new(false));
+        let done_p = done.clone();
+        let t = thread::spawn(move || {
+            push_spsc(&mut p, 1);
+            push_spsc(&mut p, 2);
+            // Acquire: pairs with the consumer's Release store below.
+            while !done_p.load(Ordering::Acquire) {
+                thread::park();
+            }
+        });
+        let mut got = Vec::new();
+        while got.len() < 2 {
+            assert_eq!(c.wait(None), WaitStatus::Ready);
+            got.extend(c.pop());
+        }
+        // Release: the producer may drop its handle once it sees this.
+        done.store(true, Ordering::Release);
+        t.thread().unpark();
+        assert_eq!(got, vec![1, 2]);
+        t.join().unwrap();
+    });
+}
+
 /// The doorbell alone: one push against a consumer that goes straight to
 /// the futex. A lost wakeup would deadlock (loom reports it).
 #[test]

@@ -278,8 +278,9 @@ fn doorbell_with_two_producers_never_loses_a_wakeup() {
                     if i % 101 == id {
                         thread::sleep(Duration::from_micros(150));
                     }
-                    match back.wait(soon()) {
-                        WaitStatus::Ready => {}
+                    let deadline = soon().unwrap();
+                    match back.wait(Some(deadline)) {
+                        WaitStatus::Ready if Instant::now() < deadline => {}
                         s => {
                             return Err(format!(
                                 "producer {id} got {s:?} at round {i}: lost wakeup?"
@@ -296,8 +297,11 @@ fn doorbell_with_two_producers_never_loses_a_wakeup() {
     let a = producer(0, tx.clone(), back_a);
     let b = producer(1, tx, back_b);
     for n in 0..2 * ROUNDS {
-        match rx.wait(soon()) {
-            WaitStatus::Ready => {}
+        // A wait that returns Ready only at its deadline slept through a
+        // published entry: a lost wakeup, although the entry is then found.
+        let deadline = soon().unwrap();
+        match rx.wait(Some(deadline)) {
+            WaitStatus::Ready if Instant::now() < deadline => {}
             s => {
                 let a = join_within(a, "producer 0");
                 let b = join_within(b, "producer 1");
@@ -317,4 +321,83 @@ fn doorbell_with_two_producers_never_loses_a_wakeup() {
     }
     assert_eq!(join_within(a, "producer 0"), Ok(()));
     assert_eq!(join_within(b, "producer 1"), Ok(()));
+}
+
+/// A publish at a later position must not swallow the wake-up that the
+/// consumer needs for an earlier one. Producer A claims a position with
+/// `reserve(1)` and holds it open for a while, so the consumer parks at it;
+/// producer B meanwhile publishes the positions after it, and every one of
+/// B's publishes takes the consumer's `need_wakeup` flag and rings the bell
+/// although the consumer cannot use B's entries yet. When B's ring landed
+/// between the consumer's arming of the flag and its load of the bell, the
+/// consumer slept on a bell value that already counted B's ring, with the
+/// flag cleared, and A's commit (which then found the flag clear) woke
+/// nobody: the consumer slept until its deadline (the `two_process_mpsc`
+/// wedge, `docs/ring.md`). The consumer's waits here are hang detectors:
+/// with both producers running, a wait that lasts until its deadline is a
+/// lost wakeup. The window is tens of nanoseconds wide, so this stress did
+/// not catch the old code in 5 runs here; the loom model
+/// `mpsc_later_publish_does_not_swallow_the_wakeup` is the reproduction.
+#[test]
+fn out_of_order_publish_does_not_swallow_the_wakeup() {
+    const HANG: Duration = Duration::from_secs(5);
+    const ROUNDS: u64 = 2_000;
+    const LIMIT: Duration = Duration::from_secs(5);
+    let started = Instant::now();
+    let (mut a, mut c) = mpsc::channel::<u64>(64);
+    let mut b = a.clone();
+    let holder = thread::spawn(move || {
+        let mut i = 0;
+        while i < ROUNDS && started.elapsed() < LIMIT {
+            let Some(mut batch) = a.reserve(1) else {
+                thread::yield_now();
+                continue;
+            };
+            batch.set(0, i).unwrap();
+            // Hold the claim so the consumer parks at it while B publishes
+            // the positions after it.
+            thread::sleep(Duration::from_micros(100));
+            batch.commit();
+            i += 1;
+        }
+        i
+    });
+    let pusher = thread::spawn(move || {
+        let mut i = 0u64;
+        while started.elapsed() < LIMIT + Duration::from_secs(5) {
+            if b.push((1 << 32) | i).is_ok() {
+                i += 1;
+            } else if b.is_closed() {
+                break;
+            } else {
+                thread::yield_now();
+            }
+        }
+        i
+    });
+    let mut next = [0u64; 2];
+    // The holder's count once it finished; the consumer stops when it has
+    // read all of the holder's entries.
+    let mut held = None;
+    let mut holder = Some(holder);
+    while held != Some(next[0]) {
+        let deadline = Instant::now() + HANG;
+        let status = c.wait(Some(deadline));
+        assert!(
+            Instant::now() < deadline,
+            "the consumer slept until its {HANG:?} deadline ({status:?}) while both \
+             producers were running: lost wakeup, after {next:?} entries"
+        );
+        assert_eq!(status, WaitStatus::Ready, "after {next:?} entries");
+        for v in c.peek().iter() {
+            let (id, seq) = ((v >> 32) as usize, v & 0xffff_ffff);
+            assert_eq!(seq, next[id], "producer {id} lost or reordered an entry");
+            next[id] += 1;
+        }
+        if holder.as_ref().is_some_and(|h| h.is_finished()) {
+            held = holder.take().map(|h| join_within(h, "holder producer"));
+        }
+    }
+    drop(c);
+    join_within(pusher, "pusher producer");
 }

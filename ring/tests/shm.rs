@@ -285,15 +285,15 @@ fn child_mpsc_producer(path: &Path, id: u64) {
 /// full for 60 s. Ring files must be on tmpfs; see
 /// `create_and_open_refuse_a_disk_backed_file`.
 ///
-/// Ignored again: with the ring file on tmpfs it still wedged once, in a
-/// clean-clone CI run on 2026-12-01 (a child reported the ring full for 60 s
-/// at head 841799 / tail 842820 while the parent went on to 958898), so the
-/// tmpfs explanation above is not the whole cause. The engine does not use
-/// a cross-process MPSC ring (attach gives each client its own SPSC pair,
-/// `docs/attach.md`); the cause is open in docs/ring.md. Run it with
-/// `cargo test -p kvferry-ring --test shm -- --ignored two_process_mpsc`.
+/// With the ring file on tmpfs it still wedged once, in a clean-clone CI run
+/// on 2026-12-01 (a child reported the ring full for 60 s at head 841799 /
+/// tail 842820 while the parent went on to 958898). That was a lost wakeup
+/// in `wait`: a ring from a producer publishing a later position than the
+/// one the consumer waited at was counted in the bell value the consumer
+/// then slept on, so the consumer slept until its own 60 s deadline while
+/// both children found the ring full (docs/ring.md, "Fixed: a swallowed
+/// wake-up"; loom model `mpsc_later_publish_does_not_swallow_the_wakeup`).
 #[test]
-#[ignore = "wedges under load: a producer child stuck 'full' while the consumer advanced (cause open, docs/ring.md)"]
 fn two_process_mpsc() {
     if let Ok(role) = std::env::var(ROLE) {
         let path = PathBuf::from(std::env::var(RING).unwrap());

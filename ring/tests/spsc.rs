@@ -331,8 +331,11 @@ fn doorbell_ping_pong_never_loses_a_wakeup() {
     let (mut pong_tx, mut pong_rx) = spsc::channel::<u64>(2);
     let echo = thread::spawn(move || {
         for i in 0..ROUNDS {
-            match ping_rx.wait(soon()) {
-                WaitStatus::Ready => {}
+            // Ready only at the deadline: it slept through the entry (a lost
+            // wakeup), although it then finds it.
+            let deadline = soon().unwrap();
+            match ping_rx.wait(Some(deadline)) {
+                WaitStatus::Ready if Instant::now() < deadline => {}
                 s => return Err(format!("echo got {s:?} at round {i}")),
             }
             let v = ping_rx.pop().unwrap();
@@ -348,8 +351,11 @@ fn doorbell_ping_pong_never_loses_a_wakeup() {
         if i % 97 == 0 {
             thread::sleep(Duration::from_micros(200));
         }
-        match pong_rx.wait(soon()) {
-            WaitStatus::Ready => {}
+        // Ready only at the deadline: it slept through the entry (a lost
+        // wakeup), although it then finds it.
+        let deadline = soon().unwrap();
+        match pong_rx.wait(Some(deadline)) {
+            WaitStatus::Ready if Instant::now() < deadline => {}
             s => panic!("main got {s:?} at round {i}: lost wakeup?"),
         }
         assert_eq!(pong_rx.pop(), Some(i));
