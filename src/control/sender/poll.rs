@@ -65,8 +65,9 @@ pub(super) fn run(
 }
 
 /// Pushes every one of `batch` onto the ring, in order (`wake` wakes
-/// ctrl). A full ring waits for ctrl (spin, yield, then 100 µs naps; a warning each
-/// [`FULL_RING_WARN`] naming what hangs) and never drops a completion:
+/// ctrl). A full ring waits for ctrl (spin, yield, then 100 µs naps; a
+/// warning each [`FULL_RING_WARN`] naming what hangs) and never drops a
+/// completion:
 /// dropping one would leave its write in flight forever, its staging
 /// taken and its request unfinished. The wait ends once ctrl made room, or
 /// once ctrl is gone (the ring closed: ctrl's state, and with it the
