@@ -1,6 +1,7 @@
 //! The sender's `ctrl` thread: the only thread touching ZMQ sockets. It
-//! drains the submission ring, runs the handshake and the AllocRequest /
-//! AllocResponse exchange with each receiver, posts writes to the transport,
+//! drains the submission ring and the poll thread's completion ring, runs
+//! the handshake and the AllocRequest / AllocResponse exchange with each
+//! receiver, posts writes to the transport and applies their completions,
 //! sends CancelNotif after fenced aborts, and ProxyNotif + TransferDone once
 //! a request is complete.
 //!
@@ -16,12 +17,14 @@ use std::time::{Duration, Instant};
 use smallvec::SmallVec;
 use tracing::{debug, debug_span, warn};
 
+use kvferry_ring::spsc::Consumer;
+
 use crate::protocol::{
     decode, encode_into, AllocResponse, CancelNotif, ErrorCode, Message, ProxyFailed, ProxyNotif,
     TransferDone,
 };
 use crate::stats::{Counter, Stage};
-use crate::transport::{PeerIndex, Poster, RemoteBuffer, WriteOp};
+use crate::transport::{Completion, CompletionStatus, PeerIndex, Poster, RemoteBuffer, WriteOp};
 use crate::zmq_io::{readable, Reactor};
 
 use super::core::{AbortStep, ReplyStep, Rules};
@@ -70,6 +73,15 @@ pub(super) struct Ctrl {
     chunk_ops: Vec<WriteOp>,
     merged: Vec<WriteOp>,
     runs: Vec<usize>,
+    // Declared after `poster`, so dropped after it (fields drop in order):
+    // the leases of writes still in flight let their registered memory go
+    // only once the transport, which may still read it, is gone.
+    /// Writes built (in `backlog`) or posted and not yet completed, by work
+    /// id. Ctrl's own: it inserts an entry before posting its op and
+    /// removes it when it applies the op's completion.
+    inflight: HashMap<u64, InFlight>,
+    /// The poll thread's completions, in transport order (poll.rs).
+    from_poll: Consumer<Completion>,
 }
 
 impl Drop for Ctrl {
@@ -86,6 +98,7 @@ impl Ctrl {
         shared: Arc<Shared>,
         poster: Box<dyn Poster>,
         reactor: Reactor,
+        from_poll: Consumer<Completion>,
     ) -> Result<Self, super::SenderError> {
         let proxy = match &shared.cfg.proxy {
             Some(ep) => {
@@ -119,6 +132,8 @@ impl Ctrl {
             chunk_ops: Vec::with_capacity(64),
             merged: Vec::with_capacity(64),
             runs: Vec::with_capacity(64),
+            inflight: HashMap::new(),
+            from_poll,
         })
     }
 
@@ -145,10 +160,10 @@ impl Ctrl {
         while let Some(b) = self.shared.inbox.pop() {
             self.enqueue(*b);
         }
-        let lost = {
+        let lost = self.apply_completions();
+        {
             let mut t = self.shared.table.lock();
             self.dirty.extend(t.attention.drain(..));
-            let lost = std::mem::take(&mut t.lost_peers);
             for (id, r) in &self.staging_requests {
                 if r.is_ready() {
                     if let Some(b) = t.batches.get(id) {
@@ -156,8 +171,7 @@ impl Ctrl {
                     }
                 }
             }
-            lost
-        };
+        }
         // Resolved before any reply is read, so a loss reported for an old
         // connection can never be taken for one a HelloAck just made.
         let lost = self.mark_lost(&lost);
@@ -198,6 +212,78 @@ impl Ctrl {
         self.announce();
     }
 
+    /// Applies the completions the poll thread handed over: each ends its
+    /// write in flight (staging freed, lease recorded, chunk counts, the
+    /// request marked dirty when the core wants a look). Returns the
+    /// transport peers whose writes completed with `ConnectionLost` (no
+    /// duplicates), for `mark_lost`.
+    ///
+    /// Why the ordering is enough: an op's `inflight` entry is inserted by
+    /// this thread before it posts the op, and its completion exists only
+    /// after the post, so the lookup here (same thread, later) finds it
+    /// without any cross-thread ordering; the completion record itself
+    /// crosses through the ring (the poll thread's Release publish, our
+    /// Acquire read), in the transport's order. A completion the poll thread
+    /// pushes while we sleep is seen by the Dekker check in `sleep` (it
+    /// pushes, then `wake_ctrl`). So the state that poll used to write
+    /// under the table lock is now written by its one owner, at the start
+    /// of a step, before replies are read, as the poll thread's writes were
+    /// seen then.
+    fn apply_completions(&mut self) -> Vec<PeerIndex> {
+        let mut lost = Vec::new();
+        if self.from_poll.is_empty() {
+            return lost;
+        }
+        let mut buf = [Completion::default(); 256];
+        loop {
+            let n = self.from_poll.pop_into(&mut buf);
+            if n == 0 {
+                return lost;
+            }
+            let now = Instant::now();
+            let shared = Arc::clone(&self.shared);
+            let mut t = shared.table.lock();
+            for c in &buf[..n] {
+                let Some(w) = self.inflight.remove(&c.work_id) else {
+                    warn!(work_id = c.work_id, "completion for an unknown write");
+                    continue;
+                };
+                self.free_staging(w.slots);
+                // The transport is done with this op's memory: a registered
+                // write's regions may go once its last op gets here.
+                if let Some(lease) = w.lease {
+                    lease.record(c.status(), w.chunks);
+                }
+                if c.status() == CompletionStatus::ConnectionLost && !lost.contains(&w.peer) {
+                    lost.push(w.peer);
+                }
+                shared
+                    .stats
+                    .record(Stage::Transfer, now.saturating_duration_since(w.posted_at));
+                let Some(r) = t.reqs.get_mut(w.req) else {
+                    continue;
+                };
+                let done =
+                    r.p.write_done(w.chunks as usize, c.ok(), || RequestStatus::Failed {
+                        code: ErrorCode::WriteFailed,
+                        reason: format!("write failed: {}", c.status()),
+                    });
+                if c.ok() {
+                    r.bytes += w.bytes;
+                    r.last_completion_at = Some(now);
+                    shared.stats.add(Counter::Chunks, u64::from(w.chunks));
+                    shared.stats.add(Counter::Bytes, w.bytes);
+                } else if done.aborted {
+                    r.aborted();
+                    debug!(req_id = %r.req_id, status = %c.status(), "write failed; aborting the request");
+                }
+                if done.attention {
+                    self.dirty.insert(w.req);
+                }
+            }
+        }
+    }
+
     /// Progresses every request marked dirty until none is.
     fn drain_dirty(&mut self) {
         loop {
@@ -226,10 +312,8 @@ impl Ctrl {
         self.shared.ctrl_parked.store(true, Ordering::SeqCst);
         std::sync::atomic::fence(Ordering::SeqCst);
         let busy = !self.shared.inbox.is_empty()
-            || {
-                let t = self.shared.table.lock();
-                !t.attention.is_empty() || !t.lost_peers.is_empty()
-            }
+            || !self.from_poll.is_empty()
+            || !self.shared.table.lock().attention.is_empty()
             || !self.dirty.is_empty()
             || self.staging_requests.values().any(crate::slots::SlotRequest::is_ready)
             || self.peers.iter().any(|p| readable(&p.sock))
@@ -726,7 +810,7 @@ impl Ctrl {
             BatchData::Staged(set) => set,
             BatchData::Registered { src, lease } => {
                 return Some(self.post_registered(
-                    t, key, peer, rbytes, &b.writes, &b.remote, &b.lens, &src, lease,
+                    key, peer, rbytes, &b.writes, &b.remote, &b.lens, &src, lease,
                 ));
             }
             BatchData::Pending(_) | BatchData::Empty => return Some(0),
@@ -754,7 +838,7 @@ impl Ctrl {
             let slots = std::mem::replace(&mut set, rest);
             op.work_id = self.next_work;
             self.next_work += 1;
-            t.inflight.insert(
+            self.inflight.insert(
                 op.work_id,
                 InFlight {
                     req: key,
@@ -780,7 +864,6 @@ impl Ctrl {
     #[allow(clippy::too_many_arguments)]
     fn post_registered(
         &mut self,
-        t: &mut Table,
         key: ReqKey,
         peer: PeerIndex,
         rbytes: u64,
@@ -808,7 +891,7 @@ impl Ctrl {
         for (k, mut op) in self.merged.drain(..).enumerate() {
             op.work_id = self.next_work;
             self.next_work += 1;
-            t.inflight.insert(
+            self.inflight.insert(
                 op.work_id,
                 InFlight {
                     req: key,
@@ -825,10 +908,20 @@ impl Ctrl {
         self.runs.len()
     }
 
-    /// Posts queued writes as far as transport credit allows.
+    /// Posts queued writes as far as transport credit allows, and never
+    /// more posted and not yet applied than the poll thread's ring has room:
+    /// it then always has room for their completions (poll.rs).
     fn flush_backlog(&mut self) {
         while !self.backlog.is_empty() {
+            // Every backlog op has its `inflight` entry; the other entries
+            // are posted ops whose completion was not applied yet.
+            let posted = self.inflight.len() - self.backlog.len();
+            let room = self.from_poll.capacity().saturating_sub(posted);
+            if room == 0 {
+                return;
+            }
             let ops = self.backlog.make_contiguous();
+            let ops = &ops[..room.min(ops.len())];
             match self.poster.post(ops) {
                 Ok(0) => return,
                 Ok(n) => {
@@ -839,7 +932,7 @@ impl Ctrl {
                     let failed: Vec<WriteOp> = self.backlog.drain(..).collect();
                     let mut t = self.shared.table.lock();
                     for op in failed {
-                        if let Some(w) = t.inflight.remove(&op.work_id) {
+                        if let Some(w) = self.inflight.remove(&op.work_id) {
                             self.free_staging(w.slots);
                             if let Some(r) = t.reqs.get_mut(w.req) {
                                 r.p.write_withdrawn();
@@ -866,13 +959,13 @@ impl Ctrl {
         let mine: Vec<u64> = self
             .backlog
             .iter()
-            .filter(|op| t.inflight.get(&op.work_id).is_some_and(|w| w.req == key))
+            .filter(|op| self.inflight.get(&op.work_id).is_some_and(|w| w.req == key))
             .map(|op| op.work_id)
             .collect();
         if !mine.is_empty() {
             self.backlog.retain(|op| !mine.contains(&op.work_id));
             for w in mine {
-                if let Some(f) = t.inflight.remove(&w) {
+                if let Some(f) = self.inflight.remove(&w) {
                     self.free_staging(f.slots);
                     if let Some(r) = t.reqs.get_mut(key) {
                         r.p.write_withdrawn();
@@ -896,7 +989,7 @@ impl Ctrl {
             return;
         };
         r.p = p;
-        // Wait: the poll thread calls us again when the writes are done.
+        // Wait: `apply_completions` marks us dirty when the writes are done.
         let AbortStep::Finish { cancel, status } = step else {
             return;
         };

@@ -851,6 +851,9 @@ impl Sender {
         let registry = poster.local_registry();
         let reactor = crate::zmq_io::Reactor::new()?;
         let (submit, inbox) = submit::channel(SUBMIT_RING);
+        // poll → ctrl: the transport's completion records (poll.rs).
+        let (to_ctrl, from_poll) =
+            kvferry_ring::spsc::channel(poll::ring_capacity(poster.credits()));
         let shared = Arc::new(Shared {
             slots,
             shares,
@@ -870,14 +873,16 @@ impl Sender {
         });
         let mut pins = crate::threads::PinPlan::new(shared.cfg.pin_cpus.clone());
         let ctrl = {
-            let ctrl = ctrl::Ctrl::new(Arc::clone(&shared), poster, reactor)?;
+            let ctrl = ctrl::Ctrl::new(Arc::clone(&shared), poster, reactor, from_poll)?;
             let name = format!("kvf-send-ctrl-{}", shared.cfg.sender_id);
             crate::threads::spawn_named(&name, pins.next(), move || ctrl.run())?
         };
         let poll = {
             let shared = Arc::clone(&shared);
             let name = format!("kvf-send-poll-{}", shared.cfg.sender_id);
-            crate::threads::spawn_named(&name, pins.next(), move || poll::run(shared, completions))?
+            crate::threads::spawn_named(&name, pins.next(), move || {
+                poll::run(shared, completions, to_ctrl)
+            })?
         };
         let announcer = {
             let a = Arc::clone(&shared.announcer);

@@ -1,9 +1,11 @@
 //! The sender's shared request table: per-request progress (in a slab, by
 //! the [`ReqKey`] a [`Request`](super::Request) handle carries), batches
-//! waiting to be sent or written, and writes in flight. One lock guards it,
-//! held for short, allocation-free steps by the ctrl and poll threads;
-//! caller threads take it only to cancel, to name a request by id, and on
-//! error paths (a submit reserves and hands its batch over without it).
+//! waiting to be sent or written. One lock guards it, held for short,
+//! allocation-free steps by the ctrl thread; caller threads take it only to
+//! cancel, to name a request by id, and on error paths (a submit reserves
+//! and hands its batch over without it). The poll thread never takes it:
+//! writes in flight ([`InFlight`]) are ctrl's own, and completions reach
+//! ctrl through a ring (`poll.rs`).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -185,8 +187,8 @@ pub(crate) struct InFlight {
     /// A write from registered memory: released with this op.
     pub lease: Option<Arc<WriteLease>>,
     pub posted_at: Instant,
-    /// The transport peer it was posted to (so the poll thread can tell
-    /// ctrl which peer lost its connection).
+    /// The transport peer it was posted to (so a `ConnectionLost`
+    /// completion names the peer that lost its connection).
     pub peer: PeerIndex,
 }
 
@@ -204,13 +206,9 @@ pub(crate) struct Table {
     pub by_id: HashMap<Arc<str>, ReqKey>,
     /// Batches ctrl took from the submission ring, by the id it gave them.
     pub batches: HashMap<u64, Batch>,
-    pub inflight: HashMap<u64, InFlight>,
-    /// Requests the ctrl thread must look at (set by poll and caller threads).
+    /// Requests the ctrl thread must look at (set by caller threads: a
+    /// cancel, a reservation given back).
     pub attention: Vec<ReqKey>,
-    /// Transport peers whose writes completed with `ConnectionLost` (set by
-    /// the poll thread, drained by ctrl, which decides whether to
-    /// re-handshake; no duplicates).
-    pub lost_peers: Vec<PeerIndex>,
     /// Terminal requests in the order they ended (for forgetting old ones).
     pub terminal_order: VecDeque<ReqKey>,
     /// How many terminal requests are remembered ([`TERMINAL_MEMORY`]; the
@@ -225,9 +223,7 @@ impl Default for Table {
             reqs: Slab::default(),
             by_id: HashMap::new(),
             batches: HashMap::new(),
-            inflight: HashMap::new(),
             attention: Vec::new(),
-            lost_peers: Vec::new(),
             terminal_order: VecDeque::new(),
             terminal_memory: TERMINAL_MEMORY,
             closing: false,

@@ -247,7 +247,7 @@ impl Ctrl {
         any
     }
 
-    /// The peers whose data plane was lost (the poll thread saw
+    /// The peers whose data plane was lost (`apply_completions` saw
     /// `ConnectionLost` completions on `indices`) and that re-handshake:
     /// connected through a `Hello`-negotiated data plane (`rehandshake`)
     /// and still `Extended` on that index. They become `Reconnecting`.
