@@ -915,7 +915,9 @@ impl Ctrl {
         while !self.backlog.is_empty() {
             // Every backlog op has its `inflight` entry; the other entries
             // are posted ops whose completion was not applied yet.
-            let posted = self.inflight.len() - self.backlog.len();
+            // (Saturating: a transport that completed an op still in the
+            // backlog, a bug, must not panic ctrl.)
+            let posted = self.inflight.len().saturating_sub(self.backlog.len());
             let room = self.from_poll.capacity().saturating_sub(posted);
             if room == 0 {
                 return;
