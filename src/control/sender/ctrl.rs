@@ -29,6 +29,7 @@ use crate::zmq_io::{readable, Reactor};
 
 use super::core::{AbortStep, ReplyStep, Rules};
 use super::peer::{Mode, Outstanding, Peer};
+use super::submit::Taken;
 use super::table::{Batch, BatchData, InFlight, ReqKey, ReqState, Table};
 use super::wire::AllocRequestRef;
 use super::{RequestStatus, Shared};
@@ -157,13 +158,31 @@ impl Ctrl {
 
     /// One pass over every input.
     fn step(&mut self) {
-        while let Some(b) = self.shared.inbox.pop() {
-            self.enqueue(*b);
+        while let Some(taken) = self.shared.inbox.pop() {
+            match taken {
+                Taken::Batch(b) => self.enqueue(*b),
+                // A caller stopped it: `progress` acts on its life word.
+                Taken::Attention(key) => {
+                    self.dirty.insert(key);
+                }
+            }
         }
         let lost = self.apply_completions();
         {
-            let mut t = self.shared.table.lock();
-            self.dirty.extend(t.attention.drain(..));
+            let t = self.shared.table.lock();
+            // Acquire: pairs with the Release store of a caller that found
+            // the ring full after its CAS, so the words read below include
+            // its stop.
+            if self.shared.attention_overflow.swap(false, Ordering::AcqRel) {
+                self.dirty.extend(
+                    t.reqs
+                        .iter()
+                        .filter(|(_, r)| {
+                            r.p.state.live() && r.c.signal.life.stopped_by_caller().is_some()
+                        })
+                        .map(|(k, _)| k),
+                );
+            }
             for (id, r) in &self.staging_requests {
                 if r.is_ready() {
                     if let Some(b) = t.batches.get(id) {
@@ -275,7 +294,7 @@ impl Ctrl {
                     shared.stats.add(Counter::Bytes, w.bytes);
                 } else if done.aborted {
                     r.aborted();
-                    debug!(req_id = %r.req_id, status = %c.status(), "write failed; aborting the request");
+                    debug!(req_id = %r.c.req_id, status = %c.status(), "write failed; aborting the request");
                 }
                 if done.attention {
                     self.dirty.insert(w.req);
@@ -313,7 +332,8 @@ impl Ctrl {
         std::sync::atomic::fence(Ordering::SeqCst);
         let busy = !self.shared.inbox.is_empty()
             || !self.from_poll.is_empty()
-            || !self.shared.table.lock().attention.is_empty()
+            // Acquire: see the swap in `step`.
+            || self.shared.attention_overflow.load(Ordering::Acquire)
             || !self.dirty.is_empty()
             || self.staging_requests.values().any(crate::slots::SlotRequest::is_ready)
             || self.peers.iter().any(|p| readable(&p.sock))
@@ -524,7 +544,7 @@ impl Ctrl {
         let n = b.keys.len();
         let reply = r.p.on_reply(id, n, b.is_last, capacity, &resp);
         if reply.admitted {
-            r.signal.set_admitted();
+            r.c.signal.set_admitted();
             if let Some(sent) = r.first_sent_at {
                 self.shared
                     .stats
@@ -580,11 +600,14 @@ impl Ctrl {
         // The receiver's endpoint is copied only to connect a new peer: a
         // known one is looked up under the lock (no allocation per step).
         let Some((state, peer)) = ({
-            let t = self.shared.table.lock();
-            t.reqs.get(key).map(|r| {
-                let peer = match self.peer_by_endpoint.get(&r.receiver) {
+            let mut t = self.shared.table.lock();
+            t.reqs.get_mut(key).map(|r| {
+                // A caller's stop first (a cancel ctrl has not acted on):
+                // nothing more is sent for it.
+                r.take_caller_stop();
+                let peer = match self.peer_by_endpoint.get(&r.c.receiver) {
                     Some(&i) => Ok(i),
-                    None => Err(r.receiver.clone()),
+                    None => Err(r.c.receiver.clone()),
                 };
                 (r.p.state.clone(), peer)
             })
@@ -608,7 +631,7 @@ impl Ctrl {
                             let t = self.shared.table.lock();
                             t.reqs
                                 .get(key)
-                                .is_some_and(|r| r.p.is_complete(r.stored.get()))
+                                .is_some_and(|r| r.p.is_complete(r.c.stored.get()))
                         };
                         if complete {
                             self.progress_live(key, i);
@@ -675,10 +698,19 @@ impl Ctrl {
             return;
         };
         r.p = p;
-        // 3. Complete.
-        if r.p.is_complete(r.stored.get()) {
+        // 3. Complete, unless a caller stopped the request first: the life
+        // word's CAS decides (a cancel that returned true always wins over
+        // this, one that returned false lost to it).
+        if r.p.is_complete(r.c.stored.get()) {
+            if let Err(stop) = r.c.signal.life.complete() {
+                if stop.is_some() && r.take_caller_stop() {
+                    // Fenced like any abort (CancelNotif, then `Cancelled`).
+                    self.dirty.insert(key);
+                }
+                return;
+            }
             let now = Instant::now();
-            let (last, bytes, req_id) = (r.last_completion_at, r.bytes, Arc::clone(&r.req_id));
+            let (last, bytes, req_id) = (r.last_completion_at, r.bytes, Arc::clone(&r.c.req_id));
             self.notify_complete(i, &req_id);
             if let Some(last) = last {
                 self.shared
@@ -708,7 +740,7 @@ impl Ctrl {
             .stats
             .record(Stage::Pending, now.saturating_duration_since(b.stored_at));
         let span =
-            tracing::trace_span!("batch", req_id = %r.req_id, batch = id, chunks = b.keys.len());
+            tracing::trace_span!("batch", req_id = %r.c.req_id, batch = id, chunks = b.keys.len());
         let _g = span.enter();
         self.buf.clear();
         AllocRequestRef {
@@ -717,9 +749,9 @@ impl Ctrl {
             shape: &r.shape,
             dtype: &r.dtype,
             last_chunk_toks: b.last_chunk_toks,
-            req_id: &r.req_id,
+            req_id: &r.c.req_id,
             is_last_batch: b.is_last,
-            total_chunks: r.total as i64,
+            total_chunks: r.c.total as i64,
             seq,
         }
         .encode_into(&mut self.buf);
@@ -997,8 +1029,8 @@ impl Ctrl {
         };
         if cancel {
             let keys = std::mem::take(&mut r.keys_sent).to_vec();
-            if let Some(&i) = self.peer_by_endpoint.get(&r.receiver) {
-                let req_id = Arc::clone(&r.req_id);
+            if let Some(&i) = self.peer_by_endpoint.get(&r.c.receiver) {
+                let req_id = Arc::clone(&r.c.req_id);
                 self.send_cancel(i, &req_id, keys);
             }
         }
@@ -1104,7 +1136,7 @@ impl Ctrl {
         let Some(r) = t.reqs.get(key) else {
             return;
         };
-        let (receiver, req_id) = (r.receiver.clone(), Arc::clone(&r.req_id));
+        let (receiver, req_id) = (r.c.receiver.clone(), Arc::clone(&r.c.req_id));
         let live = !matches!(r.p.state, ReqState::Done(_));
         // ProxyFailed is a kvferry extension: only a receiver that answered
         // Hello proves a kvferry deployment. A sender talking to an LMCache
@@ -1134,7 +1166,7 @@ impl Ctrl {
                     .reqs
                     .iter()
                     .filter(|(_, r)| {
-                        r.receiver == self.peers[i].endpoint && r.p.state == ReqState::Pending
+                        r.c.receiver == self.peers[i].endpoint && r.p.state == ReqState::Pending
                     })
                     .map(|(k, _)| k)
                     .collect();
@@ -1160,7 +1192,7 @@ impl Ctrl {
         let ids: Vec<ReqKey> = t
             .reqs
             .iter()
-            .filter(|(_, r)| &r.receiver == endpoint && !matches!(r.p.state, ReqState::Done(_)))
+            .filter(|(_, r)| &r.c.receiver == endpoint && !matches!(r.p.state, ReqState::Done(_)))
             .map(|(k, _)| k)
             .collect();
         drop(t);

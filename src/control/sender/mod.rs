@@ -27,6 +27,7 @@ mod count;
 mod ctrl;
 mod error;
 mod keys;
+mod life;
 pub mod metrics;
 mod peer;
 mod poll;
@@ -257,9 +258,13 @@ pub(crate) struct Shared {
     /// The submission ring's producer each new request handle's
     /// [`Outbox`](submit::Outbox) is cloned from (locked at `begin` only).
     pub submit: Mutex<kvferry_ring::mpsc::Producer<u64>>,
-    /// Caller threads → ctrl: the batches themselves, in send order (taken
-    /// by ctrl only).
+    /// Caller threads → ctrl: the batches themselves, in send order, and
+    /// the keys of requests a caller stopped (taken by ctrl only).
     pub inbox: submit::Inbox,
+    /// A caller stopped a request and found the submission ring full: ctrl
+    /// looks at every live request's life word once (never lost, never a
+    /// wait for the caller).
+    pub attention_overflow: AtomicBool,
     /// Runs completion callbacks off the ctrl thread.
     pub announcer: Arc<Announcer>,
 }
@@ -295,31 +300,30 @@ impl Shared {
         // This handle's own end of the submission ring (cloned outside the
         // table lock; only `begin` takes the prototype's lock).
         let outbox = submit::Outbox::new(self.submit.lock().clone());
-        let handle = |key: ReqKey, r: &Req, outbox| Handle {
+        let handle = |c: &Arc<request::Common>, outbox| Handle {
             shared: Arc::clone(self),
-            key,
-            total: r.total,
-            stored: Arc::clone(&r.stored),
-            req_id: Arc::clone(&r.req_id),
-            signal: Arc::clone(&r.signal),
-            cancel: r.cancel.clone(),
+            c: Arc::clone(c),
             outbox,
         };
         let (batch, h) = {
             let mut t = self.table.lock();
-            if let Some((key, r)) = t.by_name(&spec.req_id) {
+            if let Some((_, r)) = t.by_name(&spec.req_id) {
                 return match &r.p.state {
                     ReqState::Done(s) => Err(StoreError::RequestEnded(s.clone())),
                     _ if reuse => Ok(Request {
-                        h: Arc::new(handle(key, r, outbox)),
+                        h: Arc::new(handle(&r.c, outbox)),
                     }),
                     _ => Err(StoreError::DuplicateRequest {
                         req_id: spec.req_id.clone(),
                     }),
                 };
             }
-            let req = Req::new(spec, self.cfg.chunk_bytes, Arc::new(Signal::default()));
-            let key = t.insert(req);
+            let mut common = None;
+            let key = t.insert(|key| {
+                let c = Arc::new(request::Common::new(key, spec));
+                common = Some(Arc::clone(&c));
+                Req::new(spec, self.cfg.chunk_bytes, c)
+            });
             let batch = Self::batch_for(
                 key,
                 KeyList::default(),
@@ -328,10 +332,9 @@ impl Shared {
                 false,
                 0,
             );
-            let h = t.reqs.get(key).map(|r| handle(key, r, outbox));
-            (batch, h)
+            (batch, common.map(|c| handle(&c, outbox)))
         };
-        // `None` cannot happen: inserted just above, under the same lock.
+        // `None` cannot happen: `insert` calls its closure.
         let Some(h) = h else {
             return Err(StoreError::Closed);
         };
@@ -406,7 +409,7 @@ impl Shared {
             return Err(StoreError::RequestEnded(s.clone()));
         }
         if h.cancel.is_cancelled() {
-            return Err(self.stopped(h.key, &h.signal));
+            return Err(Self::stopped(&h.signal));
         }
         let req_id = || h.req_id.to_string();
         let is_last = h.stored.reserve(n, h.total, is_last).map_err(|r| match r {
@@ -449,7 +452,7 @@ impl Shared {
             let bytes = lens.iter().map(|&l| l as usize).sum();
             self.release_data(data, bytes);
             self.give_back(h, n, reserved.is_last);
-            return Err(self.stopped(h.key, &h.signal));
+            return Err(Self::stopped(&h.signal));
         }
         let keys = KeyList::from_keys(keys);
         let batch = Self::batch_for(h.key, keys, lens, data, reserved.is_last, toks);
@@ -548,7 +551,7 @@ impl Shared {
                 Err(e) => {
                     self.give_back(h, n, reserved.is_last);
                     return Err(match e {
-                        AllocError::Cancelled => self.stopped(h.key, &h.signal),
+                        AllocError::Cancelled => Self::stopped(&h.signal),
                         AllocError::Timeout => StoreError::StagingTimeout,
                         AllocError::TooLarge { requested, slots } => StoreError::BatchTooLarge {
                             chunks: requested,
@@ -660,64 +663,70 @@ impl Shared {
     /// [`StoreError::Cancelled`] only for a cancel; a failure (or any ended
     /// request) is [`StoreError::RequestEnded`] with the status it ends with.
     /// The one mapping for every wait that a request's cancel token ends.
-    pub(crate) fn stopped(&self, key: ReqKey, signal: &Signal) -> StoreError {
-        let t = self.table.lock();
-        match t.reqs.get(key).map(|r| &r.p.state) {
-            Some(ReqState::Aborting(RequestStatus::Cancelled)) => StoreError::Cancelled,
-            Some(ReqState::Aborting(s) | ReqState::Done(s)) => StoreError::RequestEnded(s.clone()),
-            // Live (a token fired by close) or forgotten: the handle's view.
-            _ => match signal.terminal() {
-                Some(s) => StoreError::RequestEnded(s.clone()),
-                None => StoreError::Cancelled,
-            },
+    /// Without the table lock: the request's terminal status, else its life
+    /// word. Whoever fires the token set the word before (a caller's CAS,
+    /// or ctrl's, whose status is published by that CAS's Release), and the
+    /// token's SeqCst flag, which this caller saw fired, orders it after.
+    pub(crate) fn stopped(signal: &Signal) -> StoreError {
+        if let Some(s) = signal.terminal() {
+            return StoreError::RequestEnded(s.clone());
+        }
+        match signal.life.state() {
+            life::State::Stopped(life::Stop::Cancel) => StoreError::Cancelled,
+            life::State::Stopped(stop) => StoreError::RequestEnded(stop.status()),
+            life::State::Aborted(Some(s)) => StoreError::RequestEnded(s.clone()),
+            // Live with a fired token, or completed: cannot happen (only
+            // stops fire the token, a completed request is terminal first).
+            life::State::Aborted(None) | life::State::Live | life::State::Completed => {
+                StoreError::Cancelled
+            }
         }
     }
 
-    /// Starts the fenced abort of a live request.
     /// Gives back a reservation of `n` chunks whose batch was never handed
     /// over (`last`: it was the last batch). If another caller reserved the
     /// last batch meanwhile, the given-back chunks can never be stored, so
-    /// the request fails instead of completing without them.
+    /// the request fails instead of completing without them: a caller's
+    /// stop ([`life::Stop::Orphan`]), like a cancel, without the table lock.
     fn give_back(&self, h: &Handle, n: usize, last: bool) {
-        if !h.stored.unreserve(n, last) {
-            return;
-        }
-        let failed = {
-            let mut t = self.table.lock();
-            let ok = t.reqs.get_mut(h.key).is_some_and(|r| {
-                r.abort_with(RequestStatus::Failed {
-                    code: ErrorCode::InconsistentRequest,
-                    reason: format!(
-                        "a batch of {n} chunks was given back after the last batch was stored"
-                    ),
-                })
-            });
-            if ok {
-                t.attention.push(h.key);
-            }
-            ok
-        };
-        if failed {
-            self.wake_ctrl();
+        if h.stored.unreserve(n, last) {
+            self.stop(&h.c, life::Stop::Orphan { chunks: n }, Some(&h.outbox));
         }
     }
 
-    fn cancel(&self, key: ReqKey) -> bool {
-        let ok = {
-            let mut t = self.table.lock();
-            let ok = t
-                .reqs
-                .get_mut(key)
-                .is_some_and(|r| r.abort_with(RequestStatus::Cancelled));
-            if ok {
-                t.attention.push(key);
-            }
-            ok
-        };
-        if ok {
-            self.wake_ctrl();
+    /// Cancels request `c`; true iff this call stopped a live request.
+    fn cancel(&self, c: &request::Common, outbox: Option<&submit::Outbox>) -> bool {
+        self.stop(c, life::Stop::Cancel, outbox)
+    }
+
+    /// A caller stops request `c` (see `life.rs`): true iff this call took
+    /// it out of its live phase (then it ends with `stop`'s status, whatever
+    /// ctrl was about to do). Then wakes the request's waiters and tells
+    /// ctrl: the key through the submission ring (`outbox`, or an end of it
+    /// cloned for this call), or, if the ring is full, the overflow flag;
+    /// then `wake_ctrl`. Why that is enough: the CAS that won is before the
+    /// ring push (Release) or the flag store, which ctrl's pop or flag swap
+    /// (Acquire) reads before it reads the word; a push or flag ctrl missed
+    /// before parking is caught by the Dekker handshake of `wake_ctrl`
+    /// (ctrl re-checks the ring and the flag after publishing
+    /// `ctrl_parked`). No table lock, no wait.
+    fn stop(&self, c: &request::Common, stop: life::Stop, outbox: Option<&submit::Outbox>) -> bool {
+        if !c.signal.life.stop(stop) {
+            return false;
         }
-        ok
+        c.cancel.cancel();
+        c.signal.wake();
+        let sent = match outbox {
+            Some(o) => o.attend(c.key),
+            None => submit::Outbox::new(self.submit.lock().clone()).attend(c.key),
+        };
+        if !sent {
+            // Release: pairs with ctrl's Acquire swap (it then reads the
+            // words this CAS wrote); the Dekker fence is wake_ctrl's.
+            self.attention_overflow.store(true, Ordering::Release);
+        }
+        self.wake_ctrl();
+        true
     }
 }
 
@@ -868,6 +877,7 @@ impl Sender {
             ctrl_gone: AtomicBool::new(false),
             submit: Mutex::new(submit),
             inbox,
+            attention_overflow: AtomicBool::new(false),
             announcer: Arc::new(Announcer::default()),
             cfg,
         });
@@ -944,24 +954,21 @@ impl Sender {
     ) -> Result<(), StoreError> {
         self.validate(spec, keys.len(), chunks)?;
         let req = self.shared.begin(&spec.request(), true)?;
-        {
-            let t = self.shared.table.lock();
-            if let Some(r) = t.reqs.get(req.h.key) {
-                if r.receiver != spec.receiver {
-                    return Err(StoreError::ReceiverMismatch {
-                        req_id: spec.req_id.clone(),
-                        begun: r.receiver.clone(),
-                        given: spec.receiver.clone(),
-                    });
-                }
-                if r.total != spec.total_chunks {
-                    return Err(StoreError::TotalMismatch {
-                        req_id: spec.req_id.clone(),
-                        begun: r.total,
-                        given: spec.total_chunks,
-                    });
-                }
-            }
+        // The request's geometry, from its handle (no table lock).
+        let r = &req.h.c;
+        if r.receiver != spec.receiver {
+            return Err(StoreError::ReceiverMismatch {
+                req_id: spec.req_id.clone(),
+                begun: r.receiver.clone(),
+                given: spec.receiver.clone(),
+            });
+        }
+        if r.total != spec.total_chunks {
+            return Err(StoreError::TotalMismatch {
+                req_id: spec.req_id.clone(),
+                begun: r.total,
+                given: spec.total_chunks,
+            });
         }
         self.shared.store_copy(
             &req.h,
@@ -1005,8 +1012,13 @@ impl Sender {
     /// then tells the receiver to release everything (fenced abort).
     /// Returns false if the request is unknown or already ended.
     pub fn cancel_request(&self, req_id: &str) -> bool {
-        let key = self.shared.table.lock().by_name(req_id).map(|(k, _)| k);
-        key.is_some_and(|k| self.shared.cancel(k))
+        let c = self
+            .shared
+            .table
+            .lock()
+            .by_name(req_id)
+            .map(|(_, r)| Arc::clone(&r.c));
+        c.is_some_and(|c| self.shared.cancel(&c, None))
     }
 
     /// The current status of a request (`None` if unknown or forgotten).
@@ -1299,16 +1311,17 @@ impl Sender {
                     .timed_out()
             {}
         }
-        let active: Vec<ReqKey> = {
+        let active: Vec<Arc<request::Common>> = {
             let t = self.shared.table.lock();
             t.reqs
-                .iter()
-                .filter(|(_, r)| !matches!(r.p.state, ReqState::Done(_)))
-                .map(|(k, _)| k)
+                .values()
+                .filter(|r| !matches!(r.p.state, ReqState::Done(_)))
+                .map(|r| Arc::clone(&r.c))
                 .collect()
         };
-        for r in active {
-            if self.shared.cancel(r) {
+        let outbox = submit::Outbox::new(self.shared.submit.lock().clone());
+        for c in active {
+            if self.shared.cancel(&c, Some(&outbox)) {
                 cancelled += 1;
             }
         }

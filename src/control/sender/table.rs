@@ -14,15 +14,13 @@ use std::time::Instant;
 
 use smallvec::SmallVec;
 
-use crate::cancel::CancelToken;
 use crate::slots::SlotSet;
 use crate::transport::PeerIndex;
 
-use super::completion::Signal;
 use super::core::{Phase, Progress};
-use super::count::StoredCount;
 use super::keys::KeyList;
 use super::registered::WriteLease;
+use super::request::Common;
 use super::slab::{Key, Slab};
 use super::{RequestSpec, RequestStatus};
 
@@ -76,26 +74,18 @@ static NEXT_ORDER: AtomicU64 = AtomicU64::new(0);
 /// A request's progress.
 #[derive(Debug)]
 pub(crate) struct Req {
-    /// The id, for the wire and logs (shared with the request's handles and
-    /// [`Table::by_id`]: one allocation per request).
-    pub req_id: Arc<str>,
+    /// What its handles (and the name index) share: id, receiver, total,
+    /// stored count, signal with the life word, cancel token.
+    pub c: Arc<Common>,
     /// Creation order (first `store`): the ctrl thread serves older
     /// requests first, so first batches leave in store order.
     pub order: u64,
-    pub receiver: String,
-    pub total: usize,
     /// Chunk geometry of the request's batches (from its `RequestSpec`).
     pub fmt: i64,
     pub shape: Vec<i64>,
     pub dtype: String,
     /// The protocol state (decisions in `core.rs`).
     pub p: Progress<RequestStatus>,
-    /// What the callers stored (shared with the handles, which reserve in
-    /// it without the table lock).
-    pub stored: Arc<StoredCount>,
-    pub cancel: CancelToken,
-    /// What the request's handles read (admission, terminal status).
-    pub signal: Arc<Signal>,
     /// Every key named in an AllocRequest (for CancelNotif).
     pub keys_sent: KeyList,
     pub first_sent_at: Option<Instant>,
@@ -104,15 +94,13 @@ pub(crate) struct Req {
 }
 
 impl Req {
-    pub fn new(spec: &RequestSpec, chunk_bytes: u64, signal: Arc<Signal>) -> Self {
+    pub fn new(spec: &RequestSpec, chunk_bytes: u64, c: Arc<Common>) -> Self {
         Self {
-            req_id: Arc::from(spec.req_id.as_str()),
+            c,
             // Relaxed: one RMW chain is totally ordered on its own, and
             // requests are created under the table lock, so the numbers
             // follow creation order; nothing else is published through it.
             order: NEXT_ORDER.fetch_add(1, Ordering::Relaxed),
-            receiver: spec.receiver.clone(),
-            total: spec.total_chunks,
             fmt: spec.fmt,
             shape: if spec.shape.is_empty() {
                 vec![chunk_bytes as i64]
@@ -121,9 +109,6 @@ impl Req {
             },
             dtype: spec.dtype.clone(),
             p: Progress::default(),
-            stored: Arc::default(),
-            cancel: CancelToken::new(),
-            signal,
             keys_sent: KeyList::default(),
             first_sent_at: None,
             last_completion_at: None,
@@ -131,9 +116,9 @@ impl Req {
         }
     }
 
-    /// Starts the abort path of a live request (`Pending`/`Admitted`):
-    /// records the status to report, wakes the callers blocked for it
-    /// (staging waits and admission waits). False if it is not live.
+    /// Starts ctrl's own abort of a live request (`Pending`/`Admitted`):
+    /// records the status to report and wakes the callers blocked for it
+    /// (see [`aborted`](Self::aborted)). False if it is not live.
     pub fn abort_with(&mut self, status: RequestStatus) -> bool {
         if !self.p.abort_with(status) {
             return false;
@@ -142,10 +127,39 @@ impl Req {
         true
     }
 
-    /// The core moved the request to `Aborting`: wake its callers.
-    pub fn aborted(&self) {
-        self.cancel.cancel();
-        self.signal.wake();
+    /// The core moved the request to `Aborting` for ctrl's own reason (a
+    /// refusal, a failed write, a timeout...): claims the request in its
+    /// life word, and if a caller stopped it first (a cancel that returned
+    /// `true`), reports the caller's status instead; then wakes its callers.
+    pub fn aborted(&mut self) {
+        if let ReqState::Aborting(status) = &self.p.state {
+            if let Some(stop) = self.c.signal.life.abort(status) {
+                self.p.state = ReqState::Aborting(stop.status());
+            }
+        }
+        self.wake_stopped();
+    }
+
+    /// Takes over a caller's stop (cancel, orphaning give-back) that ctrl
+    /// has not acted on: a live request a caller stopped moves to
+    /// `Aborting` with the caller's status. True if it did.
+    pub fn take_caller_stop(&mut self) -> bool {
+        if !self.p.state.live() {
+            return false;
+        }
+        let Some(stop) = self.c.signal.life.stopped_by_caller() else {
+            return false;
+        };
+        self.p.abort_with(stop.status());
+        self.wake_stopped();
+        true
+    }
+
+    /// Fires the cancel token and wakes the waiters (both idempotent: the
+    /// caller that stopped the request did so too).
+    fn wake_stopped(&self) {
+        self.c.cancel.cancel();
+        self.c.signal.wake();
     }
 
     /// The status callers see.
@@ -158,14 +172,14 @@ impl Req {
 
     /// One line for state dumps.
     pub fn describe(&self) -> String {
-        let stored = self.stored.get();
+        let stored = self.c.stored.get();
         format!(
             "req {} -> {}: {:?}, stored {}/{} completed {}, queued {}, awaiting reply {}, unstaged {}, in flight {}, last stored {} replied {}",
-            self.req_id,
-            self.receiver,
+            self.c.req_id,
+            self.c.receiver,
             self.p.state,
             stored.chunks,
-            self.total,
+            self.c.total,
             self.p.completed_chunks,
             self.p.queued.len(),
             self.p.awaiting_reply,
@@ -206,9 +220,6 @@ pub(crate) struct Table {
     pub by_id: HashMap<Arc<str>, ReqKey>,
     /// Batches ctrl took from the submission ring, by the id it gave them.
     pub batches: HashMap<u64, Batch>,
-    /// Requests the ctrl thread must look at (set by caller threads: a
-    /// cancel, a reservation given back).
-    pub attention: Vec<ReqKey>,
     /// Terminal requests in the order they ended (for forgetting old ones).
     pub terminal_order: VecDeque<ReqKey>,
     /// How many terminal requests are remembered ([`TERMINAL_MEMORY`]; the
@@ -223,7 +234,6 @@ impl Default for Table {
             reqs: Slab::default(),
             by_id: HashMap::new(),
             batches: HashMap::new(),
-            attention: Vec::new(),
             terminal_order: VecDeque::new(),
             terminal_memory: TERMINAL_MEMORY,
             closing: false,
@@ -232,19 +242,21 @@ impl Default for Table {
 }
 
 impl Table {
-    /// Registers a request (its id must not be in [`Table::by_id`]).
-    pub fn insert(&mut self, req: Req) -> ReqKey {
-        let id = Arc::clone(&req.req_id);
-        let key = self.reqs.insert(req);
-        self.by_id.insert(id, key);
+    /// Registers the request `make` builds for its key (its id must not be
+    /// in [`Table::by_id`]).
+    pub fn insert(&mut self, make: impl FnOnce(ReqKey) -> Req) -> ReqKey {
+        let key = self.reqs.insert_with(make);
+        if let Some(r) = self.reqs.get(key) {
+            self.by_id.insert(Arc::clone(&r.c.req_id), key);
+        }
         key
     }
 
     /// Forgets a request.
     pub fn remove(&mut self, key: ReqKey) -> Option<Req> {
         let r = self.reqs.remove(key)?;
-        if self.by_id.get(&*r.req_id) == Some(&key) {
-            self.by_id.remove(&*r.req_id);
+        if self.by_id.get(&*r.c.req_id) == Some(&key) {
+            self.by_id.remove(&*r.c.req_id);
         }
         Some(r)
     }
@@ -258,7 +270,7 @@ impl Table {
     /// Marks a request terminal and forgets the oldest terminal ones.
     pub fn finish(&mut self, key: ReqKey, status: RequestStatus) {
         if let Some(r) = self.reqs.get_mut(key) {
-            r.signal.set_terminal(status.clone());
+            r.c.signal.set_terminal(status.clone());
             r.p.finish(status);
             self.terminal_order.push_back(key);
         }

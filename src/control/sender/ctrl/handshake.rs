@@ -280,7 +280,7 @@ impl Ctrl {
                 let t = self.shared.table.lock();
                 t.reqs
                     .iter()
-                    .filter(|(_, r)| r.receiver == endpoint && r.p.state.live())
+                    .filter(|(_, r)| r.c.receiver == endpoint && r.p.state.live())
                     .map(|(k, _)| k)
                     .collect()
             };
@@ -321,7 +321,7 @@ impl Ctrl {
                 .lock()
                 .reqs
                 .values()
-                .any(|r| &r.receiver == ep && matches!(r.p.state, ReqState::Aborting(_)));
+                .any(|r| &r.c.receiver == ep && matches!(r.p.state, ReqState::Aborting(_)));
             if !aborting {
                 self.rehello(i);
                 any = true;

@@ -55,7 +55,7 @@ impl Ctrl {
                     .lock()
                     .reqs
                     .values()
-                    .any(|r| &r.receiver == ep && !matches!(r.p.state, ReqState::Done(_)));
+                    .any(|r| &r.c.receiver == ep && !matches!(r.p.state, ReqState::Done(_)));
                 if active {
                     self.buf.clear();
                     let hbm = Message::Heartbeat(Heartbeat {
