@@ -69,6 +69,9 @@ pub(super) struct Ctrl {
     staging_requests: HashMap<u64, crate::slots::SlotRequest>,
     /// Terminal statuses to announce (callbacks) once the lock is released.
     finished: Vec<(String, RequestStatus)>,
+    /// Requests the table forgot, to forget in the name index once the
+    /// table lock is released (`announce`).
+    forgotten: Vec<(Arc<str>, ReqKey)>,
     /// Reused buffers of the write coalescer (one write per chunk in,
     /// merged writes and their run lengths out).
     chunk_ops: Vec<WriteOp>,
@@ -130,6 +133,7 @@ impl Ctrl {
             dirty: HashSet::new(),
             staging_requests: HashMap::new(),
             finished: Vec::new(),
+            forgotten: Vec::new(),
             chunk_ops: Vec::with_capacity(64),
             merged: Vec::with_capacity(64),
             runs: Vec::with_capacity(64),
@@ -1157,7 +1161,7 @@ impl Ctrl {
                 RequestStatus::InProgress | RequestStatus::Completed => {}
             }
         }
-        t.finish(key, status.clone());
+        t.finish(key, status.clone(), &mut self.forgotten);
         self.finished.push((req_id.to_string(), status));
         // LMCache mode: the receiver is free for the next request.
         if let Some(&i) = self.peer_by_endpoint.get(&receiver) {
@@ -1175,13 +1179,17 @@ impl Ctrl {
         }
     }
 
-    /// Wakes `Sender::wait`ers and hands terminal statuses to the
-    /// announcer thread (callbacks never run here).
+    /// Hands terminal statuses to the announcer thread (callbacks never run
+    /// here; waiters were woken by their `Signal`), and forgets the names of
+    /// the requests the table forgot this step (no table lock held: the
+    /// name index is locked before the table, by `begin`, never after).
     fn announce(&mut self) {
+        if !self.forgotten.is_empty() {
+            self.shared.names.forget(self.forgotten.drain(..));
+        }
         if self.finished.is_empty() {
             return;
         }
-        self.shared.status_cv.notify_all();
         self.shared.announcer.announce(&mut self.finished);
     }
 

@@ -29,6 +29,7 @@ mod error;
 mod keys;
 mod life;
 pub mod metrics;
+mod names;
 mod peer;
 mod poll;
 mod registered;
@@ -48,7 +49,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Mutex;
 use smallvec::SmallVec;
 use tracing::debug;
 
@@ -240,8 +241,9 @@ impl RequestStatus {
 pub(crate) struct Shared {
     pub cfg: SenderConfig,
     pub table: Mutex<Table>,
-    /// Signalled when a request reaches a terminal status.
-    pub status_cv: Condvar,
+    /// Request id → its `Common` state, for the calls naming a request by
+    /// id (its own lock; locked before the table, never after).
+    pub names: names::Names,
     pub staging: Arc<StagingBuffer>,
     pub slots: SlotAllocator,
     /// Staging shares not held (`Sender::take_share`).
@@ -305,41 +307,48 @@ impl Shared {
             c: Arc::clone(c),
             outbox,
         };
-        let (batch, h) = {
-            let mut t = self.table.lock();
-            if let Some((_, r)) = t.by_name(&spec.req_id) {
-                return match &r.p.state {
-                    ReqState::Done(s) => Err(StoreError::RequestEnded(s.clone())),
-                    _ if reuse => Ok(Request {
-                        h: Arc::new(handle(&r.c, outbox)),
+        let h = {
+            // Checked and named under one hold of the name index, so two
+            // `begin`s of one id cannot both register it.
+            let mut names = self.names.lock();
+            if let Some(c) = names.get(spec.req_id.as_str()) {
+                return match c.signal.terminal() {
+                    Some(s) => Err(StoreError::RequestEnded(s.clone())),
+                    None if reuse => Ok(Request {
+                        h: Arc::new(handle(c, outbox)),
                     }),
-                    _ => Err(StoreError::DuplicateRequest {
+                    None => Err(StoreError::DuplicateRequest {
                         req_id: spec.req_id.clone(),
                     }),
                 };
             }
             let mut common = None;
-            let key = t.insert(|key| {
+            // The table lock, inside the name index's (the one place both
+            // are held): only to insert.
+            self.table.lock().insert(|key| {
                 let c = Arc::new(request::Common::new(key, spec));
                 common = Some(Arc::clone(&c));
                 Req::new(spec, self.cfg.chunk_bytes, c)
             });
-            let batch = Self::batch_for(
-                key,
-                KeyList::default(),
-                SmallVec::new(),
-                BatchData::Empty,
-                false,
-                0,
-            );
-            (batch, common.map(|c| handle(&c, outbox)))
+            // `None` cannot happen: `insert` calls its closure.
+            let Some(c) = common else {
+                return Err(StoreError::Closed);
+            };
+            names.insert(Arc::clone(&c.req_id), Arc::clone(&c));
+            handle(&c, outbox)
         };
-        // `None` cannot happen: `insert` calls its closure.
-        let Some(h) = h else {
-            return Err(StoreError::Closed);
-        };
+        let batch = Self::batch_for(
+            h.key,
+            KeyList::default(),
+            SmallVec::new(),
+            BatchData::Empty,
+            false,
+            0,
+        );
         if let Err((_, e)) = self.submit_batch(&h, Box::new(batch)) {
-            // The admission message holds no data to give back.
+            // The admission message holds no data to give back; ctrl never
+            // heard of the request.
+            self.names.forget([(Arc::clone(&h.req_id), h.key)]);
             self.table.lock().remove(h.key);
             return Err(e);
         }
@@ -868,7 +877,7 @@ impl Sender {
             shares,
             staging,
             table: Mutex::new(Table::default()),
-            status_cv: Condvar::new(),
+            names: names::Names::default(),
             pending_bytes: AtomicUsize::new(0),
             stats: SharedStats::new(),
             waker: reactor.waker(),
@@ -1012,57 +1021,32 @@ impl Sender {
     /// then tells the receiver to release everything (fenced abort).
     /// Returns false if the request is unknown or already ended.
     pub fn cancel_request(&self, req_id: &str) -> bool {
-        let c = self
-            .shared
-            .table
-            .lock()
-            .by_name(req_id)
-            .map(|(_, r)| Arc::clone(&r.c));
+        let c = self.shared.names.get(req_id);
         c.is_some_and(|c| self.shared.cancel(&c, None))
     }
 
     /// The current status of a request (`None` if unknown or forgotten).
     pub fn status(&self, req_id: &str) -> Option<RequestStatus> {
-        self.shared
-            .table
-            .lock()
-            .by_name(req_id)
-            .map(|(_, r)| r.status())
+        self.shared.names.get(req_id).map(|c| c.signal.status())
     }
 
     /// Waits until the request is terminal or `deadline` passes; returns its
-    /// status then (`InProgress` on timeout, `None` if unknown). A
-    /// [`Request`] handle waits without the sender's table: [`Request::wait`].
+    /// status then (`InProgress` on timeout, `None` if unknown). Waits on
+    /// the request's own `Signal`, like [`Request::wait`].
     ///
     /// `Completed` means every write completed and ProxyNotif/TransferDone
     /// were sent; the receiver may not have processed the TransferDone yet
     /// (a decoder waits with `Receiver::wait_ready`, not on this).
     pub fn wait(&self, req_id: &str, deadline: Instant) -> Option<RequestStatus> {
-        let mut t = self.shared.table.lock();
-        let key = t.by_name(req_id)?.0;
-        loop {
-            let s = t.reqs.get(key).map(Req::status)?;
-            if s.is_terminal()
-                || self
-                    .shared
-                    .status_cv
-                    .wait_until(&mut t, deadline)
-                    .timed_out()
-            {
-                return t.reqs.get(key).map(Req::status);
-            }
-        }
+        let c = self.shared.names.get(req_id)?;
+        let s = &c.signal;
+        s.wait_until(deadline, || s.terminal().is_some());
+        Some(s.status())
     }
 
     /// Requests not yet terminal.
     pub fn active_requests(&self) -> usize {
-        self.shared
-            .table
-            .lock()
-            .reqs
-            .values()
-            .filter(|r| !matches!(r.p.state, ReqState::Done(_)))
-            .count()
+        self.shared.names.active().len()
     }
 
     /// Registers `len` bytes of caller-owned host memory at `ptr` (e.g. a
@@ -1290,47 +1274,35 @@ impl Sender {
         self.close_inner(deadline)
     }
 
+    /// Waits until no request is active (also those begun meanwhile) or
+    /// `deadline` passes, on each request's `Signal`.
+    fn wait_quiet(&self, deadline: Instant) {
+        loop {
+            let active = self.shared.names.active();
+            if active.is_empty() || Instant::now() >= deadline {
+                return;
+            }
+            for c in active {
+                let s = &c.signal;
+                s.wait_until(deadline, || s.terminal().is_some());
+            }
+        }
+    }
+
     fn close_inner(&mut self, deadline: Instant) -> usize {
         if self.ctrl.is_none() {
             return 0;
         }
-        self.shared.table.lock().closing = true;
         let mut cancelled = 0;
-        let quiet = |t: &Table| {
-            t.reqs
-                .values()
-                .all(|r| matches!(r.p.state, ReqState::Done(_)))
-        };
-        {
-            let mut t = self.shared.table.lock();
-            while !quiet(&t)
-                && !self
-                    .shared
-                    .status_cv
-                    .wait_until(&mut t, deadline)
-                    .timed_out()
-            {}
-        }
-        let active: Vec<Arc<request::Common>> = {
-            let t = self.shared.table.lock();
-            t.reqs
-                .values()
-                .filter(|r| !matches!(r.p.state, ReqState::Done(_)))
-                .map(|r| Arc::clone(&r.c))
-                .collect()
-        };
+        self.wait_quiet(deadline);
         let outbox = submit::Outbox::new(self.shared.submit.lock().clone());
-        for c in active {
+        for c in self.shared.names.active() {
             if self.shared.cancel(&c, Some(&outbox)) {
                 cancelled += 1;
             }
         }
         // Give the fenced aborts a bounded moment to drain.
-        {
-            let grace = Instant::now() + Duration::from_secs(5);
-            let mut t = self.shared.table.lock();
-            while !quiet(&t) && !self.shared.status_cv.wait_until(&mut t, grace).timed_out() {}
-        }
+        self.wait_quiet(Instant::now() + Duration::from_secs(5));
         // Release: pairs with the Acquire load in the ctrl loop.
         self.shared.stop.store(true, Ordering::Release);
         let _ = self.shared.waker.wake();

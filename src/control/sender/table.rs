@@ -1,11 +1,14 @@
 //! The sender's shared request table: per-request progress (in a slab, by
 //! the [`ReqKey`] a [`Request`](super::Request) handle carries), batches
 //! waiting to be sent or written. One lock guards it, held for short,
-//! allocation-free steps by the ctrl thread; caller threads take it only to
-//! cancel, to name a request by id, and on error paths (a submit reserves
-//! and hands its batch over without it). The poll thread never takes it:
-//! writes in flight ([`InFlight`]) are ctrl's own, and completions reach
-//! ctrl through a ring (`poll.rs`).
+//! allocation-free steps by the ctrl thread. Caller threads take it only in
+//! `begin` (to insert the request, or take it out again if its admission
+//! message could not be handed over) and in the `Sender::dump` debug dump:
+//! submits, cancels, give-backs, error paths and the calls naming a request
+//! by id go through the request's `Common` state, the submission ring and
+//! the name index (`names.rs`). The poll thread never takes it: writes in
+//! flight ([`InFlight`]) are ctrl's own, and completions reach ctrl through
+//! a ring (`poll.rs`).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -162,14 +165,6 @@ impl Req {
         self.c.signal.wake();
     }
 
-    /// The status callers see.
-    pub fn status(&self) -> RequestStatus {
-        match &self.p.state {
-            ReqState::Done(s) => s.clone(),
-            _ => RequestStatus::InProgress,
-        }
-    }
-
     /// One line for state dumps.
     pub fn describe(&self) -> String {
         let stored = self.c.stored.get();
@@ -214,10 +209,6 @@ pub(crate) const TERMINAL_MEMORY: usize = 1 << 16;
 pub(crate) struct Table {
     /// Live requests and the last [`TERMINAL_MEMORY`] terminal ones.
     pub reqs: Slab<Req>,
-    /// The same requests by id: for [`Sender`](super::Sender)'s calls that
-    /// name a request by its id (status, wait, cancel, the copying `store`)
-    /// and for refusing a duplicate `begin`. Never on a handle's path.
-    pub by_id: HashMap<Arc<str>, ReqKey>,
     /// Batches ctrl took from the submission ring, by the id it gave them.
     pub batches: HashMap<u64, Batch>,
     /// Terminal requests in the order they ended (for forgetting old ones).
@@ -225,50 +216,40 @@ pub(crate) struct Table {
     /// How many terminal requests are remembered ([`TERMINAL_MEMORY`]; the
     /// tests lower it to make slots reused).
     pub terminal_memory: usize,
-    pub closing: bool,
 }
 
 impl Default for Table {
     fn default() -> Self {
         Self {
             reqs: Slab::default(),
-            by_id: HashMap::new(),
             batches: HashMap::new(),
             terminal_order: VecDeque::new(),
             terminal_memory: TERMINAL_MEMORY,
-            closing: false,
         }
     }
 }
 
 impl Table {
-    /// Registers the request `make` builds for its key (its id must not be
-    /// in [`Table::by_id`]).
+    /// Registers the request `make` builds for its key (`begin`, which
+    /// also names it in the sender's name index).
     pub fn insert(&mut self, make: impl FnOnce(ReqKey) -> Req) -> ReqKey {
-        let key = self.reqs.insert_with(make);
-        if let Some(r) = self.reqs.get(key) {
-            self.by_id.insert(Arc::clone(&r.c.req_id), key);
-        }
-        key
+        self.reqs.insert_with(make)
     }
 
-    /// Forgets a request.
+    /// Forgets a request (the caller forgets its name).
     pub fn remove(&mut self, key: ReqKey) -> Option<Req> {
-        let r = self.reqs.remove(key)?;
-        if self.by_id.get(&*r.c.req_id) == Some(&key) {
-            self.by_id.remove(&*r.c.req_id);
-        }
-        Some(r)
+        self.reqs.remove(key)
     }
 
-    /// The request named `req_id`, with its key.
-    pub fn by_name(&self, req_id: &str) -> Option<(ReqKey, &Req)> {
-        let &key = self.by_id.get(req_id)?;
-        self.reqs.get(key).map(|r| (key, r))
-    }
-
-    /// Marks a request terminal and forgets the oldest terminal ones.
-    pub fn finish(&mut self, key: ReqKey, status: RequestStatus) {
+    /// Marks a request terminal and forgets the oldest terminal ones,
+    /// adding their ids and keys to `forgotten` (ctrl removes them from the
+    /// name index once it released the table lock).
+    pub fn finish(
+        &mut self,
+        key: ReqKey,
+        status: RequestStatus,
+        forgotten: &mut Vec<(Arc<str>, ReqKey)>,
+    ) {
         if let Some(r) = self.reqs.get_mut(key) {
             r.c.signal.set_terminal(status.clone());
             r.p.finish(status);
@@ -280,7 +261,9 @@ impl Table {
                     self.reqs.get(old).map(|r| &r.p.state),
                     Some(ReqState::Done(_))
                 ) {
-                    self.remove(old);
+                    if let Some(r) = self.remove(old) {
+                        forgotten.push((Arc::clone(&r.c.req_id), old));
+                    }
                 }
             }
         }
