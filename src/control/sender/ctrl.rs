@@ -28,7 +28,7 @@ use crate::transport::{Completion, CompletionStatus, PeerIndex, Poster, RemoteBu
 use crate::zmq_io::{readable, Reactor};
 
 use super::core::{AbortStep, ReplyStep, Rules};
-use super::peer::{Mode, Outstanding, Peer};
+use super::peer::{Limits, Mode, Outstanding, Peer};
 use super::submit::Taken;
 use super::table::{Batch, BatchData, InFlight, ReqKey, ReqState, Table};
 use super::wire::AllocRequestRef;
@@ -69,6 +69,11 @@ pub(super) struct Ctrl {
     staging_requests: HashMap<u64, crate::slots::SlotRequest>,
     /// Terminal statuses to announce (callbacks) once the lock is released.
     finished: Vec<(String, RequestStatus)>,
+    /// The peer-level time limits (from the config).
+    limits: Limits,
+    /// The clock reading of the current step (`run` reads it once per
+    /// step): what peer-level stamps (`Hello` and send times) use.
+    now: Instant,
     /// Requests the table forgot, to forget in the name index once the
     /// table lock is released (`announce`).
     forgotten: Vec<(Arc<str>, ReqKey)>,
@@ -117,6 +122,7 @@ impl Ctrl {
             None => None,
         };
         let static_peers = shared.cfg.static_peers.iter().cloned().collect();
+        let limits = Limits::new(&shared.cfg);
         Ok(Self {
             shared,
             poster,
@@ -134,6 +140,8 @@ impl Ctrl {
             staging_requests: HashMap::new(),
             finished: Vec::new(),
             forgotten: Vec::new(),
+            limits,
+            now: Instant::now(),
             chunk_ops: Vec::with_capacity(64),
             merged: Vec::with_capacity(64),
             runs: Vec::with_capacity(64),
@@ -147,7 +155,9 @@ impl Ctrl {
         let _g = span.enter();
         // Acquire: pairs with the Release store in `Sender::close`.
         while !self.shared.stop.load(Ordering::Acquire) {
-            self.step();
+            // The clock is read here, once per step: the peer-level
+            // decisions (timeouts, backoffs) and stamps take it from here.
+            self.step(Instant::now());
             self.sleep();
         }
         for p in &self.peers {
@@ -160,8 +170,9 @@ impl Ctrl {
         // sees the completion stream end.
     }
 
-    /// One pass over every input.
-    fn step(&mut self) {
+    /// One pass over every input, at `now`.
+    fn step(&mut self, now: Instant) {
+        self.now = now;
         while let Some(taken) = self.shared.inbox.pop() {
             match taken {
                 Taken::Batch(b) => self.enqueue(*b),
@@ -217,7 +228,7 @@ impl Ctrl {
             }
         }
         self.read_late_hellos();
-        self.timers(Instant::now());
+        self.timers(now);
         self.drain_dirty();
         if !lost.is_empty() {
             // After one round, so requests whose writes all landed before
@@ -225,10 +236,10 @@ impl Ctrl {
             self.abort_lost(&lost);
             self.drain_dirty();
         }
-        if self.rehello_due(Instant::now()) {
+        if self.rehello_due(now) {
             self.drain_dirty();
         }
-        if self.apply_late_hellos(Instant::now()) {
+        if self.apply_late_hellos(now) {
             self.drain_dirty();
         }
         self.flush_backlog();
@@ -348,9 +359,10 @@ impl Ctrl {
             // Acquire: pairs with the Release store in `Sender::close`.
             || self.shared.stop.load(Ordering::Acquire);
         if !busy {
+            let now = Instant::now();
             let timeout = self
-                .next_timer()
-                .map_or(MAX_SLEEP, |d| d.saturating_duration_since(Instant::now()));
+                .next_timer(now)
+                .map_or(MAX_SLEEP, |d| d.saturating_duration_since(now));
             if let Err(e) = self.reactor.wait(Some(timeout)) {
                 warn!(error = %e, "poll failed");
                 std::thread::sleep(Duration::from_millis(1));
@@ -397,7 +409,7 @@ impl Ctrl {
                 warn!(endpoint = %self.peers[i].endpoint, error = %e, "undecodable reply");
                 // In LMCache mode the reply slot is still consumed in order.
                 if self.peers[i].mode == Mode::Legacy {
-                    let (o, next) = self.peers[i].in_order.answered(Instant::now());
+                    let (o, next) = self.peers[i].in_order.answered(self.now);
                     if let Some(o) = o {
                         self.answer(
                             i,
@@ -501,7 +513,7 @@ impl Ctrl {
                 }
             }
             (Mode::Legacy, Message::AllocResponse(resp)) => {
-                let (o, next) = self.peers[i].in_order.answered(Instant::now());
+                let (o, next) = self.peers[i].in_order.answered(self.now);
                 if let Some(o) = o {
                     self.answer(i, o, resp);
                 }
@@ -641,7 +653,7 @@ impl Ctrl {
                             self.progress_live(key, i);
                         }
                     }
-                    Mode::Failed(_) if self.rehello_allowed(i, Instant::now()) => {
+                    Mode::Failed(_) if self.rehello_allowed(i, self.now) => {
                         // A refused (or failed) re-handshake: try again once
                         // the backoff has passed; this request waits for it.
                         self.rehello(i);
@@ -729,7 +741,8 @@ impl Ctrl {
 
     /// Sends one batch's AllocRequest.
     fn send_batch(&mut self, t: &mut Table, i: usize, id: u64) {
-        let now = Instant::now();
+        // The step's clock: the reply timeout counts from it.
+        let now = self.now;
         let Some(b) = t.batches.get(&id) else { return };
         let Some(r) = t.reqs.get_mut(b.req) else {
             return;
@@ -1062,7 +1075,7 @@ impl Ctrl {
         });
         self.buf.clear();
         encode_into(&msg, &mut self.buf);
-        let now = Instant::now();
+        let now = self.now;
         let p = &mut self.peers[i];
         let o = Outstanding::Cancel(req_id.to_owned());
         match seq {
