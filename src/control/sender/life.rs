@@ -19,8 +19,11 @@
 //! race), so a cancel that returned `true` always ends the request
 //! `Cancelled`, and one that returned `false` changed nothing.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
+
+// Shuttle's atomic under the model check (`life_model` below), std's
+// otherwise.
+use crate::sync::{AtomicU64, Ordering};
 
 use crate::protocol::ErrorCode;
 
@@ -89,12 +92,21 @@ pub(crate) enum State<'a> {
 }
 
 /// The word (see the module doc) and the status of ctrl's own abort.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Life {
     word: AtomicU64,
     /// Set by ctrl just before its abort's compare-and-swap; read only once
     /// the word says `Aborted`.
     failure: OnceLock<RequestStatus>,
+}
+
+impl Default for Life {
+    fn default() -> Self {
+        Self {
+            word: AtomicU64::new(LIVE),
+            failure: OnceLock::new(),
+        }
+    }
 }
 
 impl Life {
@@ -165,7 +177,7 @@ fn caller_stop(w: u64) -> Option<Stop> {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(feature = "shuttle-model")))]
 mod tests {
     use super::*;
     use std::sync::atomic::AtomicUsize;
@@ -274,5 +286,62 @@ mod tests {
             completed += usize::from(won(0));
         }
         eprintln!("{completed} of {ROUNDS} rounds completed, the others cancelled");
+    }
+}
+
+/// Shuttle model of the life word (the real code, shuttle's atomic): two
+/// callers stop a request (a cancel, an orphaning give-back) while ctrl
+/// completes or aborts it, under every schedule shuttle tries; exactly one
+/// wins, each call's answer says whether it did, the word keeps the winner,
+/// and ctrl's abort status is there when the word says `Aborted`. Run:
+/// `cargo test -p kvferry --lib --features shuttle-model life_model`.
+#[cfg(all(test, feature = "shuttle-model"))]
+mod life_model {
+    use super::*;
+    use std::sync::Arc;
+
+    fn race(ctrl_completes: bool) {
+        let failed = RequestStatus::Failed {
+            code: ErrorCode::WriteFailed,
+            reason: "w".into(),
+        };
+        let l = Arc::new(Life::default());
+        let callers: Vec<_> = [Stop::Cancel, Stop::Orphan { chunks: 3 }]
+            .into_iter()
+            .map(|stop| {
+                let l = Arc::clone(&l);
+                shuttle::thread::spawn(move || (stop, l.stop(stop)))
+            })
+            .collect();
+        let ctrl_won = if ctrl_completes {
+            l.complete().is_ok()
+        } else {
+            l.abort(&failed).is_none()
+        };
+        let won: Vec<Stop> = callers
+            .into_iter()
+            .filter_map(|c| {
+                let (stop, won) = c.join().expect("caller");
+                won.then_some(stop)
+            })
+            .collect();
+        assert_eq!(usize::from(ctrl_won) + won.len(), 1, "exactly one winner");
+        match (l.state(), won.first()) {
+            (State::Completed, None) => assert!(ctrl_completes && ctrl_won),
+            (State::Aborted(s), None) => {
+                assert!(!ctrl_completes && ctrl_won);
+                assert_eq!(s, Some(&failed), "the abort's status is published");
+            }
+            (State::Stopped(s), Some(&w)) => assert_eq!(s, w, "the word keeps the winner"),
+            (state, w) => panic!("word {state:?} with caller winner {w:?}"),
+        }
+    }
+
+    #[test]
+    fn exactly_one_party_ends_a_request_under_every_schedule() {
+        for completes in [true, false] {
+            shuttle::check_random(move || race(completes), 2000);
+            shuttle::check_pct(move || race(completes), 2000, 3);
+        }
     }
 }
