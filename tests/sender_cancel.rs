@@ -273,3 +273,85 @@ fn cancel_with_writes_in_flight_is_fenced() {
     reuse_capacity(&s, &r, &proxy, "c3-y", 2, 8);
     wait_receiver_empty(&r, "after the reuse");
 }
+
+/// Cancels racing ctrl's completion of one-chunk requests, from several
+/// threads at once, through the handle (`Request::cancel`) and by id
+/// (`Sender::cancel_request`), at delays spread around the moment the
+/// request completes (learnt from the rounds before). Per request: at most one cancel returns true; if one
+/// did, the request ends `Cancelled` (never `Completed`: the cancel won),
+/// and if none did it ends `Completed` (a cancel that lost changed
+/// nothing); it always ends (a cancel that won is never lost). Bounded:
+/// 400 rounds, every wait with a deadline.
+#[test]
+fn a_cancel_racing_completion_wins_exactly_when_it_returns_true() {
+    const ROUNDS: u64 = 400;
+    const CANCELLERS: u64 = 3;
+    let r = receiver(ROUNDS as usize);
+    let ep = r.endpoint().to_owned();
+    let s = Arc::new(sender(sender_cfg(8, None)));
+    let (mut cancelled, mut completed) = (0, 0);
+    // How long a request takes from its store to its end, learnt from the
+    // completed rounds: the cancels aim around it (no assertion on time).
+    let mut takes = Duration::from_millis(1);
+    for round in 0..ROUNDS {
+        let id = format!("race-{round}");
+        let req = s
+            .begin(kvferry::sender::RequestSpec::new(&id, &ep, 1))
+            .unwrap();
+        let mut bytes = Vec::new();
+        payloads().fill(chunk_id(round, 0, 1), &mut bytes);
+        let stored = std::time::Instant::now();
+        req.store(&[key(&id, round, 0, 1)], &[&bytes[..]]).unwrap();
+        let cancellers: Vec<_> = (0..CANCELLERS)
+            .map(|j| {
+                let (s, req, id) = (Arc::clone(&s), req.clone(), id.clone());
+                // 70..130 % of the learnt time: just before, at and just
+                // after the completion.
+                let delay = takes.mul_f64(0.7 + 0.06 * ((round * 7 + j * 3) % 11) as f64);
+                std::thread::spawn(move || {
+                    while stored.elapsed() < delay {
+                        std::thread::yield_now();
+                    }
+                    if j % 2 == 0 {
+                        req.cancel()
+                    } else {
+                        s.cancel_request(&id)
+                    }
+                })
+            })
+            .collect();
+        let status = req.wait(deadline());
+        let took = stored.elapsed();
+        let won = cancellers
+            .into_iter()
+            .map(|h| join_within("a cancelling thread", h))
+            .filter(|&w| w)
+            .count();
+        if status == RequestStatus::Completed {
+            takes = (takes * 3 + took) / 4;
+        }
+        assert!(
+            status.is_terminal(),
+            "{id} never ended (a cancel lost?), {won} cancels won; sender: {:?}",
+            s.dump()
+        );
+        assert_eq!(s.status(&id), Some(status.clone()), "{id}: by id too");
+        match won {
+            0 => {
+                assert_eq!(status, RequestStatus::Completed, "{id}: no cancel won");
+                consume(&r, &id, round, 1).unwrap_or_else(|e| panic!("{e}"));
+                completed += 1;
+            }
+            1 => {
+                assert_eq!(status, RequestStatus::Cancelled, "{id}: a cancel won");
+                cancelled += 1;
+            }
+            n => panic!("{id}: {n} cancels all returned true"),
+        }
+    }
+    eprintln!(
+        "{cancelled} cancelled, {completed} completed of {ROUNDS} (a request took {takes:?})"
+    );
+    wait_sender_empty(&s, "after the cancel races");
+    wait_receiver_empty(&r, "after the cancel races");
+}

@@ -218,6 +218,11 @@ fn seed_deadlock_example(staging: usize, batch: u32) {
         decoder,
     );
     assert_eq!(terminal(&sender, "dl-b"), RequestStatus::Completed);
+    // The callback runs on the announcer thread after the status is
+    // visible (at the end of ctrl's step): wait for it.
+    wait_for("B's terminal callback", || {
+        b_done_after_a.lock().unwrap().is_some()
+    });
     let b = b_done_after_a.lock().unwrap().clone();
     assert_eq!(
         b,

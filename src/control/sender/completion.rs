@@ -19,11 +19,14 @@ use crate::eventfd::EventFd;
 /// One request's state as its handle sees it: admitted yet, terminal
 /// status, and the waiters (threads and an optional eventfd).
 ///
-/// Written by the ctrl thread (admission, terminal status) and by
-/// `cancel` (a wake-up); read by any thread without taking the sender's
-/// table lock.
+/// Written by the ctrl thread (admission, terminal status, its own ending
+/// in the life word) and by `cancel` / a give-back (the life word, a
+/// wake-up); read by any thread without taking the sender's table lock.
 #[derive(Debug, Default)]
 pub(crate) struct Signal {
+    /// Who ended the request (a caller's cancel or ctrl), decided by one
+    /// CAS; written by callers and ctrl, read by both.
+    pub life: super::life::Life,
     admitted: AtomicBool,
     terminal: OnceLock<RequestStatus>,
     /// Guards the wake-ups: a waiter checks its condition under it, a

@@ -4,8 +4,8 @@
 //! (invariant 7: in-flight writes end before CancelNotif).
 //!
 //! [`Progress`] is one request's protocol state as plain data (no sockets,
-//! no transport, no clock, no staging handles); the ctrl and poll threads
-//! (`ctrl.rs`, `poll.rs`) execute what it decides. The model check
+//! no transport, no clock, no staging handles); the ctrl thread
+//! (`ctrl.rs`, fed completions by `poll.rs`) executes what it decides. The model check
 //! (`tests/model/`) drives the same code, so the rules it checks are the
 //! engine's, not a transcription. Peer-level state (handshake modes, the
 //! LMCache-mode send queue, timers) stays in the shell; see

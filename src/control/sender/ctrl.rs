@@ -1,6 +1,7 @@
 //! The sender's `ctrl` thread: the only thread touching ZMQ sockets. It
-//! drains the submission ring, runs the handshake and the AllocRequest /
-//! AllocResponse exchange with each receiver, posts writes to the transport,
+//! drains the submission ring and the poll thread's completion ring, runs
+//! the handshake and the AllocRequest / AllocResponse exchange with each
+//! receiver, posts writes to the transport and applies their completions,
 //! sends CancelNotif after fenced aborts, and ProxyNotif + TransferDone once
 //! a request is complete.
 //!
@@ -16,16 +17,19 @@ use std::time::{Duration, Instant};
 use smallvec::SmallVec;
 use tracing::{debug, debug_span, warn};
 
+use kvferry_ring::spsc::Consumer;
+
 use crate::protocol::{
     decode, encode_into, AllocResponse, CancelNotif, ErrorCode, Message, ProxyFailed, ProxyNotif,
     TransferDone,
 };
 use crate::stats::{Counter, Stage};
-use crate::transport::{PeerIndex, Poster, RemoteBuffer, WriteOp};
+use crate::transport::{Completion, CompletionStatus, PeerIndex, Poster, RemoteBuffer, WriteOp};
 use crate::zmq_io::{readable, Reactor};
 
 use super::core::{AbortStep, ReplyStep, Rules};
-use super::peer::{Mode, Outstanding, Peer};
+use super::peer::{Limits, Mode, Outstanding, Peer};
+use super::submit::Taken;
 use super::table::{Batch, BatchData, InFlight, ReqKey, ReqState, Table};
 use super::wire::AllocRequestRef;
 use super::{RequestStatus, Shared};
@@ -65,11 +69,28 @@ pub(super) struct Ctrl {
     staging_requests: HashMap<u64, crate::slots::SlotRequest>,
     /// Terminal statuses to announce (callbacks) once the lock is released.
     finished: Vec<(String, RequestStatus)>,
+    /// The peer-level time limits (from the config).
+    limits: Limits,
+    /// The clock reading of the current step (`run` reads it once per
+    /// step): what peer-level stamps (`Hello` and send times) use.
+    now: Instant,
+    /// Requests the table forgot, to forget in the name index once the
+    /// table lock is released (`announce`).
+    forgotten: Vec<(Arc<str>, ReqKey)>,
     /// Reused buffers of the write coalescer (one write per chunk in,
     /// merged writes and their run lengths out).
     chunk_ops: Vec<WriteOp>,
     merged: Vec<WriteOp>,
     runs: Vec<usize>,
+    // Declared after `poster`, so dropped after it (fields drop in order):
+    // the leases of writes still in flight let their registered memory go
+    // only once the transport, which may still read it, is gone.
+    /// Writes built (in `backlog`) or posted and not yet completed, by work
+    /// id. Ctrl's own: it inserts an entry before posting its op and
+    /// removes it when it applies the op's completion.
+    inflight: HashMap<u64, InFlight>,
+    /// The poll thread's completions, in transport order (poll.rs).
+    from_poll: Consumer<Completion>,
 }
 
 impl Drop for Ctrl {
@@ -86,6 +107,7 @@ impl Ctrl {
         shared: Arc<Shared>,
         poster: Box<dyn Poster>,
         reactor: Reactor,
+        from_poll: Consumer<Completion>,
     ) -> Result<Self, super::SenderError> {
         let proxy = match &shared.cfg.proxy {
             Some(ep) => {
@@ -100,6 +122,7 @@ impl Ctrl {
             None => None,
         };
         let static_peers = shared.cfg.static_peers.iter().cloned().collect();
+        let limits = Limits::new(&shared.cfg);
         Ok(Self {
             shared,
             poster,
@@ -116,9 +139,14 @@ impl Ctrl {
             dirty: HashSet::new(),
             staging_requests: HashMap::new(),
             finished: Vec::new(),
+            forgotten: Vec::new(),
+            limits,
+            now: Instant::now(),
             chunk_ops: Vec::with_capacity(64),
             merged: Vec::with_capacity(64),
             runs: Vec::with_capacity(64),
+            inflight: HashMap::new(),
+            from_poll,
         })
     }
 
@@ -127,7 +155,9 @@ impl Ctrl {
         let _g = span.enter();
         // Acquire: pairs with the Release store in `Sender::close`.
         while !self.shared.stop.load(Ordering::Acquire) {
-            self.step();
+            // The clock is read here, once per step: the peer-level
+            // decisions (timeouts, backoffs) and stamps take it from here.
+            self.step(Instant::now());
             self.sleep();
         }
         for p in &self.peers {
@@ -140,15 +170,34 @@ impl Ctrl {
         // sees the completion stream end.
     }
 
-    /// One pass over every input.
-    fn step(&mut self) {
-        while let Some(b) = self.shared.inbox.pop() {
-            self.enqueue(*b);
+    /// One pass over every input, at `now`.
+    fn step(&mut self, now: Instant) {
+        self.now = now;
+        while let Some(taken) = self.shared.inbox.pop() {
+            match taken {
+                Taken::Batch(b) => self.enqueue(*b),
+                // A caller stopped it: `progress` acts on its life word.
+                Taken::Attention(key) => {
+                    self.dirty.insert(key);
+                }
+            }
         }
-        let lost = {
-            let mut t = self.shared.table.lock();
-            self.dirty.extend(t.attention.drain(..));
-            let lost = std::mem::take(&mut t.lost_peers);
+        let lost = self.apply_completions();
+        {
+            let t = self.shared.table.lock();
+            // Acquire: pairs with the Release store of a caller that found
+            // the ring full after its CAS, so the words read below include
+            // its stop.
+            if self.shared.attention_overflow.swap(false, Ordering::AcqRel) {
+                self.dirty.extend(
+                    t.reqs
+                        .iter()
+                        .filter(|(_, r)| {
+                            r.p.state.live() && r.c.signal.life.stopped_by_caller().is_some()
+                        })
+                        .map(|(k, _)| k),
+                );
+            }
             for (id, r) in &self.staging_requests {
                 if r.is_ready() {
                     if let Some(b) = t.batches.get(id) {
@@ -156,8 +205,7 @@ impl Ctrl {
                     }
                 }
             }
-            lost
-        };
+        }
         // Resolved before any reply is read, so a loss reported for an old
         // connection can never be taken for one a HelloAck just made.
         let lost = self.mark_lost(&lost);
@@ -180,7 +228,7 @@ impl Ctrl {
             }
         }
         self.read_late_hellos();
-        self.timers(Instant::now());
+        self.timers(now);
         self.drain_dirty();
         if !lost.is_empty() {
             // After one round, so requests whose writes all landed before
@@ -188,14 +236,86 @@ impl Ctrl {
             self.abort_lost(&lost);
             self.drain_dirty();
         }
-        if self.rehello_due(Instant::now()) {
+        if self.rehello_due(now) {
             self.drain_dirty();
         }
-        if self.apply_late_hellos(Instant::now()) {
+        if self.apply_late_hellos(now) {
             self.drain_dirty();
         }
         self.flush_backlog();
         self.announce();
+    }
+
+    /// Applies the completions the poll thread handed over: each ends its
+    /// write in flight (staging freed, lease recorded, chunk counts, the
+    /// request marked dirty when the core wants a look). Returns the
+    /// transport peers whose writes completed with `ConnectionLost` (no
+    /// duplicates), for `mark_lost`.
+    ///
+    /// Why the ordering is enough: an op's `inflight` entry is inserted by
+    /// this thread before it posts the op, and its completion exists only
+    /// after the post, so the lookup here (same thread, later) finds it
+    /// without any cross-thread ordering; the completion record itself
+    /// crosses through the ring (the poll thread's Release publish, our
+    /// Acquire read), in the transport's order. A completion the poll thread
+    /// pushes while we sleep is seen by the Dekker check in `sleep` (it
+    /// pushes, then `wake_ctrl`). So the state that poll used to write
+    /// under the table lock is now written by its one owner, at the start
+    /// of a step, before replies are read, as the poll thread's writes were
+    /// seen then.
+    fn apply_completions(&mut self) -> Vec<PeerIndex> {
+        let mut lost = Vec::new();
+        if self.from_poll.is_empty() {
+            return lost;
+        }
+        let mut buf = [Completion::default(); 256];
+        loop {
+            let n = self.from_poll.pop_into(&mut buf);
+            if n == 0 {
+                return lost;
+            }
+            let now = Instant::now();
+            let shared = Arc::clone(&self.shared);
+            let mut t = shared.table.lock();
+            for c in &buf[..n] {
+                let Some(w) = self.inflight.remove(&c.work_id) else {
+                    warn!(work_id = c.work_id, "completion for an unknown write");
+                    continue;
+                };
+                self.free_staging(w.slots);
+                // The transport is done with this op's memory: a registered
+                // write's regions may go once its last op gets here.
+                if let Some(lease) = w.lease {
+                    lease.record(c.status(), w.chunks);
+                }
+                if c.status() == CompletionStatus::ConnectionLost && !lost.contains(&w.peer) {
+                    lost.push(w.peer);
+                }
+                shared
+                    .stats
+                    .record(Stage::Transfer, now.saturating_duration_since(w.posted_at));
+                let Some(r) = t.reqs.get_mut(w.req) else {
+                    continue;
+                };
+                let done =
+                    r.p.write_done(w.chunks as usize, c.ok(), || RequestStatus::Failed {
+                        code: ErrorCode::WriteFailed,
+                        reason: format!("write failed: {}", c.status()),
+                    });
+                if c.ok() {
+                    r.bytes += w.bytes;
+                    r.last_completion_at = Some(now);
+                    shared.stats.add(Counter::Chunks, u64::from(w.chunks));
+                    shared.stats.add(Counter::Bytes, w.bytes);
+                } else if done.aborted {
+                    r.aborted();
+                    debug!(req_id = %r.c.req_id, status = %c.status(), "write failed; aborting the request");
+                }
+                if done.attention {
+                    self.dirty.insert(w.req);
+                }
+            }
+        }
     }
 
     /// Progresses every request marked dirty until none is.
@@ -226,10 +346,9 @@ impl Ctrl {
         self.shared.ctrl_parked.store(true, Ordering::SeqCst);
         std::sync::atomic::fence(Ordering::SeqCst);
         let busy = !self.shared.inbox.is_empty()
-            || {
-                let t = self.shared.table.lock();
-                !t.attention.is_empty() || !t.lost_peers.is_empty()
-            }
+            || !self.from_poll.is_empty()
+            // Acquire: see the swap in `step`.
+            || self.shared.attention_overflow.load(Ordering::Acquire)
             || !self.dirty.is_empty()
             || self.staging_requests.values().any(crate::slots::SlotRequest::is_ready)
             || self.peers.iter().any(|p| readable(&p.sock))
@@ -240,9 +359,10 @@ impl Ctrl {
             // Acquire: pairs with the Release store in `Sender::close`.
             || self.shared.stop.load(Ordering::Acquire);
         if !busy {
+            let now = Instant::now();
             let timeout = self
-                .next_timer()
-                .map_or(MAX_SLEEP, |d| d.saturating_duration_since(Instant::now()));
+                .next_timer(now)
+                .map_or(MAX_SLEEP, |d| d.saturating_duration_since(now));
             if let Err(e) = self.reactor.wait(Some(timeout)) {
                 warn!(error = %e, "poll failed");
                 std::thread::sleep(Duration::from_millis(1));
@@ -289,7 +409,7 @@ impl Ctrl {
                 warn!(endpoint = %self.peers[i].endpoint, error = %e, "undecodable reply");
                 // In LMCache mode the reply slot is still consumed in order.
                 if self.peers[i].mode == Mode::Legacy {
-                    let (o, next) = self.peers[i].in_order.answered(Instant::now());
+                    let (o, next) = self.peers[i].in_order.answered(self.now);
                     if let Some(o) = o {
                         self.answer(
                             i,
@@ -393,7 +513,7 @@ impl Ctrl {
                 }
             }
             (Mode::Legacy, Message::AllocResponse(resp)) => {
-                let (o, next) = self.peers[i].in_order.answered(Instant::now());
+                let (o, next) = self.peers[i].in_order.answered(self.now);
                 if let Some(o) = o {
                     self.answer(i, o, resp);
                 }
@@ -440,7 +560,7 @@ impl Ctrl {
         let n = b.keys.len();
         let reply = r.p.on_reply(id, n, b.is_last, capacity, &resp);
         if reply.admitted {
-            r.signal.set_admitted();
+            r.c.signal.set_admitted();
             if let Some(sent) = r.first_sent_at {
                 self.shared
                     .stats
@@ -496,11 +616,14 @@ impl Ctrl {
         // The receiver's endpoint is copied only to connect a new peer: a
         // known one is looked up under the lock (no allocation per step).
         let Some((state, peer)) = ({
-            let t = self.shared.table.lock();
-            t.reqs.get(key).map(|r| {
-                let peer = match self.peer_by_endpoint.get(&r.receiver) {
+            let mut t = self.shared.table.lock();
+            t.reqs.get_mut(key).map(|r| {
+                // A caller's stop first (a cancel ctrl has not acted on):
+                // nothing more is sent for it.
+                r.take_caller_stop();
+                let peer = match self.peer_by_endpoint.get(&r.c.receiver) {
                     Some(&i) => Ok(i),
-                    None => Err(r.receiver.clone()),
+                    None => Err(r.c.receiver.clone()),
                 };
                 (r.p.state.clone(), peer)
             })
@@ -524,13 +647,13 @@ impl Ctrl {
                             let t = self.shared.table.lock();
                             t.reqs
                                 .get(key)
-                                .is_some_and(|r| r.p.is_complete(r.stored.get()))
+                                .is_some_and(|r| r.p.is_complete(r.c.stored.get()))
                         };
                         if complete {
                             self.progress_live(key, i);
                         }
                     }
-                    Mode::Failed(_) if self.rehello_allowed(i, Instant::now()) => {
+                    Mode::Failed(_) if self.rehello_allowed(i, self.now) => {
                         // A refused (or failed) re-handshake: try again once
                         // the backoff has passed; this request waits for it.
                         self.rehello(i);
@@ -591,10 +714,19 @@ impl Ctrl {
             return;
         };
         r.p = p;
-        // 3. Complete.
-        if r.p.is_complete(r.stored.get()) {
+        // 3. Complete, unless a caller stopped the request first: the life
+        // word's CAS decides (a cancel that returned true always wins over
+        // this, one that returned false lost to it).
+        if r.p.is_complete(r.c.stored.get()) {
+            if let Err(stop) = r.c.signal.life.complete() {
+                if stop.is_some() && r.take_caller_stop() {
+                    // Fenced like any abort (CancelNotif, then `Cancelled`).
+                    self.dirty.insert(key);
+                }
+                return;
+            }
             let now = Instant::now();
-            let (last, bytes, req_id) = (r.last_completion_at, r.bytes, Arc::clone(&r.req_id));
+            let (last, bytes, req_id) = (r.last_completion_at, r.bytes, Arc::clone(&r.c.req_id));
             self.notify_complete(i, &req_id);
             if let Some(last) = last {
                 self.shared
@@ -609,7 +741,8 @@ impl Ctrl {
 
     /// Sends one batch's AllocRequest.
     fn send_batch(&mut self, t: &mut Table, i: usize, id: u64) {
-        let now = Instant::now();
+        // The step's clock: the reply timeout counts from it.
+        let now = self.now;
         let Some(b) = t.batches.get(&id) else { return };
         let Some(r) = t.reqs.get_mut(b.req) else {
             return;
@@ -624,7 +757,7 @@ impl Ctrl {
             .stats
             .record(Stage::Pending, now.saturating_duration_since(b.stored_at));
         let span =
-            tracing::trace_span!("batch", req_id = %r.req_id, batch = id, chunks = b.keys.len());
+            tracing::trace_span!("batch", req_id = %r.c.req_id, batch = id, chunks = b.keys.len());
         let _g = span.enter();
         self.buf.clear();
         AllocRequestRef {
@@ -633,9 +766,9 @@ impl Ctrl {
             shape: &r.shape,
             dtype: &r.dtype,
             last_chunk_toks: b.last_chunk_toks,
-            req_id: &r.req_id,
+            req_id: &r.c.req_id,
             is_last_batch: b.is_last,
-            total_chunks: r.total as i64,
+            total_chunks: r.c.total as i64,
             seq,
         }
         .encode_into(&mut self.buf);
@@ -726,7 +859,7 @@ impl Ctrl {
             BatchData::Staged(set) => set,
             BatchData::Registered { src, lease } => {
                 return Some(self.post_registered(
-                    t, key, peer, rbytes, &b.writes, &b.remote, &b.lens, &src, lease,
+                    key, peer, rbytes, &b.writes, &b.remote, &b.lens, &src, lease,
                 ));
             }
             BatchData::Pending(_) | BatchData::Empty => return Some(0),
@@ -754,7 +887,7 @@ impl Ctrl {
             let slots = std::mem::replace(&mut set, rest);
             op.work_id = self.next_work;
             self.next_work += 1;
-            t.inflight.insert(
+            self.inflight.insert(
                 op.work_id,
                 InFlight {
                     req: key,
@@ -780,7 +913,6 @@ impl Ctrl {
     #[allow(clippy::too_many_arguments)]
     fn post_registered(
         &mut self,
-        t: &mut Table,
         key: ReqKey,
         peer: PeerIndex,
         rbytes: u64,
@@ -808,7 +940,7 @@ impl Ctrl {
         for (k, mut op) in self.merged.drain(..).enumerate() {
             op.work_id = self.next_work;
             self.next_work += 1;
-            t.inflight.insert(
+            self.inflight.insert(
                 op.work_id,
                 InFlight {
                     req: key,
@@ -825,10 +957,22 @@ impl Ctrl {
         self.runs.len()
     }
 
-    /// Posts queued writes as far as transport credit allows.
+    /// Posts queued writes as far as transport credit allows, and never
+    /// more posted and not yet applied than the poll thread's ring has room:
+    /// it then always has room for their completions (poll.rs).
     fn flush_backlog(&mut self) {
         while !self.backlog.is_empty() {
+            // Every backlog op has its `inflight` entry; the other entries
+            // are posted ops whose completion was not applied yet.
+            // (Saturating: a transport that completed an op still in the
+            // backlog, a bug, must not panic ctrl.)
+            let posted = self.inflight.len().saturating_sub(self.backlog.len());
+            let room = self.from_poll.capacity().saturating_sub(posted);
+            if room == 0 {
+                return;
+            }
             let ops = self.backlog.make_contiguous();
+            let ops = &ops[..room.min(ops.len())];
             match self.poster.post(ops) {
                 Ok(0) => return,
                 Ok(n) => {
@@ -839,7 +983,7 @@ impl Ctrl {
                     let failed: Vec<WriteOp> = self.backlog.drain(..).collect();
                     let mut t = self.shared.table.lock();
                     for op in failed {
-                        if let Some(w) = t.inflight.remove(&op.work_id) {
+                        if let Some(w) = self.inflight.remove(&op.work_id) {
                             self.free_staging(w.slots);
                             if let Some(r) = t.reqs.get_mut(w.req) {
                                 r.p.write_withdrawn();
@@ -866,13 +1010,13 @@ impl Ctrl {
         let mine: Vec<u64> = self
             .backlog
             .iter()
-            .filter(|op| t.inflight.get(&op.work_id).is_some_and(|w| w.req == key))
+            .filter(|op| self.inflight.get(&op.work_id).is_some_and(|w| w.req == key))
             .map(|op| op.work_id)
             .collect();
         if !mine.is_empty() {
             self.backlog.retain(|op| !mine.contains(&op.work_id));
             for w in mine {
-                if let Some(f) = t.inflight.remove(&w) {
+                if let Some(f) = self.inflight.remove(&w) {
                     self.free_staging(f.slots);
                     if let Some(r) = t.reqs.get_mut(key) {
                         r.p.write_withdrawn();
@@ -896,14 +1040,14 @@ impl Ctrl {
             return;
         };
         r.p = p;
-        // Wait: the poll thread calls us again when the writes are done.
+        // Wait: `apply_completions` marks us dirty when the writes are done.
         let AbortStep::Finish { cancel, status } = step else {
             return;
         };
         if cancel {
             let keys = std::mem::take(&mut r.keys_sent).to_vec();
-            if let Some(&i) = self.peer_by_endpoint.get(&r.receiver) {
-                let req_id = Arc::clone(&r.req_id);
+            if let Some(&i) = self.peer_by_endpoint.get(&r.c.receiver) {
+                let req_id = Arc::clone(&r.c.req_id);
                 self.send_cancel(i, &req_id, keys);
             }
         }
@@ -931,7 +1075,7 @@ impl Ctrl {
         });
         self.buf.clear();
         encode_into(&msg, &mut self.buf);
-        let now = Instant::now();
+        let now = self.now;
         let p = &mut self.peers[i];
         let o = Outstanding::Cancel(req_id.to_owned());
         match seq {
@@ -1009,7 +1153,7 @@ impl Ctrl {
         let Some(r) = t.reqs.get(key) else {
             return;
         };
-        let (receiver, req_id) = (r.receiver.clone(), Arc::clone(&r.req_id));
+        let (receiver, req_id) = (r.c.receiver.clone(), Arc::clone(&r.c.req_id));
         let live = !matches!(r.p.state, ReqState::Done(_));
         // ProxyFailed is a kvferry extension: only a receiver that answered
         // Hello proves a kvferry deployment. A sender talking to an LMCache
@@ -1030,7 +1174,7 @@ impl Ctrl {
                 RequestStatus::InProgress | RequestStatus::Completed => {}
             }
         }
-        t.finish(key, status.clone());
+        t.finish(key, status.clone(), &mut self.forgotten);
         self.finished.push((req_id.to_string(), status));
         // LMCache mode: the receiver is free for the next request.
         if let Some(&i) = self.peer_by_endpoint.get(&receiver) {
@@ -1039,7 +1183,7 @@ impl Ctrl {
                     .reqs
                     .iter()
                     .filter(|(_, r)| {
-                        r.receiver == self.peers[i].endpoint && r.p.state == ReqState::Pending
+                        r.c.receiver == self.peers[i].endpoint && r.p.state == ReqState::Pending
                     })
                     .map(|(k, _)| k)
                     .collect();
@@ -1048,13 +1192,17 @@ impl Ctrl {
         }
     }
 
-    /// Wakes `Sender::wait`ers and hands terminal statuses to the
-    /// announcer thread (callbacks never run here).
+    /// Hands terminal statuses to the announcer thread (callbacks never run
+    /// here; waiters were woken by their `Signal`), and forgets the names of
+    /// the requests the table forgot this step (no table lock held: the
+    /// name index is locked before the table, by `begin`, never after).
     fn announce(&mut self) {
+        if !self.forgotten.is_empty() {
+            self.shared.names.forget(self.forgotten.drain(..));
+        }
         if self.finished.is_empty() {
             return;
         }
-        self.shared.status_cv.notify_all();
         self.shared.announcer.announce(&mut self.finished);
     }
 
@@ -1065,7 +1213,7 @@ impl Ctrl {
         let ids: Vec<ReqKey> = t
             .reqs
             .iter()
-            .filter(|(_, r)| &r.receiver == endpoint && !matches!(r.p.state, ReqState::Done(_)))
+            .filter(|(_, r)| &r.c.receiver == endpoint && !matches!(r.p.state, ReqState::Done(_)))
             .map(|(k, _)| k)
             .collect();
         drop(t);

@@ -44,7 +44,16 @@ fn a_stale_handle_never_reaches_the_request_that_reuses_its_slot() {
     old.store(&["old/0"], &[&[1u8; CHUNK][..]]).expect("stored");
     assert_eq!(old.wait(deadline()), RequestStatus::Completed);
     receiver.wait_ready("old", deadline()).expect("old ready");
-    assert_eq!(sender.status("old"), None, "forgotten at once");
+    // The table forgot it at once (its slot is free for `new`); its name
+    // goes at the end of ctrl's step, after the table lock is released.
+    let end = deadline();
+    while sender.status("old").is_some() {
+        assert!(
+            Instant::now() < end,
+            "the name of the forgotten request stays"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
 
     let new = sender
         .begin(RequestSpec::new("new", receiver.endpoint(), 2))
@@ -172,5 +181,70 @@ fn a_batch_given_back_after_the_last_one_was_stored_fails_the_request() {
             .is_err(),
         "the decoder never sees the request as ready"
     );
+    assert_eq!(sender.close(deadline()), 0);
+}
+
+/// A cancel that finds the submission ring full cannot send its key to
+/// ctrl: it raises the attention-overflow flag instead (no wait), and ctrl,
+/// once it drains the ring, finds the cancelled request by its life word.
+/// The request is admitted and idle, so nothing else would ever make ctrl
+/// look at it: without the flag it would stay in progress for good.
+#[test]
+fn a_cancel_on_a_full_submission_ring_still_reaches_ctrl() {
+    let receiver = Receiver::start(ReceiverConfig {
+        listen: "tcp://127.0.0.1:0".into(),
+        capacity_chunks: 8,
+        chunk_bytes: CHUNK as u64,
+        ..Default::default()
+    })
+    .expect("receiver");
+    let sender = Sender::new(SenderConfig {
+        chunk_bytes: CHUNK as u64,
+        staging_slots: 4,
+        hello_answer_timeout: Duration::from_millis(200),
+        ..Default::default()
+    })
+    .expect("sender");
+    let idle = sender
+        .begin(RequestSpec::new("idle", receiver.endpoint(), 2))
+        .expect("begins");
+    let end = deadline();
+    while !idle.is_admitted() {
+        assert!(Instant::now() < end, "the request was never admitted");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let held = sender.shared.inbox.hold();
+    // Fill the ring with admission messages of requests to nowhere (they
+    // fail once ctrl runs again).
+    let nowhere = "tcp://127.0.0.1:9";
+    let fillers: Vec<_> = (0..SUBMIT_RING)
+        .map(|i| {
+            sender
+                .begin(RequestSpec::new(format!("filler-{i}"), nowhere, 1))
+                .expect("room in the ring")
+        })
+        .collect();
+    assert!(idle.cancel(), "the cancel wins at once, ring full or not");
+    assert!(
+        sender
+            .shared
+            .attention_overflow
+            .load(std::sync::atomic::Ordering::Acquire),
+        "the key did not fit: the flag is up"
+    );
+    assert!(!sender.cancel_request("idle"), "cancelled once");
+    drop(held);
+    assert_eq!(idle.wait(deadline()), RequestStatus::Cancelled);
+    assert_eq!(
+        receiver.wait_ready("idle", deadline()),
+        Err(crate::receiver::WaitError::Failed(
+            crate::protocol::ErrorCode::Cancelled
+        )),
+        "the receiver was told (CancelNotif)"
+    );
+    for r in [&fillers[0], &fillers[SUBMIT_RING - 1]] {
+        assert!(r.wait(deadline()).is_terminal(), "{} ended", r.id());
+    }
+    drop(fillers);
     assert_eq!(sender.close(deadline()), 0);
 }

@@ -27,7 +27,9 @@ mod count;
 mod ctrl;
 mod error;
 mod keys;
+mod life;
 pub mod metrics;
+mod names;
 mod peer;
 mod poll;
 mod registered;
@@ -47,7 +49,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Mutex;
 use smallvec::SmallVec;
 use tracing::debug;
 
@@ -239,8 +241,9 @@ impl RequestStatus {
 pub(crate) struct Shared {
     pub cfg: SenderConfig,
     pub table: Mutex<Table>,
-    /// Signalled when a request reaches a terminal status.
-    pub status_cv: Condvar,
+    /// Request id → its `Common` state, for the calls naming a request by
+    /// id (its own lock; locked before the table, never after).
+    pub names: names::Names,
     pub staging: Arc<StagingBuffer>,
     pub slots: SlotAllocator,
     /// Staging shares not held (`Sender::take_share`).
@@ -257,9 +260,13 @@ pub(crate) struct Shared {
     /// The submission ring's producer each new request handle's
     /// [`Outbox`](submit::Outbox) is cloned from (locked at `begin` only).
     pub submit: Mutex<kvferry_ring::mpsc::Producer<u64>>,
-    /// Caller threads → ctrl: the batches themselves, in send order (taken
-    /// by ctrl only).
+    /// Caller threads → ctrl: the batches themselves, in send order, and
+    /// the keys of requests a caller stopped (taken by ctrl only).
     pub inbox: submit::Inbox,
+    /// A caller stopped a request and found the submission ring full: ctrl
+    /// looks at every live request's life word once (never lost, never a
+    /// wait for the caller).
+    pub attention_overflow: AtomicBool,
     /// Runs completion callbacks off the ctrl thread.
     pub announcer: Arc<Announcer>,
 }
@@ -295,48 +302,53 @@ impl Shared {
         // This handle's own end of the submission ring (cloned outside the
         // table lock; only `begin` takes the prototype's lock).
         let outbox = submit::Outbox::new(self.submit.lock().clone());
-        let handle = |key: ReqKey, r: &Req, outbox| Handle {
+        let handle = |c: &Arc<request::Common>, outbox| Handle {
             shared: Arc::clone(self),
-            key,
-            total: r.total,
-            stored: Arc::clone(&r.stored),
-            req_id: Arc::clone(&r.req_id),
-            signal: Arc::clone(&r.signal),
-            cancel: r.cancel.clone(),
+            c: Arc::clone(c),
             outbox,
         };
-        let (batch, h) = {
-            let mut t = self.table.lock();
-            if let Some((key, r)) = t.by_name(&spec.req_id) {
-                return match &r.p.state {
-                    ReqState::Done(s) => Err(StoreError::RequestEnded(s.clone())),
-                    _ if reuse => Ok(Request {
-                        h: Arc::new(handle(key, r, outbox)),
+        let h = {
+            // Checked and named under one hold of the name index, so two
+            // `begin`s of one id cannot both register it.
+            let mut names = self.names.lock();
+            if let Some(c) = names.get(spec.req_id.as_str()) {
+                return match c.signal.terminal() {
+                    Some(s) => Err(StoreError::RequestEnded(s.clone())),
+                    None if reuse => Ok(Request {
+                        h: Arc::new(handle(c, outbox)),
                     }),
-                    _ => Err(StoreError::DuplicateRequest {
+                    None => Err(StoreError::DuplicateRequest {
                         req_id: spec.req_id.clone(),
                     }),
                 };
             }
-            let req = Req::new(spec, self.cfg.chunk_bytes, Arc::new(Signal::default()));
-            let key = t.insert(req);
-            let batch = Self::batch_for(
-                key,
-                KeyList::default(),
-                SmallVec::new(),
-                BatchData::Empty,
-                false,
-                0,
-            );
-            let h = t.reqs.get(key).map(|r| handle(key, r, outbox));
-            (batch, h)
+            let mut common = None;
+            // The table lock, inside the name index's (the one place both
+            // are held): only to insert.
+            self.table.lock().insert(|key| {
+                let c = Arc::new(request::Common::new(key, spec));
+                common = Some(Arc::clone(&c));
+                Req::new(spec, self.cfg.chunk_bytes, c)
+            });
+            // `None` cannot happen: `insert` calls its closure.
+            let Some(c) = common else {
+                return Err(StoreError::Closed);
+            };
+            names.insert(Arc::clone(&c.req_id), Arc::clone(&c));
+            handle(&c, outbox)
         };
-        // `None` cannot happen: inserted just above, under the same lock.
-        let Some(h) = h else {
-            return Err(StoreError::Closed);
-        };
+        let batch = Self::batch_for(
+            h.key,
+            KeyList::default(),
+            SmallVec::new(),
+            BatchData::Empty,
+            false,
+            0,
+        );
         if let Err((_, e)) = self.submit_batch(&h, Box::new(batch)) {
-            // The admission message holds no data to give back.
+            // The admission message holds no data to give back; ctrl never
+            // heard of the request.
+            self.names.forget([(Arc::clone(&h.req_id), h.key)]);
             self.table.lock().remove(h.key);
             return Err(e);
         }
@@ -406,7 +418,7 @@ impl Shared {
             return Err(StoreError::RequestEnded(s.clone()));
         }
         if h.cancel.is_cancelled() {
-            return Err(self.stopped(h.key, &h.signal));
+            return Err(Self::stopped(&h.signal));
         }
         let req_id = || h.req_id.to_string();
         let is_last = h.stored.reserve(n, h.total, is_last).map_err(|r| match r {
@@ -449,7 +461,7 @@ impl Shared {
             let bytes = lens.iter().map(|&l| l as usize).sum();
             self.release_data(data, bytes);
             self.give_back(h, n, reserved.is_last);
-            return Err(self.stopped(h.key, &h.signal));
+            return Err(Self::stopped(&h.signal));
         }
         let keys = KeyList::from_keys(keys);
         let batch = Self::batch_for(h.key, keys, lens, data, reserved.is_last, toks);
@@ -548,7 +560,7 @@ impl Shared {
                 Err(e) => {
                     self.give_back(h, n, reserved.is_last);
                     return Err(match e {
-                        AllocError::Cancelled => self.stopped(h.key, &h.signal),
+                        AllocError::Cancelled => Self::stopped(&h.signal),
                         AllocError::Timeout => StoreError::StagingTimeout,
                         AllocError::TooLarge { requested, slots } => StoreError::BatchTooLarge {
                             chunks: requested,
@@ -660,64 +672,70 @@ impl Shared {
     /// [`StoreError::Cancelled`] only for a cancel; a failure (or any ended
     /// request) is [`StoreError::RequestEnded`] with the status it ends with.
     /// The one mapping for every wait that a request's cancel token ends.
-    pub(crate) fn stopped(&self, key: ReqKey, signal: &Signal) -> StoreError {
-        let t = self.table.lock();
-        match t.reqs.get(key).map(|r| &r.p.state) {
-            Some(ReqState::Aborting(RequestStatus::Cancelled)) => StoreError::Cancelled,
-            Some(ReqState::Aborting(s) | ReqState::Done(s)) => StoreError::RequestEnded(s.clone()),
-            // Live (a token fired by close) or forgotten: the handle's view.
-            _ => match signal.terminal() {
-                Some(s) => StoreError::RequestEnded(s.clone()),
-                None => StoreError::Cancelled,
-            },
+    /// Without the table lock: the request's terminal status, else its life
+    /// word. Whoever fires the token set the word before (a caller's CAS,
+    /// or ctrl's, whose status is published by that CAS's Release), and the
+    /// token's SeqCst flag, which this caller saw fired, orders it after.
+    pub(crate) fn stopped(signal: &Signal) -> StoreError {
+        if let Some(s) = signal.terminal() {
+            return StoreError::RequestEnded(s.clone());
+        }
+        match signal.life.state() {
+            life::State::Stopped(life::Stop::Cancel) => StoreError::Cancelled,
+            life::State::Stopped(stop) => StoreError::RequestEnded(stop.status()),
+            life::State::Aborted(Some(s)) => StoreError::RequestEnded(s.clone()),
+            // Live with a fired token, or completed: cannot happen (only
+            // stops fire the token, a completed request is terminal first).
+            life::State::Aborted(None) | life::State::Live | life::State::Completed => {
+                StoreError::Cancelled
+            }
         }
     }
 
-    /// Starts the fenced abort of a live request.
     /// Gives back a reservation of `n` chunks whose batch was never handed
     /// over (`last`: it was the last batch). If another caller reserved the
     /// last batch meanwhile, the given-back chunks can never be stored, so
-    /// the request fails instead of completing without them.
+    /// the request fails instead of completing without them: a caller's
+    /// stop ([`life::Stop::Orphan`]), like a cancel, without the table lock.
     fn give_back(&self, h: &Handle, n: usize, last: bool) {
-        if !h.stored.unreserve(n, last) {
-            return;
-        }
-        let failed = {
-            let mut t = self.table.lock();
-            let ok = t.reqs.get_mut(h.key).is_some_and(|r| {
-                r.abort_with(RequestStatus::Failed {
-                    code: ErrorCode::InconsistentRequest,
-                    reason: format!(
-                        "a batch of {n} chunks was given back after the last batch was stored"
-                    ),
-                })
-            });
-            if ok {
-                t.attention.push(h.key);
-            }
-            ok
-        };
-        if failed {
-            self.wake_ctrl();
+        if h.stored.unreserve(n, last) {
+            self.stop(&h.c, life::Stop::Orphan { chunks: n }, Some(&h.outbox));
         }
     }
 
-    fn cancel(&self, key: ReqKey) -> bool {
-        let ok = {
-            let mut t = self.table.lock();
-            let ok = t
-                .reqs
-                .get_mut(key)
-                .is_some_and(|r| r.abort_with(RequestStatus::Cancelled));
-            if ok {
-                t.attention.push(key);
-            }
-            ok
-        };
-        if ok {
-            self.wake_ctrl();
+    /// Cancels request `c`; true iff this call stopped a live request.
+    fn cancel(&self, c: &request::Common, outbox: Option<&submit::Outbox>) -> bool {
+        self.stop(c, life::Stop::Cancel, outbox)
+    }
+
+    /// A caller stops request `c` (see `life.rs`): true iff this call took
+    /// it out of its live phase (then it ends with `stop`'s status, whatever
+    /// ctrl was about to do). Then wakes the request's waiters and tells
+    /// ctrl: the key through the submission ring (`outbox`, or an end of it
+    /// cloned for this call), or, if the ring is full, the overflow flag;
+    /// then `wake_ctrl`. Why that is enough: the CAS that won is before the
+    /// ring push (Release) or the flag store, which ctrl's pop or flag swap
+    /// (Acquire) reads before it reads the word; a push or flag ctrl missed
+    /// before parking is caught by the Dekker handshake of `wake_ctrl`
+    /// (ctrl re-checks the ring and the flag after publishing
+    /// `ctrl_parked`). No table lock, no wait.
+    fn stop(&self, c: &request::Common, stop: life::Stop, outbox: Option<&submit::Outbox>) -> bool {
+        if !c.signal.life.stop(stop) {
+            return false;
         }
-        ok
+        c.cancel.cancel();
+        c.signal.wake();
+        let sent = match outbox {
+            Some(o) => o.attend(c.key),
+            None => submit::Outbox::new(self.submit.lock().clone()).attend(c.key),
+        };
+        if !sent {
+            // Release: pairs with ctrl's Acquire swap (it then reads the
+            // words this CAS wrote); the Dekker fence is wake_ctrl's.
+            self.attention_overflow.store(true, Ordering::Release);
+        }
+        self.wake_ctrl();
+        true
     }
 }
 
@@ -851,12 +869,15 @@ impl Sender {
         let registry = poster.local_registry();
         let reactor = crate::zmq_io::Reactor::new()?;
         let (submit, inbox) = submit::channel(SUBMIT_RING);
+        // poll → ctrl: the transport's completion records (poll.rs).
+        let (to_ctrl, from_poll) =
+            kvferry_ring::spsc::channel(poll::ring_capacity(poster.credits()));
         let shared = Arc::new(Shared {
             slots,
             shares,
             staging,
             table: Mutex::new(Table::default()),
-            status_cv: Condvar::new(),
+            names: names::Names::default(),
             pending_bytes: AtomicUsize::new(0),
             stats: SharedStats::new(),
             waker: reactor.waker(),
@@ -865,19 +886,22 @@ impl Sender {
             ctrl_gone: AtomicBool::new(false),
             submit: Mutex::new(submit),
             inbox,
+            attention_overflow: AtomicBool::new(false),
             announcer: Arc::new(Announcer::default()),
             cfg,
         });
         let mut pins = crate::threads::PinPlan::new(shared.cfg.pin_cpus.clone());
         let ctrl = {
-            let ctrl = ctrl::Ctrl::new(Arc::clone(&shared), poster, reactor)?;
+            let ctrl = ctrl::Ctrl::new(Arc::clone(&shared), poster, reactor, from_poll)?;
             let name = format!("kvf-send-ctrl-{}", shared.cfg.sender_id);
             crate::threads::spawn_named(&name, pins.next(), move || ctrl.run())?
         };
         let poll = {
             let shared = Arc::clone(&shared);
             let name = format!("kvf-send-poll-{}", shared.cfg.sender_id);
-            crate::threads::spawn_named(&name, pins.next(), move || poll::run(shared, completions))?
+            crate::threads::spawn_named(&name, pins.next(), move || {
+                poll::run(shared, completions, to_ctrl)
+            })?
         };
         let announcer = {
             let a = Arc::clone(&shared.announcer);
@@ -939,24 +963,21 @@ impl Sender {
     ) -> Result<(), StoreError> {
         self.validate(spec, keys.len(), chunks)?;
         let req = self.shared.begin(&spec.request(), true)?;
-        {
-            let t = self.shared.table.lock();
-            if let Some(r) = t.reqs.get(req.h.key) {
-                if r.receiver != spec.receiver {
-                    return Err(StoreError::ReceiverMismatch {
-                        req_id: spec.req_id.clone(),
-                        begun: r.receiver.clone(),
-                        given: spec.receiver.clone(),
-                    });
-                }
-                if r.total != spec.total_chunks {
-                    return Err(StoreError::TotalMismatch {
-                        req_id: spec.req_id.clone(),
-                        begun: r.total,
-                        given: spec.total_chunks,
-                    });
-                }
-            }
+        // The request's geometry, from its handle (no table lock).
+        let r = &req.h.c;
+        if r.receiver != spec.receiver {
+            return Err(StoreError::ReceiverMismatch {
+                req_id: spec.req_id.clone(),
+                begun: r.receiver.clone(),
+                given: spec.receiver.clone(),
+            });
+        }
+        if r.total != spec.total_chunks {
+            return Err(StoreError::TotalMismatch {
+                req_id: spec.req_id.clone(),
+                begun: r.total,
+                given: spec.total_chunks,
+            });
         }
         self.shared.store_copy(
             &req.h,
@@ -1000,52 +1021,32 @@ impl Sender {
     /// then tells the receiver to release everything (fenced abort).
     /// Returns false if the request is unknown or already ended.
     pub fn cancel_request(&self, req_id: &str) -> bool {
-        let key = self.shared.table.lock().by_name(req_id).map(|(k, _)| k);
-        key.is_some_and(|k| self.shared.cancel(k))
+        let c = self.shared.names.get(req_id);
+        c.is_some_and(|c| self.shared.cancel(&c, None))
     }
 
     /// The current status of a request (`None` if unknown or forgotten).
     pub fn status(&self, req_id: &str) -> Option<RequestStatus> {
-        self.shared
-            .table
-            .lock()
-            .by_name(req_id)
-            .map(|(_, r)| r.status())
+        self.shared.names.get(req_id).map(|c| c.signal.status())
     }
 
     /// Waits until the request is terminal or `deadline` passes; returns its
-    /// status then (`InProgress` on timeout, `None` if unknown). A
-    /// [`Request`] handle waits without the sender's table: [`Request::wait`].
+    /// status then (`InProgress` on timeout, `None` if unknown). Waits on
+    /// the request's own `Signal`, like [`Request::wait`].
     ///
     /// `Completed` means every write completed and ProxyNotif/TransferDone
     /// were sent; the receiver may not have processed the TransferDone yet
     /// (a decoder waits with `Receiver::wait_ready`, not on this).
     pub fn wait(&self, req_id: &str, deadline: Instant) -> Option<RequestStatus> {
-        let mut t = self.shared.table.lock();
-        let key = t.by_name(req_id)?.0;
-        loop {
-            let s = t.reqs.get(key).map(Req::status)?;
-            if s.is_terminal()
-                || self
-                    .shared
-                    .status_cv
-                    .wait_until(&mut t, deadline)
-                    .timed_out()
-            {
-                return t.reqs.get(key).map(Req::status);
-            }
-        }
+        let c = self.shared.names.get(req_id)?;
+        let s = &c.signal;
+        s.wait_until(deadline, || s.terminal().is_some());
+        Some(s.status())
     }
 
     /// Requests not yet terminal.
     pub fn active_requests(&self) -> usize {
-        self.shared
-            .table
-            .lock()
-            .reqs
-            .values()
-            .filter(|r| !matches!(r.p.state, ReqState::Done(_)))
-            .count()
+        self.shared.names.active().len()
     }
 
     /// Registers `len` bytes of caller-owned host memory at `ptr` (e.g. a
@@ -1274,46 +1275,35 @@ impl Sender {
         self.close_inner(deadline)
     }
 
+    /// Waits until no request is active (also those begun meanwhile) or
+    /// `deadline` passes, on each request's `Signal`.
+    fn wait_quiet(&self, deadline: Instant) {
+        loop {
+            let active = self.shared.names.active();
+            if active.is_empty() || Instant::now() >= deadline {
+                return;
+            }
+            for c in active {
+                let s = &c.signal;
+                s.wait_until(deadline, || s.terminal().is_some());
+            }
+        }
+    }
+
     fn close_inner(&mut self, deadline: Instant) -> usize {
         if self.ctrl.is_none() {
             return 0;
         }
-        self.shared.table.lock().closing = true;
         let mut cancelled = 0;
-        let quiet = |t: &Table| {
-            t.reqs
-                .values()
-                .all(|r| matches!(r.p.state, ReqState::Done(_)))
-        };
-        {
-            let mut t = self.shared.table.lock();
-            while !quiet(&t)
-                && !self
-                    .shared
-                    .status_cv
-                    .wait_until(&mut t, deadline)
-                    .timed_out()
-            {}
-        }
-        let active: Vec<ReqKey> = {
-            let t = self.shared.table.lock();
-            t.reqs
-                .iter()
-                .filter(|(_, r)| !matches!(r.p.state, ReqState::Done(_)))
-                .map(|(k, _)| k)
-                .collect()
-        };
-        for r in active {
-            if self.shared.cancel(r) {
+        self.wait_quiet(deadline);
+        let outbox = submit::Outbox::new(self.shared.submit.lock().clone());
+        for c in self.shared.names.active() {
+            if self.shared.cancel(&c, Some(&outbox)) {
                 cancelled += 1;
             }
         }
         // Give the fenced aborts a bounded moment to drain.
-        {
-            let grace = Instant::now() + Duration::from_secs(5);
-            let mut t = self.shared.table.lock();
-            while !quiet(&t) && !self.shared.status_cv.wait_until(&mut t, grace).timed_out() {}
-        }
+        self.wait_quiet(Instant::now() + Duration::from_secs(5));
         // Release: pairs with the Acquire load in the ctrl loop.
         self.shared.stop.store(true, Ordering::Release);
         let _ = self.shared.waker.wake();

@@ -10,7 +10,7 @@
 //! behind the single outstanding slot).
 
 use std::collections::HashMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::protocol::Descriptor;
 
@@ -98,6 +98,46 @@ pub(super) struct Peer {
     pub late: Option<LateHello>,
 }
 
+/// The sender's peer-level time limits (from its `SenderConfig`): what the
+/// decisions below compare the shell's clock reading against.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Limits {
+    /// `hello_timeout`: a receiver with a static descriptor that has not
+    /// answered `Hello` by then is taken for an LMCache one.
+    pub hello: Duration,
+    /// `hello_answer_timeout`: a receiver without one fails its requests.
+    pub hello_answer: Duration,
+    /// `reply_timeout`: an unanswered message fails its request.
+    pub reply: Duration,
+    /// `heartbeat_interval`.
+    pub heartbeat: Duration,
+    /// `rehello_backoff`: least time between two `Hello`s to a receiver.
+    pub rehello_backoff: Duration,
+}
+
+impl Limits {
+    pub fn new(cfg: &super::SenderConfig) -> Self {
+        Self {
+            hello: cfg.hello_timeout,
+            hello_answer: cfg.hello_answer_timeout,
+            reply: cfg.reply_timeout,
+            heartbeat: cfg.heartbeat_interval,
+            rehello_backoff: cfg.rehello_backoff,
+        }
+    }
+}
+
+/// What a handshaking peer's `Hello` timing calls for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum HelloTimeout {
+    /// No answer within `hello_timeout` and a static descriptor exists:
+    /// treat it as an LMCache receiver.
+    Fallback,
+    /// No answer within `hello_answer_timeout` and no static descriptor:
+    /// its waiting requests fail.
+    Unanswered,
+}
+
 /// This process's random identity part (drawn once).
 fn process_nonce() -> u64 {
     static NONCE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
@@ -106,19 +146,25 @@ fn process_nonce() -> u64 {
 
 impl Peer {
     /// Opens a DEALER to `endpoint` (identity: see [`Peer::socket`]).
-    pub fn connect(sender_id: &str, endpoint: &str, generation: u32) -> Result<Self, zmq::Error> {
+    /// `now`: the shell's clock reading (the handshake starts then).
+    pub fn connect(
+        sender_id: &str,
+        endpoint: &str,
+        generation: u32,
+        now: Instant,
+    ) -> Result<Self, zmq::Error> {
         let sock = Self::socket(sender_id, endpoint, generation)?;
         Ok(Self {
             endpoint: endpoint.to_owned(),
             sock,
-            mode: Mode::Handshaking(Instant::now()),
+            mode: Mode::Handshaking(now),
             index: None,
             remote: None,
             prepared: None,
             by_seq: HashMap::new(),
             in_order: InOrder::default(),
             turn: Turn::default(),
-            last_heartbeat: Instant::now(),
+            last_heartbeat: now,
             generation,
             rehandshake: false,
             last_hello: None,
@@ -167,6 +213,92 @@ impl Peer {
         self.sock.send_multipart([&[][..], payload], 0)
     }
 
+    /// Whether the `Hello` of a handshaking peer timed out at `now`, and
+    /// how (`fallback`: a static descriptor is configured for it, so it
+    /// may be an LMCache receiver).
+    pub fn hello_timeout(
+        &self,
+        now: Instant,
+        limits: &Limits,
+        fallback: bool,
+    ) -> Option<HelloTimeout> {
+        let Mode::Handshaking(since) = self.mode else {
+            return None;
+        };
+        let waited = now.saturating_duration_since(since);
+        if fallback && waited >= limits.hello {
+            Some(HelloTimeout::Fallback)
+        } else if !fallback && waited >= limits.hello_answer {
+            Some(HelloTimeout::Unanswered)
+        } else {
+            None
+        }
+    }
+
+    /// May this peer be said `Hello` again at `now`: its data plane was
+    /// negotiated through `Hello` (or its last data-plane connect failed),
+    /// and the last `Hello` is at least `backoff` ago?
+    pub fn rehello_allowed(&self, now: Instant, backoff: Duration) -> bool {
+        (self.rehandshake || self.retry_hello)
+            && self
+                .last_hello
+                .is_none_or(|t| now.saturating_duration_since(t) >= backoff)
+    }
+
+    /// Some message went unanswered for `limit` or longer at `now`.
+    pub fn replies_overdue(&self, now: Instant, limit: Duration) -> bool {
+        self.oldest()
+            .is_some_and(|t| now.saturating_duration_since(t) >= limit)
+    }
+
+    /// A kvferry peer's heartbeat is due at `now`.
+    pub fn heartbeat_due(&self, now: Instant, interval: Duration) -> bool {
+        self.mode == Mode::Extended
+            && now.saturating_duration_since(self.last_heartbeat) >= interval
+    }
+
+    /// When this peer next needs ctrl without any message arriving, as of
+    /// `now`: its `Hello`'s timeout (`fallback` as in
+    /// [`hello_timeout`](Self::hello_timeout)), the oldest reply's timeout,
+    /// the heartbeat, the end of a late `HelloAck`'s window, or the end of
+    /// a reconnecting peer's backoff (only while still ahead: once it
+    /// passed, the re-handshake waits for the aborts, whose completions
+    /// wake ctrl).
+    pub fn next_deadline(&self, now: Instant, limits: &Limits, fallback: bool) -> Option<Instant> {
+        let handshake = match self.mode {
+            Mode::Handshaking(since) => Some(
+                since
+                    + if fallback {
+                        limits.hello
+                    } else {
+                        limits.hello_answer
+                    },
+            ),
+            _ => None,
+        };
+        let heartbeat =
+            (self.mode == Mode::Extended).then(|| self.last_heartbeat + limits.heartbeat);
+        let late = self
+            .late
+            .as_ref()
+            .filter(|l| l.ack.is_none())
+            .map(|l| l.until);
+        let backoff = (self.mode == Mode::Reconnecting)
+            .then(|| self.last_hello.map(|t| t + limits.rehello_backoff))
+            .flatten()
+            .filter(|&due| due > now);
+        [
+            handshake,
+            self.oldest().map(|t| t + limits.reply),
+            heartbeat,
+            late,
+            backoff,
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
     /// The oldest unanswered message's send time.
     pub fn oldest(&self) -> Option<Instant> {
         self.by_seq
@@ -174,5 +306,81 @@ impl Peer {
             .map(|(_, t)| *t)
             .chain(self.in_order.sent_at())
             .min()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIMITS: Limits = Limits {
+        hello: Duration::from_secs(1),
+        hello_answer: Duration::from_secs(5),
+        reply: Duration::from_secs(120),
+        heartbeat: Duration::from_secs(5),
+        rehello_backoff: Duration::from_secs(1),
+    };
+
+    /// The peer-level decisions read no clock: driven by a synthetic one
+    /// (instants made up around one base), each flips exactly at its limit,
+    /// and a clock that goes back never fires one.
+    #[test]
+    fn peer_timeouts_follow_the_clock_the_shell_gives() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        // A lazily connecting socket: nothing listens there, nothing is sent.
+        let mut p = Peer::connect("s", "tcp://127.0.0.1:9", 0, at(0)).expect("a socket");
+        let l = &LIMITS;
+
+        // Handshake: the LMCache fallback at 1 s, giving up at 5 s.
+        assert_eq!(p.hello_timeout(at(999), l, true), None);
+        assert_eq!(
+            p.hello_timeout(at(1000), l, true),
+            Some(HelloTimeout::Fallback)
+        );
+        assert_eq!(p.hello_timeout(at(4999), l, false), None);
+        assert_eq!(
+            p.hello_timeout(at(5000), l, false),
+            Some(HelloTimeout::Unanswered)
+        );
+        assert_eq!(p.next_deadline(at(0), l, true), Some(at(1000)));
+        assert_eq!(p.next_deadline(at(0), l, false), Some(at(5000)));
+        p.mode = Mode::Handshaking(at(10_000));
+        assert_eq!(
+            p.hello_timeout(at(0), l, false),
+            None,
+            "the clock went back"
+        );
+
+        // Connected: the reply timeout and the heartbeat.
+        p.mode = Mode::Extended;
+        p.last_heartbeat = at(0);
+        p.by_seq.insert(1, (Outstanding::Batch(1), at(10)));
+        assert!(!p.replies_overdue(at(120_009), l.reply));
+        assert!(p.replies_overdue(at(120_010), l.reply));
+        assert!(!p.heartbeat_due(at(4999), l.heartbeat));
+        assert!(p.heartbeat_due(at(5000), l.heartbeat));
+        assert_eq!(p.next_deadline(at(0), l, false), Some(at(5000)));
+        p.last_heartbeat = at(200_000);
+        assert_eq!(p.next_deadline(at(0), l, false), Some(at(120_010)));
+        p.by_seq.clear();
+
+        // Re-handshake: only for a Hello-negotiated data plane (or a failed
+        // connect), and not within the backoff of the last Hello.
+        p.mode = Mode::Reconnecting;
+        p.last_hello = Some(at(300_000));
+        assert!(
+            !p.rehello_allowed(at(400_000), l.rehello_backoff),
+            "shm/tcp: never"
+        );
+        p.rehandshake = true;
+        assert!(!p.rehello_allowed(at(300_999), l.rehello_backoff));
+        assert!(p.rehello_allowed(at(301_000), l.rehello_backoff));
+        assert_eq!(p.next_deadline(at(300_500), l, false), Some(at(301_000)));
+        assert_eq!(
+            p.next_deadline(at(301_000), l, false),
+            None,
+            "once the backoff passed, the aborts' completions wake ctrl"
+        );
     }
 }

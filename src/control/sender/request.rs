@@ -52,21 +52,59 @@ impl RequestSpec {
     }
 }
 
-/// What a [`Request`] and its batches share.
-pub(crate) struct Handle {
-    pub shared: Arc<Shared>,
+/// What a request's handles, its table entry and (by its id) the sender's
+/// name index share: everything a caller thread reads or changes of a
+/// request without the table lock.
+#[derive(Debug)]
+pub(crate) struct Common {
     /// The request's slot in the sender's table (no lookup by id).
     pub key: ReqKey,
+    /// The id, for the wire and logs (one allocation per request).
     pub req_id: Arc<str>,
+    /// The receiver's endpoint.
+    pub receiver: String,
     /// The request's `total_chunks`.
     pub total: usize,
-    /// What the callers stored of it (reserved here, read by ctrl).
-    pub stored: Arc<super::count::StoredCount>,
-    pub signal: Arc<Signal>,
+    /// What the callers stored of it (reserved by handles, read by ctrl).
+    pub stored: super::count::StoredCount,
+    /// Admission, terminal status, waiters, and the life word that decides
+    /// between a caller's cancel and ctrl's own ending.
+    pub signal: Signal,
+    /// Fired by whoever stops the request: wakes its staging waiters.
     pub cancel: crate::cancel::CancelToken,
+}
+
+impl Common {
+    pub fn new(key: ReqKey, spec: &RequestSpec) -> Self {
+        Self {
+            key,
+            req_id: Arc::from(spec.req_id.as_str()),
+            receiver: spec.receiver.clone(),
+            total: spec.total_chunks,
+            stored: Default::default(),
+            signal: Signal::default(),
+            cancel: crate::cancel::CancelToken::new(),
+        }
+    }
+}
+
+/// What a [`Request`] and its batches share: the request's [`Common`]
+/// state (reached through `Deref`), the sender, and this handle's end of
+/// the submission ring.
+pub(crate) struct Handle {
+    pub shared: Arc<Shared>,
+    pub c: Arc<Common>,
     /// This handle's end of the submission ring (its batches go to ctrl
     /// through it, not through the table).
     pub outbox: super::submit::Outbox,
+}
+
+impl std::ops::Deref for Handle {
+    type Target = Common;
+
+    fn deref(&self) -> &Common {
+        &self.c
+    }
 }
 
 /// One transfer, from [`Sender::begin`](super::Sender::begin) to its
@@ -140,7 +178,7 @@ impl Request {
     /// Cancels the request (see [`Sender::cancel_request`](super::Sender::cancel_request)).
     /// False if it already ended.
     pub fn cancel(&self) -> bool {
-        self.h.shared.cancel(self.h.key)
+        self.h.shared.cancel(&self.h.c, Some(&self.h.outbox))
     }
 
     /// Staging slots for the next `n` chunks, to fill in place and
@@ -162,7 +200,7 @@ impl Request {
             .slots
             .alloc(n, Some(deadline), &self.h.cancel)
             .map_err(|e| match e {
-                AllocError::Cancelled => self.h.shared.stopped(self.h.key, &self.h.signal),
+                AllocError::Cancelled => Shared::stopped(&self.h.signal),
                 AllocError::Timeout => StoreError::StagingTimeout,
                 AllocError::TooLarge { requested, slots } => StoreError::BatchTooLarge {
                     chunks: requested,
@@ -332,7 +370,7 @@ impl Request {
             return Err(StoreError::RequestEnded(s.clone()));
         }
         if self.h.cancel.is_cancelled() {
-            return Err(self.h.shared.stopped(self.h.key, &self.h.signal));
+            return Err(Shared::stopped(&self.h.signal));
         }
         Ok(())
     }

@@ -14,6 +14,21 @@ pub(crate) struct Key {
 }
 
 impl Key {
+    /// The key in the low 63 bits of a word, or `None` for a slot index
+    /// from 2^31 on (no slab gets there: 2^31 values would not fit in
+    /// memory); for a ring entry that needs a tag bit.
+    pub fn to_bits63(self) -> Option<u64> {
+        (self.index < 1 << 31).then(|| (u64::from(self.index) << 32) | u64::from(self.gen))
+    }
+
+    /// The key [`to_bits63`](Self::to_bits63) packed.
+    pub fn from_bits63(bits: u64) -> Key {
+        Key {
+            index: (bits >> 32) as u32,
+            gen: bits as u32,
+        }
+    }
+
     /// The slot index (tests check that a slot was reused).
     #[cfg(test)]
     pub fn index(self) -> u32 {
@@ -49,18 +64,28 @@ impl<T> Default for Slab<T> {
 
 impl<T> Slab<T> {
     /// Stores `val`; its key.
+    #[cfg(test)]
     pub fn insert(&mut self, val: T) -> Key {
+        self.insert_with(|_| val)
+    }
+
+    /// Stores the value `make` builds for its key; that key.
+    pub fn insert_with(&mut self, make: impl FnOnce(Key) -> T) -> Key {
         if let Some(index) = self.free.pop() {
             let e = &mut self.entries[index as usize];
-            e.val = Some(val);
-            return Key { index, gen: e.gen };
+            let key = Key { index, gen: e.gen };
+            e.val = Some(make(key));
+            return key;
         }
-        let index = self.entries.len() as u32;
+        let key = Key {
+            index: self.entries.len() as u32,
+            gen: 0,
+        };
         self.entries.push(Entry {
             gen: 0,
-            val: Some(val),
+            val: Some(make(key)),
         });
-        Key { index, gen: 0 }
+        key
     }
 
     /// The value of `key` (`None` once it was removed, even if its slot

@@ -1,9 +1,14 @@
 //! The sender's shared request table: per-request progress (in a slab, by
 //! the [`ReqKey`] a [`Request`](super::Request) handle carries), batches
-//! waiting to be sent or written, and writes in flight. One lock guards it,
-//! held for short, allocation-free steps by the ctrl and poll threads;
-//! caller threads take it only to cancel, to name a request by id, and on
-//! error paths (a submit reserves and hands its batch over without it).
+//! waiting to be sent or written. One lock guards it, held for short,
+//! allocation-free steps by the ctrl thread. Caller threads take it only in
+//! `begin` (to insert the request, or take it out again if its admission
+//! message could not be handed over) and in the `Sender::dump` debug dump:
+//! submits, cancels, give-backs, error paths and the calls naming a request
+//! by id go through the request's `Common` state, the submission ring and
+//! the name index (`names.rs`). The poll thread never takes it: writes in
+//! flight ([`InFlight`]) are ctrl's own, and completions reach ctrl through
+//! a ring (`poll.rs`).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -12,15 +17,13 @@ use std::time::Instant;
 
 use smallvec::SmallVec;
 
-use crate::cancel::CancelToken;
 use crate::slots::SlotSet;
 use crate::transport::PeerIndex;
 
-use super::completion::Signal;
 use super::core::{Phase, Progress};
-use super::count::StoredCount;
 use super::keys::KeyList;
 use super::registered::WriteLease;
+use super::request::Common;
 use super::slab::{Key, Slab};
 use super::{RequestSpec, RequestStatus};
 
@@ -74,26 +77,18 @@ static NEXT_ORDER: AtomicU64 = AtomicU64::new(0);
 /// A request's progress.
 #[derive(Debug)]
 pub(crate) struct Req {
-    /// The id, for the wire and logs (shared with the request's handles and
-    /// [`Table::by_id`]: one allocation per request).
-    pub req_id: Arc<str>,
+    /// What its handles (and the name index) share: id, receiver, total,
+    /// stored count, signal with the life word, cancel token.
+    pub c: Arc<Common>,
     /// Creation order (first `store`): the ctrl thread serves older
     /// requests first, so first batches leave in store order.
     pub order: u64,
-    pub receiver: String,
-    pub total: usize,
     /// Chunk geometry of the request's batches (from its `RequestSpec`).
     pub fmt: i64,
     pub shape: Vec<i64>,
     pub dtype: String,
     /// The protocol state (decisions in `core.rs`).
     pub p: Progress<RequestStatus>,
-    /// What the callers stored (shared with the handles, which reserve in
-    /// it without the table lock).
-    pub stored: Arc<StoredCount>,
-    pub cancel: CancelToken,
-    /// What the request's handles read (admission, terminal status).
-    pub signal: Arc<Signal>,
     /// Every key named in an AllocRequest (for CancelNotif).
     pub keys_sent: KeyList,
     pub first_sent_at: Option<Instant>,
@@ -102,15 +97,13 @@ pub(crate) struct Req {
 }
 
 impl Req {
-    pub fn new(spec: &RequestSpec, chunk_bytes: u64, signal: Arc<Signal>) -> Self {
+    pub fn new(spec: &RequestSpec, chunk_bytes: u64, c: Arc<Common>) -> Self {
         Self {
-            req_id: Arc::from(spec.req_id.as_str()),
+            c,
             // Relaxed: one RMW chain is totally ordered on its own, and
             // requests are created under the table lock, so the numbers
             // follow creation order; nothing else is published through it.
             order: NEXT_ORDER.fetch_add(1, Ordering::Relaxed),
-            receiver: spec.receiver.clone(),
-            total: spec.total_chunks,
             fmt: spec.fmt,
             shape: if spec.shape.is_empty() {
                 vec![chunk_bytes as i64]
@@ -119,9 +112,6 @@ impl Req {
             },
             dtype: spec.dtype.clone(),
             p: Progress::default(),
-            stored: Arc::default(),
-            cancel: CancelToken::new(),
-            signal,
             keys_sent: KeyList::default(),
             first_sent_at: None,
             last_completion_at: None,
@@ -129,9 +119,9 @@ impl Req {
         }
     }
 
-    /// Starts the abort path of a live request (`Pending`/`Admitted`):
-    /// records the status to report, wakes the callers blocked for it
-    /// (staging waits and admission waits). False if it is not live.
+    /// Starts ctrl's own abort of a live request (`Pending`/`Admitted`):
+    /// records the status to report and wakes the callers blocked for it
+    /// (see [`aborted`](Self::aborted)). False if it is not live.
     pub fn abort_with(&mut self, status: RequestStatus) -> bool {
         if !self.p.abort_with(status) {
             return false;
@@ -140,30 +130,51 @@ impl Req {
         true
     }
 
-    /// The core moved the request to `Aborting`: wake its callers.
-    pub fn aborted(&self) {
-        self.cancel.cancel();
-        self.signal.wake();
+    /// The core moved the request to `Aborting` for ctrl's own reason (a
+    /// refusal, a failed write, a timeout...): claims the request in its
+    /// life word, and if a caller stopped it first (a cancel that returned
+    /// `true`), reports the caller's status instead; then wakes its callers.
+    pub fn aborted(&mut self) {
+        if let ReqState::Aborting(status) = &self.p.state {
+            if let Some(stop) = self.c.signal.life.abort(status) {
+                self.p.state = ReqState::Aborting(stop.status());
+            }
+        }
+        self.wake_stopped();
     }
 
-    /// The status callers see.
-    pub fn status(&self) -> RequestStatus {
-        match &self.p.state {
-            ReqState::Done(s) => s.clone(),
-            _ => RequestStatus::InProgress,
+    /// Takes over a caller's stop (cancel, orphaning give-back) that ctrl
+    /// has not acted on: a live request a caller stopped moves to
+    /// `Aborting` with the caller's status. True if it did.
+    pub fn take_caller_stop(&mut self) -> bool {
+        if !self.p.state.live() {
+            return false;
         }
+        let Some(stop) = self.c.signal.life.stopped_by_caller() else {
+            return false;
+        };
+        self.p.abort_with(stop.status());
+        self.wake_stopped();
+        true
+    }
+
+    /// Fires the cancel token and wakes the waiters (both idempotent: the
+    /// caller that stopped the request did so too).
+    fn wake_stopped(&self) {
+        self.c.cancel.cancel();
+        self.c.signal.wake();
     }
 
     /// One line for state dumps.
     pub fn describe(&self) -> String {
-        let stored = self.stored.get();
+        let stored = self.c.stored.get();
         format!(
             "req {} -> {}: {:?}, stored {}/{} completed {}, queued {}, awaiting reply {}, unstaged {}, in flight {}, last stored {} replied {}",
-            self.req_id,
-            self.receiver,
+            self.c.req_id,
+            self.c.receiver,
             self.p.state,
             stored.chunks,
-            self.total,
+            self.c.total,
             self.p.completed_chunks,
             self.p.queued.len(),
             self.p.awaiting_reply,
@@ -185,8 +196,8 @@ pub(crate) struct InFlight {
     /// A write from registered memory: released with this op.
     pub lease: Option<Arc<WriteLease>>,
     pub posted_at: Instant,
-    /// The transport peer it was posted to (so the poll thread can tell
-    /// ctrl which peer lost its connection).
+    /// The transport peer it was posted to (so a `ConnectionLost`
+    /// completion names the peer that lost its connection).
     pub peer: PeerIndex,
 }
 
@@ -198,71 +209,49 @@ pub(crate) const TERMINAL_MEMORY: usize = 1 << 16;
 pub(crate) struct Table {
     /// Live requests and the last [`TERMINAL_MEMORY`] terminal ones.
     pub reqs: Slab<Req>,
-    /// The same requests by id: for [`Sender`](super::Sender)'s calls that
-    /// name a request by its id (status, wait, cancel, the copying `store`)
-    /// and for refusing a duplicate `begin`. Never on a handle's path.
-    pub by_id: HashMap<Arc<str>, ReqKey>,
     /// Batches ctrl took from the submission ring, by the id it gave them.
     pub batches: HashMap<u64, Batch>,
-    pub inflight: HashMap<u64, InFlight>,
-    /// Requests the ctrl thread must look at (set by poll and caller threads).
-    pub attention: Vec<ReqKey>,
-    /// Transport peers whose writes completed with `ConnectionLost` (set by
-    /// the poll thread, drained by ctrl, which decides whether to
-    /// re-handshake; no duplicates).
-    pub lost_peers: Vec<PeerIndex>,
     /// Terminal requests in the order they ended (for forgetting old ones).
     pub terminal_order: VecDeque<ReqKey>,
     /// How many terminal requests are remembered ([`TERMINAL_MEMORY`]; the
     /// tests lower it to make slots reused).
     pub terminal_memory: usize,
-    pub closing: bool,
 }
 
 impl Default for Table {
     fn default() -> Self {
         Self {
             reqs: Slab::default(),
-            by_id: HashMap::new(),
             batches: HashMap::new(),
-            inflight: HashMap::new(),
-            attention: Vec::new(),
-            lost_peers: Vec::new(),
             terminal_order: VecDeque::new(),
             terminal_memory: TERMINAL_MEMORY,
-            closing: false,
         }
     }
 }
 
 impl Table {
-    /// Registers a request (its id must not be in [`Table::by_id`]).
-    pub fn insert(&mut self, req: Req) -> ReqKey {
-        let id = Arc::clone(&req.req_id);
-        let key = self.reqs.insert(req);
-        self.by_id.insert(id, key);
-        key
+    /// Registers the request `make` builds for its key (`begin`, which
+    /// also names it in the sender's name index).
+    pub fn insert(&mut self, make: impl FnOnce(ReqKey) -> Req) -> ReqKey {
+        self.reqs.insert_with(make)
     }
 
-    /// Forgets a request.
+    /// Forgets a request (the caller forgets its name).
     pub fn remove(&mut self, key: ReqKey) -> Option<Req> {
-        let r = self.reqs.remove(key)?;
-        if self.by_id.get(&*r.req_id) == Some(&key) {
-            self.by_id.remove(&*r.req_id);
-        }
-        Some(r)
+        self.reqs.remove(key)
     }
 
-    /// The request named `req_id`, with its key.
-    pub fn by_name(&self, req_id: &str) -> Option<(ReqKey, &Req)> {
-        let &key = self.by_id.get(req_id)?;
-        self.reqs.get(key).map(|r| (key, r))
-    }
-
-    /// Marks a request terminal and forgets the oldest terminal ones.
-    pub fn finish(&mut self, key: ReqKey, status: RequestStatus) {
+    /// Marks a request terminal and forgets the oldest terminal ones,
+    /// adding their ids and keys to `forgotten` (ctrl removes them from the
+    /// name index once it released the table lock).
+    pub fn finish(
+        &mut self,
+        key: ReqKey,
+        status: RequestStatus,
+        forgotten: &mut Vec<(Arc<str>, ReqKey)>,
+    ) {
         if let Some(r) = self.reqs.get_mut(key) {
-            r.signal.set_terminal(status.clone());
+            r.c.signal.set_terminal(status.clone());
             r.p.finish(status);
             self.terminal_order.push_back(key);
         }
@@ -272,7 +261,9 @@ impl Table {
                     self.reqs.get(old).map(|r| &r.p.state),
                     Some(ReqState::Done(_))
                 ) {
-                    self.remove(old);
+                    if let Some(r) = self.remove(old) {
+                        forgotten.push((Arc::clone(&r.c.req_id), old));
+                    }
                 }
             }
         }

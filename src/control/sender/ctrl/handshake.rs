@@ -24,7 +24,7 @@ impl Ctrl {
             return Ok(i);
         }
         let token = self.peers.len();
-        let mut peer = Peer::connect(&self.shared.cfg.sender_id, endpoint, 0)
+        let mut peer = Peer::connect(&self.shared.cfg.sender_id, endpoint, 0, self.now)
             .map_err(|e| format!("cannot connect to receiver {endpoint}: {e}"))?;
         if let Err(e) = self.reactor.register(&peer.sock, token) {
             return Err(format!(
@@ -45,7 +45,7 @@ impl Ctrl {
     /// this receiver (shm, tcp: none; rdma: a queue pair made for it), which
     /// the peer keeps for the `HelloAck`.
     pub(super) fn say_hello(&mut self, peer: &mut Peer) {
-        peer.last_hello = Some(Instant::now());
+        peer.last_hello = Some(self.now);
         let descriptor = match self.poster.prepare() {
             Ok(d) => d,
             Err(e) => {
@@ -247,7 +247,7 @@ impl Ctrl {
         any
     }
 
-    /// The peers whose data plane was lost (the poll thread saw
+    /// The peers whose data plane was lost (`apply_completions` saw
     /// `ConnectionLost` completions on `indices`) and that re-handshake:
     /// connected through a `Hello`-negotiated data plane (`rehandshake`)
     /// and still `Extended` on that index. They become `Reconnecting`.
@@ -280,7 +280,7 @@ impl Ctrl {
                 let t = self.shared.table.lock();
                 t.reqs
                     .iter()
-                    .filter(|(_, r)| r.receiver == endpoint && r.p.state.live())
+                    .filter(|(_, r)| r.c.receiver == endpoint && r.p.state.live())
                     .map(|(k, _)| k)
                     .collect()
             };
@@ -300,10 +300,7 @@ impl Ctrl {
     /// through `Hello`, or its last data-plane connect failed, and the last
     /// `Hello` is at least `rehello_backoff` ago)?
     pub(super) fn rehello_allowed(&self, i: usize, now: Instant) -> bool {
-        let p = &self.peers[i];
-        (p.rehandshake || p.retry_hello)
-            && p.last_hello
-                .is_none_or(|t| now.saturating_duration_since(t) >= self.shared.cfg.rehello_backoff)
+        self.peers[i].rehello_allowed(now, self.limits.rehello_backoff)
     }
 
     /// Re-handshakes every `Reconnecting` peer whose aborted requests have
@@ -321,7 +318,7 @@ impl Ctrl {
                 .lock()
                 .reqs
                 .values()
-                .any(|r| &r.receiver == ep && matches!(r.p.state, ReqState::Aborting(_)));
+                .any(|r| &r.c.receiver == ep && matches!(r.p.state, ReqState::Aborting(_)));
             if !aborting {
                 self.rehello(i);
                 any = true;
@@ -361,12 +358,12 @@ impl Ctrl {
         if !self.renew_socket(i) {
             let ep = &self.peers[i].endpoint;
             self.peers[i].mode = Mode::Failed(format!("cannot open a new socket to receiver {ep}"));
-            self.peers[i].last_hello = Some(Instant::now());
+            self.peers[i].last_hello = Some(self.now);
             self.dirty_peer(i);
             return;
         }
         let mut p = self.peers.swap_remove(i);
-        p.mode = Mode::Handshaking(Instant::now());
+        p.mode = Mode::Handshaking(self.now);
         self.say_hello(&mut p);
         self.peers.push(p);
         let last = self.peers.len() - 1;

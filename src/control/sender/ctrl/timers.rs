@@ -5,27 +5,22 @@ use std::time::{Duration, Instant};
 
 use crate::protocol::{encode_into, AllocResponse, ErrorCode, Heartbeat, Message};
 
-use super::super::peer::{Mode, Outstanding};
+use super::super::peer::{HelloTimeout, Mode, Outstanding};
 use super::super::table::ReqState;
 use super::Ctrl;
 
 impl Ctrl {
-    /// Handshake timeouts, reply timeouts and heartbeats.
+    /// Handshake timeouts, reply timeouts and heartbeats, as of `now` (the
+    /// step's clock reading; the decisions are the peer's, `peer.rs`).
     pub(super) fn timers(&mut self, now: Instant) {
-        let cfg = &self.shared.cfg;
-        let (hello_timeout, hello_answer_timeout, reply_timeout, hb) = (
-            cfg.hello_timeout,
-            cfg.hello_answer_timeout,
-            cfg.reply_timeout,
-            cfg.heartbeat_interval,
-        );
+        let limits = self.limits;
         for i in 0..self.peers.len() {
-            if let Mode::Handshaking(since) = self.peers[i].mode {
-                let waited = now.saturating_duration_since(since);
-                let lmcache_fallback = self.static_peers.contains_key(&self.peers[i].endpoint);
-                if !lmcache_fallback && waited >= hello_answer_timeout {
-                    self.hello_unanswered(i, now, hello_answer_timeout);
-                } else if lmcache_fallback && waited >= hello_timeout {
+            let fallback = self.static_peers.contains_key(&self.peers[i].endpoint);
+            match self.peers[i].hello_timeout(now, &limits, fallback) {
+                Some(HelloTimeout::Unanswered) => {
+                    self.hello_unanswered(i, now, limits.hello_answer);
+                }
+                Some(HelloTimeout::Fallback) => {
                     let mut p = self.peers.swap_remove(i);
                     // Kept for a late HelloAck (see `apply_late_hello`).
                     let prepared = p.prepared.take();
@@ -34,19 +29,15 @@ impl Ctrl {
                     let last = self.peers.len() - 1;
                     self.peers.swap(i, last);
                     let old = self.replace_socket(i);
-                    self.listen_late(i, old, prepared, now + reply_timeout);
+                    self.listen_late(i, old, prepared, now + limits.reply);
                     self.dirty_peer(i);
                 }
+                None => {}
             }
-            if self.peers[i]
-                .oldest()
-                .is_some_and(|t| now.saturating_duration_since(t) >= reply_timeout)
-            {
-                self.reply_timeout(i, now, reply_timeout);
+            if self.peers[i].replies_overdue(now, limits.reply) {
+                self.reply_timeout(i, now, limits.reply);
             }
-            if self.peers[i].mode == Mode::Extended
-                && now.saturating_duration_since(self.peers[i].last_heartbeat) >= hb
-            {
+            if self.peers[i].heartbeat_due(now, limits.heartbeat) {
                 self.peers[i].last_heartbeat = now;
                 let ep = &self.peers[i].endpoint;
                 let active = self
@@ -55,7 +46,7 @@ impl Ctrl {
                     .lock()
                     .reqs
                     .values()
-                    .any(|r| &r.receiver == ep && !matches!(r.p.state, ReqState::Done(_)));
+                    .any(|r| &r.c.receiver == ep && !matches!(r.p.state, ReqState::Done(_)));
                 if active {
                     self.buf.clear();
                     let hbm = Message::Heartbeat(Heartbeat {
@@ -109,43 +100,16 @@ impl Ctrl {
         }
     }
 
-    pub(super) fn next_timer(&self) -> Option<Instant> {
-        let cfg = &self.shared.cfg;
-        let mut next: Option<Instant> = None;
-        let mut consider = |t: Instant| next = Some(next.map_or(t, |n: Instant| n.min(t)));
-        for p in &self.peers {
-            if let Mode::Handshaking(since) = p.mode {
-                // The LMCache fallback, or (none configured) giving up.
-                consider(if self.static_peers.contains_key(&p.endpoint) {
-                    since + cfg.hello_timeout
-                } else {
-                    since + cfg.hello_answer_timeout
-                });
-            }
-            if let Some(t) = p.oldest() {
-                consider(t + cfg.reply_timeout);
-            }
-            if p.mode == Mode::Extended {
-                consider(p.last_heartbeat + cfg.heartbeat_interval);
-            }
-            if let Some(late) = p.late.as_ref().filter(|l| l.ack.is_none()) {
-                consider(late.until);
-            }
-            if p.mode == Mode::Reconnecting {
-                // The backoff's end (only if still ahead: once it passed, the
-                // re-handshake waits for the aborts, whose completions wake us).
-                if let Some(due) = p.last_hello.map(|t| t + cfg.rehello_backoff) {
-                    if due > Instant::now() {
-                        consider(due);
-                    }
-                }
-            }
-        }
-        if !self.backlog.is_empty() {
-            // Credit returns with completions, which wake us; this is a
-            // safety net only.
-            consider(Instant::now() + Duration::from_millis(10));
-        }
-        next
+    /// When ctrl must wake next, as of `now` (the shell's clock reading
+    /// before it sleeps).
+    pub(super) fn next_timer(&self, now: Instant) -> Option<Instant> {
+        let peers = self.peers.iter().filter_map(|p| {
+            let fallback = self.static_peers.contains_key(&p.endpoint);
+            p.next_deadline(now, &self.limits, fallback)
+        });
+        // Credit returns with completions, which wake us; this is a safety
+        // net only.
+        let backlog = (!self.backlog.is_empty()).then(|| now + Duration::from_millis(10));
+        peers.chain(backlog).min()
     }
 }
