@@ -256,16 +256,21 @@ fn accept_loop<R: Role>(shared: &Arc<DaemonShared<R>>, listener: &UnixListener) 
             }
             next_id = next_id.wrapping_add(1);
             let id = next_id;
+            // Counted before `open`, which answers the client's hello: a
+            // client told it is attached is always among `clients()` (a
+            // count taken after the hello could read 0 for a client that
+            // already attached and detached).
+            shared.live.fetch_add(1, Ordering::Relaxed);
             let session = match R::open(shared, id, peer, &sock) {
                 Ok(s) => s,
                 Err(e) => {
+                    shared.live.fetch_sub(1, Ordering::Relaxed);
                     tracing::warn!(client = id, error = %e, "attach: cannot set up the client");
                     let status = e.get_ref().and_then(|e| e.downcast_ref::<OpenRefused>());
                     refuse(sock, status.map_or(STATUS_INTERNAL, |r| r.0));
                     continue;
                 }
             };
-            shared.live.fetch_add(1, Ordering::Relaxed);
             let s = Arc::clone(shared);
             match crate::threads::spawn_named(&format!("attach-{id}"), None, move || {
                 let mut session = session;
