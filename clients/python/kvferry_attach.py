@@ -161,8 +161,11 @@ class Ring:
             spins += 1
             if spins < 64:
                 continue
-            self.need_wakeup.value = 1
+            # The bell before the flag (docs/ring.md, "Doorbell"): a
+            # producer that clears this arming rings past `seen`, so the
+            # futex cannot sleep through its ring.
             seen = self.bell.value
+            self.need_wakeup.value = 1
             if self.available() > 0:
                 break
             left = min(deadline - now, WAKE_SLACK)
