@@ -572,20 +572,19 @@ def strict_decoding_of_every_reply():
 
 
 # -------------------------------- kvferry's sender vs LMCache's receiver
-def kvferry_sender_vs_lmcache_receiver():
-    standins.StandInChannel.writes = []
-    work = tempfile.mkdtemp(prefix="kvferry-lmc-rx-")
+def lmcache_receiver_on_buffer(prefix, capacity):
+    """LMCache's real receiver allocating from a kvferry buffer file of
+    `capacity` chunks (so kvferry's sender can write it by `--static-buffer`),
+    and a PULL socket bound where a sender's `--proxy` sends ProxyNotif.
+    Returns (work dir, buffer path, receiver endpoint, proxy port, pull, r)."""
+    work = tempfile.mkdtemp(prefix=prefix)
     buf = os.path.join(work, "lmcache.buf")
-    capacity = 8
     standins.create_kvferry_buffer(buf, CHUNK, capacity)
     standins.StandInPagedAllocator.buffer_path = buf
-    port = free_port()
-    proxy_port = free_port()
-    ctx = zmq.Context.instance()
-    pull = ctx.socket(zmq.PULL)
+    port, proxy_port = free_port(), free_port()
+    pull = zmq.Context.instance().socket(zmq.PULL)
     pull.setsockopt(zmq.LINGER, 0)
     pull.bind(f"tcp://127.0.0.1:{proxy_port}")
-    logs = Logs()
     r = pd.PDBackendAsync(
         lmcache_config(
             "receiver",
@@ -597,7 +596,14 @@ def kvferry_sender_vs_lmcache_receiver():
         META,
     )
     standins.StandInPagedAllocator.buffer_path = None
-    ep = f"tcp://127.0.0.1:{port}"
+    return work, buf, f"tcp://127.0.0.1:{port}", proxy_port, pull, r
+
+
+def kvferry_sender_vs_lmcache_receiver():
+    standins.StandInChannel.writes = []
+    capacity = 8
+    logs = Logs()
+    work, buf, ep, proxy_port, pull, r = lmcache_receiver_on_buffer("kvferry-lmc-rx-", capacity)
     load = ["--chunk-bytes", str(CHUNK), "--capacity-chunks", str(capacity), "--batch", "2", "--json", "--quiet"]
 
     def kvferry_sender(*extra, requests=6):
@@ -652,28 +658,8 @@ def attached_worker_vs_lmcache_receiver():
     import kvferry_attach
     from lmcache.v1.memory_management import MemoryFormat
 
-    work = tempfile.mkdtemp(prefix="kvferry-lmc-att-")
-    buf = os.path.join(work, "lmcache.buf")
     capacity = 8
-    standins.create_kvferry_buffer(buf, CHUNK, capacity)
-    standins.StandInPagedAllocator.buffer_path = buf
-    port, proxy_port = free_port(), free_port()
-    ctx = zmq.Context.instance()
-    pull = ctx.socket(zmq.PULL)
-    pull.setsockopt(zmq.LINGER, 0)
-    pull.bind(f"tcp://127.0.0.1:{proxy_port}")
-    r = pd.PDBackendAsync(
-        lmcache_config(
-            "receiver",
-            pd_buffer_size=CHUNK * capacity,
-            pd_peer_host="127.0.0.1",
-            pd_peer_init_port=[port],
-            pd_peer_alloc_port=[port],
-        ),
-        META,
-    )
-    standins.StandInPagedAllocator.buffer_path = None
-    ep = f"tcp://127.0.0.1:{port}"
+    work, buf, ep, proxy_port, pull, r = lmcache_receiver_on_buffer("kvferry-lmc-att-", capacity)
     sock = os.path.join(work, "send.sock")
     sender = Proc(
         ["sender", "--connect", ep, "--proxy", f"tcp://127.0.0.1:{proxy_port}",
