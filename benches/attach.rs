@@ -4,21 +4,26 @@
 //!
 //! `cargo bench --bench attach -- --warm-up-time 1 --measurement-time 3`
 //!
-//! 1. `attach_rtt/{in_process,attached}`: consuming one complete one-chunk
-//!    request (4 KiB), the per-chunk ring round trip. In process: the
-//!    decoder API a linked-in decoder uses (`Receiver::watch`, its status,
-//!    `Receiver::take`, read a byte, drop). Attached: the same through a
-//!    [`DecoderDaemon`] over the same receiver, from the Rust
-//!    [`DecoderClient`] (SUBSCRIBE on the submission ring + socket
-//!    doorbell → the daemon's session watches and takes → READY + CHUNK on
-//!    the completion ring → read a byte in place → RELEASE). Requests are
+//! 1. `attach_rtt/{in_process,in_process_take,attached}`: consuming one
+//!    complete one-chunk request (4 KiB), the per-chunk ring round trip.
+//!    Two in-process baselines: `in_process`, the event-loop pattern of a
+//!    linked-in decoder (`Receiver::watch`, its status, `Receiver::take`,
+//!    read a byte, drop; `watch` makes and closes an eventfd, most of its
+//!    cost), and `in_process_take`, what the daemon's session itself does
+//!    (`Receiver::take` first, `watch` only for a request not complete
+//!    yet; read, drop) — the like-for-like baseline. Attached: the same
+//!    through a [`DecoderDaemon`] over the same receiver, from the Rust
+//!    [`DecoderClient`] (SUBSCRIBE on the submission ring, the socket
+//!    doorbell only if the session sleeps → the session takes → READY +
+//!    CHUNK on the completion ring → read a byte in place → RELEASE). Requests are
 //!    written (untimed) by an in-process `Sender` in rounds of
 //!    [`RTT_ROUND`]; only their consumption is timed.
-//!    After criterion's groups, the same two paths once more, interleaved
-//!    round by round ([`RTT_PAIRS`] pairs of [`RTT_ROUND`] requests each):
-//!    the median per-request time of each and the median of the per-pair
-//!    ratios. Both halves of a pair run within a few milliseconds of each
-//!    other, so a burst of load on the shared VM hits both, where
+//!    After criterion's groups, the same three paths once more, interleaved
+//!    round by round ([`RTT_PAIRS`] rounds of [`RTT_ROUND`] requests each):
+//!    the median per-request time of each and the median of the per-round
+//!    ratios, attached to each baseline. All three of a round run within a
+//!    few milliseconds of each other, so a burst of load on the shared VM
+//!    hits all of them, where
 //!    criterion's groups run one path for seconds, then the other.
 //! 2. After criterion's groups (skip with `KVFERRY_ATTACH_SKIP_E2E=1`):
 //!    end to end through the real binaries with the Python clients
@@ -143,6 +148,23 @@ fn consume_in_process(r: &Receiver, ids: &[String]) {
     }
 }
 
+/// Consumes `ids` in process the way the daemon's session does: `take`
+/// first, and `watch` + wait only for a request not complete yet (never,
+/// here: the rounds are complete before they are timed).
+fn consume_in_process_take_first(r: &Receiver, ids: &[String]) {
+    for id in ids {
+        let chunks = match r.take(id) {
+            Ok(c) => c,
+            Err(_) => {
+                let h = r.watch(id).expect("watch");
+                h.wait(deadline()).expect("ready");
+                r.take(id).expect("take")
+            }
+        };
+        black_box(chunks.get(0).expect("one chunk").bytes()[0]);
+    }
+}
+
 /// Consumes `ids` through the attach rings: subscribe, READY, read, release.
 fn consume_attached(c: &mut DecoderClient, ids: &[String]) {
     for id in ids {
@@ -203,22 +225,30 @@ fn rtt(c: &mut Criterion) {
             timed_rounds(&rig, iters, |ids| consume_in_process(&rig.receiver, ids))
         })
     });
+    group.bench_function("in_process_take", |b| {
+        b.iter_custom(|iters| {
+            timed_rounds(&rig, iters, |ids| {
+                consume_in_process_take_first(&rig.receiver, ids)
+            })
+        })
+    });
     group.bench_function("attached", |b| {
         b.iter_custom(|iters| timed_rounds(&rig, iters, |ids| consume_attached(client, ids)))
     });
     group.finish();
 }
 
-/// Pairs of rounds of [`rtt_interleaved`].
+/// Rounds of [`rtt_interleaved`] (each: the three paths once).
 const RTT_PAIRS: usize = 60;
 
-/// Bench 1 again, the two paths alternating round by round (module docs).
+/// Bench 1 again, the three paths alternating round by round (module docs).
 fn rtt_interleaved() {
     let rig = Rig::new();
     let mut attached = Attached::new(&rig);
     let per_request = |d: Duration| d.as_secs_f64() * 1e6 / RTT_ROUND as f64;
     let (mut inp, mut att, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
-    // One untimed pair first (page faults, first wake-ups).
+    let (mut tf, mut ratio_tf) = (Vec::new(), Vec::new());
+    // One untimed round first (page faults, first wake-ups).
     for pair in 0..=RTT_PAIRS {
         let a = timed_rounds(&rig, RTT_ROUND as u64, |ids| {
             consume_in_process(&rig.receiver, ids)
@@ -226,10 +256,15 @@ fn rtt_interleaved() {
         let b = timed_rounds(&rig, RTT_ROUND as u64, |ids| {
             consume_attached(&mut attached.client, ids)
         });
+        let c = timed_rounds(&rig, RTT_ROUND as u64, |ids| {
+            consume_in_process_take_first(&rig.receiver, ids)
+        });
         if pair > 0 {
             inp.push(per_request(a));
             att.push(per_request(b));
+            tf.push(per_request(c));
             ratio.push(b.as_secs_f64() / a.as_secs_f64());
+            ratio_tf.push(b.as_secs_f64() / c.as_secs_f64());
         }
     }
     let median = |v: &mut Vec<f64>| {
@@ -238,12 +273,20 @@ fn rtt_interleaved() {
     };
     let (a, b) = (median(&mut inp), median(&mut att));
     println!(
-        "\nattach_rtt interleaved ({RTT_PAIRS} pairs of {RTT_ROUND}-request rounds): \
+        "\nattach_rtt interleaved ({RTT_PAIRS} rounds of {RTT_ROUND} requests per path): \
          in_process {a:.2} µs, attached {b:.2} µs per request (medians); \
-         median per-pair ratio {:.2} (p10 {:.2}, p90 {:.2})",
+         attached / in_process: median per-round ratio {:.2} (p10 {:.2}, p90 {:.2})",
         median(&mut ratio),
         ratio[ratio.len() / 10],
         ratio[ratio.len() * 9 / 10]
+    );
+    let t = median(&mut tf);
+    println!(
+        "  in_process_take {t:.2} µs; attached / in_process_take: median per-round ratio {:.2} \
+         (p10 {:.2}, p90 {:.2})",
+        median(&mut ratio_tf),
+        ratio_tf[ratio_tf.len() / 10],
+        ratio_tf[ratio_tf.len() * 9 / 10]
     );
 }
 

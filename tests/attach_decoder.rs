@@ -11,6 +11,7 @@ mod common_sender;
 #[path = "common/process.rs"]
 mod process;
 
+use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -316,6 +317,61 @@ fn a_failed_request_is_reported_with_its_code() {
     }
     // The tag is free again: the request id can be subscribed anew.
     c.subscribe("fails").unwrap();
+}
+
+/// A session watches all its waiting subscriptions through one eventfd:
+/// requests subscribed before they exist, ending together and one of them
+/// failing, each reach the client once with their own tag —
+/// none is missed because another ended in the same wake-up, none is
+/// delivered under another's tag. One subscribed after it completed is
+/// taken at once.
+#[test]
+fn many_waiting_subscriptions_ending_together_are_each_delivered_once() {
+    const N: usize = 6;
+    let dir = TempDir::new("kvferry-attach");
+    let r = Arc::new(receiver(16));
+    let _d = daemon(&r, &dir.sock(), |_| {});
+    let s = sender(sender_cfg(16, None));
+    let mut c = connect(&dir.sock());
+    let ids: Vec<String> = (0..N).map(|i| format!("waits-{i}")).collect();
+    let mut want: HashMap<u64, String> = ids
+        .iter()
+        .map(|id| (c.subscribe(id).unwrap(), id.clone()))
+        .collect();
+    // The last one fails; the others complete, newest first.
+    let failing = s
+        .begin(RequestSpec::new(&ids[N - 1], r.endpoint(), 2))
+        .expect("begins");
+    wait_for("admitted", || failing.is_admitted());
+    assert!(s.cancel_request(&ids[N - 1]));
+    // All at once, so several end within one of the session's wake-ups.
+    thread::scope(|sc| {
+        for id in ids[..N - 1].iter().rev() {
+            let (s, ep) = (&s, r.endpoint());
+            sc.spawn(move || store(s, ep, id, 2, 100));
+        }
+    });
+    store(&s, r.endpoint(), "done-before", 1, 7);
+    r.wait_ready("done-before", deadline()).expect("ready");
+    want.insert(c.subscribe("done-before").unwrap(), "done-before".into());
+    while !want.is_empty() {
+        match next(&mut c, &format!("the {} left: {want:?}", want.len())) {
+            Event::Ready(d) => {
+                let id = want.remove(&d.tag()).expect("a tag still expected");
+                assert_eq!(d.req_id(), id);
+                let n = if id == "done-before" { 1 } else { 2 };
+                verify(&c, &d, n, if n == 1 { 7 } else { 100 });
+                c.release(d).unwrap();
+            }
+            Event::Failed { tag, req_id, code } => {
+                assert_eq!(want.remove(&tag).as_deref(), Some(ids[N - 1].as_str()));
+                assert_eq!(req_id, ids[N - 1]);
+                assert_eq!(code, Some(ErrorCode::Cancelled));
+            }
+            other => panic!("expected READY or FAILED, got {other:?}"),
+        }
+    }
+    wait_for("every slot back", || allocated(&r) == 0);
 }
 
 #[test]

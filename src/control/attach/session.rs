@@ -22,8 +22,11 @@ use super::layout::{
 use super::poll::readable;
 use super::poll::Peer;
 use super::serve::{open_rings, Completions, Doorbell, Serve};
+use crate::eventfd::EventFd;
 use crate::protocol::ErrorCode;
-use crate::receiver::{ReadyFeed, Receiver, RequestChunks, RequestHandle, RequestStatus};
+use crate::receiver::{
+    ReadyFeed, Receiver, RequestChunks, RequestHandle, RequestStatus, TakeError,
+};
 use crate::region::DATA_OFFSET;
 
 /// The decoder role's daemon state.
@@ -111,6 +114,7 @@ impl Role for Decoders {
         let sq_cap = rings.sq.capacity();
         Ok(Session {
             id,
+            ended: Arc::new(EventFd::new()?),
             sq: rings.sq,
             cq: rings.cq,
             tags: HashMap::with_capacity(shared.cfg.max_outstanding),
@@ -148,8 +152,10 @@ pub(super) struct Session {
     /// Single events (FAILED, REFUSED) wait in its outbox for room.
     cq: Completions<DecoderEvent>,
     tags: HashMap<u64, Entry>,
-    /// Tags of `Sub::Waiting` entries, in the order of their descriptors
-    /// after the first two of the last poll.
+    /// Signalled by every `Sub::Waiting` handle of this session when its
+    /// request ends: one descriptor to poll, however many are waiting.
+    ended: Arc<EventFd>,
+    /// Reused buffer for the tags of waiting entries that ended.
     waiting: Vec<u64>,
     /// Reused buffer for one request's READY + CHUNK entries.
     scratch: Vec<DecoderEvent>,
@@ -163,20 +169,15 @@ pub(super) struct Session {
 
 impl Serve for Session {
     fn interest(&mut self, fds: &mut Vec<libc::pollfd>) -> bool {
-        self.waiting.clear();
-        let mut retry = !self.cq.outbox.is_empty();
-        for (tag, e) in &self.tags {
-            match &e.sub {
-                Sub::Waiting(h) => {
-                    fds.push(readable(h.as_raw_fd()));
-                    self.waiting.push(*tag);
-                }
-                Sub::Taken { posted: false, .. } => retry = true,
-                Sub::Taken { posted: true, .. } => {}
-            }
-        }
-        // After the watches (`wake` zips those with `fds`); polled only
-        // while the client has room, so a full client does not spin on it.
+        let retry = !self.cq.outbox.is_empty()
+            || self
+                .tags
+                .values()
+                .any(|e| matches!(e.sub, Sub::Taken { posted: false, .. }));
+        // First (`wake` reads its revents at index 0).
+        fds.push(readable(self.ended.as_fd().as_raw_fd()));
+        // Polled only while the client has room, so a full client does not
+        // spin on it.
         if let Some((_, feed)) = &self.wild {
             if self.has_room() && self.cq.outbox.is_empty() {
                 fds.push(readable(feed.as_raw_fd()));
@@ -188,13 +189,21 @@ impl Serve for Session {
     fn wake(&mut self, fds: &[libc::pollfd]) {
         self.cq.flush();
         self.read_submissions();
-        let waiting = std::mem::take(&mut self.waiting);
-        for (tag, fd) in waiting.iter().zip(fds) {
-            if fd.revents != 0 {
+        if fds.first().is_some_and(|f| f.revents != 0) {
+            // Cleared before the statuses are read: an end signalled after
+            // this leaves the fd readable for the next poll.
+            self.ended.clear();
+            let mut waiting = std::mem::take(&mut self.waiting);
+            waiting.clear();
+            waiting.extend(self.tags.iter().filter_map(|(tag, e)| match &e.sub {
+                Sub::Waiting(h) if h.status() != RequestStatus::Pending => Some(*tag),
+                _ => None,
+            }));
+            for tag in &waiting {
                 self.request_ended(*tag);
             }
+            self.waiting = waiting;
         }
-        self.waiting = waiting;
         self.claim_wild();
         self.post_taken();
     }
@@ -241,36 +250,42 @@ impl Session {
         if !self.shared.role.subscribed.lock().insert(req_id.to_owned()) {
             return self.refuse(s.tag, Refusal::AlreadySubscribed);
         }
-        match self.shared.role.receiver.watch(req_id) {
-            Ok(h) => {
-                tracing::debug!(tag = s.tag, req_id, "subscribed");
-                let req_id = req_id.to_owned();
-                self.tags.insert(
-                    s.tag,
-                    Entry {
-                        req_id,
-                        sub: Sub::Waiting(h),
-                        named: false,
-                    },
-                );
-                // It may have ended already (a decoder subscribing to a
-                // request it was told is complete): handle it now rather
-                // than after another poll.
-                if let Some(Entry {
-                    sub: Sub::Waiting(h),
-                    ..
-                }) = self.tags.get(&s.tag)
-                {
-                    if h.status() != RequestStatus::Pending {
-                        self.request_ended(s.tag);
-                    }
-                }
+        let receiver = &self.shared.role.receiver;
+        // A request that is complete already (a decoder subscribing to one
+        // it was told is done) is taken at once: no watch.
+        let sub = match receiver.take(req_id) {
+            Ok(chunks) if chunks.len() < self.cq.ring.capacity() => Sub::Taken {
+                chunks,
+                posted: false,
+            },
+            Ok(_) => {
+                self.shared.role.subscribed.lock().remove(req_id);
+                return self.refuse(s.tag, Refusal::TooManyChunks);
+            }
+            Err(TakeError::NotReady(_)) => {
+                Sub::Waiting(receiver.watch_signalling(req_id, &self.ended))
             }
             Err(e) => {
-                tracing::warn!(error = %e, "attach: cannot watch a request");
+                tracing::debug!(tag = s.tag, error = %e, "take refused");
                 self.shared.role.subscribed.lock().remove(req_id);
-                self.refuse(s.tag, Refusal::TakeRefused);
+                return self.refuse(s.tag, Refusal::TakeRefused);
             }
+        };
+        tracing::debug!(tag = s.tag, req_id, "subscribed");
+        let waiting = matches!(sub, Sub::Waiting(_));
+        self.tags.insert(
+            s.tag,
+            Entry {
+                req_id: req_id.to_owned(),
+                sub,
+                named: false,
+            },
+        );
+        if waiting {
+            // It may have ended between the take and the watch: handle it
+            // now rather than after another poll (it failed, or became
+            // ready just then).
+            self.request_ended(s.tag);
         }
     }
 
@@ -396,7 +411,8 @@ impl Session {
         }
     }
 
-    /// `tag`'s request ended (its fd became readable): take it or report.
+    /// `tag`'s request may have ended (`ended` was signalled): take it or
+    /// report.
     fn request_ended(&mut self, tag: u64) {
         let Some(e) = self.tags.get(&tag) else { return };
         let Sub::Waiting(h) = &e.sub else { return };

@@ -589,6 +589,22 @@ impl Receiver {
         RequestHandle::new(&self.shared, req_id)
     }
 
+    /// Like [`watch`](Self::watch), but the handle signals `fd`, which many
+    /// handles may share, instead of an eventfd of its own (and its
+    /// [`AsFd`](std::os::fd::AsFd) is `fd`): one descriptor for an event
+    /// loop watching many requests, and no eventfd made and closed per
+    /// request (the attach daemon's decoder sessions). Whoever polls `fd`
+    /// clears it, then reads each handle's status: the outcome is set
+    /// before the signal, and an end signalled after the clear leaves `fd`
+    /// readable.
+    pub(crate) fn watch_signalling(
+        &self,
+        req_id: &str,
+        fd: &Arc<crate::eventfd::EventFd>,
+    ) -> RequestHandle {
+        RequestHandle::signalling(&self.shared, req_id, Arc::clone(fd))
+    }
+
     /// A [`ReadyFeed`] of the ids of requests that become ready from now
     /// on, at most `max` waiting. Errors: the eventfd could not be created.
     pub fn ready_feed(&self, max: usize) -> std::io::Result<ReadyFeed> {

@@ -23,11 +23,13 @@ use crate::protocol::ErrorCode;
 use super::core::Outcome;
 use super::{Shared, WaitError};
 
-/// What one handle watches: the outcome, once known, and its eventfd.
+/// What one handle watches: the outcome, once known, and the eventfd it
+/// signals (its own, or one shared by many handles:
+/// [`super::Receiver::watch_signalling`]).
 #[derive(Debug)]
 pub(crate) struct Watch {
     outcome: OnceLock<Outcome>,
-    fd: EventFd,
+    fd: Arc<EventFd>,
 }
 
 impl Watch {
@@ -120,9 +122,15 @@ impl std::fmt::Debug for RequestHandle {
 
 impl RequestHandle {
     pub(super) fn new(shared: &Arc<Shared>, req_id: &str) -> io::Result<Self> {
+        Ok(Self::signalling(shared, req_id, Arc::new(EventFd::new()?)))
+    }
+
+    /// A handle that signals `fd` when the request ends (the outcome is
+    /// set first, so whoever clears `fd` and then reads the status sees it).
+    pub(super) fn signalling(shared: &Arc<Shared>, req_id: &str, fd: Arc<EventFd>) -> Self {
         let watch = Arc::new(Watch {
             outcome: OnceLock::new(),
-            fd: EventFd::new()?,
+            fd,
         });
         let mut st = shared.state.lock();
         if let Some(o) = st.finished.get(req_id) {
@@ -137,11 +145,11 @@ impl RequestHandle {
                 .push(Arc::clone(&watch));
         }
         drop(st);
-        Ok(Self {
+        Self {
             shared: Arc::clone(shared),
             req_id: req_id.to_owned(),
             watch,
-        })
+        }
     }
 
     /// The request id watched.
