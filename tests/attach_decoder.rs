@@ -734,6 +734,27 @@ fn submissions_after_the_session_went_to_sleep_are_always_served() {
     }
 }
 
+/// The same for the Python client, which fences through libc
+/// (`clients/python/wake_check.py`): it writes the socket byte only when
+/// the session armed need-wakeup, and its completion wait runs with the
+/// futex backstop off, so a wake-up lost on either ring hangs the script
+/// and it fails at its deadline naming the submission.
+#[test]
+fn the_python_client_loses_no_wake_up_on_either_ring() {
+    let dir = TempDir::new("kvferry-attach");
+    let r = Arc::new(receiver(4));
+    let _d = daemon(&r, &dir.sock(), |_| {});
+    let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/python");
+    let mut child = ChildProc::spawn(
+        Command::new("python3")
+            .arg(py.join("wake_check.py"))
+            .arg(dir.sock())
+            .env("PYTHONPATH", &py),
+    );
+    child.expect_line("WAKE OK");
+    child.wait_success("clients/python/wake_check.py");
+}
+
 #[test]
 fn the_python_client_refuses_a_hello_without_exactly_its_descriptors() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/python");

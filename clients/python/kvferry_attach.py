@@ -10,12 +10,15 @@ place in the sender's staging buffer, mapped writable.
 
 Memory ordering: ring indices are read and written with single aligned
 8-byte accesses (ctypes c_uint64 over the mapping), which on x86-64 have the
-acquire/release semantics the ring protocol needs. Python cannot issue the
-full fence of the futex doorbell protocol, so the completion wait uses a
-short futex timeout (WAKE_SLACK): a wake-up lost to the missing fence costs
-at most that long. For the same reason the clients always write the
-submission doorbell byte (once per submission, once per prefill batch)
-instead of only when the daemon's session asked for it (need-wakeup). Linux x86-64 only (SYS_futex = 202).
+acquire/release semantics the ring protocol needs. The full (store->load)
+fence both doorbells need (docs/attach.md, "Doorbells") is `fence()`: a
+pthread_mutex_trylock/unlock pair on a private mutex through ctypes, which
+POSIX lists among the functions that synchronize memory (glibc issues a
+locked instruction, a full barrier on x86-64). With it the clients write
+the submission doorbell byte only when the daemon's session armed
+need-wakeup, as the Rust clients do, and the completion wait cannot sleep
+through a publish; its futex timeout (WAKE_SLACK) is only a backstop.
+Linux x86-64 only (SYS_futex = 202).
 """
 
 import array
@@ -70,10 +73,31 @@ OFF_PRODUCER_TAKEN, OFF_CONSUMER_TAKEN = 400, 404
 
 SYS_FUTEX = 202
 FUTEX_WAIT = 0
-WAKE_SLACK = 0.001
+# The completion wait's futex timeout: a backstop only (the fence makes a
+# lost wake-up impossible), so an idle client wakes 10 times a second.
+WAKE_SLACK = 0.1
+# Empty polls of the completion ring before the futex wait (one
+# time.monotonic() each).
+SPINS = 64
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
+
+# fence(): a full memory barrier. pthread_mutex_trylock and _unlock
+# "synchronize memory" (POSIX.1-2017, 4.12); glibc's trylock is a locked
+# cmpxchg, which x86-64 orders against every earlier store and later load.
+_FENCE_MUTEX = ctypes.create_string_buffer(64)  # >= sizeof(pthread_mutex_t)
+if _libc.pthread_mutex_init(_FENCE_MUTEX, None) != 0:
+    raise OSError("pthread_mutex_init failed")
+_FENCE_AT = ctypes.addressof(_FENCE_MUTEX)
+_trylock, _unlock = _libc.pthread_mutex_trylock, _libc.pthread_mutex_unlock
+_trylock.argtypes = _unlock.argtypes = [ctypes.c_void_p]
+
+
+def fence():
+    """A full (store->load) memory barrier (the module docs say how)."""
+    if _trylock(_FENCE_AT) == 0:
+        _unlock(_FENCE_AT)
 
 
 class Timespec(ctypes.Structure):
@@ -116,12 +140,34 @@ class Ring:
 
     # Producer side.
     def push(self, entry):
-        if self.pos - self.head.value >= self.cap:
-            return False
-        self.mm[self.offset(self.pos):self.offset(self.pos) + self.esize] = entry
-        self.pos += 1
+        """Writes one entry and publishes it; False if the ring is full."""
+        return self.push_many(entry, 1) == 1
+
+    def push_many(self, entries, n):
+        """Writes the first entries of `entries` (n entries of esize bytes,
+        as one bytes object) that fit and publishes them with one `tail`
+        store; returns how many."""
+        k = min(n, self.cap - (self.pos - self.head.value))
+        if k <= 0:
+            return 0
+        start = self.offset(self.pos)
+        first = min(k, self.cap - (self.pos & (self.cap - 1)))
+        self.mm[start:start + first * self.esize] = entries[:first * self.esize]
+        if first < k:
+            self.mm[self.slots:self.slots + (k - first) * self.esize] = \
+                entries[first * self.esize:k * self.esize]
+        self.pos += k
         self.tail.value = self.pos  # publish (release on x86-64)
-        return True
+        return k
+
+    def take_wakeup(self):
+        """After a publish: True if the consumer armed need-wakeup (it is
+        cleared then), i.e. the caller must ring its doorbell."""
+        fence()  # the publish before the flag load (Dekker)
+        if self.need_wakeup.value:
+            self.need_wakeup.value = 0
+            return True
+        return False
 
     # Consumer side.
     def available(self):
@@ -159,13 +205,14 @@ class Ring:
             if now >= deadline:
                 return False
             spins += 1
-            if spins < 64:
+            if spins < SPINS:
                 continue
             # The bell before the flag (docs/ring.md, "Doorbell"): a
             # producer that clears this arming rings past `seen`, so the
             # futex cannot sleep through its ring.
             seen = self.bell.value
             self.need_wakeup.value = 1
+            fence()  # the flag before the re-check (Dekker)
             if self.available() > 0:
                 break
             left = min(deadline - now, WAKE_SLACK)
@@ -259,8 +306,10 @@ class DecoderClient:
 
     def _submit(self, op, tag, req_id=b""):
         if not self.sq.push(SUBMIT.pack(op, len(req_id), tag, req_id)):
+            self.sock.sendall(b"\1")  # a full ring: wake the session anyway
             raise AttachError("submission ring full")
-        self.sock.sendall(b"\1")  # the doorbell
+        if self.sq.take_wakeup():
+            self.sock.sendall(b"\1")  # the doorbell
 
     def subscribe(self, req_id):
         raw = req_id.encode()
@@ -367,20 +416,27 @@ class PrefillClient:
         self.next_batch = 1
         self.held = set()  # (tag, batch) staged for us and not submitted
 
-    def _push(self, op, tag, a=0, b=0, length=0, text=b"", wait=0.0, ring=True, c=0, extra=b""):
+    def _push(self, op, tag, a=0, b=0, length=0, text=b"", wait=0.0, c=0, extra=b""):
         # `extra`: bytes after the text's used part (a BEGIN's geometry).
         body = text.ljust(GEOMETRY_AT, b"\0") + extra if extra else text
-        entry = PSUBMIT.pack(op, length, tag, a, b, c, len(text), body)
+        self._publish(PSUBMIT.pack(op, length, tag, a, b, c, len(text), body), 1, wait)
+
+    def _publish(self, entries, n, wait=0.0):
+        """Publishes n packed entries (in as few `tail` stores as the ring's
+        room allows), then rings the doorbell if the session asked for it.
+        A full ring rings whatever the flag says and is retried until
+        `wait` seconds passed."""
         deadline = time.monotonic() + wait
-        while not self.sq.push(entry):
+        done = 0
+        while True:
+            done += self.sq.push_many(entries[done * PSUBMIT.size:], n - done)
+            if done == n:
+                break
+            self.sock.sendall(b"\1")
             if time.monotonic() >= deadline:
                 raise AttachError("submission ring full")
-            self.sock.sendall(b"\1")
             time.sleep(0.0001)
-        if ring:
-            # Always, not only when the session armed need-wakeup: without
-            # a full fence between the publish and the flag load, a flag
-            # check could miss a sleeping session (module docs).
+        if self.sq.take_wakeup():
             self.sock.sendall(b"\1")  # the doorbell
 
     def begin(self, req_id, receiver, total_chunks, fmt=0, shape=(), dtype=""):
@@ -424,10 +480,13 @@ class PrefillClient:
         for raw in raws:
             if not 0 < len(raw) <= MAX_TEXT:
                 raise ValueError("key must be 1..%d bytes" % MAX_TEXT)
-        # One doorbell per batch, after the SUBMIT (a full ring still rings).
-        for i, (raw, length) in enumerate(zip(raws, lens)):
-            self._push(OP_KEY, tag, batch, i, length, raw, wait=10.0, ring=False)
-        self._push(OP_SUBMIT, tag, batch, len(raws), wait=10.0, c=toks)
+        # The KEYs and the SUBMIT in one publish (ring room permitting) and
+        # at most one doorbell byte.
+        pack = PSUBMIT.pack
+        entries = b"".join(pack(OP_KEY, length, tag, batch, i, 0, len(raw), raw)
+                           for i, (raw, length) in enumerate(zip(raws, lens)))
+        entries += pack(OP_SUBMIT, 0, tag, batch, len(raws), toks, 0, b"")
+        self._publish(entries, len(raws) + 1, wait=10.0)
         self.held.discard((tag, batch))
 
     def cancel(self, tag):
@@ -449,11 +508,10 @@ class PrefillClient:
         kind, code, tag, a, b, _len, _tok = EVENT.unpack(self.cq.pop())
         if kind == EV_STAGED:
             slots = []
-            for i in range(b):
-                raw = self.cq.pop()
-                if raw is None:
-                    raise AttachError("STAGED not followed by its slots")
-                k, _c, t, slot, idx, _l, _t = EVENT.unpack(raw)
+            raw = self.cq.pop_many(b) if b else b""
+            if raw is None:
+                raise AttachError("STAGED not followed by its slots")
+            for i, (k, _c, t, slot, idx, _l, _t) in enumerate(EVENT.iter_unpack(raw)):
                 if k != EV_SLOT or t != tag or idx != i or slot >= self.slots:
                     raise AttachError("bad SLOT entry")
                 slots.append(slot)
