@@ -12,6 +12,7 @@ mod common_sender;
 #[path = "common/process.rs"]
 mod process;
 
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -300,6 +301,54 @@ fn a_cancel_reports_failed_cancelled_and_frees_the_batch() {
     }
     wait_sender_empty(&t.s, "after the cancel");
     wait_receiver_empty(&t.r, "after the cancel");
+}
+
+/// A session hears of all its requests' ends through the share's one
+/// eventfd: requests submitted back to back (so several end within one of
+/// the session's wake-ups) and one cancelled before it staged each end
+/// once, DONE or FAILED under their own tag, with every byte at the
+/// receiver and every staging slot back.
+#[test]
+fn requests_ending_together_are_each_reported_once() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    const N: usize = 6;
+    let t = setup(32, 1);
+    let mut c = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
+    let ids: Vec<String> = (0..N).map(|_| unique("together")).collect();
+    let tags: Vec<u64> = ids.iter().map(|id| c.begin(id, 0, 2).unwrap()).collect();
+    for &tag in &tags[..N - 1] {
+        c.stage(tag, 2).unwrap();
+    }
+    let mut held = HashMap::new();
+    for _ in 0..N - 1 {
+        let b = staged(&mut c, "a batch");
+        held.insert(b.tag(), b);
+    }
+    c.cancel(tags[N - 1]).unwrap();
+    for (id, tag) in ids.iter().zip(&tags).take(N - 1) {
+        let b = held.remove(tag).expect("staged");
+        fill_and_submit(&mut c, b, id, 0, 2);
+    }
+    let mut left: HashSet<u64> = tags.iter().copied().collect();
+    while !left.is_empty() {
+        match next(&mut c, &format!("the {} left: {left:?}", left.len())) {
+            PrefillEvent::Done { tag } => {
+                assert_ne!(tag, tags[N - 1], "the cancelled request completed");
+                assert!(left.remove(&tag), "a second end for {tag}");
+            }
+            PrefillEvent::Failed { tag, code } => {
+                assert_eq!((tag, code), (tags[N - 1], Some(ErrorCode::Cancelled)));
+                assert!(left.remove(&tag), "a second end for {tag}");
+            }
+            other => panic!("expected DONE or FAILED, got {other:?}"),
+        }
+    }
+    for id in &ids[..N - 1] {
+        verify_at_receiver(&t.r, id, 2);
+    }
+    wait_sender_empty(&t.s, "after every request ended");
 }
 
 fn expect_refused(c: &mut PrefillClient, tag: u64, want: Refusal, what: &str) {

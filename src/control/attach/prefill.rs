@@ -3,10 +3,12 @@
 //! ([`Sender::take_share`]), gets that share's memfd only (`SCM_RIGHTS`)
 //! and maps it writable; it
 //! fills the slots the session staged for it in place and submits them; the
-//! session drives the sender's public API for it (`begin`, `try_stage_in`,
-//! `StagedBatch::submit`, `completion_fd`, `cancel`) and sleeps in `poll`
-//! on the share's readiness eventfd while a STAGE waits for admission or
-//! free slots. When the session ends (socket closed: the worker died or
+//! session drives the sender's API for it (`begin`, `try_stage_in`,
+//! `StagedBatch::submit`, `cancel`) and sleeps in `poll` on the share's
+//! readiness eventfd, its one descriptor besides the socket: it becomes
+//! readable when a STAGE waiting for admission or free slots may go on
+//! and when any of the session's requests ends (`Request::notify_end_on`).
+//! When the session ends (socket closed: the worker died or
 //! left) its batches not submitted give their slots back, its live requests
 //! are cancelled (fenced, like any cancel) and its share goes back.
 
@@ -181,46 +183,43 @@ pub(super) struct Session {
     tags: HashMap<u64, Req>,
     /// Held plus pending batches over all tags, at most `max_outstanding`.
     batches: usize,
-    /// Tags in the order of their completion descriptors of the last poll.
+    /// Reused buffer for the tags of requests that ended.
     waiting: Vec<u64>,
     inbox: Vec<PrefillSubmit>,
 }
 
 impl Serve for Session {
     fn interest(&mut self, fds: &mut Vec<libc::pollfd>) -> bool {
-        self.waiting.clear();
-        // A STAGE waiting for admission or free slots needs no timer: the
-        // share's eventfd (first) wakes us when either changes.
+        // The share's eventfd is the only descriptor: it wakes us when a
+        // request waiting for admission is admitted, when slots of the
+        // share are freed (a STAGE waiting for either needs no timer) and
+        // when any request of this session ends (`notify_end_on`).
         fds.push(readable(self.share.ready_fd().as_raw_fd()));
-        let mut retry = !self.cq.outbox.is_empty() || self.ring_full;
-        for (tag, r) in self.tags.iter().filter(|(_, r)| !r.ended) {
-            // No eventfd (out of descriptors): a negative fd, which poll
-            // ignores; its status is looked at on every retry instead.
-            let fd = r.request.completion_fd().map_or(-1, |fd| fd.as_raw_fd());
-            retry |= fd < 0;
-            fds.push(readable(fd));
-            self.waiting.push(*tag);
-        }
-        retry
+        !self.cq.outbox.is_empty() || self.ring_full
     }
 
     fn wake(&mut self, fds: &[libc::pollfd]) {
-        let Some((ready, fds)) = fds.split_first() else {
-            return;
-        };
-        if ready.revents != 0 {
-            // Before the retries below, so a change after them signals anew.
+        let ready = fds.first().is_some_and(|f| f.revents != 0);
+        if ready {
+            // Before the looks below, so a change after them signals anew.
             self.share.clear_ready();
         }
         self.cq.flush();
         self.read_submissions();
-        let waiting = std::mem::take(&mut self.waiting);
-        for (tag, fd) in waiting.iter().zip(fds) {
-            if fd.revents != 0 || fd.fd < 0 {
+        if ready {
+            let mut waiting = std::mem::take(&mut self.waiting);
+            waiting.clear();
+            waiting.extend(
+                self.tags
+                    .iter()
+                    .filter(|(_, r)| !r.ended && r.request.status() != RequestStatus::InProgress)
+                    .map(|(tag, _)| *tag),
+            );
+            for tag in &waiting {
                 self.maybe_ended(*tag);
             }
+            self.waiting = waiting;
         }
-        self.waiting = waiting;
         self.stage_pending();
     }
 
@@ -290,6 +289,7 @@ impl Session {
         match self.shared.role.sender.begin(spec) {
             Ok(request) => {
                 tracing::debug!(tag = s.tag, req_id, "begun");
+                let ended = request.notify_end_on(&self.share);
                 self.tags.insert(
                     s.tag,
                     Req {
@@ -301,6 +301,11 @@ impl Session {
                         ended: false,
                     },
                 );
+                if ended {
+                    // Failed at once (e.g. its receiver is gone): no
+                    // signal will come for it.
+                    self.maybe_ended(s.tag);
+                }
             }
             Err(e) => self.refuse_store(s.tag, &e),
         }

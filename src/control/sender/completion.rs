@@ -37,6 +37,8 @@ pub(crate) struct Signal {
     fd: OnceLock<EventFd>,
     /// Signalled at admission, if set ([`Signal::notify_admission`]).
     admit_fd: OnceLock<Arc<EventFd>>,
+    /// Signalled at the terminal status, if set ([`Signal::notify_terminal`]).
+    end_fd: OnceLock<Arc<EventFd>>,
 }
 
 impl Signal {
@@ -63,6 +65,17 @@ impl Signal {
         self.is_admitted()
     }
 
+    /// Makes `fd` (which many requests may share) signalled when the
+    /// request becomes terminal (the first one set stays) and returns
+    /// whether it is terminal already. Under the wake-up lock, which
+    /// `set_terminal` takes after recording the status: either this sees
+    /// the status or `set_terminal` sees the fd.
+    pub fn notify_terminal(&self, fd: &Arc<EventFd>) -> bool {
+        let _g = self.lock.lock();
+        let _ = self.end_fd.set(Arc::clone(fd));
+        self.terminal.get().is_some()
+    }
+
     /// Whether the receiver admitted the request.
     pub fn is_admitted(&self) -> bool {
         // Acquire: see `set_admitted`.
@@ -77,6 +90,9 @@ impl Signal {
         }
         let _g = self.lock.lock();
         if let Some(fd) = self.fd.get() {
+            fd.signal();
+        }
+        if let Some(fd) = self.end_fd.get() {
             fd.signal();
         }
         self.cv.notify_all();
@@ -210,5 +226,28 @@ impl Announcer {
             }
             batch.clear();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A shared fd registered before the end is signalled by it; one
+    /// registered after is not signalled, and the registration says the
+    /// request already ended (the caller then looks at it itself).
+    #[test]
+    fn notify_terminal_either_signals_or_reports_the_end() {
+        let fd = Arc::new(EventFd::new().expect("eventfd"));
+        let before = Signal::default();
+        assert!(!before.notify_terminal(&fd));
+        assert_eq!(fd.clear(), 0, "signalled before the end");
+        assert!(before.set_terminal(RequestStatus::Completed));
+        assert_eq!(fd.clear(), 1, "the end did not signal the shared fd");
+
+        let after = Signal::default();
+        assert!(after.set_terminal(RequestStatus::Cancelled));
+        assert!(after.notify_terminal(&fd), "an ended request not reported");
+        assert_eq!(fd.clear(), 0);
     }
 }

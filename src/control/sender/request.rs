@@ -175,6 +175,17 @@ impl Request {
         self.h.signal.fd()
     }
 
+    /// Makes `share`'s [`ready_fd`](super::StagingShare::ready_fd) also
+    /// become readable when this request becomes terminal, so one `poll` of
+    /// that descriptor covers every request staged from the share (the
+    /// attach daemon's prefill sessions: no eventfd per request). Returns
+    /// whether the request is terminal already. Whoever polls the fd clears
+    /// it, then reads each request's [`status`](Self::status): the status
+    /// is recorded before the signal.
+    pub(crate) fn notify_end_on(&self, share: &super::StagingShare) -> bool {
+        self.h.signal.notify_terminal(&share.ready)
+    }
+
     /// Cancels the request (see [`Sender::cancel_request`](super::Sender::cancel_request)).
     /// False if it already ended.
     pub fn cancel(&self) -> bool {

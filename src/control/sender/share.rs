@@ -106,7 +106,8 @@ impl ShareList {
 /// Its [`ready_fd`](Self::ready_fd) becomes readable when something a
 /// [`try_stage_in`](super::Request::try_stage_in) of it waited for changed:
 /// the request it found not admitted was admitted, or slots of the share
-/// it found short were freed.
+/// it found short were freed; and, inside the crate, when a request made
+/// to signal it ends (`Request::notify_end_on`).
 pub struct StagingShare {
     pub(crate) shared: Arc<Shared>,
     pub(crate) index: usize,
