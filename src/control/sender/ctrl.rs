@@ -209,6 +209,7 @@ impl Ctrl {
         // Resolved before any reply is read, so a loss reported for an old
         // connection can never be taken for one a HelloAck just made.
         let lost = self.mark_lost(&lost);
+        let victims = self.lost_victims(&lost);
         for i in 0..self.peers.len() {
             let mut n = 0;
             while n < 256 && readable(&self.peers[i].sock) {
@@ -230,10 +231,10 @@ impl Ctrl {
         self.read_late_hellos();
         self.timers(now);
         self.drain_dirty();
-        if !lost.is_empty() {
+        if !victims.is_empty() {
             // After one round, so requests whose writes all landed before
             // the loss complete instead of failing.
-            self.abort_lost(&lost);
+            self.abort_lost(victims);
             self.drain_dirty();
         }
         if self.rehello_due(now) {

@@ -265,34 +265,48 @@ impl Ctrl {
         lost
     }
 
-    /// Fails every live request of the peers that lost their data plane:
-    /// their writes cannot land any more, and their replies would come on
-    /// the socket the re-handshake replaces. The usual fenced abort path
-    /// runs (in-flight writes end first, then CancelNotif on the old
-    /// socket).
-    pub(super) fn abort_lost(&mut self, lost: &[usize]) {
+    /// The requests a loss fails: those live, to the peers that lost their
+    /// data plane (`mark_lost`'s result), when the loss is found. Taken
+    /// then, not when [`abort_lost`](Self::abort_lost) runs a round later:
+    /// a request begun in between (its caller may have begun it on learning
+    /// of the loss from a request that round ended) has nothing on the lost
+    /// data plane and waits for the re-handshake instead.
+    pub(super) fn lost_victims(&self, lost: &[usize]) -> Vec<(usize, ReqKey)> {
+        if lost.is_empty() {
+            return Vec::new();
+        }
+        let t = self.shared.table.lock();
+        let mut victims = Vec::new();
         for &i in lost {
+            let endpoint = &self.peers[i].endpoint;
+            victims.extend(
+                t.reqs
+                    .iter()
+                    .filter(|(_, r)| &r.c.receiver == endpoint && r.p.state.live())
+                    .map(|(k, _)| (i, k)),
+            );
+        }
+        victims
+    }
+
+    /// Fails the `victims` of a lost data plane ([`lost_victims`](Self::lost_victims))
+    /// that are still live: their writes cannot land any more, and their
+    /// replies would come on the socket the re-handshake replaces. The
+    /// usual fenced abort path runs (in-flight writes end first, then
+    /// CancelNotif on the old socket).
+    pub(super) fn abort_lost(&mut self, victims: Vec<(usize, ReqKey)>) {
+        for (i, req) in victims {
             if self.peers[i].mode != Mode::Reconnecting {
                 continue;
             }
             let endpoint = self.peers[i].endpoint.clone();
-            let live: Vec<ReqKey> = {
-                let t = self.shared.table.lock();
-                t.reqs
-                    .iter()
-                    .filter(|(_, r)| r.c.receiver == endpoint && r.p.state.live())
-                    .map(|(k, _)| k)
-                    .collect()
-            };
-            for req in live {
-                self.abort(
-                    req,
-                    ErrorCode::WriteFailed,
-                    format!(
-                        "the data plane to {endpoint} was lost (connection_lost); the sender re-handshakes with it"
-                    ),
-                );
-            }
+            self.abort(
+                req,
+                ErrorCode::WriteFailed,
+                format!(
+                    "the data plane to {endpoint} was lost (connection_lost); the sender re-handshakes with it"
+                ),
+            );
         }
     }
 
