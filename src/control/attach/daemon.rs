@@ -259,11 +259,14 @@ fn accept_loop<R: Role>(shared: &Arc<DaemonShared<R>>, listener: &UnixListener) 
             // Counted before `open`, which answers the client's hello: a
             // client told it is attached is always among `clients()` (a
             // count taken after the hello could read 0 for a client that
-            // already attached and detached).
+            // already attached and detached). Relaxed: a count; only this
+            // thread raises it, and what a session did is ordered by the
+            // engine's own locks, not by the count.
             shared.live.fetch_add(1, Ordering::Relaxed);
             let session = match R::open(shared, id, peer, &sock) {
                 Ok(s) => s,
                 Err(e) => {
+                    // Relaxed: as the increment above.
                     shared.live.fetch_sub(1, Ordering::Relaxed);
                     tracing::warn!(client = id, error = %e, "attach: cannot set up the client");
                     let status = e.get_ref().and_then(|e| e.downcast_ref::<OpenRefused>());
