@@ -250,25 +250,22 @@ impl Session {
         if !self.shared.role.subscribed.lock().insert(req_id.to_owned()) {
             return self.refuse(s.tag, Refusal::AlreadySubscribed);
         }
-        let receiver = &self.shared.role.receiver;
         // A request that is complete already (a decoder subscribing to one
         // it was told is done) is taken at once: no watch.
-        let sub = match receiver.take(req_id) {
-            Ok(chunks) if chunks.len() < self.cq.ring.capacity() => Sub::Taken {
+        let sub = match self.take(s.tag, req_id) {
+            Ok(Some(chunks)) => Sub::Taken {
                 chunks,
                 posted: false,
             },
-            Ok(_) => {
+            Ok(None) => Sub::Waiting(
+                self.shared
+                    .role
+                    .receiver
+                    .watch_signalling(req_id, &self.ended),
+            ),
+            Err(why) => {
                 self.shared.role.subscribed.lock().remove(req_id);
-                return self.refuse(s.tag, Refusal::TooManyChunks);
-            }
-            Err(TakeError::NotReady(_)) => {
-                Sub::Waiting(receiver.watch_signalling(req_id, &self.ended))
-            }
-            Err(e) => {
-                tracing::debug!(tag = s.tag, error = %e, "take refused");
-                self.shared.role.subscribed.lock().remove(req_id);
-                return self.refuse(s.tag, Refusal::TakeRefused);
+                return self.refuse(s.tag, why);
             }
         };
         tracing::debug!(tag = s.tag, req_id, "subscribed");
@@ -411,6 +408,21 @@ impl Session {
         }
     }
 
+    /// Takes `req_id`'s chunks for the client under `tag`: `None` if it is
+    /// not complete (or not known) yet, the refusal if it cannot be
+    /// delivered.
+    fn take(&self, tag: u64, req_id: &str) -> Result<Option<RequestChunks>, Refusal> {
+        match self.shared.role.receiver.take(req_id) {
+            Ok(chunks) if chunks.len() < self.cq.ring.capacity() => Ok(Some(chunks)),
+            Ok(_) => Err(Refusal::TooManyChunks),
+            Err(TakeError::NotReady(_)) => Ok(None),
+            Err(err) => {
+                tracing::debug!(tag, error = %err, "take refused");
+                Err(Refusal::TakeRefused)
+            }
+        }
+    }
+
     /// `tag`'s request may have ended (`ended` was signalled): take it or
     /// report.
     fn request_ended(&mut self, tag: u64) {
@@ -418,8 +430,8 @@ impl Session {
         let Sub::Waiting(h) = &e.sub else { return };
         let failed = match h.status() {
             RequestStatus::Pending => return,
-            RequestStatus::Ready => match self.shared.role.receiver.take(&e.req_id) {
-                Ok(chunks) if chunks.len() < self.cq.ring.capacity() => {
+            RequestStatus::Ready => match self.take(tag, &e.req_id) {
+                Ok(Some(chunks)) => {
                     let e = self.tags.get_mut(&tag).expect("looked up above");
                     e.sub = Sub::Taken {
                         chunks,
@@ -427,11 +439,9 @@ impl Session {
                     };
                     return;
                 }
-                Ok(_) => Err(Refusal::TooManyChunks),
-                Err(err) => {
-                    tracing::debug!(tag, error = %err, "take refused");
-                    Err(Refusal::TakeRefused)
-                }
+                // Ready, yet nothing to take: taken by id in process.
+                Ok(None) => Err(Refusal::TakeRefused),
+                Err(why) => Err(why),
             },
             RequestStatus::Failed(code) => Ok(code),
             RequestStatus::ShutDown => Ok(ErrorCode::ShuttingDown),
