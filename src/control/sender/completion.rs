@@ -60,9 +60,7 @@ impl Signal {
     /// the wake-up lock, which `set_admitted` takes after storing the flag:
     /// either this sees the flag or `set_admitted` sees the fd.
     pub fn notify_admission(&self, fd: &Arc<EventFd>) -> bool {
-        let _g = self.lock.lock();
-        let _ = self.admit_fd.set(Arc::clone(fd));
-        self.is_admitted()
+        self.arm(&self.admit_fd, fd, || self.is_admitted())
     }
 
     /// Makes `fd` (which many requests may share) signalled when the
@@ -71,9 +69,21 @@ impl Signal {
     /// `set_terminal` takes after recording the status: either this sees
     /// the status or `set_terminal` sees the fd.
     pub fn notify_terminal(&self, fd: &Arc<EventFd>) -> bool {
+        self.arm(&self.end_fd, fd, || self.terminal.get().is_some())
+    }
+
+    /// Sets `slot` to `fd` (the first one set stays) and reads `done`, both
+    /// under the wake-up lock, which the writer of `done`'s state takes
+    /// after changing it and before signalling `slot`.
+    fn arm(
+        &self,
+        slot: &OnceLock<Arc<EventFd>>,
+        fd: &Arc<EventFd>,
+        done: impl FnOnce() -> bool,
+    ) -> bool {
         let _g = self.lock.lock();
-        let _ = self.end_fd.set(Arc::clone(fd));
-        self.terminal.get().is_some()
+        let _ = slot.set(Arc::clone(fd));
+        done()
     }
 
     /// Whether the receiver admitted the request.
