@@ -148,19 +148,12 @@ fn consume_in_process(r: &Receiver, ids: &[String]) {
     }
 }
 
-/// Consumes `ids` in process the way the daemon's session does: `take`
-/// first, and `watch` + wait only for a request not complete yet (never,
-/// here: the rounds are complete before they are timed).
+/// Consumes `ids` in process the way the daemon's session does for a
+/// complete request: `take` (no watch), read, drop. (The session watches
+/// only a request not complete yet; [`Rig::fill`] waited for every one.)
 fn consume_in_process_take_first(r: &Receiver, ids: &[String]) {
     for id in ids {
-        let chunks = match r.take(id) {
-            Ok(c) => c,
-            Err(_) => {
-                let h = r.watch(id).expect("watch");
-                h.wait(deadline()).expect("ready");
-                r.take(id).expect("take")
-            }
-        };
+        let chunks = r.take(id).expect("complete: fill waited for it");
         black_box(chunks.get(0).expect("one chunk").bytes()[0]);
     }
 }
