@@ -138,6 +138,13 @@ class Ring:
     def offset(self, pos):
         return self.slots + (pos & (self.cap - 1)) * self.esize
 
+    def _spans(self, n):
+        """The byte ranges of the next `n` entries from our index: up to
+        the ring's end, then (if they wrap) from its start."""
+        start = self.offset(self.pos)
+        first = min(n, self.cap - (self.pos & (self.cap - 1))) * self.esize
+        return (start, start + first), (self.slots, self.slots + n * self.esize - first)
+
     # Producer side.
     def push(self, entry):
         """Writes one entry and publishes it; False if the ring is full."""
@@ -150,12 +157,10 @@ class Ring:
         k = min(n, self.cap - (self.pos - self.head.value))
         if k <= 0:
             return 0
-        start = self.offset(self.pos)
-        first = min(k, self.cap - (self.pos & (self.cap - 1)))
-        self.mm[start:start + first * self.esize] = entries[:first * self.esize]
-        if first < k:
-            self.mm[self.slots:self.slots + (k - first) * self.esize] = \
-                entries[first * self.esize:k * self.esize]
+        (a, b), (c, d) = self._spans(k)
+        self.mm[a:b] = entries[:b - a]
+        if d > c:
+            self.mm[c:d] = entries[b - a:b - a + d - c]
         self.pos += k
         self.tail.value = self.pos  # publish (release on x86-64)
         return k
@@ -188,11 +193,10 @@ class Ring:
         published together, so a decoder reads them in one go."""
         if self.available() < n:
             return None
-        start = self.offset(self.pos)
-        first = min(n, self.cap - (self.pos & (self.cap - 1)))
-        raw = self.mm[start:start + first * self.esize]
-        if first < n:
-            raw += self.mm[self.slots:self.slots + (n - first) * self.esize]
+        (a, b), (c, d) = self._spans(n)
+        raw = self.mm[a:b]
+        if d > c:
+            raw += self.mm[c:d]
         self.pos += n
         self.head.value = self.pos
         return raw
@@ -221,6 +225,26 @@ class Ring:
                           FUTEX_WAIT, ctypes.c_uint32(seen), ctypes.byref(ts), None, 0)
         self.need_wakeup.value = 0
         return True
+
+
+def _publish(sq, sock, entries, n, wait=0.0):
+    """Publishes n packed entries on the submission ring `sq` (in as few
+    `tail` stores as its room allows), then writes the doorbell byte on
+    `sock` if the session asked for it (need-wakeup). A full ring rings
+    whatever the flag says and is retried until `wait` seconds passed,
+    then raises AttachError."""
+    deadline = time.monotonic() + wait
+    done = 0
+    while True:
+        done += sq.push_many(entries[done * sq.esize:], n - done)
+        if done == n:
+            break
+        sock.sendall(b"\1")
+        if time.monotonic() >= deadline:
+            raise AttachError("submission ring full")
+        time.sleep(0.0001)
+    if sq.take_wakeup():
+        sock.sendall(b"\1")  # the doorbell
 
 
 class _Hello:
@@ -305,11 +329,7 @@ class DecoderClient:
         self.next_tag = 1
 
     def _submit(self, op, tag, req_id=b""):
-        if not self.sq.push(SUBMIT.pack(op, len(req_id), tag, req_id)):
-            self.sock.sendall(b"\1")  # a full ring: wake the session anyway
-            raise AttachError("submission ring full")
-        if self.sq.take_wakeup():
-            self.sock.sendall(b"\1")  # the doorbell
+        _publish(self.sq, self.sock, SUBMIT.pack(op, len(req_id), tag, req_id), 1)
 
     def subscribe(self, req_id):
         raw = req_id.encode()
@@ -419,25 +439,8 @@ class PrefillClient:
     def _push(self, op, tag, a=0, b=0, length=0, text=b"", wait=0.0, c=0, extra=b""):
         # `extra`: bytes after the text's used part (a BEGIN's geometry).
         body = text.ljust(GEOMETRY_AT, b"\0") + extra if extra else text
-        self._publish(PSUBMIT.pack(op, length, tag, a, b, c, len(text), body), 1, wait)
-
-    def _publish(self, entries, n, wait=0.0):
-        """Publishes n packed entries (in as few `tail` stores as the ring's
-        room allows), then rings the doorbell if the session asked for it.
-        A full ring rings whatever the flag says and is retried until
-        `wait` seconds passed."""
-        deadline = time.monotonic() + wait
-        done = 0
-        while True:
-            done += self.sq.push_many(entries[done * PSUBMIT.size:], n - done)
-            if done == n:
-                break
-            self.sock.sendall(b"\1")
-            if time.monotonic() >= deadline:
-                raise AttachError("submission ring full")
-            time.sleep(0.0001)
-        if self.sq.take_wakeup():
-            self.sock.sendall(b"\1")  # the doorbell
+        _publish(self.sq, self.sock, PSUBMIT.pack(op, length, tag, a, b, c, len(text), body), 1,
+                 wait)
 
     def begin(self, req_id, receiver, total_chunks, fmt=0, shape=(), dtype=""):
         """Begins req_id; fmt, shape and dtype are the request's chunk
@@ -486,7 +489,7 @@ class PrefillClient:
         entries = b"".join(pack(OP_KEY, length, tag, batch, i, 0, len(raw), raw)
                            for i, (raw, length) in enumerate(zip(raws, lens)))
         entries += pack(OP_SUBMIT, 0, tag, batch, len(raws), toks, 0, b"")
-        self._publish(entries, len(raws) + 1, wait=10.0)
+        _publish(self.sq, self.sock, entries, len(raws) + 1, wait=10.0)
         self.held.discard((tag, batch))
 
     def cancel(self, tag):
