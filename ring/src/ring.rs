@@ -357,8 +357,13 @@ impl<T: Plain> Ring<T> {
     pub(crate) fn disarm_wakeup(&self) {
         // Relaxed: a hint (see `arm_wakeup`); entries published while the
         // flag reads 0 are found by the consumer's next `arm_wakeup`
-        // re-check, which runs before it sleeps again.
-        self.sync().need_wakeup.store(0, Ordering::Relaxed);
+        // re-check, which runs before it sleeps again. Stored only if set:
+        // a busy consumer calls this every round, and a store would pull
+        // the line producers read after each publish away from them.
+        let flag = &self.sync().need_wakeup;
+        if flag.load(Ordering::Relaxed) != 0 {
+            flag.store(0, Ordering::Relaxed);
+        }
     }
 
     /// Consumer side of the doorbell: return once `available()` is true

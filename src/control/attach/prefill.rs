@@ -189,6 +189,10 @@ pub(super) struct Session {
 }
 
 impl Serve for Session {
+    fn signalled(&self) -> bool {
+        self.share.ready.raised()
+    }
+
     fn interest(&mut self, fds: &mut Vec<libc::pollfd>) -> bool {
         // The share's eventfd is the only descriptor: it wakes us when a
         // request waiting for admission is admitted, when slots of the
@@ -199,7 +203,7 @@ impl Serve for Session {
     }
 
     fn wake(&mut self, fds: &[libc::pollfd]) {
-        let ready = fds.first().is_some_and(|f| f.revents != 0);
+        let ready = self.share.ready.raised() || fds.first().is_some_and(|f| f.revents != 0);
         if ready {
             // Before the looks below, so a change after them signals anew.
             self.share.clear_ready();

@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 use std::io::{self, Read};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvferry_ring::spsc::{self, Consumer, Producer};
 use kvferry_ring::Plain;
@@ -25,6 +25,12 @@ use super::poll::{poll, readable};
 /// its share — wakes the loop through a descriptor, so an idle session
 /// sleeps in `poll` without a timeout.
 pub(super) const RETRY: Duration = Duration::from_millis(1);
+
+/// How often a busy session polls at the least. While submissions or the
+/// role's signals keep coming it learns of them without a syscall (the
+/// ring's indices, [`Serve::signalled`]); only the lease (the socket) and
+/// the daemon's stop need `poll(2)`, and they can wait this long.
+pub(super) const BUSY_POLL: Duration = Duration::from_micros(200);
 
 /// The daemon's sides of a session's rings.
 pub(super) struct Rings<S: Plain, E: Plain> {
@@ -123,8 +129,13 @@ pub(super) trait Serve {
     /// Appends the descriptors whose readability wakes the session; true
     /// if it also needs a wake-up after [`RETRY`].
     fn interest(&mut self, fds: &mut Vec<libc::pollfd>) -> bool;
-    /// Handles a wake-up: submissions, and `fds` (those of `interest`, with
-    /// their `revents`).
+    /// True if one of the role's descriptors of [`interest`](Self::interest)
+    /// has been signalled since the session last cleared it, known without
+    /// a syscall (`EventFd::raised`).
+    fn signalled(&self) -> bool;
+    /// Handles a wake-up: submissions, the role's signals, and `fds` (those
+    /// of `interest`, with their `revents`, all 0 when the loop did not
+    /// poll: the role reads its signals from their flags).
     fn wake(&mut self, fds: &[libc::pollfd]);
     /// The client's submission ring.
     fn submissions(&self) -> &dyn Doorbell;
@@ -154,18 +165,21 @@ impl<S: Plain> Doorbell for Consumer<S> {
     }
 }
 
-/// SQPOLL-style: after handling work, watches the submission ring for a
-/// moment ([`linger`]) before sleeping, so a client submitting in a loop
-/// finds the session awake and need not ring. Returns true if submissions
-/// are waiting (poll without sleeping); false once the client was asked to
+/// SQPOLL-style: after handling work, watches the submission ring and the
+/// role's signals for a moment ([`linger`]) before sleeping, so a client
+/// submitting in a loop finds the session awake and need not ring, and a
+/// request that ends meanwhile is handled at once. Returns true if work is
+/// waiting (poll without sleeping); false once the client was asked to
 /// ring (need-wakeup armed).
-fn linger_on(sq: &dyn Doorbell) -> bool {
-    linger(|| sq.pending()) || !sq.arm()
+fn linger_on(session: &impl Serve) -> bool {
+    let sq = session.submissions();
+    linger(|| sq.pending() || session.signalled()) || !sq.arm()
 }
 
 /// Serves `session` until its socket closes (the lease) or `shared` stops.
 pub(super) fn serve<R>(shared: &DaemonShared<R>, mut sock: UnixStream, session: &mut impl Serve) {
     let mut fds: Vec<libc::pollfd> = Vec::with_capacity(shared.cfg.max_outstanding + 2);
+    let mut polled_at = Instant::now();
     loop {
         fds.clear();
         fds.push(readable(sock.as_raw_fd()));
@@ -180,12 +194,19 @@ pub(super) fn serve<R>(shared: &DaemonShared<R>, mut sock: UnixStream, session: 
         let timeout = if retry {
             session.submissions().arm();
             Some(RETRY)
-        } else if linger_on(session.submissions()) {
+        } else if linger_on(session) {
             Some(Duration::ZERO)
         } else {
             None
         };
+        if timeout == Some(Duration::ZERO) && polled_at.elapsed() < BUSY_POLL {
+            // Busy, and polled a moment ago: the work is known without
+            // poll(2) (need-wakeup was not armed; the revents are 0).
+            session.wake(&fds[2..]);
+            continue;
+        }
         let polled = poll(&mut fds, timeout);
+        polled_at = Instant::now();
         session.submissions().disarm();
         if let Err(e) = polled {
             tracing::warn!(error = %e, "attach: poll failed; detaching the client");
@@ -216,4 +237,154 @@ fn drain_doorbell(sock: &mut UnixStream) -> bool {
         }
     }
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{mpsc, Arc};
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::eventfd::EventFd;
+
+    /// A session with no submissions whose role was (or was not) signalled.
+    struct Quiet {
+        signalled: bool,
+        armed: Cell<bool>,
+    }
+
+    impl Doorbell for Quiet {
+        fn pending(&self) -> bool {
+            false
+        }
+        fn arm(&self) -> bool {
+            self.armed.set(true);
+            true
+        }
+        fn disarm(&self) {
+            self.armed.set(false);
+        }
+    }
+
+    impl Serve for Quiet {
+        fn signalled(&self) -> bool {
+            self.signalled
+        }
+        fn interest(&mut self, _: &mut Vec<libc::pollfd>) -> bool {
+            false
+        }
+        fn wake(&mut self, _: &[libc::pollfd]) {}
+        fn submissions(&self) -> &dyn Doorbell {
+            self
+        }
+    }
+
+    #[test]
+    fn lingering_stops_at_a_role_signal_without_asking_the_client_to_ring() {
+        let s = Quiet {
+            signalled: true,
+            armed: Cell::new(false),
+        };
+        assert!(linger_on(&s), "a signalled role is work to do at once");
+        assert!(!s.armed.get(), "and need-wakeup stays unarmed");
+    }
+
+    #[test]
+    fn with_nothing_to_do_lingering_ends_by_arming_need_wakeup() {
+        let s = Quiet {
+            signalled: false,
+            armed: Cell::new(false),
+        };
+        assert!(!linger_on(&s), "nothing to do: the session may sleep");
+        assert!(s.armed.get(), "once the client was asked to ring");
+    }
+
+    /// A session whose client never stops submitting: `pending` is always
+    /// true, so the loop never sleeps and takes the busy path every round.
+    struct Busy {
+        wakes: Arc<AtomicUsize>,
+    }
+
+    impl Doorbell for Busy {
+        fn pending(&self) -> bool {
+            true
+        }
+        fn arm(&self) -> bool {
+            false
+        }
+        fn disarm(&self) {}
+    }
+
+    impl Serve for Busy {
+        fn signalled(&self) -> bool {
+            false
+        }
+        fn interest(&mut self, _: &mut Vec<libc::pollfd>) -> bool {
+            false
+        }
+        fn wake(&mut self, _: &[libc::pollfd]) {
+            // Relaxed: a count the test only reads.
+            self.wakes.fetch_add(1, Ordering::Relaxed);
+        }
+        fn submissions(&self) -> &dyn Doorbell {
+            self
+        }
+    }
+
+    const WAIT: Duration = Duration::from_secs(20);
+
+    /// Serves a [`Busy`] session on one end of a socket pair in a thread;
+    /// returns the shared state, the client's end, the wake count and a
+    /// channel that hears when `serve` returned.
+    fn busy() -> (
+        Arc<DaemonShared<()>>,
+        UnixStream,
+        Arc<AtomicUsize>,
+        mpsc::Receiver<()>,
+    ) {
+        let shared = Arc::new(DaemonShared {
+            role: (),
+            cfg: AttachConfig::new("/nonexistent/busy.sock"),
+            stop: EventFd::new().unwrap(),
+            live: AtomicUsize::new(0),
+        });
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let wakes = Arc::new(AtomicUsize::new(0));
+        let (tx, rx) = mpsc::channel();
+        let (s, w) = (Arc::clone(&shared), Arc::clone(&wakes));
+        std::thread::spawn(move || {
+            serve(&s, ours, &mut Busy { wakes: w });
+            let _ = tx.send(());
+        });
+        // Relaxed: a count.
+        let end = Instant::now() + WAIT;
+        while wakes.load(Ordering::Relaxed) < 1000 {
+            assert!(Instant::now() < end, "the busy session never woke");
+            std::thread::yield_now();
+        }
+        (shared, theirs, wakes, rx)
+    }
+
+    #[test]
+    fn a_session_kept_busy_still_sees_the_daemon_stop() {
+        let (shared, _client, _, ended) = busy();
+        shared.stop.signal();
+        assert!(
+            ended.recv_timeout(WAIT).is_ok(),
+            "a session that is never idle did not see the stop (it must poll every BUSY_POLL)"
+        );
+    }
+
+    #[test]
+    fn a_session_kept_busy_still_sees_its_client_leave() {
+        let (_shared, client, _, ended) = busy();
+        drop(client);
+        assert!(
+            ended.recv_timeout(WAIT).is_ok(),
+            "a session that is never idle did not see its socket close (the lease)"
+        );
+    }
 }

@@ -168,6 +168,11 @@ pub(super) struct Session {
 }
 
 impl Serve for Session {
+    fn signalled(&self) -> bool {
+        self.ended.raised()
+            || (self.wants_feed() && self.wild.as_ref().is_some_and(|(_, f)| f.raised()))
+    }
+
     fn interest(&mut self, fds: &mut Vec<libc::pollfd>) -> bool {
         let retry = !self.cq.outbox.is_empty()
             || self
@@ -179,7 +184,7 @@ impl Serve for Session {
         // Polled only while the client has room, so a full client does not
         // spin on it.
         if let Some((_, feed)) = &self.wild {
-            if self.has_room() && self.cq.outbox.is_empty() {
+            if self.wants_feed() {
                 fds.push(readable(feed.as_raw_fd()));
             }
         }
@@ -189,9 +194,9 @@ impl Serve for Session {
     fn wake(&mut self, fds: &[libc::pollfd]) {
         self.cq.flush();
         self.read_submissions();
-        if fds.first().is_some_and(|f| f.revents != 0) {
+        if self.ended.raised() || fds.first().is_some_and(|f| f.revents != 0) {
             // Cleared before the statuses are read: an end signalled after
-            // this leaves the fd readable for the next poll.
+            // this raises the flag and leaves the fd readable anew.
             self.ended.clear();
             let mut waiting = std::mem::take(&mut self.waiting);
             waiting.clear();
@@ -288,6 +293,13 @@ impl Session {
 
     fn has_room(&self) -> bool {
         self.tags.len() < self.shared.cfg.max_outstanding
+    }
+
+    /// True while the wildcard's feed is worth watching: the client has
+    /// room and nothing waits for room on its ring (else a full client
+    /// would keep the session spinning on a feed it cannot take from).
+    fn wants_feed(&self) -> bool {
+        self.has_room() && self.cq.outbox.is_empty()
     }
 
     /// A tag the client cannot use: outstanding, its wildcard's, or the

@@ -295,6 +295,11 @@ impl ReadyFeed {
         id
     }
 
+    /// True if ids may be waiting (the fd's flag: no syscall, no lock).
+    pub(crate) fn raised(&self) -> bool {
+        self.feed.fd.raised()
+    }
+
     /// Ids not queued because the feed was full.
     pub fn dropped(&self) -> u64 {
         // Relaxed: a statistic.
