@@ -21,7 +21,13 @@
 //!    After criterion's groups, the same three paths once more, interleaved
 //!    round by round ([`RTT_PAIRS`] rounds of [`RTT_ROUND`] requests each):
 //!    the median per-request time of each and the median of the per-round
-//!    ratios, attached to each baseline. All three of a round run within a
+//!    ratios, attached to each baseline. The attached rounds start right
+//!    after the (untimed) fill, so each pays one doorbell wake-up of a
+//!    session that went to sleep meanwhile; a fourth path, attached with
+//!    the session awake (one untimed submission wakes it right before the
+//!    timed round), is the steady state of a busy decoder. Last, the rings'
+//!    floor (a RELEASE of an unknown tag answered REFUSED: the hand-offs
+//!    and the session round without the receiver's work). All three of a round run within a
 //!    few milliseconds of each other, so a burst of load on the shared VM
 //!    hits all of them, where
 //!    criterion's groups run one path for seconds, then the other.
@@ -173,6 +179,22 @@ fn consume_attached(c: &mut DecoderClient, ids: &[String]) {
     }
 }
 
+/// The rings' floor: a RELEASE of a tag the session does not know, answered
+/// REFUSED, once per id — the two hand-offs and the session round of
+/// [`consume_attached`] without the receiver's work (no take, no release
+/// of chunks). Not a baseline: it splits the attached time.
+fn ring_floor(c: &mut DecoderClient, ids: &[String]) {
+    for i in 0..ids.len() {
+        let tag = (1 << 40) + i as u64;
+        c.submit_raw(kvferry::attach::layout::DecoderSubmit::release(tag))
+            .expect("submitted");
+        match c.next_event(deadline()).expect("an event") {
+            Event::Refused { tag: t, .. } => assert_eq!(t, tag),
+            other => panic!("expected REFUSED for {tag}, got {other:?}"),
+        }
+    }
+}
+
 /// The attached half of bench 1: a [`DecoderDaemon`] over the rig's
 /// receiver and a client attached to it.
 struct Attached {
@@ -234,13 +256,62 @@ fn rtt(c: &mut Criterion) {
 /// Rounds of [`rtt_interleaved`] (each: the three paths once).
 const RTT_PAIRS: usize = 60;
 
+/// Pins thread `tid` (0: the calling thread) to `cpu`.
+fn pin(tid: libc::pid_t, cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t is the empty set; CPU_SET writes inside it
+    // (cpu < CPU_SETSIZE on any machine this bench runs on), and
+    // sched_setaffinity only reads `set` for the size passed.
+    let r = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    assert_eq!(r, 0, "sched_setaffinity({tid}, {cpu}) failed");
+}
+
+/// With `KVFERRY_ATTACH_PIN=1` (an operator's choice, off by default): the
+/// bench's thread (the client, and the in-process baselines) on CPU 0 and
+/// the session's thread on CPU 1, so the hand-offs always cross CPUs. On
+/// the project's 2-vCPU VM the scheduler otherwise keeps the two on one
+/// CPU in some runs, where every hand-off becomes a context switch
+/// (docs/benchmarks.md, "Attach, 2026-12-02 (2)").
+fn pin_apart_if_asked() {
+    if std::env::var_os("KVFERRY_ATTACH_PIN").is_none() {
+        return;
+    }
+    let mut pinned = 0;
+    for e in std::fs::read_dir("/proc/self/task").expect("/proc/self/task") {
+        let dir = e.expect("a task").path();
+        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        // The session threads are named attach-<client id>.
+        if comm
+            .trim()
+            .strip_prefix("attach-")
+            .is_some_and(|n| n.parse::<u32>().is_ok())
+        {
+            let tid = dir
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.parse().ok())
+                .expect("a numeric task id");
+            pin(tid, 1);
+            pinned += 1;
+        }
+    }
+    assert_eq!(pinned, 1, "one session thread to pin");
+    pin(0, 0);
+    println!("(KVFERRY_ATTACH_PIN: this thread on CPU 0, the session on CPU 1)");
+}
+
 /// Bench 1 again, the three paths alternating round by round (module docs).
 fn rtt_interleaved() {
     let rig = Rig::new();
     let mut attached = Attached::new(&rig);
+    pin_apart_if_asked();
     let per_request = |d: Duration| d.as_secs_f64() * 1e6 / RTT_ROUND as f64;
     let (mut inp, mut att, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
     let (mut tf, mut ratio_tf) = (Vec::new(), Vec::new());
+    let (mut awake, mut ratio_awake, mut floor) = (Vec::new(), Vec::new(), Vec::new());
     // One untimed round first (page faults, first wake-ups).
     for pair in 0..=RTT_PAIRS {
         let a = timed_rounds(&rig, RTT_ROUND as u64, |ids| {
@@ -252,7 +323,17 @@ fn rtt_interleaved() {
         let c = timed_rounds(&rig, RTT_ROUND as u64, |ids| {
             consume_in_process_take_first(&rig.receiver, ids)
         });
+        let d = timed_awake_rounds(&rig, RTT_ROUND as u64, &mut attached.client);
+        // The floor with the session awake (it lingers after the last
+        // round's RELEASEs).
+        let ids: Vec<String> = (0..RTT_ROUND).map(|i| i.to_string()).collect();
+        let t = Instant::now();
+        ring_floor(&mut attached.client, &ids);
+        let f = t.elapsed();
         if pair > 0 {
+            awake.push(per_request(d));
+            ratio_awake.push(d.as_secs_f64() / c.as_secs_f64());
+            floor.push(per_request(f));
             inp.push(per_request(a));
             att.push(per_request(b));
             tf.push(per_request(c));
@@ -281,6 +362,42 @@ fn rtt_interleaved() {
         ratio_tf[ratio_tf.len() / 10],
         ratio_tf[ratio_tf.len() * 9 / 10]
     );
+    let w = median(&mut awake);
+    println!(
+        "  attached, session awake (a busy decoder: no doorbell wake-up per round) {w:.2} µs; \
+         attached awake / in_process_take: median per-round ratio {:.2} (p10 {:.2}, p90 {:.2})",
+        median(&mut ratio_awake),
+        ratio_awake[ratio_awake.len() / 10],
+        ratio_awake[ratio_awake.len() * 9 / 10]
+    );
+    println!(
+        "  the rings' floor (RELEASE of an unknown tag -> REFUSED, session awake: \
+         two hand-offs and a session round, no receiver work) {:.2} µs",
+        median(&mut floor)
+    );
+}
+
+/// [`timed_rounds`] of the attached path with the session awake: right
+/// before each timed round (after the untimed fill, which takes
+/// milliseconds, long enough for the session to go to sleep) one untimed
+/// RELEASE of an unknown tag wakes it, so the round measures the steady
+/// state of a busy decoder; [`timed_rounds`] of [`consume_attached`] also
+/// pays the doorbell wake-up of a sleeping session once per round.
+fn timed_awake_rounds(rig: &Rig, iters: u64, c: &mut DecoderClient) -> Duration {
+    let mut total = Duration::ZERO;
+    let mut left = iters as usize;
+    while left > 0 {
+        let n = left.min(RTT_ROUND);
+        rig.drained();
+        let ids = rig.fill(n);
+        ring_floor(c, &ids[..1]);
+        let t = Instant::now();
+        consume_attached(c, &ids);
+        total += t.elapsed();
+        left -= n;
+    }
+    rig.drained();
+    total
 }
 
 /// Runs `consume` over `iters` requests in rounds of [`RTT_ROUND`], timing
