@@ -279,26 +279,38 @@ fn pin_apart_if_asked() {
     if std::env::var_os("KVFERRY_ATTACH_PIN").is_none() {
         return;
     }
-    let mut pinned = 0;
-    for e in std::fs::read_dir("/proc/self/task").expect("/proc/self/task") {
-        let dir = e.expect("a task").path();
-        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
-        // The session threads are named attach-<client id>.
-        if comm
-            .trim()
-            .strip_prefix("attach-")
-            .is_some_and(|n| n.parse::<u32>().is_ok())
-        {
-            let tid = dir
-                .file_name()
-                .and_then(|n| n.to_str())
-                .and_then(|n| n.parse().ok())
-                .expect("a numeric task id");
-            pin(tid, 1);
-            pinned += 1;
+    // The session thread is spawned after the hello the client got: wait
+    // for it.
+    let end = deadline();
+    let session = loop {
+        let mut found = Vec::new();
+        for e in std::fs::read_dir("/proc/self/task").expect("/proc/self/task") {
+            let dir = e.expect("a task").path();
+            let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+            // The session threads are named attach-<client id>.
+            if comm
+                .trim()
+                .strip_prefix("attach-")
+                .is_some_and(|n| n.parse::<u32>().is_ok())
+            {
+                found.push(
+                    dir.file_name()
+                        .and_then(|n| n.to_str())
+                        .and_then(|n| n.parse().ok())
+                        .expect("a numeric task id"),
+                );
+            }
         }
-    }
-    assert_eq!(pinned, 1, "one session thread to pin");
+        match found.as_slice() {
+            [tid] => break *tid,
+            more => assert!(
+                more.len() < 2 && Instant::now() < end,
+                "want the one session thread, found {more:?}"
+            ),
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    pin(session, 1);
     pin(0, 0);
     println!("(KVFERRY_ATTACH_PIN: this thread on CPU 0, the session on CPU 1)");
 }
