@@ -5,31 +5,124 @@
 //! session that stays awake a little after handling work, and a client that
 //! stays awake a little after submitting, skip both wake-ups while requests
 //! keep coming. Bounded by [`LINGER`], so an idle engine sleeps.
+//!
+//! The spin before the first yield adapts per thread. When the two sides
+//! run on different CPUs, spinning finds the other side's answer soonest.
+//! When the scheduler keeps them on one CPU, spinning only delays the
+//! other side, which needs that CPU to answer: there a waiter should yield
+//! at once. A yield that returns only after [`GAVE_AWAY`] gave the CPU to
+//! another thread; if the condition then holds, that thread was most
+//! likely the other side, and the thread spins one round less next time.
+//! A yield that returns at once (nobody else wanted the CPU) earns a round
+//! back, up to the project's default.
 
+use std::cell::Cell;
 use std::time::{Duration, Instant};
 
+use kvferry_ring::backoff::DEFAULT_SPIN_ROUNDS;
 use kvferry_ring::{Backoff, Step};
 
-/// How long a session or client watches its ring before it sleeps: longer
-/// than the other side's turnaround in a tight loop (a few µs), far shorter
-/// than anything a person or a poll interval would notice.
+/// How long a session or client keeps yielding before it sleeps, after its
+/// spin: longer than the other side's turnaround in a tight loop (a few
+/// µs), far shorter than anything a person or a poll interval would notice.
 pub(super) const LINGER: Duration = Duration::from_micros(50);
 
-/// Returns true as soon as `ready()` does, false once [`LINGER`] passed
-/// without it. Backs off with [`Backoff`] (spin, then yield), then keeps
-/// yielding (the core goes to whoever needs it) until the time is up.
+/// A `sched_yield` that returns later than this ran another thread in
+/// between (a bare yield costs well under 1 µs here).
+const GAVE_AWAY: Duration = Duration::from_micros(2);
+
+thread_local! {
+    /// This thread's spin rounds before its first yield (see the module
+    /// docs), between 0 and [`DEFAULT_SPIN_ROUNDS`].
+    static SPIN_ROUNDS: Cell<u32> = const { Cell::new(DEFAULT_SPIN_ROUNDS) };
+}
+
+/// Returns true as soon as `ready()` does, false once [`LINGER`] of
+/// yielding passed without it. Spins first ([`Backoff`], this thread's
+/// adapted number of rounds), then yields the CPU between checks.
 pub(super) fn linger(mut ready: impl FnMut() -> bool) -> bool {
-    let start = Instant::now();
-    let mut backoff = Backoff::new();
+    let spin = SPIN_ROUNDS.get();
+    let mut backoff = Backoff::with_limits(spin, 0);
     loop {
         if ready() {
             return true;
         }
         if backoff.snooze() == Step::ShouldPark {
-            if start.elapsed() >= LINGER {
-                return false;
-            }
-            std::thread::yield_now();
+            break;
         }
+    }
+    let start = Instant::now();
+    let mut first = true;
+    loop {
+        let before = Instant::now();
+        std::thread::yield_now();
+        if ready() {
+            if first {
+                SPIN_ROUNDS.set(adapted(spin, before.elapsed() >= GAVE_AWAY));
+            }
+            return true;
+        }
+        first = false;
+        if start.elapsed() >= LINGER {
+            return false;
+        }
+    }
+}
+
+/// The spin rounds after a wait that first succeeded right after a yield:
+/// one fewer if the yield gave the CPU away, one more (up to the default)
+/// if it returned at once.
+fn adapted(spin: u32, gave_away: bool) -> u32 {
+    if gave_away {
+        spin.saturating_sub(1)
+    } else {
+        (spin + 1).min(DEFAULT_SPIN_ROUNDS)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_ready_condition_returns_at_once_and_an_idle_one_after_the_linger() {
+        assert!(linger(|| true));
+        let t = Instant::now();
+        assert!(!linger(|| false));
+        assert!(t.elapsed() >= LINGER, "gave up before LINGER");
+    }
+
+    #[test]
+    fn the_spin_shrinks_when_yields_hand_the_cpu_over_and_grows_back() {
+        let mut spin = DEFAULT_SPIN_ROUNDS;
+        for _ in 0..DEFAULT_SPIN_ROUNDS + 2 {
+            spin = adapted(spin, true);
+        }
+        assert_eq!(
+            spin, 0,
+            "yields that hand the CPU over: no spin, and no less"
+        );
+        for _ in 0..DEFAULT_SPIN_ROUNDS + 2 {
+            spin = adapted(spin, false);
+        }
+        assert_eq!(
+            spin, DEFAULT_SPIN_ROUNDS,
+            "quick yields: back to the default, no more"
+        );
+    }
+
+    #[test]
+    fn a_wait_found_during_the_spin_keeps_this_threads_spin() {
+        std::thread::spawn(|| {
+            SPIN_ROUNDS.set(2);
+            let mut checks = 0;
+            assert!(linger(|| {
+                checks += 1;
+                checks == 2
+            }));
+            assert_eq!(SPIN_ROUNDS.get(), 2);
+        })
+        .join()
+        .unwrap();
     }
 }
