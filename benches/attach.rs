@@ -315,7 +315,20 @@ fn pin_apart_if_asked() {
     println!("(KVFERRY_ATTACH_PIN: this thread on CPU 0, the session on CPU 1)");
 }
 
-/// Bench 1 again, the three paths alternating round by round (module docs).
+/// "median per-round ratio M (p10 P, p90 Q)" of `ratios` (sorted here).
+fn ratio_summary(ratios: &mut [f64]) -> String {
+    ratios.sort_by(f64::total_cmp);
+    let at = |tenths: usize| ratios[ratios.len() * tenths / 10];
+    format!(
+        "median per-round ratio {:.2} (p10 {:.2}, p90 {:.2})",
+        at(5),
+        at(1),
+        at(9)
+    )
+}
+
+/// Bench 1 again, its paths alternating round by round, then the rings'
+/// floor (module docs).
 fn rtt_interleaved() {
     let rig = Rig::new();
     let mut attached = Attached::new(&rig);
@@ -361,26 +374,19 @@ fn rtt_interleaved() {
     println!(
         "\nattach_rtt interleaved ({RTT_PAIRS} rounds of {RTT_ROUND} requests per path): \
          in_process {a:.2} µs, attached {b:.2} µs per request (medians); \
-         attached / in_process: median per-round ratio {:.2} (p10 {:.2}, p90 {:.2})",
-        median(&mut ratio),
-        ratio[ratio.len() / 10],
-        ratio[ratio.len() * 9 / 10]
+         attached / in_process: {}",
+        ratio_summary(&mut ratio)
     );
     let t = median(&mut tf);
     println!(
-        "  in_process_take {t:.2} µs; attached / in_process_take: median per-round ratio {:.2} \
-         (p10 {:.2}, p90 {:.2})",
-        median(&mut ratio_tf),
-        ratio_tf[ratio_tf.len() / 10],
-        ratio_tf[ratio_tf.len() * 9 / 10]
+        "  in_process_take {t:.2} µs; attached / in_process_take: {}",
+        ratio_summary(&mut ratio_tf)
     );
     let w = median(&mut awake);
     println!(
         "  attached, session awake (a busy decoder: no doorbell wake-up per round) {w:.2} µs; \
-         attached awake / in_process_take: median per-round ratio {:.2} (p10 {:.2}, p90 {:.2})",
-        median(&mut ratio_awake),
-        ratio_awake[ratio_awake.len() / 10],
-        ratio_awake[ratio_awake.len() * 9 / 10]
+         attached awake / in_process_take: {}",
+        ratio_summary(&mut ratio_awake)
     );
     println!(
         "  the rings' floor (RELEASE of an unknown tag -> REFUSED, session awake: \
@@ -396,34 +402,35 @@ fn rtt_interleaved() {
 /// state of a busy decoder; [`timed_rounds`] of [`consume_attached`] also
 /// pays the doorbell wake-up of a sleeping session once per round.
 fn timed_awake_rounds(rig: &Rig, iters: u64, c: &mut DecoderClient) -> Duration {
-    let mut total = Duration::ZERO;
-    let mut left = iters as usize;
-    while left > 0 {
-        let n = left.min(RTT_ROUND);
-        rig.drained();
-        let ids = rig.fill(n);
+    rounds(rig, iters, |ids| {
         ring_floor(c, &ids[..1]);
         let t = Instant::now();
-        consume_attached(c, &ids);
-        total += t.elapsed();
-        left -= n;
-    }
-    rig.drained();
-    total
+        consume_attached(c, ids);
+        t.elapsed()
+    })
 }
 
 /// Runs `consume` over `iters` requests in rounds of [`RTT_ROUND`], timing
 /// only the consumption.
 fn timed_rounds(rig: &Rig, iters: u64, mut consume: impl FnMut(&[String])) -> Duration {
+    rounds(rig, iters, |ids| {
+        let t = Instant::now();
+        consume(ids);
+        t.elapsed()
+    })
+}
+
+/// Fills the receiver with `iters` requests in rounds of [`RTT_ROUND`]
+/// (untimed, each once the last round's slots are back) and sums what
+/// `round` says it measured of each.
+fn rounds(rig: &Rig, iters: u64, mut round: impl FnMut(&[String]) -> Duration) -> Duration {
     let mut total = Duration::ZERO;
     let mut left = iters as usize;
     while left > 0 {
         let n = left.min(RTT_ROUND);
         rig.drained();
         let ids = rig.fill(n);
-        let t = Instant::now();
-        consume(&ids);
-        total += t.elapsed();
+        total += round(&ids);
         left -= n;
     }
     rig.drained();
