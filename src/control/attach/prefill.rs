@@ -29,7 +29,7 @@ use super::layout::{
 };
 use super::poll::readable;
 use super::poll::Peer;
-use super::serve::{open_rings, Completions, Doorbell, Serve};
+use super::serve::{open_rings, woken, Completions, Doorbell, Serve};
 use crate::protocol::ErrorCode;
 use crate::sender::{
     Request, RequestSpec, RequestStatus, Sender, StagedBatch, StagingShare, StoreError,
@@ -203,7 +203,7 @@ impl Serve for Session {
     }
 
     fn wake(&mut self, fds: &[libc::pollfd]) {
-        let ready = self.share.ready.raised() || fds.first().is_some_and(|f| f.revents != 0);
+        let ready = woken(&self.share.ready, fds.first());
         if ready {
             // Before the looks below, so a change after them signals anew.
             self.share.clear_ready();

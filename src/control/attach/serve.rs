@@ -17,6 +17,7 @@ use super::fds::send_with_fds;
 use super::layout::{Hello, ATTACH_VERSION, HELLO_FDS, STATUS_OK};
 use super::linger::linger;
 use super::poll::{poll, readable};
+use crate::eventfd::EventFd;
 
 /// How long the loop sleeps between retries while a session has work it
 /// cannot do yet and no descriptor to wait on: a full completion ring (the
@@ -135,10 +136,21 @@ pub(super) trait Serve {
     fn signalled(&self) -> bool;
     /// Handles a wake-up: submissions, the role's signals, and `fds` (those
     /// of `interest`, with their `revents`, all 0 when the loop did not
-    /// poll: the role reads its signals from their flags).
+    /// poll: the role reads its signals with [`woken`]).
     fn wake(&mut self, fds: &[libc::pollfd]);
     /// The client's submission ring.
     fn submissions(&self) -> &dyn Doorbell;
+}
+
+/// True if the role's eventfd `fd`, polled as `polled` (`None`: not in
+/// this round's poll set), was signalled since the session last cleared
+/// it. Both are looked at: the flag covers a round that did not poll; the
+/// revents cover a signal whose flag a `clear` lowered between that
+/// signal's flag store and its counter write, which leaves the fd readable
+/// with the flag down (clearing it then keeps `poll` from returning for it
+/// again and again).
+pub(super) fn woken(fd: &EventFd, polled: Option<&libc::pollfd>) -> bool {
+    fd.raised() || polled.is_some_and(|p| p.revents != 0)
 }
 
 /// The session's side of the submission doorbell (docs/attach.md,
@@ -247,7 +259,6 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::*;
-    use crate::eventfd::EventFd;
 
     /// A session with no submissions whose role was (or was not) signalled.
     struct Quiet {

@@ -21,7 +21,7 @@ use super::layout::{
 };
 use super::poll::readable;
 use super::poll::Peer;
-use super::serve::{open_rings, Completions, Doorbell, Serve};
+use super::serve::{open_rings, woken, Completions, Doorbell, Serve};
 use crate::eventfd::EventFd;
 use crate::protocol::ErrorCode;
 use crate::receiver::{
@@ -194,7 +194,7 @@ impl Serve for Session {
     fn wake(&mut self, fds: &[libc::pollfd]) {
         self.cq.flush();
         self.read_submissions();
-        if self.ended.raised() || fds.first().is_some_and(|f| f.revents != 0) {
+        if woken(&self.ended, fds.first()) {
             // Cleared before the statuses are read: an end signalled after
             // this raises the flag and leaves the fd readable anew.
             self.ended.clear();
