@@ -51,22 +51,20 @@ pub(super) fn linger(mut ready: impl FnMut() -> bool) -> bool {
             break;
         }
     }
+    // The first yield, timed: it alone adapts the spin.
     let start = Instant::now();
-    let mut first = true;
-    loop {
-        let before = Instant::now();
+    std::thread::yield_now();
+    if ready() {
+        SPIN_ROUNDS.set(adapted(spin, start.elapsed() >= GAVE_AWAY));
+        return true;
+    }
+    while start.elapsed() < LINGER {
         std::thread::yield_now();
         if ready() {
-            if first {
-                SPIN_ROUNDS.set(adapted(spin, before.elapsed() >= GAVE_AWAY));
-            }
             return true;
         }
-        first = false;
-        if start.elapsed() >= LINGER {
-            return false;
-        }
     }
+    false
 }
 
 /// The spin rounds after a wait that first succeeded right after a yield:
