@@ -454,11 +454,21 @@ const E2E_SLOTS: usize = 64;
 const E2E_WINDOW: usize = 3;
 
 fn e2e_window() -> usize {
-    std::env::var("KVFERRY_ATTACH_E2E_WINDOW")
+    env_count("KVFERRY_ATTACH_E2E_WINDOW").unwrap_or(E2E_WINDOW)
+}
+
+/// Receive buffer and staging slots (`KVFERRY_ATTACH_E2E_SLOTS` overrides
+/// [`E2E_SLOTS`], for the sweep in docs/benchmarks.md).
+fn e2e_slots() -> usize {
+    env_count("KVFERRY_ATTACH_E2E_SLOTS").unwrap_or(E2E_SLOTS)
+}
+
+/// A positive count from the environment variable `var`, if set.
+fn env_count(var: &str) -> Option<usize> {
+    std::env::var(var)
         .ok()
         .and_then(|w| w.parse().ok())
         .filter(|&w| w > 0)
-        .unwrap_or(E2E_WINDOW)
 }
 
 /// A child process killed on drop, its stdout lines on a channel.
@@ -538,7 +548,7 @@ fn python_e2e(mode: &str, dir: &Path) -> f64 {
     let rsock = dir.join(format!("{mode}-recv.sock"));
     let ssock = dir.join(format!("{mode}-send.sock"));
     let chunk = E2E_CHUNK.to_string();
-    let slots = E2E_SLOTS.to_string();
+    let slots = e2e_slots().to_string();
     let recv = Proc::spawn(
         Command::new(bin).args([
             "receiver",
@@ -611,7 +621,7 @@ fn e2e() {
     let dir = std::env::temp_dir().join(unique("kvferry-attach-e2e"));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let bytes = E2E_REQUESTS * E2E_CHUNKS * E2E_CHUNK;
-    let window = E2E_SLOTS * E2E_CHUNK;
+    let window = e2e_slots() * E2E_CHUNK;
     println!(
         "\nattach end to end (Python worker -> kvferry sender -> shm -> kvferry receiver -> \
          Python decoder), {} MiB in {} KiB chunks, {} requests in flight, vs a single-thread \
