@@ -298,7 +298,16 @@ impl Region {
         // write into slots (never the header). Concurrent writes to slot bytes
         // are coordinated by the control plane, and we never form references
         // to slot memory that outlive a grant (see `slot_ptr`).
-        let mut map = unsafe { MmapOptions::new().len(len as usize).map_mut(&file) }.map_err(io)?;
+        // Populated (`MAP_POPULATE`): the pages are allocated and zeroed
+        // here, at start-up, not by the first transfers' page faults (for a
+        // 16 MiB buffer, 4096 faults in the copy engine's first pass).
+        let mut map = unsafe {
+            MmapOptions::new()
+                .len(len as usize)
+                .populate()
+                .map_mut(&file)
+        }
+        .map_err(io)?;
         write_header(&mut map, chunk_bytes, capacity_chunks);
         Ok(Self {
             data: data_of(&map),
@@ -343,8 +352,8 @@ impl Region {
                 // least that many), write only the header here, and slot
                 // bytes are touched only through raw pointers under
                 // control-plane grants, as for a file we create.
-                let mut map =
-                    unsafe { MmapOptions::new().len(map_len).map_mut(&file) }.map_err(io)?;
+                let mut map = unsafe { MmapOptions::new().len(map_len).populate().map_mut(&file) }
+                    .map_err(io)?;
                 write_header(&mut map, chunk_bytes, capacity_chunks);
                 Ok(Self {
                     data: data_of(&map),

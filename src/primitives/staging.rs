@@ -189,6 +189,8 @@ impl std::fmt::Debug for StagingBuffer {
 /// and nothing reads or writes it during the call (its old pages vanish).
 unsafe fn map_fresh_segment(at: *mut u8, len: u64) -> std::io::Result<File> {
     let file = memfd(len)?;
+    // Populated: the pages are allocated now, not by the first transfers'
+    // page faults (see `Region::create`).
     // SAFETY: the caller's contract covers the range; the memfd is ours and
     // sealed at `len`, so the mapping never reaches past its end.
     let p = unsafe {
@@ -196,7 +198,7 @@ unsafe fn map_fresh_segment(at: *mut u8, len: u64) -> std::io::Result<File> {
             at.cast(),
             len as usize,
             libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED | libc::MAP_FIXED,
+            libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_POPULATE,
             file.as_raw_fd(),
             0,
         )
