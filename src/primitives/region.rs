@@ -607,6 +607,29 @@ pub fn default_region_path() -> PathBuf {
 mod tests {
     use super::*;
 
+    /// Whether every page of `len` bytes at `p` (page-aligned) is resident,
+    /// by mincore(2).
+    fn resident(p: *mut u8, len: usize) -> bool {
+        let page = page_size();
+        let mut vec = vec![0u8; len.div_ceil(page)];
+        // SAFETY: `p..p + len` is one live mapping of the caller's; mincore
+        // writes one byte per page into `vec`, which has that many.
+        let rc = unsafe { libc::mincore(p.cast(), len, vec.as_mut_ptr()) };
+        assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+        vec.iter().all(|&v| v & 1 == 1)
+    }
+
+    #[test]
+    fn a_created_buffer_is_populated_before_any_transfer() {
+        let path = default_region_path();
+        let r = Region::create(&path, 64 << 10, 64).unwrap();
+        let p = r.slot_ptr(0).unwrap();
+        assert!(
+            resident(p, 64 * (64 << 10)),
+            "the slots would fault on the first transfers"
+        );
+    }
+
     #[test]
     fn create_open_roundtrip_and_checks() {
         let path = default_region_path();
