@@ -242,6 +242,20 @@ pub(crate) fn page_size() -> usize {
     usize::try_from(n).ok().filter(|&n| n > 0).unwrap_or(4096)
 }
 
+/// Whether every page of `len` bytes at `p` (page-aligned, one live
+/// mapping) is resident, by mincore(2); the tests' check that a buffer was
+/// populated.
+#[cfg(test)]
+pub(crate) fn resident(p: *mut u8, len: usize) -> bool {
+    let mut vec = vec![0u8; len.div_ceil(page_size())];
+    // SAFETY: mincore never dereferences `p` (it reads the page tables of
+    // the range; an unmapped one is ENOMEM, asserted below) and writes one
+    // byte per page of `len` into `vec`, which has that many.
+    let rc = unsafe { libc::mincore(p.cast(), len, vec.as_mut_ptr()) };
+    assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+    vec.iter().all(|&v| v & 1 == 1)
+}
+
 /// Writes the header of a `chunk_bytes` x `capacity_chunks` buffer.
 fn write_header(map: &mut MmapMut, chunk_bytes: u64, capacity_chunks: u64) {
     map[0..8].copy_from_slice(&REGION_MAGIC);
@@ -293,14 +307,14 @@ impl Region {
         };
         let file = open_locked(path).map_err(io)?;
         file.set_len(len).map_err(io)?;
+        // Populated (`MAP_POPULATE`): the pages are allocated and zeroed
+        // here, at start-up, not by the first transfers' page faults (for a
+        // 16 MiB buffer, 4096 faults in the copy engine's first pass).
         // SAFETY: the file was just created and sized by us; other processes
         // only map it after learning its path from our HelloAck, and they only
         // write into slots (never the header). Concurrent writes to slot bytes
         // are coordinated by the control plane, and we never form references
         // to slot memory that outlive a grant (see `slot_ptr`).
-        // Populated (`MAP_POPULATE`): the pages are allocated and zeroed
-        // here, at start-up, not by the first transfers' page faults (for a
-        // 16 MiB buffer, 4096 faults in the copy engine's first pass).
         let mut map = unsafe {
             MmapOptions::new()
                 .len(len as usize)
@@ -606,18 +620,6 @@ pub fn default_region_path() -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Whether every page of `len` bytes at `p` (page-aligned) is resident,
-    /// by mincore(2).
-    fn resident(p: *mut u8, len: usize) -> bool {
-        let page = page_size();
-        let mut vec = vec![0u8; len.div_ceil(page)];
-        // SAFETY: `p..p + len` is one live mapping of the caller's; mincore
-        // writes one byte per page into `vec`, which has that many.
-        let rc = unsafe { libc::mincore(p.cast(), len, vec.as_mut_ptr()) };
-        assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
-        vec.iter().all(|&v| v & 1 == 1)
-    }
 
     #[test]
     fn a_created_buffer_is_populated_before_any_transfer() {
