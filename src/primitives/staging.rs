@@ -235,10 +235,10 @@ fn memfd(len: u64) -> std::io::Result<File> {
     Ok(file)
 }
 
+/// The host's page size in bytes, as a `u64` for the length arithmetic
+/// here (`region::page_size`).
 fn page_size() -> u64 {
-    // SAFETY: sysconf takes no pointers.
-    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    u64::try_from(p).ok().filter(|&p| p > 0).unwrap_or(4096)
+    super::region::page_size() as u64
 }
 
 /// Slots per page-aligned unit for `slot_bytes`-byte slots (a share holds a
