@@ -39,7 +39,8 @@
 //!    decoder reads them in place and releases them; payload bytes per
 //!    second vs a single-thread memcpy of the same bytes (chunk by chunk,
 //!    between two buffers of the receive buffer's size) timed right before
-//!    and after. Both of the script's modes: `stamp` (the bytes move once,
+//!    and after. The receive buffer is a file under `/dev/shm` (the
+//!    receiver's default place) when there is one. Both of the script's modes: `stamp` (the bytes move once,
 //!    in the daemon's transport) and `full` (Python also writes every byte
 //!    into staging and copies every byte out).
 
@@ -541,8 +542,9 @@ fn memcpy_gibs(src: &[u8], dst: &mut [u8], bytes: usize, chunk: usize) -> f64 {
 }
 
 /// One end-to-end run in `mode`: GiB/s from the worker's start to the
-/// decoder's last release.
-fn python_e2e(mode: &str, dir: &Path) -> f64 {
+/// decoder's last release. Sockets go in `dir`, the receive buffer's file
+/// in `buf_dir`.
+fn python_e2e(mode: &str, dir: &Path, buf_dir: &Path) -> f64 {
     let bin = env!("CARGO_BIN_EXE_kvferry");
     let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/python");
     let rsock = dir.join(format!("{mode}-recv.sock"));
@@ -561,7 +563,8 @@ fn python_e2e(mode: &str, dir: &Path) -> f64 {
             "--attach",
             rsock.to_str().expect("utf-8 path"),
             "--shm-path",
-            dir.join(format!("{mode}-buf"))
+            buf_dir
+                .join(format!("{mode}-buf"))
                 .to_str()
                 .expect("utf-8 path"),
         ]),
@@ -620,6 +623,15 @@ fn e2e() {
     }
     let dir = std::env::temp_dir().join(unique("kvferry-attach-e2e"));
     std::fs::create_dir_all(&dir).expect("temp dir");
+    // The receive buffer in memory (tmpfs), as the receiver's default path
+    // is: a file on a disk-backed temp dir would be written back.
+    let shm = Path::new("/dev/shm");
+    let buf_dir = if shm.is_dir() {
+        shm.join(unique("kvferry-attach-e2e"))
+    } else {
+        dir.clone()
+    };
+    std::fs::create_dir_all(&buf_dir).expect("buffer dir");
     let bytes = E2E_REQUESTS * E2E_CHUNKS * E2E_CHUNK;
     let window = e2e_slots() * E2E_CHUNK;
     println!(
@@ -635,7 +647,7 @@ fn e2e() {
     for mode in ["stamp", "full"] {
         for _ in 0..3 {
             let before = memcpy_gibs(&src, &mut dst, bytes, E2E_CHUNK);
-            let kvf = python_e2e(mode, &dir);
+            let kvf = python_e2e(mode, &dir, &buf_dir);
             let after = memcpy_gibs(&src, &mut dst, bytes, E2E_CHUNK);
             let base = (before + after) / 2.0;
             println!(
@@ -646,6 +658,7 @@ fn e2e() {
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&buf_dir);
 }
 
 fn main() {
