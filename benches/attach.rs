@@ -39,10 +39,11 @@
 //!    decoder reads them in place and releases them; payload bytes per
 //!    second vs a single-thread memcpy of the same bytes (chunk by chunk,
 //!    between two buffers of the receive buffer's size) timed right before
-//!    and after. The receive buffer is a file under `/dev/shm` (the
-//!    receiver's default place) when there is one. Both of the script's modes: `stamp` (the bytes move once,
-//!    in the daemon's transport) and `full` (Python also writes every byte
-//!    into staging and copies every byte out).
+//!    and after. The receive buffer's file is at the receiver's default
+//!    place ([`default_region_path`]: `/dev/shm` if there is one). Both of
+//!    the script's modes: `stamp` (the bytes move once, in the daemon's
+//!    transport) and `full` (Python also writes every byte into staging and
+//!    copies every byte out).
 
 use std::hint::black_box;
 use std::io::{BufRead, BufReader};
@@ -55,6 +56,7 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, Criterion, Throughput};
 use kvferry::attach::{AttachConfig, DecoderClient, DecoderDaemon, Event};
 use kvferry::receiver::{Receiver, ReceiverConfig, RequestStatus};
+use kvferry::region::default_region_path;
 use kvferry::sender::{Sender, SenderConfig, TransferSpec};
 
 /// Bytes per chunk of bench 1.
@@ -542,33 +544,30 @@ fn memcpy_gibs(src: &[u8], dst: &mut [u8], bytes: usize, chunk: usize) -> f64 {
 }
 
 /// One end-to-end run in `mode`: GiB/s from the worker's start to the
-/// decoder's last release. Sockets go in `dir`, the receive buffer's file
-/// in `buf_dir`.
-fn python_e2e(mode: &str, dir: &Path, buf_dir: &Path) -> f64 {
+/// decoder's last release. Sockets go in `dir`; the receive buffer's file
+/// where the receiver would put it by default, removed after the run (the
+/// receiver is killed, so it does not remove it itself).
+fn python_e2e(mode: &str, dir: &Path) -> f64 {
     let bin = env!("CARGO_BIN_EXE_kvferry");
     let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/python");
     let rsock = dir.join(format!("{mode}-recv.sock"));
     let ssock = dir.join(format!("{mode}-send.sock"));
     let chunk = E2E_CHUNK.to_string();
     let slots = e2e_slots().to_string();
-    let recv = Proc::spawn(
-        Command::new(bin).args([
-            "receiver",
-            "--listen",
-            "tcp://127.0.0.1:0",
-            "--capacity-chunks",
-            &slots,
-            "--chunk-bytes",
-            &chunk,
-            "--attach",
-            rsock.to_str().expect("utf-8 path"),
-            "--shm-path",
-            buf_dir
-                .join(format!("{mode}-buf"))
-                .to_str()
-                .expect("utf-8 path"),
-        ]),
-    );
+    let buf = default_region_path();
+    let recv = Proc::spawn(Command::new(bin).args([
+        "receiver",
+        "--listen",
+        "tcp://127.0.0.1:0",
+        "--capacity-chunks",
+        &slots,
+        "--chunk-bytes",
+        &chunk,
+        "--attach",
+        rsock.to_str().expect("utf-8 path"),
+        "--shm-path",
+        buf.to_str().expect("utf-8 path"),
+    ]));
     let endpoint = recv.line("kvferry receiver listening on ", "kvferry receiver");
     recv.line("kvferry receiver attach on ", "kvferry receiver");
     let send = Proc::spawn(Command::new(bin).args([
@@ -614,6 +613,7 @@ fn python_e2e(mode: &str, dir: &Path, buf_dir: &Path) -> f64 {
     let (t0, _, _) = times(&pf, "prefill");
     let (_, t1, bytes) = times(&dec, "decoder");
     drop((pf, dec, send, recv));
+    let _ = std::fs::remove_file(&buf);
     bytes / (t1 - t0) / f64::from(1u32 << 30)
 }
 
@@ -623,15 +623,6 @@ fn e2e() {
     }
     let dir = std::env::temp_dir().join(unique("kvferry-attach-e2e"));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    // The receive buffer in memory (tmpfs), as the receiver's default path
-    // is: a file on a disk-backed temp dir would be written back.
-    let shm = Path::new("/dev/shm");
-    let buf_dir = if shm.is_dir() {
-        shm.join(unique("kvferry-attach-e2e"))
-    } else {
-        dir.clone()
-    };
-    std::fs::create_dir_all(&buf_dir).expect("buffer dir");
     let bytes = E2E_REQUESTS * E2E_CHUNKS * E2E_CHUNK;
     let window = e2e_slots() * E2E_CHUNK;
     println!(
@@ -647,7 +638,7 @@ fn e2e() {
     for mode in ["stamp", "full"] {
         for _ in 0..3 {
             let before = memcpy_gibs(&src, &mut dst, bytes, E2E_CHUNK);
-            let kvf = python_e2e(mode, &dir, &buf_dir);
+            let kvf = python_e2e(mode, &dir);
             let after = memcpy_gibs(&src, &mut dst, bytes, E2E_CHUNK);
             let base = (before + after) / 2.0;
             println!(
@@ -658,7 +649,6 @@ fn e2e() {
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
-    let _ = std::fs::remove_dir_all(&buf_dir);
 }
 
 fn main() {
