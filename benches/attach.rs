@@ -1,6 +1,9 @@
 //! Attach from another process (`docs/attach.md`), each figure against a
 //! baseline in the same run (read the ratios; the machine is a shared,
-//! noisy 2-vCPU VM).
+//! noisy 2-vCPU VM). The interleaved summary and each end-to-end line
+//! say the VM's steal time over their run (`/proc/stat`): at tens of
+//! percent the hypervisor stops a vCPU for milliseconds at a time, and
+//! the tails (and often the medians) are the host's, not kvferry's.
 //!
 //! `cargo bench --bench attach -- --warm-up-time 1 --measurement-time 3`
 //!
@@ -330,12 +333,44 @@ fn ratio_summary(ratios: &mut [f64]) -> String {
     )
 }
 
+/// The CPU time counters of `/proc/stat`'s first line (all CPUs, in
+/// ticks): `user nice system idle iowait irq softirq steal …`.
+fn cpu_ticks() -> Option<Vec<u64>> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = stat.lines().next()?.strip_prefix("cpu ")?;
+    line.split_whitespace().map(|f| f.parse().ok()).collect()
+}
+
+/// "VM steal N %": the share of CPU time the hypervisor gave to other
+/// guests since `before` (`cpu_ticks`), so a reader knows when the
+/// figures next to it were taken on a starved VM (the project's VMs have
+/// shown 0-40 %); "VM steal unknown" where `/proc/stat` says nothing.
+fn steal_since(before: &Option<Vec<u64>>) -> String {
+    let (Some(a), Some(b)) = (before, cpu_ticks()) else {
+        return "VM steal unknown".into();
+    };
+    let d: Vec<u64> = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| y.saturating_sub(*x))
+        .collect();
+    // The first eight: guest and guest_nice (9-10) are counted in user.
+    let total: u64 = d.iter().take(8).sum();
+    match d.get(7) {
+        Some(steal) if total > 0 => {
+            format!("VM steal {:.0} %", 100.0 * *steal as f64 / total as f64)
+        }
+        _ => "VM steal unknown".into(),
+    }
+}
+
 /// Bench 1 again, its paths alternating round by round, then the rings'
 /// floor (module docs).
 fn rtt_interleaved() {
     let rig = Rig::new();
     let mut attached = Attached::new(&rig);
     pin_apart_if_asked();
+    let ticks = cpu_ticks();
     let per_request = |d: Duration| d.as_secs_f64() * 1e6 / RTT_ROUND as f64;
     let (mut inp, mut att, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
     let (mut tf, mut ratio_tf) = (Vec::new(), Vec::new());
@@ -375,9 +410,10 @@ fn rtt_interleaved() {
     };
     let (a, b) = (median(&mut inp), median(&mut att));
     println!(
-        "\nattach_rtt interleaved ({RTT_PAIRS} rounds of {RTT_ROUND} requests per path): \
+        "\nattach_rtt interleaved ({RTT_PAIRS} rounds of {RTT_ROUND} requests per path, {}): \
          in_process {a:.2} µs, attached {b:.2} µs per request (medians); \
          attached / in_process: {}",
+        steal_since(&ticks),
         ratio_summary(&mut ratio)
     );
     let t = median(&mut tf);
@@ -637,14 +673,16 @@ fn e2e() {
     let mut dst = vec![0x44u8; window];
     for mode in ["stamp", "full"] {
         for _ in 0..3 {
+            let ticks = cpu_ticks();
             let before = memcpy_gibs(&src, &mut dst, bytes, E2E_CHUNK);
             let kvf = python_e2e(mode, &dir);
             let after = memcpy_gibs(&src, &mut dst, bytes, E2E_CHUNK);
             let base = (before + after) / 2.0;
             println!(
                 "  {mode:5}: kvferry {kvf:6.2} GiB/s, memcpy {base:6.2} GiB/s \
-                 (before {before:.2}, after {after:.2}), ratio {:.2}",
-                kvf / base
+                 (before {before:.2}, after {after:.2}), ratio {:.2} ({})",
+                kvf / base,
+                steal_since(&ticks)
             );
         }
     }

@@ -2,7 +2,7 @@
 //! requests, read their chunks in place from the read-only receive buffer,
 //! release them.
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt};
 use std::fs::File;
 use std::io::{self, Write};
 use std::os::unix::net::UnixStream;
@@ -475,9 +475,13 @@ impl DecoderClient {
         let bad = |what: &str| AttachError::Protocol(format!("{what}: {ev:?}"));
         match ev.kind {
             EV_READY => {
-                let req_id = match self.tags.get(&ev.tag) {
-                    Some(TagState::Subscribed(req_id)) if ev.b == 0 => req_id.clone(),
-                    None if ev.tag & DAEMON_TAG != 0 && self.wild_ever => self.read_name(&ev)?,
+                // A subscription's name moves out of its entry below, once
+                // the delivery is whole; a wildcard delivery's comes next.
+                let named = match self.tags.get(&ev.tag) {
+                    Some(TagState::Subscribed(_)) if ev.b == 0 => None,
+                    None if ev.tag & DAEMON_TAG != 0 && self.wild_ever => {
+                        Some(self.read_name(&ev)?)
+                    }
                     _ => return Err(bad("READY for a tag not subscribed")),
                 };
                 let (slots, chunk_bytes) = (self.hello.slots, self.hello.chunk_bytes);
@@ -493,7 +497,12 @@ impl DecoderClient {
                     })?;
                 let serial = self.next_serial;
                 self.next_serial += 1;
-                self.tags.insert(ev.tag, TagState::Held(serial));
+                let held = TagState::Held(serial);
+                let req_id = match (named, self.tags.insert(ev.tag, held)) {
+                    (Some(name), _) => name,
+                    (None, Some(TagState::Subscribed(req_id))) => req_id,
+                    _ => return Err(bad("READY for a tag not subscribed")),
+                };
                 Ok(Some(Event::Ready(Delivery {
                     tag: ev.tag,
                     serial,

@@ -20,7 +20,6 @@ use std::cell::Cell;
 use std::time::{Duration, Instant};
 
 use kvferry_ring::backoff::DEFAULT_SPIN_ROUNDS;
-use kvferry_ring::{Backoff, Step};
 
 /// How long a session or client keeps yielding before it sleeps, after its
 /// spin: longer than the other side's turnaround in a tight loop (a few
@@ -38,18 +37,18 @@ thread_local! {
 }
 
 /// Returns true as soon as `ready()` does, false once [`LINGER`] of
-/// yielding passed without it. Spins first ([`Backoff`], this thread's
-/// adapted number of rounds), then yields the CPU between checks.
+/// yielding passed without it. Spins first (`2^rounds` pause
+/// instructions, this thread's adapted number of rounds, checking after
+/// each: the other side's answer is seen within one pause, where
+/// [`Backoff`](kvferry_ring::Backoff)'s doubling rounds would check only
+/// every 2, 4, … 32 of them), then yields the CPU between checks.
 pub(super) fn linger(mut ready: impl FnMut() -> bool) -> bool {
     let spin = SPIN_ROUNDS.get();
-    let mut backoff = Backoff::with_limits(spin, 0);
-    loop {
+    for _ in 0..(1u32 << spin) {
         if ready() {
             return true;
         }
-        if backoff.snooze() == Step::ShouldPark {
-            break;
-        }
+        std::hint::spin_loop();
     }
     // The first yield, timed: it alone adapts the spin.
     let start = Instant::now();

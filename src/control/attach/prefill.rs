@@ -12,7 +12,7 @@
 //! left) its batches not submitted give their slots back, its live requests
 //! are cancelled (fenced, like any cancel) and its share goes back.
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt};
 use std::io;
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::net::UnixStream;

@@ -2,7 +2,7 @@
 //! requests, fill staged slots in place in the shared staging buffer and
 //! submit them with their keys.
 
-use std::collections::{HashMap, HashSet};
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use std::fs::File;
 use std::os::unix::net::UnixStream;
 use std::path::Path;

@@ -3,7 +3,7 @@
 //! its socket closes (the lease) or the daemon stops. Everything the client
 //! held is released when the session ends.
 
-use std::collections::{HashMap, HashSet};
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use std::io;
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::net::UnixStream;
@@ -35,7 +35,7 @@ pub(super) struct Decoders {
     /// `req_id`s subscribed by any client or delivered to a wildcard (one
     /// subscriber per request), at most `max_clients * max_outstanding`
     /// entries.
-    subscribed: Mutex<HashSet<String>>,
+    subscribed: Mutex<HashSet<Arc<str>>>,
     /// The receiver's feed of ready requests while any client has a
     /// wildcard subscription.
     wild: Mutex<Wild>,
@@ -138,7 +138,8 @@ enum Sub {
 }
 
 struct Entry {
-    req_id: String,
+    /// Shared with the daemon's `subscribed` set: one copy per request.
+    req_id: Arc<str>,
     sub: Sub,
     /// A wildcard delivery: its READY carries the `req_id` (NAME entries).
     named: bool,
@@ -252,7 +253,8 @@ impl Session {
         if !self.has_room() {
             return self.refuse(s.tag, Refusal::TooManyOutstanding);
         }
-        if !self.shared.role.subscribed.lock().insert(req_id.to_owned()) {
+        let id: Arc<str> = Arc::from(req_id);
+        if !self.shared.role.subscribed.lock().insert(Arc::clone(&id)) {
             return self.refuse(s.tag, Refusal::AlreadySubscribed);
         }
         // A request that is complete already (a decoder subscribing to one
@@ -278,7 +280,7 @@ impl Session {
         self.tags.insert(
             s.tag,
             Entry {
-                req_id: req_id.to_owned(),
+                req_id: id,
                 sub,
                 named: false,
             },
@@ -366,13 +368,20 @@ impl Session {
         let (wtag, feed) = (*wtag, Arc::clone(feed));
         while self.has_room() && self.cq.outbox.is_empty() {
             let Some(req_id) = feed.pop() else { break };
+            let req_id: Arc<str> = req_id.into();
             // Longer ids are not nameable by a SUBSCRIBE either: they stay
             // in the receiver.
             if req_id.len() > MAX_REQ_ID {
                 continue;
             }
             // A req_id subscription (or another wildcard) has it.
-            if !self.shared.role.subscribed.lock().insert(req_id.clone()) {
+            if !self
+                .shared
+                .role
+                .subscribed
+                .lock()
+                .insert(Arc::clone(&req_id))
+            {
                 continue;
             }
             let names = req_id.len().div_ceil(NAME_PART);
@@ -380,7 +389,7 @@ impl Session {
                 Ok(chunks) if chunks.len() + 1 + names <= self.cq.ring.capacity() => {
                     let tag = DAEMON_TAG | self.next_delivery;
                     self.next_delivery = (self.next_delivery + 1) & !DAEMON_TAG;
-                    tracing::debug!(tag, req_id, "claimed by the wildcard");
+                    tracing::debug!(tag, req_id = &*req_id, "claimed by the wildcard");
                     self.tags.insert(
                         tag,
                         Entry {
@@ -394,13 +403,13 @@ impl Session {
                     );
                 }
                 Ok(_) => {
-                    self.shared.role.subscribed.lock().remove(&req_id);
+                    self.shared.role.subscribed.lock().remove(&*req_id);
                     self.refuse(wtag, Refusal::TooManyChunks);
                 }
                 Err(e) => {
                     // Taken by id in process, ambiguous, an LMCache request.
-                    tracing::debug!(req_id, error = %e, "wildcard: take refused");
-                    self.shared.role.subscribed.lock().remove(&req_id);
+                    tracing::debug!(req_id = &*req_id, error = %e, "wildcard: take refused");
+                    self.shared.role.subscribed.lock().remove(&*req_id);
                 }
             }
         }
@@ -414,7 +423,7 @@ impl Session {
         match self.tags.remove(&tag) {
             Some(e) => {
                 tracing::debug!(tag, req_id = %e.req_id, "released");
-                self.shared.role.subscribed.lock().remove(&e.req_id);
+                self.shared.role.subscribed.lock().remove(&*e.req_id);
             }
             None => self.refuse(tag, Refusal::UnknownTag),
         }
@@ -459,7 +468,7 @@ impl Session {
             RequestStatus::ShutDown => Ok(ErrorCode::ShuttingDown),
         };
         if let Some(e) = self.tags.remove(&tag) {
-            self.shared.role.subscribed.lock().remove(&e.req_id);
+            self.shared.role.subscribed.lock().remove(&*e.req_id);
         }
         match failed {
             Ok(code) => self
@@ -526,7 +535,7 @@ impl Drop for Session {
         {
             let mut subscribed = self.shared.role.subscribed.lock();
             for e in &entries {
-                subscribed.remove(&e.req_id);
+                subscribed.remove(&*e.req_id);
             }
         }
         // Outside the subscription lock: dropping a held request's chunks
