@@ -374,6 +374,52 @@ fn many_waiting_subscriptions_ending_together_are_each_delivered_once() {
     wait_for("every slot back", || allocated(&r) == 0);
 }
 
+/// Complete requests subscribed while the completion ring is full wait in
+/// the session and are delivered oldest first as the client makes room;
+/// one the client unsubscribes meanwhile is never delivered, and its
+/// slots come back.
+#[test]
+fn deliveries_waiting_for_ring_room_go_out_oldest_first_and_a_released_one_never() {
+    const N: usize = 8;
+    const DROPPED: usize = 5;
+    let dir = TempDir::new("kvferry-attach");
+    let r = Arc::new(receiver(16));
+    // Room for two one-chunk deliveries (READY + CHUNK each).
+    let _d = daemon(&r, &dir.sock(), |cfg| cfg.cq_capacity = 4);
+    let s = sender(sender_cfg(16, None));
+    let ids: Vec<String> = (0..N).map(|i| format!("queued-{i}")).collect();
+    for (i, id) in ids.iter().enumerate() {
+        store(&s, r.endpoint(), id, 1, i + 1);
+        r.wait_ready(id, deadline()).expect("ready");
+    }
+    let mut c = connect(&dir.sock());
+    let tags: Vec<u64> = ids.iter().map(|id| c.subscribe(id).unwrap()).collect();
+    // Nothing read yet: the first two are on the ring, the rest wait in
+    // the session (each taken, so its slot is held).
+    c.unsubscribe(tags[DROPPED]).unwrap();
+    let mut got = Vec::new();
+    while got.len() < N - 1 {
+        match next(&mut c, &format!("delivery {} of {}", got.len() + 1, N - 1)) {
+            Event::Ready(d) => {
+                let i = tags.iter().position(|t| *t == d.tag()).expect("our tag");
+                verify(&c, &d, 1, i + 1);
+                got.push(i);
+                c.release(d).unwrap();
+            }
+            other => panic!("expected READY, got {other:?}"),
+        }
+    }
+    let want: Vec<usize> = (0..N).filter(|i| *i != DROPPED).collect();
+    assert_eq!(
+        got, want,
+        "delivered in the order taken, the released one not at all"
+    );
+    fence(&mut c);
+    wait_for("every slot back, the unsubscribed one's too", || {
+        allocated(&r) == 0
+    });
+}
+
 #[test]
 fn past_max_clients_a_new_attachment_is_refused() {
     let dir = TempDir::new("kvferry-attach");

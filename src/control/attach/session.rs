@@ -4,6 +4,7 @@
 //! held is released when the session ends.
 
 use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
+use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::net::UnixStream;
@@ -118,6 +119,7 @@ impl Role for Decoders {
             sq: rings.sq,
             cq: rings.cq,
             tags: HashMap::with_capacity(shared.cfg.max_outstanding),
+            unposted: VecDeque::with_capacity(shared.cfg.max_outstanding),
             waiting: Vec::with_capacity(shared.cfg.max_outstanding),
             scratch: Vec::new(),
             inbox: vec![DecoderSubmit::release(0); sq_cap],
@@ -153,6 +155,11 @@ pub(super) struct Session {
     /// Single events (FAILED, REFUSED) wait in its outbox for room.
     cq: Completions<DecoderEvent>,
     tags: HashMap<u64, Entry>,
+    /// The tags of the `Sub::Taken { posted: false }` entries, oldest
+    /// first: exactly those (a RELEASE of one removes it here too), so at
+    /// most `max_outstanding`. Posted in this order, without a walk over
+    /// every tag per wake-up.
+    unposted: VecDeque<u64>,
     /// Signalled by every `Sub::Waiting` handle of this session when its
     /// request ends: one descriptor to poll, however many are waiting.
     ended: Arc<EventFd>,
@@ -175,11 +182,7 @@ impl Serve for Session {
     }
 
     fn interest(&mut self, fds: &mut Vec<libc::pollfd>) -> bool {
-        let retry = !self.cq.outbox.is_empty()
-            || self
-                .tags
-                .values()
-                .any(|e| matches!(e.sub, Sub::Taken { posted: false, .. }));
+        let retry = !self.cq.outbox.is_empty() || !self.unposted.is_empty();
         // First (`wake` reads its revents at index 0).
         fds.push(readable(self.ended.as_fd().as_raw_fd()));
         // Polled only while the client has room, so a full client does not
@@ -277,6 +280,9 @@ impl Session {
         };
         tracing::debug!(tag = s.tag, req_id, "subscribed");
         let waiting = matches!(sub, Sub::Waiting(_));
+        if !waiting {
+            self.unposted.push_back(s.tag);
+        }
         self.tags.insert(
             s.tag,
             Entry {
@@ -390,6 +396,7 @@ impl Session {
                     let tag = DAEMON_TAG | self.next_delivery;
                     self.next_delivery = (self.next_delivery + 1) & !DAEMON_TAG;
                     tracing::debug!(tag, req_id = &*req_id, "claimed by the wildcard");
+                    self.unposted.push_back(tag);
                     self.tags.insert(
                         tag,
                         Entry {
@@ -423,6 +430,11 @@ impl Session {
         match self.tags.remove(&tag) {
             Some(e) => {
                 tracing::debug!(tag, req_id = %e.req_id, "released");
+                if matches!(e.sub, Sub::Taken { posted: false, .. }) {
+                    // Released before its READY was posted (a client that
+                    // does not wait for it).
+                    self.unposted.retain(|t| *t != tag);
+                }
                 self.shared.role.subscribed.lock().remove(&*e.req_id);
             }
             None => self.refuse(tag, Refusal::UnknownTag),
@@ -458,6 +470,7 @@ impl Session {
                         chunks,
                         posted: false,
                     };
+                    self.unposted.push_back(tag);
                     return;
                 }
                 // Ready, yet nothing to take: taken by id in process.
@@ -478,27 +491,37 @@ impl Session {
         }
     }
 
-    /// Posts every taken request that is not on the ring yet and fits.
+    /// Posts the taken requests not on the ring yet, oldest first, while
+    /// they fit.
     fn post_taken(&mut self) {
         if !self.cq.outbox.is_empty() {
             return;
         }
-        for (tag, e) in self.tags.iter_mut() {
-            let Sub::Taken { chunks, posted } = &mut e.sub else {
+        while let Some(&tag) = self.unposted.front() {
+            let Some(Entry {
+                req_id,
+                sub: Sub::Taken { chunks, posted },
+                named,
+            }) = self.tags.get_mut(&tag)
+            else {
+                // Not reachable (`unposted` holds exactly the unposted
+                // entries); dropped rather than trusted.
+                self.unposted.pop_front();
                 continue;
             };
             if *posted {
+                self.unposted.pop_front();
                 continue;
             }
             self.scratch.clear();
-            let mut ready = DecoderEvent::of(EV_READY, *tag, 0);
+            let mut ready = DecoderEvent::of(EV_READY, tag, 0);
             ready.a = chunks.len() as u32;
-            if e.named {
+            if *named {
                 // At most MAX_REQ_ID bytes (claim_wild).
-                ready.b = e.req_id.len() as u32;
+                ready.b = req_id.len() as u32;
                 self.scratch.push(ready);
-                for part in e.req_id.as_bytes().chunks(NAME_PART) {
-                    self.scratch.push(DecoderEvent::name_part(*tag, part));
+                for part in req_id.as_bytes().chunks(NAME_PART) {
+                    self.scratch.push(DecoderEvent::name_part(tag, part));
                 }
             } else {
                 self.scratch.push(ready);
@@ -507,7 +530,7 @@ impl Session {
                 self.scratch.push(DecoderEvent {
                     kind: EV_CHUNK,
                     code: 0,
-                    tag: *tag,
+                    tag,
                     a: c.slot(),
                     b: i as u32,
                     // A slot holds at most chunk_bytes, which the receiver
@@ -523,7 +546,8 @@ impl Session {
             batch.fill_from(&self.scratch);
             batch.commit();
             *posted = true;
-            tracing::debug!(tag, req_id = %e.req_id, chunks = chunks.len(), "delivered");
+            self.unposted.pop_front();
+            tracing::debug!(tag, req_id = %req_id, chunks = chunks.len(), "delivered");
         }
     }
 }
