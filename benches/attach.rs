@@ -30,7 +30,11 @@
 //!    the session awake (one untimed submission wakes it right before the
 //!    timed round), is the steady state of a busy decoder. Last, the rings'
 //!    floor (a RELEASE of an unknown tag answered REFUSED: the hand-offs
-//!    and the session round without the receiver's work). All three of a round run within a
+//!    and the session round without the receiver's work). Then
+//!    `in_process_take` and attached-awake again over requests of
+//!    [`MULTI_CHUNKS`] chunks, per chunk: the ring's cost per request
+//!    spread over a request as a decoder usually gets it (the one-chunk
+//!    rounds are the worst case, and the figure the target is read from). All three of a round run within a
 //!    few milliseconds of each other, so a burst of load on the shared VM
 //!    hits all of them, where
 //!    criterion's groups run one path for seconds, then the other.
@@ -121,15 +125,15 @@ impl Rig {
         }
     }
 
-    /// Writes `n` complete one-chunk requests and waits until the receiver
-    /// has them all; returns their ids.
-    fn fill(&self, n: usize) -> Vec<String> {
+    /// Writes `n` complete requests of `chunks` chunks each and waits
+    /// until the receiver has them all; returns their ids.
+    fn fill(&self, n: usize, chunks: usize) -> Vec<String> {
         let ids: Vec<String> = (0..n).map(|_| unique("rtt")).collect();
+        let payloads = vec![self.payload.as_slice(); chunks];
         for id in &ids {
-            let spec = TransferSpec::new(id, self.receiver.endpoint(), 1, true);
-            self.sender
-                .store(&spec, &[format!("{id}/0")], &[&self.payload])
-                .expect("stored");
+            let spec = TransferSpec::new(id, self.receiver.endpoint(), chunks, true);
+            let keys: Vec<String> = (0..chunks).map(|i| format!("{id}/{i}")).collect();
+            self.sender.store(&spec, &keys, &payloads).expect("stored");
         }
         for id in &ids {
             self.receiver
@@ -156,7 +160,14 @@ fn consume_in_process(r: &Receiver, ids: &[String]) {
         let h = r.watch(id).expect("watch");
         assert_eq!(h.status(), RequestStatus::Ready);
         let chunks = r.take(id).expect("take");
-        black_box(chunks.get(0).expect("one chunk").bytes()[0]);
+        read_each(&chunks);
+    }
+}
+
+/// Reads one byte of every chunk of a taken request, in place.
+fn read_each(chunks: &kvferry::receiver::RequestChunks) {
+    for i in 0..chunks.len() {
+        black_box(chunks.get(i).expect("in range").bytes()[0]);
     }
 }
 
@@ -166,7 +177,7 @@ fn consume_in_process(r: &Receiver, ids: &[String]) {
 fn consume_in_process_take_first(r: &Receiver, ids: &[String]) {
     for id in ids {
         let chunks = r.take(id).expect("complete: fill waited for it");
-        black_box(chunks.get(0).expect("one chunk").bytes()[0]);
+        read_each(&chunks);
     }
 }
 
@@ -177,7 +188,9 @@ fn consume_attached(c: &mut DecoderClient, ids: &[String]) {
         match c.next_event(deadline()).expect("an event") {
             Event::Ready(d) => {
                 assert_eq!(d.tag(), tag);
-                black_box(c.chunk(&d, 0).expect("chunk")[0]);
+                for i in 0..d.chunks().len() {
+                    black_box(c.chunk(&d, i).expect("chunk")[0]);
+                }
                 c.release(d).expect("release");
             }
             other => panic!("expected READY for {id}, got {other:?}"),
@@ -259,8 +272,13 @@ fn rtt(c: &mut Criterion) {
     group.finish();
 }
 
-/// Rounds of [`rtt_interleaved`] (each: the three paths once).
+/// Rounds of [`rtt_interleaved`] (each: every path once).
 const RTT_PAIRS: usize = 60;
+
+/// Chunks per request of [`rtt_interleaved`]'s multi-chunk paths (a
+/// request as a decoder usually gets it, against bench 1's worst case of
+/// one chunk, where the per-request costs are all per chunk).
+const MULTI_CHUNKS: usize = 8;
 
 /// Pins thread `tid` (0: the calling thread) to `cpu`.
 fn pin(tid: libc::pid_t, cpu: usize) {
@@ -375,6 +393,8 @@ fn rtt_interleaved() {
     let (mut inp, mut att, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
     let (mut tf, mut ratio_tf) = (Vec::new(), Vec::new());
     let (mut awake, mut ratio_awake, mut floor) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut m_take, mut m_awake, mut m_ratio) = (Vec::new(), Vec::new(), Vec::new());
+    let per_chunk = |d: Duration| d.as_secs_f64() * 1e6 / RTT_ROUND as f64;
     // One untimed round first (page faults, first wake-ups).
     for pair in 0..=RTT_PAIRS {
         let a = timed_rounds(&rig, RTT_ROUND as u64, |ids| {
@@ -386,7 +406,12 @@ fn rtt_interleaved() {
         let c = timed_rounds(&rig, RTT_ROUND as u64, |ids| {
             consume_in_process_take_first(&rig.receiver, ids)
         });
-        let d = timed_awake_rounds(&rig, RTT_ROUND as u64, &mut attached.client);
+        let d = timed_awake_rounds(&rig, RTT_ROUND as u64, 1, &mut attached.client);
+        let multi = (RTT_ROUND / MULTI_CHUNKS) as u64;
+        let mc = timed_rounds_of(&rig, multi, MULTI_CHUNKS, |ids| {
+            consume_in_process_take_first(&rig.receiver, ids)
+        });
+        let md = timed_awake_rounds(&rig, multi, MULTI_CHUNKS, &mut attached.client);
         // The floor with the session awake (it lingers after the last
         // round's RELEASEs).
         let ids: Vec<String> = (0..RTT_ROUND).map(|i| i.to_string()).collect();
@@ -397,6 +422,9 @@ fn rtt_interleaved() {
             awake.push(per_request(d));
             ratio_awake.push(d.as_secs_f64() / c.as_secs_f64());
             floor.push(per_request(f));
+            m_take.push(per_chunk(mc));
+            m_awake.push(per_chunk(md));
+            m_ratio.push(md.as_secs_f64() / mc.as_secs_f64());
             inp.push(per_request(a));
             att.push(per_request(b));
             tf.push(per_request(c));
@@ -432,6 +460,13 @@ fn rtt_interleaved() {
          two hand-offs and a session round, no receiver work) {:.2} µs",
         median(&mut floor)
     );
+    let (t, w) = (median(&mut m_take), median(&mut m_awake));
+    println!(
+        "  {MULTI_CHUNKS}-chunk requests (rounds of {RTT_ROUND} chunks), per chunk: \
+         in_process_take {t:.2} µs, attached with the session awake {w:.2} µs; \
+         attached awake / in_process_take: {}",
+        ratio_summary(&mut m_ratio)
+    );
 }
 
 /// [`timed_rounds`] of the attached path with the session awake: right
@@ -440,8 +475,8 @@ fn rtt_interleaved() {
 /// RELEASE of an unknown tag wakes it, so the round measures the steady
 /// state of a busy decoder; [`timed_rounds`] of [`consume_attached`] also
 /// pays the doorbell wake-up of a sleeping session once per round.
-fn timed_awake_rounds(rig: &Rig, iters: u64, c: &mut DecoderClient) -> Duration {
-    rounds(rig, iters, |ids| {
+fn timed_awake_rounds(rig: &Rig, iters: u64, chunks: usize, c: &mut DecoderClient) -> Duration {
+    rounds(rig, iters, chunks, |ids| {
         ring_floor(c, &ids[..1]);
         let t = Instant::now();
         consume_attached(c, ids);
@@ -449,26 +484,42 @@ fn timed_awake_rounds(rig: &Rig, iters: u64, c: &mut DecoderClient) -> Duration 
     })
 }
 
-/// Runs `consume` over `iters` requests in rounds of [`RTT_ROUND`], timing
-/// only the consumption.
-fn timed_rounds(rig: &Rig, iters: u64, mut consume: impl FnMut(&[String])) -> Duration {
-    rounds(rig, iters, |ids| {
+/// Runs `consume` over `iters` one-chunk requests in rounds of
+/// [`RTT_ROUND`], timing only the consumption.
+fn timed_rounds(rig: &Rig, iters: u64, consume: impl FnMut(&[String])) -> Duration {
+    timed_rounds_of(rig, iters, 1, consume)
+}
+
+/// [`timed_rounds`] of requests of `chunks` chunks ([`RTT_ROUND`] chunks
+/// per round).
+fn timed_rounds_of(
+    rig: &Rig,
+    iters: u64,
+    chunks: usize,
+    mut consume: impl FnMut(&[String]),
+) -> Duration {
+    rounds(rig, iters, chunks, |ids| {
         let t = Instant::now();
         consume(ids);
         t.elapsed()
     })
 }
 
-/// Fills the receiver with `iters` requests in rounds of [`RTT_ROUND`]
-/// (untimed, each once the last round's slots are back) and sums what
-/// `round` says it measured of each.
-fn rounds(rig: &Rig, iters: u64, mut round: impl FnMut(&[String]) -> Duration) -> Duration {
+/// Fills the receiver with `iters` requests of `chunks` chunks in rounds
+/// of [`RTT_ROUND`] chunks (untimed, each once the last round's slots are
+/// back) and sums what `round` says it measured of each.
+fn rounds(
+    rig: &Rig,
+    iters: u64,
+    chunks: usize,
+    mut round: impl FnMut(&[String]) -> Duration,
+) -> Duration {
     let mut total = Duration::ZERO;
     let mut left = iters as usize;
     while left > 0 {
-        let n = left.min(RTT_ROUND);
+        let n = left.min(RTT_ROUND / chunks);
         rig.drained();
-        let ids = rig.fill(n);
+        let ids = rig.fill(n, chunks);
         total += round(&ids);
         left -= n;
     }
