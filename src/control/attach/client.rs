@@ -19,7 +19,7 @@ use super::layout::{
     EV_CHUNK, EV_FAILED, EV_NAME, EV_READY, EV_REFUSED, HELLO_FDS, HELLO_LEN, MAX_REQ_ID,
     NAME_PART, NO_TOKENS, OP_SUBSCRIBE_ALL, ROLE_DECODER, STATUS_OK,
 };
-use super::linger::linger;
+use super::linger::{linger, slept};
 use crate::protocol::ErrorCode;
 
 /// Errors of a [`DecoderClient`].
@@ -235,8 +235,10 @@ pub(super) fn next_entry(
         if linger(|| !cq.is_empty()) {
             continue;
         }
+        let asleep = Instant::now();
         match cq.wait(Some(deadline)) {
-            WaitStatus::Ready => {}
+            // The sleep after a failed linger: it adapts the next one.
+            WaitStatus::Ready => slept(asleep.elapsed()),
             WaitStatus::Closed => return Err(AttachError::Closed),
             WaitStatus::TimedOut => return Err(AttachError::Timeout),
         }

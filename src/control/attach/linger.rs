@@ -15,6 +15,18 @@
 //! likely the other side, and the thread spins one round less next time.
 //! A yield that returns at once (nobody else wanted the CPU) earns a round
 //! back, up to the project's default.
+//!
+//! The linger itself adapts too. A wake-up on a starved VM can take longer
+//! than [`LINGER`] (70-90 µs measured, at 30 % steal): then, once one side
+//! slept, each side sleeps before the other's answer arrives, and every
+//! hand-off pays a wake-up from then on, a slow mode that a busy pair
+//! never leaves by itself (traced: 165 µs per request, against 4 µs
+//! before it fell in). A sleep that the other side ended soon after it
+//! began (shorter than [`LINGER_MAX`]) means the thread gave up too
+//! early: it lingers twice that sleep next time, up to [`LINGER_MAX`]. A
+//! long sleep (the other side was idle) brings it back to [`LINGER`], so
+//! an idle engine spends at most [`LINGER_MAX`] yielding per side before
+//! it sleeps.
 
 use std::cell::Cell;
 use std::time::{Duration, Instant};
@@ -24,7 +36,13 @@ use kvferry_ring::backoff::DEFAULT_SPIN_ROUNDS;
 /// How long a session or client keeps yielding before it sleeps, after its
 /// spin: longer than the other side's turnaround in a tight loop (a few
 /// µs), far shorter than anything a person or a poll interval would notice.
+/// The least of the adapted linger (module docs).
 pub(super) const LINGER: Duration = Duration::from_micros(50);
+
+/// The most a thread lingers, after sleeps that the other side ended
+/// within this (module docs); also the sleep past which it lingers
+/// [`LINGER`] again.
+pub(super) const LINGER_MAX: Duration = Duration::from_millis(1);
 
 /// A `sched_yield` that returns later than this ran another thread in
 /// between (a bare yield costs well under 1 µs here).
@@ -34,10 +52,13 @@ thread_local! {
     /// This thread's spin rounds before its first yield (see the module
     /// docs), between 0 and [`DEFAULT_SPIN_ROUNDS`].
     static SPIN_ROUNDS: Cell<u32> = const { Cell::new(DEFAULT_SPIN_ROUNDS) };
+    /// This thread's linger, between [`LINGER`] and [`LINGER_MAX`].
+    static LINGER_NOW: Cell<Duration> = const { Cell::new(LINGER) };
 }
 
-/// Returns true as soon as `ready()` does, false once [`LINGER`] of
-/// yielding passed without it. Spins first (`2^rounds` pause
+/// Returns true as soon as `ready()` does, false once this thread's linger
+/// ([`LINGER`] to [`LINGER_MAX`], see [`slept`]) of yielding passed
+/// without it. Spins first (`2^rounds` pause
 /// instructions, this thread's adapted number of rounds, checking after
 /// each: the other side's answer is seen within one pause, where
 /// [`Backoff`](kvferry_ring::Backoff)'s doubling rounds would check only
@@ -57,13 +78,33 @@ pub(super) fn linger(mut ready: impl FnMut() -> bool) -> bool {
         SPIN_ROUNDS.set(adapted(spin, start.elapsed() >= GAVE_AWAY));
         return true;
     }
-    while start.elapsed() < LINGER {
+    let linger = LINGER_NOW.get();
+    while start.elapsed() < linger {
         std::thread::yield_now();
         if ready() {
             return true;
         }
     }
     false
+}
+
+/// Tells this thread's linger how long the sleep that followed a failed
+/// [`linger`] lasted, once it ended with work to do: the next linger is
+/// [`after_sleep`] of it.
+pub(super) fn slept(slept: Duration) {
+    LINGER_NOW.set(after_sleep(slept));
+}
+
+/// The linger after a sleep of `slept`: twice it (the other side answered
+/// that soon after this thread gave up), within [`LINGER`] and
+/// [`LINGER_MAX`]; [`LINGER`] after a sleep of [`LINGER_MAX`] or more (the
+/// other side was idle).
+fn after_sleep(slept: Duration) -> Duration {
+    if slept >= LINGER_MAX {
+        LINGER
+    } else {
+        (slept * 2).clamp(LINGER, LINGER_MAX)
+    }
 }
 
 /// The spin rounds after a wait that first succeeded right after a yield:
@@ -87,6 +128,29 @@ mod tests {
         let t = Instant::now();
         assert!(!linger(|| false));
         assert!(t.elapsed() >= LINGER, "gave up before LINGER");
+    }
+
+    #[test]
+    fn a_sleep_the_other_side_ended_soon_lengthens_the_linger_and_a_long_one_resets_it() {
+        let us = Duration::from_micros;
+        assert_eq!(
+            after_sleep(us(120)),
+            us(240),
+            "covers a sleep like this one"
+        );
+        assert_eq!(after_sleep(us(5)), LINGER, "never below LINGER");
+        assert_eq!(after_sleep(us(900)), LINGER_MAX, "never above LINGER_MAX");
+        assert_eq!(after_sleep(LINGER_MAX), LINGER, "the other side was idle");
+        std::thread::spawn(move || {
+            slept(us(200));
+            let t = Instant::now();
+            assert!(!linger(|| false));
+            assert!(t.elapsed() >= us(400), "lingered {:?}", t.elapsed());
+            slept(Duration::from_secs(1));
+            assert_eq!(LINGER_NOW.get(), LINGER);
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]

@@ -15,7 +15,7 @@ use kvferry_ring::Plain;
 use super::daemon::{AttachConfig, DaemonShared};
 use super::fds::send_with_fds;
 use super::layout::{Hello, ATTACH_VERSION, HELLO_FDS, STATUS_OK};
-use super::linger::linger;
+use super::linger::{linger, slept};
 use super::poll::{poll, readable};
 use crate::eventfd::EventFd;
 
@@ -217,8 +217,13 @@ pub(super) fn serve<R>(shared: &DaemonShared<R>, mut sock: UnixStream, session: 
             session.wake(&fds[2..]);
             continue;
         }
+        let asleep = Instant::now();
         let polled = poll(&mut fds, timeout);
         polled_at = Instant::now();
+        if timeout.is_none() {
+            // The sleep after a failed linger: it adapts the next one.
+            slept(polled_at - asleep);
+        }
         session.submissions().disarm();
         if let Err(e) = polled {
             tracing::warn!(error = %e, "attach: poll failed; detaching the client");
