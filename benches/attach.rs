@@ -306,16 +306,20 @@ fn pin_apart_if_asked() {
     // The session thread is spawned after the hello the client got: wait
     // for it.
     let end = deadline();
+    // Unnamed threads carry the process's name, which may itself read
+    // attach-<digits> (a copy of this binary named so).
+    let own = std::fs::read_to_string("/proc/self/comm").unwrap_or_default();
     let session = loop {
         let mut found = Vec::new();
         for e in std::fs::read_dir("/proc/self/task").expect("/proc/self/task") {
             let dir = e.expect("a task").path();
             let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
             // The session threads are named attach-<client id>.
-            if comm
-                .trim()
-                .strip_prefix("attach-")
-                .is_some_and(|n| n.parse::<u32>().is_ok())
+            if comm != own
+                && comm
+                    .trim()
+                    .strip_prefix("attach-")
+                    .is_some_and(|n| n.parse::<u32>().is_ok())
             {
                 found.push(
                     dir.file_name()
