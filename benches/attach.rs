@@ -34,10 +34,10 @@
 //!    `in_process_take` and attached-awake again over requests of
 //!    [`MULTI_CHUNKS`] chunks, per chunk: the ring's cost per request
 //!    spread over a request as a decoder usually gets it (the one-chunk
-//!    rounds are the worst case, and the figure the target is read from). All three of a round run within a
-//!    few milliseconds of each other, so a burst of load on the shared VM
-//!    hits all of them, where
-//!    criterion's groups run one path for seconds, then the other.
+//!    rounds are the worst case, and the figure the target is read from).
+//!    The paths of a round run within a few milliseconds of each other, so
+//!    a burst of load on the shared VM hits all of them, where criterion's
+//!    groups run one path for seconds, then the other.
 //! 2. After criterion's groups (skip with `KVFERRY_ATTACH_SKIP_E2E=1`):
 //!    end to end through the real binaries with the Python clients
 //!    (`clients/python/bench_e2e.py`): a Python prefill worker attached to
