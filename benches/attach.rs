@@ -50,7 +50,9 @@
 //!    place ([`default_region_path`]: `/dev/shm` if there is one). Both of
 //!    the script's modes: `stamp` (the bytes move once, in the daemon's
 //!    transport) and `full` (Python also writes every byte into staging and
-//!    copies every byte out).
+//!    copies every byte out). With `KVFERRY_ATTACH_PIN=1` the copy engine
+//!    gets CPU 1 to itself and every other thread of the four processes
+//!    runs on CPU 0 ([`pin_e2e_if_asked`]).
 
 use std::hint::black_box;
 use std::io::{BufRead, BufReader};
@@ -282,15 +284,88 @@ const MULTI_CHUNKS: usize = 8;
 
 /// Pins thread `tid` (0: the calling thread) to `cpu`.
 fn pin(tid: libc::pid_t, cpu: usize) {
+    assert!(
+        set_affinity(tid, cpu),
+        "sched_setaffinity({tid}, {cpu}) failed"
+    );
+}
+
+/// Pins thread `tid` (0: the calling thread) to `cpu`; false if the
+/// kernel refused (the thread is gone, or the CPU is not there).
+fn set_affinity(tid: libc::pid_t, cpu: usize) -> bool {
     // SAFETY: a zeroed cpu_set_t is the empty set; CPU_SET writes inside it
     // (cpu < CPU_SETSIZE on any machine this bench runs on), and
     // sched_setaffinity only reads `set` for the size passed.
-    let r = unsafe {
+    unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         libc::CPU_SET(cpu, &mut set);
-        libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set)
+        libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    }
+}
+
+/// The threads of process `pid`: (thread id, name).
+fn threads_of(pid: u32) -> Vec<(libc::pid_t, String)> {
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
     };
-    assert_eq!(r, 0, "sched_setaffinity({tid}, {cpu}) failed");
+    dir.filter_map(|e| {
+        let e = e.ok()?;
+        let tid = e.file_name().to_str()?.parse().ok()?;
+        let comm = std::fs::read_to_string(e.path().join("comm")).ok()?;
+        Some((tid, comm.trim().to_string()))
+    })
+    .collect()
+}
+
+/// Lets the calling thread run on every online CPU again (after
+/// [`pin_apart_if_asked`] pinned it), so the processes it spawns do not
+/// inherit one CPU.
+fn unpin_this_thread() {
+    // SAFETY: sysconf has no memory effects.
+    let cpus = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }.max(1) as usize;
+    // SAFETY: as in `set_affinity`, for every CPU below `cpus` (far below
+    // CPU_SETSIZE here).
+    let r = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for cpu in 0..cpus {
+            libc::CPU_SET(cpu, &mut set);
+        }
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    assert_eq!(r, 0, "sched_setaffinity(all {cpus} CPUs) failed");
+}
+
+/// The sender's copy engine (the shm transport's one thread, the
+/// pipeline's serial stage).
+const COPY_THREAD: &str = "kvf-shm-copy";
+
+/// With `KVFERRY_ATTACH_PIN=1`, for the end-to-end run: the copy engine on
+/// CPU 1 and every other thread of the four processes (`pids`: both
+/// daemons, both Python clients) on CPU 0, once the copy thread exists
+/// (threads spawned later inherit their spawner's CPU). On the project's
+/// 2-vCPU VM the scheduler otherwise puts other threads beside the copy
+/// engine, which then waits for a CPU while it has work
+/// (docs/benchmarks.md, "Attach, 2026-12-03").
+fn pin_e2e_if_asked(pids: &[u32]) {
+    if std::env::var_os("KVFERRY_ATTACH_PIN").is_none() {
+        return;
+    }
+    let end = deadline();
+    loop {
+        let threads: Vec<_> = pids.iter().flat_map(|p| threads_of(*p)).collect();
+        if threads.iter().any(|(_, comm)| comm == COPY_THREAD) {
+            for (tid, comm) in threads {
+                // A thread that ended meanwhile is refused: nothing to pin.
+                set_affinity(tid, usize::from(comm == COPY_THREAD));
+            }
+            return;
+        }
+        assert!(
+            Instant::now() < end,
+            "no {COPY_THREAD} thread in the daemons within {WAIT:?}"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 /// With `KVFERRY_ATTACH_PIN=1` (an operator's choice, off by default): the
@@ -693,6 +768,12 @@ fn python_e2e(mode: &str, dir: &Path) -> f64 {
     dec.line("E2E:subscribed", "python decoder");
     let window = e2e_window().to_string();
     let pf = python("prefill", &ssock, &[&window]);
+    pin_e2e_if_asked(&[
+        recv.child.id(),
+        send.child.id(),
+        dec.child.id(),
+        pf.child.id(),
+    ]);
     let times = |p: &Proc, role: &str| -> (f64, f64, f64) {
         let l = p.line(&format!("E2E:{role} "), role);
         let v: Vec<f64> = l
@@ -714,15 +795,26 @@ fn e2e() {
     }
     let dir = std::env::temp_dir().join(unique("kvferry-attach-e2e"));
     std::fs::create_dir_all(&dir).expect("temp dir");
+    let pinned = std::env::var_os("KVFERRY_ATTACH_PIN").is_some();
+    if pinned {
+        // The round trip pinned this thread; the daemons start free.
+        unpin_this_thread();
+    }
     let bytes = E2E_REQUESTS * E2E_CHUNKS * E2E_CHUNK;
     let window = e2e_slots() * E2E_CHUNK;
     println!(
         "\nattach end to end (Python worker -> kvferry sender -> shm -> kvferry receiver -> \
          Python decoder), {} MiB in {} KiB chunks, {} requests in flight, vs a single-thread \
-         memcpy:",
+         memcpy{}:",
         bytes >> 20,
         E2E_CHUNK >> 10,
-        e2e_window()
+        e2e_window(),
+        if pinned {
+            " (KVFERRY_ATTACH_PIN: the copy engine on CPU 1, every other thread of the four \
+             processes on CPU 0)"
+        } else {
+            ""
+        }
     );
     let src = vec![0x33u8; window];
     let mut dst = vec![0x44u8; window];
