@@ -285,22 +285,29 @@ const MULTI_CHUNKS: usize = 8;
 /// Pins thread `tid` (0: the calling thread) to `cpu`.
 fn pin(tid: libc::pid_t, cpu: usize) {
     assert!(
-        set_affinity(tid, cpu),
+        set_affinity(tid, [cpu]),
         "sched_setaffinity({tid}, {cpu}) failed"
     );
 }
 
-/// Pins thread `tid` (0: the calling thread) to `cpu`; false if the
-/// kernel refused (the thread is gone, or the CPU is not there).
-fn set_affinity(tid: libc::pid_t, cpu: usize) -> bool {
+/// Lets thread `tid` (0: the calling thread) run on `cpus`; false if the
+/// kernel refused (the thread is gone, or no CPU of them is there).
+fn set_affinity(tid: libc::pid_t, cpus: impl IntoIterator<Item = usize>) -> bool {
     // SAFETY: a zeroed cpu_set_t is the empty set; CPU_SET writes inside it
-    // (cpu < CPU_SETSIZE on any machine this bench runs on), and
+    // (every cpu < CPU_SETSIZE on any machine this bench runs on), and
     // sched_setaffinity only reads `set` for the size passed.
     unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
+        for cpu in cpus {
+            libc::CPU_SET(cpu, &mut set);
+        }
         libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
     }
+}
+
+/// `KVFERRY_ATTACH_PIN` is set (an operator's choice, off by default).
+fn pin_asked() -> bool {
+    std::env::var_os("KVFERRY_ATTACH_PIN").is_some()
 }
 
 /// The threads of process `pid`: (thread id, name).
@@ -323,16 +330,10 @@ fn threads_of(pid: u32) -> Vec<(libc::pid_t, String)> {
 fn unpin_this_thread() {
     // SAFETY: sysconf has no memory effects.
     let cpus = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }.max(1) as usize;
-    // SAFETY: as in `set_affinity`, for every CPU below `cpus` (far below
-    // CPU_SETSIZE here).
-    let r = unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        for cpu in 0..cpus {
-            libc::CPU_SET(cpu, &mut set);
-        }
-        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
-    };
-    assert_eq!(r, 0, "sched_setaffinity(all {cpus} CPUs) failed");
+    assert!(
+        set_affinity(0, 0..cpus),
+        "sched_setaffinity(all {cpus} CPUs) failed"
+    );
 }
 
 /// The sender's copy engine (the shm transport's one thread, the
@@ -347,7 +348,7 @@ const COPY_THREAD: &str = "kvf-shm-copy";
 /// engine, which then waits for a CPU while it has work
 /// (docs/benchmarks.md, "Attach, 2026-12-03").
 fn pin_e2e_if_asked(pids: &[u32]) {
-    if std::env::var_os("KVFERRY_ATTACH_PIN").is_none() {
+    if !pin_asked() {
         return;
     }
     let end = deadline();
@@ -356,7 +357,7 @@ fn pin_e2e_if_asked(pids: &[u32]) {
         if threads.iter().any(|(_, comm)| comm == COPY_THREAD) {
             for (tid, comm) in threads {
                 // A thread that ended meanwhile is refused: nothing to pin.
-                set_affinity(tid, usize::from(comm == COPY_THREAD));
+                set_affinity(tid, [usize::from(comm == COPY_THREAD)]);
             }
             return;
         }
@@ -375,7 +376,7 @@ fn pin_e2e_if_asked(pids: &[u32]) {
 /// CPU in some runs, where every hand-off becomes a context switch
 /// (docs/benchmarks.md, "Attach, 2026-12-02 (2)").
 fn pin_apart_if_asked() {
-    if std::env::var_os("KVFERRY_ATTACH_PIN").is_none() {
+    if !pin_asked() {
         return;
     }
     // The session thread is spawned after the hello the client got: wait
@@ -385,25 +386,17 @@ fn pin_apart_if_asked() {
     // attach-<digits> (a copy of this binary named so).
     let own = std::fs::read_to_string("/proc/self/comm").unwrap_or_default();
     let session = loop {
-        let mut found = Vec::new();
-        for e in std::fs::read_dir("/proc/self/task").expect("/proc/self/task") {
-            let dir = e.expect("a task").path();
-            let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        let found: Vec<libc::pid_t> = threads_of(std::process::id())
+            .into_iter()
             // The session threads are named attach-<client id>.
-            if comm != own
-                && comm
-                    .trim()
-                    .strip_prefix("attach-")
-                    .is_some_and(|n| n.parse::<u32>().is_ok())
-            {
-                found.push(
-                    dir.file_name()
-                        .and_then(|n| n.to_str())
-                        .and_then(|n| n.parse().ok())
-                        .expect("a numeric task id"),
-                );
-            }
-        }
+            .filter(|(_, comm)| {
+                comm != own.trim()
+                    && comm
+                        .strip_prefix("attach-")
+                        .is_some_and(|n| n.parse::<u32>().is_ok())
+            })
+            .map(|(tid, _)| tid)
+            .collect();
         match found.as_slice() {
             [tid] => break *tid,
             more => assert!(
@@ -473,7 +466,6 @@ fn rtt_interleaved() {
     let (mut tf, mut ratio_tf) = (Vec::new(), Vec::new());
     let (mut awake, mut ratio_awake, mut floor) = (Vec::new(), Vec::new(), Vec::new());
     let (mut m_take, mut m_awake, mut m_ratio) = (Vec::new(), Vec::new(), Vec::new());
-    let per_chunk = |d: Duration| d.as_secs_f64() * 1e6 / RTT_ROUND as f64;
     // One untimed round first (page faults, first wake-ups).
     for pair in 0..=RTT_PAIRS {
         let a = timed_rounds(&rig, RTT_ROUND as u64, |ids| {
@@ -501,8 +493,10 @@ fn rtt_interleaved() {
             awake.push(per_request(d));
             ratio_awake.push(d.as_secs_f64() / c.as_secs_f64());
             floor.push(per_request(f));
-            m_take.push(per_chunk(mc));
-            m_awake.push(per_chunk(md));
+            // A multi-chunk round has RTT_ROUND chunks: per chunk, as
+            // per_request is per one-chunk request.
+            m_take.push(per_request(mc));
+            m_awake.push(per_request(md));
             m_ratio.push(md.as_secs_f64() / mc.as_secs_f64());
             inp.push(per_request(a));
             att.push(per_request(b));
@@ -795,7 +789,7 @@ fn e2e() {
     }
     let dir = std::env::temp_dir().join(unique("kvferry-attach-e2e"));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    let pinned = std::env::var_os("KVFERRY_ATTACH_PIN").is_some();
+    let pinned = pin_asked();
     if pinned {
         // The round trip pinned this thread; the daemons start free.
         unpin_this_thread();

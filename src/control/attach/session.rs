@@ -374,12 +374,12 @@ impl Session {
         let (wtag, feed) = (*wtag, Arc::clone(feed));
         while self.has_room() && self.cq.outbox.is_empty() {
             let Some(req_id) = feed.pop() else { break };
-            let req_id: Arc<str> = req_id.into();
             // Longer ids are not nameable by a SUBSCRIBE either: they stay
             // in the receiver.
             if req_id.len() > MAX_REQ_ID {
                 continue;
             }
+            let req_id: Arc<str> = req_id.into();
             // A req_id subscription (or another wildcard) has it.
             if !self
                 .shared
