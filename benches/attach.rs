@@ -50,9 +50,12 @@
 //!    place ([`default_region_path`]: `/dev/shm` if there is one). Both of
 //!    the script's modes: `stamp` (the bytes move once, in the daemon's
 //!    transport) and `full` (Python also writes every byte into staging and
-//!    copies every byte out). With `KVFERRY_ATTACH_PIN=1` the copy engine
-//!    gets CPU 1 to itself and every other thread of the four processes
-//!    runs on CPU 0 ([`pin_e2e_if_asked`]).
+//!    copies every byte out). Each in two placements of the threads, runs
+//!    alternating ([`Placement`]): `free`, the scheduler's choice, and
+//!    `apart`, the copy engine alone on the last CPU (`kvferry sender
+//!    --copy-cpu`) and every other thread of the four processes on the
+//!    others (the daemons' `--cpus`, the clients started there), which
+//!    docs/attach.md tells the operator of a small machine to do.
 
 use std::hint::black_box;
 use std::io::{BufRead, BufReader};
@@ -290,19 +293,31 @@ fn pin(tid: libc::pid_t, cpu: usize) {
     );
 }
 
-/// Lets thread `tid` (0: the calling thread) run on `cpus`; false if the
-/// kernel refused (the thread is gone, or no CPU of them is there).
-fn set_affinity(tid: libc::pid_t, cpus: impl IntoIterator<Item = usize>) -> bool {
+/// The set of `cpus`.
+fn cpu_set(cpus: impl IntoIterator<Item = usize>) -> libc::cpu_set_t {
     // SAFETY: a zeroed cpu_set_t is the empty set; CPU_SET writes inside it
-    // (every cpu < CPU_SETSIZE on any machine this bench runs on), and
-    // sched_setaffinity only reads `set` for the size passed.
+    // (every cpu < CPU_SETSIZE on any machine this bench runs on).
     unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         for cpu in cpus {
             libc::CPU_SET(cpu, &mut set);
         }
-        libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+        set
     }
+}
+
+/// Lets thread `tid` (0: the calling thread) run on `set`; false if the
+/// kernel refused (the thread is gone, or no CPU of them is there). One
+/// system call, nothing else: safe between `fork` and `exec`.
+fn apply_set(tid: libc::pid_t, set: &libc::cpu_set_t) -> bool {
+    // SAFETY: sched_setaffinity only reads `set` for the size passed.
+    unsafe { libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), set) == 0 }
+}
+
+/// Lets thread `tid` (0: the calling thread) run on `cpus`; false if the
+/// kernel refused.
+fn set_affinity(tid: libc::pid_t, cpus: impl IntoIterator<Item = usize>) -> bool {
+    apply_set(tid, &cpu_set(cpus))
 }
 
 /// `KVFERRY_ATTACH_PIN` is set (an operator's choice, off by default).
@@ -324,49 +339,71 @@ fn threads_of(pid: u32) -> Vec<(libc::pid_t, String)> {
     .collect()
 }
 
-/// Lets the calling thread run on every online CPU again (after
-/// [`pin_apart_if_asked`] pinned it), so the processes it spawns do not
-/// inherit one CPU.
-fn unpin_this_thread() {
-    // SAFETY: sysconf has no memory effects.
-    let cpus = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }.max(1) as usize;
-    assert!(
-        set_affinity(0, 0..cpus),
-        "sched_setaffinity(all {cpus} CPUs) failed"
-    );
+/// Where the end-to-end run puts the threads of its four processes.
+#[derive(Clone, Copy, PartialEq)]
+enum Placement {
+    /// The scheduler's choice: every process may run on every CPU the
+    /// bench started with.
+    Free,
+    /// The copy engine alone on the last CPU (`kvferry sender --copy-cpu`),
+    /// every other thread of the four processes on the others (`--cpus`
+    /// for the daemons, the Python clients started on them): what
+    /// docs/attach.md, "Placing the threads", tells an operator of a
+    /// small machine to do.
+    CopyApart,
 }
 
-/// The sender's copy engine (the shm transport's one thread, the
-/// pipeline's serial stage).
-const COPY_THREAD: &str = "kvf-shm-copy";
-
-/// With `KVFERRY_ATTACH_PIN=1`, for the end-to-end run: the copy engine on
-/// CPU 1 and every other thread of the four processes (`pids`: both
-/// daemons, both Python clients) on CPU 0, once the copy thread exists
-/// (threads spawned later inherit their spawner's CPU). On the project's
-/// 2-vCPU VM the scheduler otherwise puts other threads beside the copy
-/// engine, which then waits for a CPU while it has work
-/// (docs/benchmarks.md, "Attach, 2026-12-03").
-fn pin_e2e_if_asked(pids: &[u32]) {
-    if !pin_asked() {
-        return;
-    }
-    let end = deadline();
-    loop {
-        let threads: Vec<_> = pids.iter().flat_map(|p| threads_of(*p)).collect();
-        if threads.iter().any(|(_, comm)| comm == COPY_THREAD) {
-            for (tid, comm) in threads {
-                // A thread that ended meanwhile is refused: nothing to pin.
-                set_affinity(tid, [usize::from(comm == COPY_THREAD)]);
-            }
-            return;
+impl Placement {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Free => "free",
+            Self::CopyApart => "apart",
         }
-        assert!(
-            Instant::now() < end,
-            "no {COPY_THREAD} thread in the daemons within {WAIT:?}"
-        );
-        std::thread::sleep(Duration::from_millis(1));
     }
+}
+
+/// The CPUs the bench started with (taken before the round trip pins
+/// anything).
+fn bench_cpus() -> &'static [usize] {
+    kvferry::threads::allowed_cpus()
+}
+
+/// The copy engine's CPU and the others, for [`Placement::CopyApart`];
+/// `None` on a machine of one CPU.
+fn copy_apart() -> Option<(usize, &'static [usize])> {
+    match bench_cpus() {
+        [rest @ .., copy] if !rest.is_empty() => Some((*copy, rest)),
+        _ => None,
+    }
+}
+
+/// "0,1,3" for `cpus`.
+fn cpu_list(cpus: &[usize]) -> String {
+    cpus.iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// A command for `program` whose process starts on `cpus` (whatever this
+/// thread is pinned to).
+fn command_on(program: impl AsRef<std::ffi::OsStr>, cpus: &[usize]) -> Command {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(program);
+    let set = cpu_set(cpus.iter().copied());
+    // SAFETY: the closure runs between fork and exec, where only
+    // async-signal-safe calls are allowed: it makes one system call on a
+    // set built before the fork, and allocates nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            if apply_set(0, &set) {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
+    }
+    cmd
 }
 
 /// With `KVFERRY_ATTACH_PIN=1` (an operator's choice, off by default): the
@@ -608,8 +645,10 @@ criterion_group!(benches, rtt);
 const E2E_CHUNK: usize = 256 << 10;
 /// Chunks per request.
 const E2E_CHUNKS: usize = 16;
-/// Requests per run (`E2E_REQUESTS * E2E_CHUNKS * E2E_CHUNK` = 1 GiB).
-const E2E_REQUESTS: usize = 256;
+/// Requests per run (`E2E_REQUESTS * E2E_CHUNKS * E2E_CHUNK` = 4 GiB: at
+/// 8–10 GiB/s a run of 1 GiB was a quarter second, its start-up a
+/// noticeable part of it).
+const E2E_REQUESTS: usize = 1024;
 /// Receive buffer and staging slots (4 requests' worth).
 const E2E_SLOTS: usize = 64;
 /// Requests the Python worker keeps in flight (`KVFERRY_ATTACH_E2E_WINDOW`
@@ -703,11 +742,12 @@ fn memcpy_gibs(src: &[u8], dst: &mut [u8], bytes: usize, chunk: usize) -> f64 {
     moved as f64 / t.elapsed().as_secs_f64() / f64::from(1u32 << 30)
 }
 
-/// One end-to-end run in `mode`: GiB/s from the worker's start to the
-/// decoder's last release. Sockets go in `dir`; the receive buffer's file
-/// where the receiver would put it by default, removed after the run (the
-/// receiver is killed, so it does not remove it itself).
-fn python_e2e(mode: &str, dir: &Path) -> f64 {
+/// One end-to-end run in `mode` with the threads placed as `placement`
+/// says: GiB/s from the worker's start to the decoder's last release.
+/// Sockets go in `dir`; the receive buffer's file where the receiver would
+/// put it by default, removed after the run (the receiver is killed, so it
+/// does not remove it itself).
+fn python_e2e(mode: &str, placement: Placement, dir: &Path) -> f64 {
     let bin = env!("CARGO_BIN_EXE_kvferry");
     let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/python");
     let rsock = dir.join(format!("{mode}-recv.sock"));
@@ -715,42 +755,66 @@ fn python_e2e(mode: &str, dir: &Path) -> f64 {
     let chunk = E2E_CHUNK.to_string();
     let slots = e2e_slots().to_string();
     let buf = default_region_path();
-    let recv = Proc::spawn(Command::new(bin).args([
-        "receiver",
-        "--listen",
-        "tcp://127.0.0.1:0",
-        "--capacity-chunks",
-        &slots,
-        "--chunk-bytes",
-        &chunk,
-        "--attach",
-        rsock.to_str().expect("utf-8 path"),
-        "--shm-path",
-        buf.to_str().expect("utf-8 path"),
-    ]));
+    let all = bench_cpus();
+    // The daemons start on every CPU (--copy-cpu must be one they may run
+    // on) and place their threads themselves; the clients start placed.
+    let apart = match placement {
+        Placement::CopyApart => copy_apart(),
+        Placement::Free => None,
+    };
+    let (daemon_cpus, copy_cpu, clients) = match apart {
+        Some((copy, rest)) => (
+            vec!["--cpus".to_owned(), cpu_list(rest)],
+            vec!["--copy-cpu".to_owned(), copy.to_string()],
+            rest,
+        ),
+        None => (Vec::new(), Vec::new(), all),
+    };
+    let recv = Proc::spawn(
+        command_on(bin, all)
+            .args([
+                "receiver",
+                "--listen",
+                "tcp://127.0.0.1:0",
+                "--capacity-chunks",
+                &slots,
+                "--chunk-bytes",
+                &chunk,
+                "--attach",
+                rsock.to_str().expect("utf-8 path"),
+                "--shm-path",
+                buf.to_str().expect("utf-8 path"),
+            ])
+            .args(&daemon_cpus),
+    );
     let endpoint = recv.line("kvferry receiver listening on ", "kvferry receiver");
     recv.line("kvferry receiver attach on ", "kvferry receiver");
-    let send = Proc::spawn(Command::new(bin).args([
-        "sender",
-        "--connect",
-        &endpoint,
-        "--chunk-bytes",
-        &chunk,
-        "--staging-slots",
-        &slots,
-        // One worker: its share is all of staging (the default splits
-        // staging among --attach-max-clients workers).
-        "--attach-shares",
-        "1",
-        "--attach",
-        ssock.to_str().expect("utf-8 path"),
-    ]));
+    let send = Proc::spawn(
+        command_on(bin, all)
+            .args([
+                "sender",
+                "--connect",
+                &endpoint,
+                "--chunk-bytes",
+                &chunk,
+                "--staging-slots",
+                &slots,
+                // One worker: its share is all of staging (the default splits
+                // staging among --attach-max-clients workers).
+                "--attach-shares",
+                "1",
+                "--attach",
+                ssock.to_str().expect("utf-8 path"),
+            ])
+            .args(&daemon_cpus)
+            .args(&copy_cpu),
+    );
     send.line("kvferry sender attach on ", "kvferry sender");
     let prefix = unique(mode);
     let (requests, chunks) = (E2E_REQUESTS.to_string(), E2E_CHUNKS.to_string());
     let python = |role: &str, sock: &Path, extra: &[&str]| {
         Proc::spawn(
-            Command::new("python3")
+            command_on("python3", clients)
                 .arg(py.join("bench_e2e.py"))
                 .args([role, sock.to_str().expect("utf-8 path"), &prefix])
                 .args([requests.as_str(), chunks.as_str(), mode])
@@ -762,12 +826,6 @@ fn python_e2e(mode: &str, dir: &Path) -> f64 {
     dec.line("E2E:subscribed", "python decoder");
     let window = e2e_window().to_string();
     let pf = python("prefill", &ssock, &[&window]);
-    pin_e2e_if_asked(&[
-        recv.child.id(),
-        send.child.id(),
-        dec.child.id(),
-        pf.child.id(),
-    ]);
     let times = |p: &Proc, role: &str| -> (f64, f64, f64) {
         let l = p.line(&format!("E2E:{role} "), role);
         let v: Vec<f64> = l
@@ -789,41 +847,64 @@ fn e2e() {
     }
     let dir = std::env::temp_dir().join(unique("kvferry-attach-e2e"));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    let pinned = pin_asked();
-    if pinned {
-        // The round trip pinned this thread; the daemons start free.
-        unpin_this_thread();
-    }
     let bytes = E2E_REQUESTS * E2E_CHUNKS * E2E_CHUNK;
     let window = e2e_slots() * E2E_CHUNK;
+    let placements: &[Placement] = match copy_apart() {
+        Some(_) => &[Placement::Free, Placement::CopyApart],
+        None => &[Placement::Free],
+    };
     println!(
         "\nattach end to end (Python worker -> kvferry sender -> shm -> kvferry receiver -> \
          Python decoder), {} MiB in {} KiB chunks, {} requests in flight, vs a single-thread \
-         memcpy{}:",
+         memcpy; threads {}:",
         bytes >> 20,
         E2E_CHUNK >> 10,
         e2e_window(),
-        if pinned {
-            " (KVFERRY_ATTACH_PIN: the copy engine on CPU 1, every other thread of the four \
-             processes on CPU 0)"
-        } else {
-            ""
+        match copy_apart() {
+            Some((copy, rest)) => format!(
+                "`free` (the scheduler's choice) and `apart` (the copy engine alone on CPU \
+                 {copy}: sender --copy-cpu {copy}; every other thread of the four processes \
+                 on CPUs {}: daemons' --cpus, the clients started there), runs alternating",
+                cpu_list(rest)
+            ),
+            None => "free (one CPU: nothing to set apart)".to_owned(),
         }
     );
     let src = vec![0x33u8; window];
     let mut dst = vec![0x44u8; window];
+    let mut ratios = Vec::new();
     for mode in ["stamp", "full"] {
         for _ in 0..3 {
-            let ticks = cpu_ticks();
-            let before = memcpy_gibs(&src, &mut dst, bytes, E2E_CHUNK);
-            let kvf = python_e2e(mode, &dir);
-            let after = memcpy_gibs(&src, &mut dst, bytes, E2E_CHUNK);
-            let base = (before + after) / 2.0;
+            for &placement in placements {
+                let ticks = cpu_ticks();
+                let before = memcpy_gibs(&src, &mut dst, bytes, E2E_CHUNK);
+                let kvf = python_e2e(mode, placement, &dir);
+                let after = memcpy_gibs(&src, &mut dst, bytes, E2E_CHUNK);
+                let base = (before + after) / 2.0;
+                let ratio = kvf / base;
+                println!(
+                    "  {mode:5} {:5}: kvferry {kvf:6.2} GiB/s, memcpy {base:6.2} GiB/s \
+                     (before {before:.2}, after {after:.2}), ratio {ratio:.2} ({})",
+                    placement.name(),
+                    steal_since(&ticks)
+                );
+                ratios.push((mode, placement, ratio));
+            }
+        }
+    }
+    for mode in ["stamp", "full"] {
+        for &placement in placements {
+            let mut r: Vec<f64> = ratios
+                .iter()
+                .filter(|(m, p, _)| *m == mode && *p == placement)
+                .map(|(_, _, r)| *r)
+                .collect();
+            r.sort_by(f64::total_cmp);
             println!(
-                "  {mode:5}: kvferry {kvf:6.2} GiB/s, memcpy {base:6.2} GiB/s \
-                 (before {before:.2}, after {after:.2}), ratio {:.2} ({})",
-                kvf / base,
-                steal_since(&ticks)
+                "  {mode:5} {:5}: median ratio {:.2} (of {:.2?})",
+                placement.name(),
+                r[r.len() / 2],
+                r
             );
         }
     }
@@ -831,6 +912,9 @@ fn e2e() {
 }
 
 fn main() {
+    // The CPUs the bench started with, before the round trip pins this
+    // thread (KVFERRY_ATTACH_PIN).
+    bench_cpus();
     benches();
     Criterion::default().configure_from_args().final_summary();
     // Only under `cargo bench` (criterion's harness gets `--bench`), not in

@@ -9,7 +9,9 @@
 //! ([`allowed_cpus`](crate::threads::allowed_cpus)), and checks pin requests against that snapshot.
 //! [`PinPlan::new`](crate::threads::PinPlan::new) and [`spawn_named`](crate::threads::spawn_named) both take the snapshot before they
 //! pin anything, and kvferry never pins the thread that calls it, only the
-//! threads it spawns. A program that pins its own threads by other means
+//! threads it spawns, unless asked to with
+//! [`confine_current`](crate::threads::confine_current) (which also takes
+//! the snapshot first). A program that pins its own threads by other means
 //! should call [`allowed_cpus`](crate::threads::allowed_cpus) first.
 //!
 //! A pin request for a CPU outside the snapshot (or one the kernel refuses)
@@ -43,11 +45,20 @@ pub enum PinError {
         /// The requested CPU id.
         cpu: usize,
     },
+    /// [`confine_current`] was given no CPU.
+    #[error("no cpu given")]
+    Empty,
+    /// The kernel refused [`confine_current`]'s set.
+    #[error("the kernel refused to run the thread on cpus {cpus:?}")]
+    RefusedSet {
+        /// The requested CPU ids.
+        cpus: Vec<usize>,
+    },
 }
 
 /// Largest CPU id + 1 that a `cpu_set_t` can hold; `core_affinity` would
 /// index out of bounds for larger ids, so they are rejected up front.
-const CPU_SET_CAPACITY: usize = 1024;
+pub(crate) const CPU_SET_CAPACITY: usize = 1024;
 
 static ALLOWED: OnceLock<Vec<usize>> = OnceLock::new();
 
@@ -84,6 +95,58 @@ fn pin_current_checked(cpu: usize, allowed: &[usize]) -> Result<(), PinError> {
         Ok(())
     } else {
         Err(PinError::Refused { cpu })
+    }
+}
+
+/// Restricts the calling thread to the CPUs `cpus`, after checking each
+/// against [`allowed_cpus`] (whose snapshot is taken first, so a thread
+/// spawned later may still be pinned to an allowed CPU outside `cpus`).
+/// Threads the caller spawns afterwards inherit the restriction; threads
+/// already running keep theirs.
+///
+/// This is how a daemon keeps all its threads (and a library's, such as
+/// ZMQ's I/O threads) off a CPU it gives one engine thread: confine the
+/// main thread before anything is spawned, then pin that engine thread
+/// there (`kvferry sender --cpus 0 --copy-cpu 1`, docs/attach.md). Unlike
+/// [`spawn_named`]'s pins this fails rather than warns: the caller asked
+/// for a placement of the whole process and should say it is not there.
+///
+/// Errors: [`PinError::Empty`] for no CPUs, [`PinError::NotAllowed`] for
+/// the first CPU outside the allowed list, [`PinError::RefusedSet`] if the
+/// kernel refuses.
+pub fn confine_current(cpus: &[usize]) -> Result<(), PinError> {
+    confine_current_checked(cpus, allowed_cpus())
+}
+
+fn confine_current_checked(cpus: &[usize], allowed: &[usize]) -> Result<(), PinError> {
+    if cpus.is_empty() {
+        return Err(PinError::Empty);
+    }
+    if let Some(&cpu) = cpus
+        .iter()
+        .find(|&&c| c >= CPU_SET_CAPACITY || !allowed.contains(&c))
+    {
+        return Err(PinError::NotAllowed {
+            cpu,
+            allowed: allowed.to_vec(),
+        });
+    }
+    // SAFETY: a zeroed cpu_set_t is the empty set; CPU_SET writes inside
+    // it (every id is below CPU_SET_CAPACITY = CPU_SETSIZE, checked
+    // above), and sched_setaffinity only reads `set` for the size passed.
+    let ok = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for &cpu in cpus {
+            libc::CPU_SET(cpu, &mut set);
+        }
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(PinError::RefusedSet {
+            cpus: cpus.to_vec(),
+        })
     }
 }
 
@@ -378,6 +441,52 @@ mod tests {
     }
 
     #[test]
+    fn a_confined_thread_and_the_threads_it_spawns_run_on_its_cpus_and_may_still_pin_outside() {
+        let all = allowed_cpus().to_vec();
+        let first = all[0];
+        // In a thread of its own: the test process's other threads keep
+        // their masks.
+        let (own, child, pinned) = std::thread::spawn(move || {
+            confine_current(&[first]).unwrap();
+            let child = std::thread::spawn(current_mask).join().unwrap();
+            // The last allowed CPU (another one, with two or more): the
+            // snapshot still holds it, so a pin there works.
+            let last = *all.last().unwrap();
+            let pinned = spawn_named("kvf-test-out", Some(last), current_mask)
+                .unwrap()
+                .join()
+                .unwrap();
+            (current_mask(), child, (last, pinned))
+        })
+        .join()
+        .unwrap();
+        assert_eq!(own, vec![first]);
+        assert_eq!(child, vec![first], "a thread spawned after inherits");
+        assert_eq!(pinned.1, vec![pinned.0]);
+    }
+
+    #[test]
+    fn confining_to_no_cpu_or_one_not_allowed_is_an_error_and_changes_nothing() {
+        let before = current_mask();
+        let (empty, bad, after) = std::thread::spawn(|| {
+            let empty = confine_current(&[]);
+            let bad = confine_current(&[allowed_cpus()[0], 999]);
+            (empty, bad, current_mask())
+        })
+        .join()
+        .unwrap();
+        assert_eq!(empty, Err(PinError::Empty));
+        assert_eq!(
+            bad,
+            Err(PinError::NotAllowed {
+                cpu: 999,
+                allowed: allowed_cpus().to_vec()
+            })
+        );
+        assert_eq!(after, before);
+    }
+
+    #[test]
     fn join_within_returns_the_value_of_a_finished_thread() {
         let h = spawn_named("kvf-test-join", None, || 7).unwrap();
         assert_eq!(join_within(h, STOP_JOIN_DEADLINE, "kvf-test-join"), Ok(7));
@@ -477,6 +586,13 @@ mod tests {
             .join()
             .unwrap();
         assert_eq!(r, Err(PinError::Refused { cpu: 1000 }));
+        // The same for a set, and an empty one.
+        let r = std::thread::spawn(|| confine_current_checked(&[1000], &[1000]))
+            .join()
+            .unwrap();
+        assert_eq!(r, Err(PinError::RefusedSet { cpus: vec![1000] }));
+        assert!(r.unwrap_err().to_string().contains("[1000]"));
+        assert_eq!(PinError::Empty.to_string(), "no cpu given");
         // pin_current checks against the real snapshot.
         let r = std::thread::spawn(|| pin_current(usize::MAX))
             .join()

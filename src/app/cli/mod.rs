@@ -1,5 +1,6 @@
 //! Command-line interface: one subcommand per role.
 
+mod cpus;
 mod proxy_cmd;
 mod receiver_cmd;
 mod run_cmd;

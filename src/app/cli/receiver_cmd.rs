@@ -15,6 +15,8 @@ use crate::receiver::bounds::Bounds;
 use crate::receiver::{AcceptorFactory, Receiver, ReceiverConfig, ReceiverError, TcpDataLimits};
 use crate::transport::TransportConfig;
 
+use super::cpus::{check_allowed, CpuArgs};
+
 /// Arguments of `kvferry receiver`.
 #[derive(Debug, Args)]
 pub struct ReceiverArgs {
@@ -134,10 +136,19 @@ pub struct ReceiverArgs {
     /// (docs/attach.md, "Trust"). For debugging only.
     #[arg(long)]
     pub attach_keep_dumpable: bool,
+    #[command(flatten)]
+    pub cpus: CpuArgs,
 }
 
 /// Runs a receiver until SIGINT/SIGTERM.
 pub fn run(a: ReceiverArgs) -> ExitCode {
+    // Before anything is spawned: every thread after inherits it.
+    if let Err(e) = a.cpus.apply().and_then(|()| match a.pin_cpu {
+        Some(cpu) => check_allowed("--pin-cpu", cpu),
+        None => Ok(()),
+    }) {
+        return super::usage_error(e);
+    }
     if (a.capacity_chunks as u64)
         .checked_mul(a.chunk_bytes)
         .is_none()

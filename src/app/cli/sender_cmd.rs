@@ -13,7 +13,9 @@ use crate::attach::{AttachConfig, PrefillDaemon};
 use crate::metrics::MetricsServer;
 use crate::runner::{self, RunConfig};
 use crate::sender::{Sender, SenderConfig};
+use crate::transport::TransportConfig;
 
+use super::cpus::{check_allowed, CpuArgs};
 use super::run_cmd::{finish, progress_mode, LoadArgs};
 
 /// Arguments of `kvferry sender`.
@@ -74,6 +76,16 @@ pub struct SenderArgs {
     /// (docs/attach.md, "Trust"). For debugging only.
     #[arg(long)]
     pub attach_keep_dumpable: bool,
+    /// With --attach: pin the transport's engine thread (shm's copy
+    /// engine, the one thread that moves the workers' bytes) to this CPU.
+    /// Leave the CPU out of --cpus to give it the CPU to itself, and keep
+    /// the workers off it too (`taskset`): on a small machine the
+    /// scheduler otherwise puts other threads beside it (docs/attach.md,
+    /// "Placing the threads").
+    #[arg(long, value_name = "CPU", requires = "attach")]
+    pub copy_cpu: Option<usize>,
+    #[command(flatten)]
+    pub cpus: CpuArgs,
     /// Print the report as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -84,6 +96,14 @@ pub struct SenderArgs {
 
 /// Generates the load and prints the report.
 pub fn run(a: SenderArgs) -> ExitCode {
+    // Before anything is spawned: every thread after inherits it.
+    let placed = a.cpus.apply().and_then(|()| match a.copy_cpu {
+        Some(cpu) => check_allowed("--copy-cpu", cpu),
+        None => Ok(()),
+    });
+    if let Err(e) = placed {
+        return super::usage_error(e);
+    }
     let mut cfg = match a.load.config() {
         Ok(c) => c,
         Err(e) => return super::usage_error(e),
@@ -225,6 +245,10 @@ fn serve_attached(a: &SenderArgs, cfg: &RunConfig, path: PathBuf) -> ExitCode {
         chunk_bytes: cfg.chunk_bytes,
         max_pending_bytes: cfg.max_pending_bytes,
         transport: cfg.transport.clone(),
+        transport_config: TransportConfig {
+            pin_cpu: a.copy_cpu,
+            ..TransportConfig::default()
+        },
         static_peers,
         ..SenderConfig::default()
     });

@@ -1,0 +1,223 @@
+//! `--cpus` and `kvferry sender --copy-cpu` (docs/attach.md, "Placing the
+//! threads"): the daemons' threads run where the options put them, those
+//! spawned later (a worker's session, ZMQ's I/O threads) included, and a
+//! bad value is refused at start naming its option. Read from
+//! `/proc/<pid>/task/*/status`. Every wait has a deadline.
+#![cfg(not(feature = "shuttle-model"))]
+
+#[path = "common/process.rs"]
+mod process;
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvferry::attach::{DecoderClient, PrefillClient};
+use process::{wait_exit, ChildProc, TempDir};
+
+const BIN: &str = env!("CARGO_BIN_EXE_kvferry");
+const WAIT: Duration = Duration::from_secs(30);
+
+/// The CPUs this test may run on (`Cpus_allowed_list` of its own process).
+fn allowed() -> Vec<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let list = field(&status, "Cpus_allowed_list:").expect("Cpus_allowed_list");
+    parse_list(&list)
+}
+
+fn field(status: &str, name: &str) -> Option<String> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(name))
+        .map(|v| v.trim().to_owned())
+}
+
+/// `0-2,5` → [0, 1, 2, 5].
+fn parse_list(list: &str) -> Vec<usize> {
+    list.split(',')
+        .flat_map(|item| match item.split_once('-') {
+            Some((lo, hi)) => (lo.parse().unwrap()..=hi.parse().unwrap()).collect(),
+            None => vec![item.parse().unwrap()],
+        })
+        .collect()
+}
+
+/// Every thread of `pid`: (name, thread id, the CPUs it may run on), from
+/// `/proc/<pid>/task/*/status`.
+fn threads_of(pid: u32) -> Vec<(String, i32, Vec<usize>)> {
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| {
+        let e = e.ok()?;
+        let tid = e.file_name().to_str()?.parse().ok()?;
+        let status = std::fs::read_to_string(e.path().join("status")).ok()?;
+        let name = field(&status, "Name:")?;
+        Some((
+            name,
+            tid,
+            parse_list(&field(&status, "Cpus_allowed_list:")?),
+        ))
+    })
+    .collect()
+}
+
+/// Waits until `pid` has a thread whose name starts with `prefix`, then
+/// returns every thread's placement.
+fn placements_once(pid: u32, prefix: &str) -> Vec<(String, i32, Vec<usize>)> {
+    let end = Instant::now() + WAIT;
+    loop {
+        let p = threads_of(pid);
+        if p.iter().any(|(n, _, _)| n.starts_with(prefix)) {
+            return p;
+        }
+        assert!(
+            Instant::now() < end,
+            "no thread named {prefix}* in {pid} within {WAIT:?}: {p:?}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn spawn(args: &[&str], announce: &str) -> ChildProc {
+    let mut p = ChildProc::spawn(Command::new(BIN).args(args).stdin(Stdio::null()));
+    p.expect_line(announce);
+    p
+}
+
+#[test]
+fn the_copy_engine_runs_alone_on_its_cpu_and_every_other_sender_thread_on_cpus() {
+    let cpus = allowed();
+    // Two CPUs apart where there are two; on one, both options name it.
+    let (rest, copy) = (cpus[0], *cpus.last().unwrap());
+    if rest == copy {
+        eprintln!("one CPU only: checking placement without isolation");
+    }
+    let dir = TempDir::new("kvferry-cpus");
+    let sock = dir.0.join("send.sock");
+    let (rest_s, copy_s) = (rest.to_string(), copy.to_string());
+    let send = spawn(
+        &[
+            "sender",
+            "--connect",
+            "tcp://127.0.0.1:9",
+            "--chunk-bytes",
+            "4096",
+            "--staging-slots",
+            "8",
+            "--attach",
+            sock.to_str().unwrap(),
+            "--cpus",
+            &rest_s,
+            "--copy-cpu",
+            &copy_s,
+        ],
+        "kvferry sender attach on ",
+    );
+    // A worker's session thread is spawned at its hello, long after start.
+    let _worker = PrefillClient::connect(&sock, WAIT).expect("a worker attaches");
+    let threads = placements_once(send.child.id(), "attach-");
+    let copies: Vec<_> = threads
+        .iter()
+        .filter(|(n, _, _)| n == "kvf-shm-copy")
+        .collect();
+    assert_eq!(copies.len(), 1, "one copy engine: {threads:?}");
+    assert_eq!(copies[0].2, vec![copy], "{threads:?}");
+    let others: Vec<_> = threads
+        .iter()
+        .filter(|(n, _, _)| n != "kvf-shm-copy")
+        .collect();
+    for (name, _, on) in &others {
+        assert_eq!(on, &vec![rest], "thread {name}: {threads:?}");
+    }
+}
+
+#[test]
+fn every_receiver_thread_runs_on_cpus_a_decoders_session_included() {
+    let cpu = *allowed().last().unwrap();
+    let dir = TempDir::new("kvferry-cpus");
+    let sock = dir.0.join("recv.sock");
+    let buf = dir.0.join("buf");
+    let cpu_s = cpu.to_string();
+    let recv = spawn(
+        &[
+            "receiver",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--capacity-chunks",
+            "4",
+            "--chunk-bytes",
+            "4096",
+            "--attach",
+            sock.to_str().unwrap(),
+            "--shm-path",
+            buf.to_str().unwrap(),
+            "--cpus",
+            &cpu_s,
+        ],
+        "kvferry receiver attach on ",
+    );
+    let _decoder = DecoderClient::connect(&sock, WAIT).expect("a decoder attaches");
+    let threads = placements_once(recv.child.id(), "attach-");
+    assert!(threads.len() > 3, "{threads:?}");
+    for (name, _, on) in &threads {
+        assert_eq!(on, &vec![cpu], "thread {name}: {threads:?}");
+    }
+}
+
+#[test]
+fn a_bad_cpu_option_is_refused_at_start_naming_it() {
+    let dir = TempDir::new("kvferry-cpus");
+    let sock = dir.0.join("s.sock");
+    let err_file = dir.0.join("stderr");
+    let s = sock.to_str().unwrap();
+    let refused = |args: &[&str], says: &str| {
+        let mut child = Command::new(BIN)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&err_file).unwrap())
+            .spawn()
+            .expect("run kvferry");
+        // Without the refusal it would serve until killed: bounded.
+        let st = wait_exit(&mut child, &format!("kvferry {args:?}"));
+        let err = std::fs::read_to_string(&err_file).unwrap();
+        assert_eq!(st.code(), Some(2), "{args:?} is refused: {err}");
+        assert!(
+            err.contains(says),
+            "{args:?}: the message says {says:?}: {err}"
+        );
+        assert!(!sock.exists(), "{args:?}: refused before binding");
+    };
+    let sender = ["sender", "--connect", "tcp://127.0.0.1:9", "--attach", s];
+    let with = |extra: &[&'static str]| [&sender[..], extra].concat();
+    refused(
+        &with(&["--cpus", "1000"]),
+        "--cpus: cpu 1000 is not in the allowed",
+    );
+    refused(&with(&["--cpus", "0,x"]), "is not a CPU id");
+    refused(&with(&["--cpus", "2-1"]), "reversed range");
+    refused(
+        &with(&["--copy-cpu", "1000"]),
+        "--copy-cpu: cpu 1000 is not",
+    );
+    // Without --attach there is no one copy engine to place.
+    refused(
+        &[
+            "sender",
+            "--connect",
+            "tcp://127.0.0.1:9",
+            "--copy-cpu",
+            "0",
+        ],
+        "--attach",
+    );
+    let receiver = ["receiver", "--listen", "tcp://127.0.0.1:0", "--attach", s];
+    refused(
+        &[&receiver[..], &["--cpus", "1000"]].concat(),
+        "--cpus: cpu 1000 is not in the allowed",
+    );
+    refused(
+        &[&receiver[..], &["--pin-cpu", "1000"]].concat(),
+        "--pin-cpu: cpu 1000 is not",
+    );
+}
