@@ -33,7 +33,7 @@ use kvferry::attach::{
 use kvferry::protocol::{AllocRequest, AllocResponse, ErrorCode, Message};
 use kvferry::receiver::Receiver;
 use kvferry::sender::{Sender, SenderConfig};
-use process::{wait_exit, ChildProc, TempDir};
+use process::{status_and_stderr, ChildProc, TempDir};
 
 const ROLE: &str = "KVFERRY_PREFILL_ROLE";
 const SOCK: &str = "KVFERRY_PREFILL_SOCK";
@@ -816,19 +816,12 @@ fn kvferry_sender_attach_refuses_every_option_it_does_not_use() {
         "--attach",
         sock.to_str().unwrap(),
     ];
-    let err_file = dir.0.join("stderr");
     let refused = |extra: &[&str], names: &str| {
-        let mut child = Command::new(BIN)
-            .args(base)
-            .args(extra)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&err_file).unwrap())
-            .spawn()
-            .expect("run kvferry sender");
         // Without the refusal it would serve until killed: bounded.
-        let st = wait_exit(&mut child, &format!("kvferry sender --attach {extra:?}"));
-        let err = std::fs::read_to_string(&err_file).unwrap();
+        let (st, err) = status_and_stderr(
+            Command::new(BIN).args(base).args(extra),
+            &format!("kvferry sender --attach {extra:?}"),
+        );
         assert_eq!(st.code(), Some(2), "{extra:?} is refused: {err}");
         assert!(err.contains(names), "the message names {names}: {err}");
         assert!(!sock.exists(), "{extra:?}: refused before binding");

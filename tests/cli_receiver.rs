@@ -149,17 +149,13 @@ fn bad_arguments_exit_2_with_a_message() {
         (&["--metrics", "not-an-address"][..], "metrics"),
         (&["--no-such-flag"][..], "no-such-flag"),
     ] {
-        let mut child = Command::new(BIN)
-            .arg("receiver")
-            .args(["--listen", "tcp://127.0.0.1:0"])
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn kvferry");
-        let st = wait_exit(&mut child, &format!("with {args:?}"));
-        let err = stderr_of(&mut child);
+        let (st, err) = status_and_stderr(
+            Command::new(BIN)
+                .arg("receiver")
+                .args(["--listen", "tcp://127.0.0.1:0"])
+                .args(args),
+            &format!("with {args:?}"),
+        );
         assert_eq!(st.code(), Some(2), "{args:?}: status {st}, stderr: {err}");
         assert!(
             err.contains(needle),
@@ -170,15 +166,10 @@ fn bad_arguments_exit_2_with_a_message() {
 
 #[test]
 fn an_unusable_endpoint_is_a_runtime_error() {
-    let mut child = Command::new(BIN)
-        .args(["receiver", "--listen", "bogus://nowhere"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn kvferry");
-    let st = wait_exit(&mut child, "with a bad endpoint");
-    let err = stderr_of(&mut child);
+    let (st, err) = status_and_stderr(
+        Command::new(BIN).args(["receiver", "--listen", "bogus://nowhere"]),
+        "with a bad endpoint",
+    );
     assert_eq!(st.code(), Some(1), "status {st}, stderr: {err}");
     assert!(err.contains("bogus://nowhere"), "{err}");
 }

@@ -1,6 +1,7 @@
 //! `--cpus` and `kvferry sender --copy-cpu` (docs/attach.md, "Placing the
 //! threads"): the daemons' threads run where the options put them, those
-//! spawned later (a worker's session, ZMQ's I/O threads) included, and a
+//! spawned after the confinement (ZMQ's I/O threads, a client's session at
+//! its hello) included, and a
 //! bad value is refused at start naming its option. Read from
 //! `/proc/<pid>/task/*/status`. Every wait has a deadline.
 #![cfg(not(feature = "shuttle-model"))]
@@ -12,17 +13,10 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvferry::attach::{DecoderClient, PrefillClient};
-use process::{wait_exit, ChildProc, TempDir};
+use process::{status_and_stderr, ChildProc, TempDir};
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvferry");
 const WAIT: Duration = Duration::from_secs(30);
-
-/// The CPUs this test may run on (`Cpus_allowed_list` of its own process).
-fn allowed() -> Vec<usize> {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let list = field(&status, "Cpus_allowed_list:").expect("Cpus_allowed_list");
-    parse_list(&list)
-}
 
 fn field(status: &str, name: &str) -> Option<String> {
     status
@@ -86,7 +80,7 @@ fn spawn(args: &[&str], announce: &str) -> ChildProc {
 
 #[test]
 fn the_copy_engine_runs_alone_on_its_cpu_and_every_other_sender_thread_on_cpus() {
-    let cpus = allowed();
+    let cpus = kvferry::threads::allowed_cpus();
     // Two CPUs apart where there are two; on one, both options name it.
     let (rest, copy) = (cpus[0], *cpus.last().unwrap());
     if rest == copy {
@@ -122,18 +116,14 @@ fn the_copy_engine_runs_alone_on_its_cpu_and_every_other_sender_thread_on_cpus()
         .collect();
     assert_eq!(copies.len(), 1, "one copy engine: {threads:?}");
     assert_eq!(copies[0].2, vec![copy], "{threads:?}");
-    let others: Vec<_> = threads
-        .iter()
-        .filter(|(n, _, _)| n != "kvf-shm-copy")
-        .collect();
-    for (name, _, on) in &others {
+    for (name, _, on) in threads.iter().filter(|(n, _, _)| n != "kvf-shm-copy") {
         assert_eq!(on, &vec![rest], "thread {name}: {threads:?}");
     }
 }
 
 #[test]
 fn every_receiver_thread_runs_on_cpus_a_decoders_session_included() {
-    let cpu = *allowed().last().unwrap();
+    let cpu = *kvferry::threads::allowed_cpus().last().unwrap();
     let dir = TempDir::new("kvferry-cpus");
     let sock = dir.0.join("recv.sock");
     let buf = dir.0.join("buf");
@@ -168,19 +158,11 @@ fn every_receiver_thread_runs_on_cpus_a_decoders_session_included() {
 fn a_bad_cpu_option_is_refused_at_start_naming_it() {
     let dir = TempDir::new("kvferry-cpus");
     let sock = dir.0.join("s.sock");
-    let err_file = dir.0.join("stderr");
     let s = sock.to_str().unwrap();
     let refused = |args: &[&str], says: &str| {
-        let mut child = Command::new(BIN)
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&err_file).unwrap())
-            .spawn()
-            .expect("run kvferry");
         // Without the refusal it would serve until killed: bounded.
-        let st = wait_exit(&mut child, &format!("kvferry {args:?}"));
-        let err = std::fs::read_to_string(&err_file).unwrap();
+        let (st, err) =
+            status_and_stderr(Command::new(BIN).args(args), &format!("kvferry {args:?}"));
         assert_eq!(st.code(), Some(2), "{args:?} is refused: {err}");
         assert!(
             err.contains(says),

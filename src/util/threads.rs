@@ -84,13 +84,24 @@ pub fn pin_current(cpu: usize) -> Result<(), PinError> {
     pin_current_checked(cpu, allowed_cpus())
 }
 
-fn pin_current_checked(cpu: usize, allowed: &[usize]) -> Result<(), PinError> {
-    if cpu >= CPU_SET_CAPACITY || !allowed.contains(&cpu) {
-        return Err(PinError::NotAllowed {
-            cpu,
-            allowed: allowed.to_vec(),
-        });
+/// Checks `cpu` against [`allowed_cpus`] without pinning anything:
+/// [`PinError::NotAllowed`] for one a pin would refuse.
+pub fn check_allowed(cpu: usize) -> Result<(), PinError> {
+    check_in(cpu, allowed_cpus())
+}
+
+fn check_in(cpu: usize, allowed: &[usize]) -> Result<(), PinError> {
+    if cpu < CPU_SET_CAPACITY && allowed.contains(&cpu) {
+        return Ok(());
     }
+    Err(PinError::NotAllowed {
+        cpu,
+        allowed: allowed.to_vec(),
+    })
+}
+
+fn pin_current_checked(cpu: usize, allowed: &[usize]) -> Result<(), PinError> {
+    check_in(cpu, allowed)?;
     if core_affinity::set_for_current(core_affinity::CoreId { id: cpu }) {
         Ok(())
     } else {
@@ -122,14 +133,8 @@ fn confine_current_checked(cpus: &[usize], allowed: &[usize]) -> Result<(), PinE
     if cpus.is_empty() {
         return Err(PinError::Empty);
     }
-    if let Some(&cpu) = cpus
-        .iter()
-        .find(|&&c| c >= CPU_SET_CAPACITY || !allowed.contains(&c))
-    {
-        return Err(PinError::NotAllowed {
-            cpu,
-            allowed: allowed.to_vec(),
-        });
+    for &cpu in cpus {
+        check_in(cpu, allowed)?;
     }
     // SAFETY: a zeroed cpu_set_t is the empty set; CPU_SET writes inside
     // it (every id is below CPU_SET_CAPACITY = CPU_SETSIZE, checked

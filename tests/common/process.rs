@@ -123,6 +123,29 @@ pub fn wait_exit(child: &mut Child, what: &str) -> ExitStatus {
     wait_exit_within(child, what, PROC_WAIT)
 }
 
+/// Runs `cmd` to its exit (stdin and stdout closed, stderr read as it
+/// comes, so a long message cannot block it) within [`PROC_WAIT`],
+/// killing it and failing naming `what` past that; its status and stderr.
+/// For a command expected to refuse and exit, not one that serves.
+pub fn status_and_stderr(cmd: &mut Command, what: &str) -> (ExitStatus, String) {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot spawn {what}: {e}"));
+    let mut err = child.stderr.take().expect("stderr piped");
+    // Ends when the child's stderr closes: at its exit (it has no children
+    // of its own holding the pipe), or at the kill past the deadline.
+    let reader = thread::spawn(move || {
+        let mut s = String::new();
+        let _ = std::io::Read::read_to_string(&mut err, &mut s);
+        s
+    });
+    let status = wait_exit(&mut child, what);
+    (status, reader.join().unwrap_or_default())
+}
+
 /// [`wait_exit`] with its own deadline `hang`.
 pub fn wait_exit_within(child: &mut Child, what: &str, hang: Duration) -> ExitStatus {
     let end = Instant::now() + hang;

@@ -13,28 +13,29 @@ impl CpuList {
     /// Parses `s`; an empty list, an empty item, a reversed range or an id
     /// that is not a number is an error naming it.
     pub fn parse(s: &str) -> Result<Self, String> {
+        let id = |t: &str| {
+            t.trim()
+                .parse::<usize>()
+                .map_err(|_| format!("{t:?} in {s:?} is not a CPU id"))
+        };
         let mut cpus = Vec::new();
         for item in s.split(',').map(str::trim) {
-            let id = |t: &str| {
-                t.trim()
-                    .parse::<usize>()
-                    .map_err(|_| format!("{t:?} in {s:?} is not a CPU id"))
-            };
-            match item.split_once('-') {
-                _ if item.is_empty() => return Err(format!("{s:?} has an empty item")),
-                Some((lo, hi)) => {
-                    let (lo, hi) = (id(lo)?, id(hi)?);
-                    if lo > hi {
-                        return Err(format!("{item:?} in {s:?} is a reversed range"));
-                    }
-                    // Bounded by the kernel's set size before it is expanded.
-                    if hi >= threads::CPU_SET_CAPACITY {
-                        return Err(format!("{hi} in {s:?} is past the largest CPU id"));
-                    }
-                    cpus.extend(lo..=hi);
-                }
-                None => cpus.push(id(item)?),
+            if item.is_empty() {
+                return Err(format!("{s:?} has an empty item"));
             }
+            let Some((lo, hi)) = item.split_once('-') else {
+                cpus.push(id(item)?);
+                continue;
+            };
+            let (lo, hi) = (id(lo)?, id(hi)?);
+            if lo > hi {
+                return Err(format!("{item:?} in {s:?} is a reversed range"));
+            }
+            // Bounded by the kernel's set size before it is expanded.
+            if hi >= threads::CPU_SET_CAPACITY {
+                return Err(format!("{hi} in {s:?} is past the largest CPU id"));
+            }
+            cpus.extend(lo..=hi);
         }
         cpus.sort_unstable();
         cpus.dedup();
@@ -55,27 +56,19 @@ pub struct CpuArgs {
 }
 
 impl CpuArgs {
-    /// Confines the calling thread, and so every thread spawned after, to
-    /// `--cpus`; call it before the daemon starts anything. The error
-    /// names the option.
-    pub fn apply(&self) -> Result<(), String> {
+    /// Checks `pin` (the CPU the daemon's option `pin_option` names, if
+    /// given) against the CPUs this process may run on, then confines the
+    /// calling thread, and so every thread spawned after, to `--cpus`;
+    /// call it before the daemon starts anything. The error names the
+    /// option.
+    pub fn apply(&self, pin_option: &str, pin: Option<usize>) -> Result<(), String> {
+        if let Some(cpu) = pin {
+            threads::check_allowed(cpu).map_err(|e| format!("{pin_option}: {e}"))?;
+        }
         let Some(list) = &self.cpus else {
             return Ok(());
         };
         threads::confine_current(&list.0).map_err(|e| format!("--cpus: {e}"))
-    }
-}
-
-/// Checks that `cpu` (the value of `option`) is one this process may run
-/// on, before anything is pinned there.
-pub fn check_allowed(option: &str, cpu: usize) -> Result<(), String> {
-    let allowed = threads::allowed_cpus();
-    if allowed.contains(&cpu) {
-        Ok(())
-    } else {
-        Err(format!(
-            "{option}: cpu {cpu} is not one this process may run on ({allowed:?})"
-        ))
     }
 }
 
@@ -107,12 +100,14 @@ mod tests {
     }
 
     #[test]
-    fn a_cpu_this_process_may_not_run_on_is_refused_by_name() {
+    fn a_pin_this_process_may_not_run_on_is_refused_by_name() {
+        let none = CpuArgs { cpus: None };
         assert_eq!(
-            check_allowed("--copy-cpu", threads::allowed_cpus()[0]),
+            none.apply("--copy-cpu", Some(threads::allowed_cpus()[0])),
             Ok(())
         );
-        let e = check_allowed("--copy-cpu", 1000).unwrap_err();
+        assert_eq!(none.apply("--copy-cpu", None), Ok(()));
+        let e = none.apply("--copy-cpu", Some(1000)).unwrap_err();
         assert!(e.starts_with("--copy-cpu: cpu 1000 is not"), "{e}");
     }
 }

@@ -15,7 +15,7 @@ use crate::receiver::bounds::Bounds;
 use crate::receiver::{AcceptorFactory, Receiver, ReceiverConfig, ReceiverError, TcpDataLimits};
 use crate::transport::TransportConfig;
 
-use super::cpus::{check_allowed, CpuArgs};
+use super::cpus::CpuArgs;
 
 /// Arguments of `kvferry receiver`.
 #[derive(Debug, Args)]
@@ -143,10 +143,7 @@ pub struct ReceiverArgs {
 /// Runs a receiver until SIGINT/SIGTERM.
 pub fn run(a: ReceiverArgs) -> ExitCode {
     // Before anything is spawned: every thread after inherits it.
-    if let Err(e) = a.cpus.apply().and_then(|()| match a.pin_cpu {
-        Some(cpu) => check_allowed("--pin-cpu", cpu),
-        None => Ok(()),
-    }) {
+    if let Err(e) = a.cpus.apply("--pin-cpu", a.pin_cpu) {
         return super::usage_error(e);
     }
     if (a.capacity_chunks as u64)

@@ -15,7 +15,7 @@ use crate::runner::{self, RunConfig};
 use crate::sender::{Sender, SenderConfig};
 use crate::transport::TransportConfig;
 
-use super::cpus::{check_allowed, CpuArgs};
+use super::cpus::CpuArgs;
 use super::run_cmd::{finish, progress_mode, LoadArgs};
 
 /// Arguments of `kvferry sender`.
@@ -97,11 +97,7 @@ pub struct SenderArgs {
 /// Generates the load and prints the report.
 pub fn run(a: SenderArgs) -> ExitCode {
     // Before anything is spawned: every thread after inherits it.
-    let placed = a.cpus.apply().and_then(|()| match a.copy_cpu {
-        Some(cpu) => check_allowed("--copy-cpu", cpu),
-        None => Ok(()),
-    });
-    if let Err(e) = placed {
+    if let Err(e) = a.cpus.apply("--copy-cpu", a.copy_cpu) {
         return super::usage_error(e);
     }
     let mut cfg = match a.load.config() {
