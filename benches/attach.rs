@@ -362,6 +362,27 @@ impl Placement {
     }
 }
 
+/// Which daemons the end-to-end run attaches its two Python clients to.
+#[derive(Clone, Copy, PartialEq)]
+enum Daemons {
+    /// `kvferry receiver --attach` and `kvferry sender --attach`, two
+    /// processes talking ZMQ over loopback TCP.
+    Two,
+    /// One `kvferry node`: both roles in one process, the control messages
+    /// between them over `inproc://` (docs/attach.md, "One process for
+    /// both roles").
+    Node,
+}
+
+impl Daemons {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Two => "two",
+            Self::Node => "node",
+        }
+    }
+}
+
 /// The CPUs the bench started with (taken before the round trip pins
 /// anything).
 fn bench_cpus() -> &'static [usize] {
@@ -742,12 +763,12 @@ fn memcpy_gibs(src: &[u8], dst: &mut [u8], bytes: usize, chunk: usize) -> f64 {
     moved as f64 / t.elapsed().as_secs_f64() / f64::from(1u32 << 30)
 }
 
-/// One end-to-end run in `mode` with the threads placed as `placement`
-/// says: GiB/s from the worker's start to the decoder's last release.
-/// Sockets go in `dir`; the receive buffer's file where the receiver would
-/// put it by default, removed after the run (the receiver is killed, so it
-/// does not remove it itself).
-fn python_e2e(mode: &str, placement: Placement, dir: &Path) -> f64 {
+/// One end-to-end run in `mode` through `daemons`, with the threads placed
+/// as `placement` says: GiB/s from the worker's start to the decoder's
+/// last release. Sockets go in `dir`; the receive buffer's file where the
+/// receiver would put it by default, removed after the run (the daemons
+/// are killed, so they do not remove it themselves).
+fn python_e2e(mode: &str, daemons: Daemons, placement: Placement, dir: &Path) -> f64 {
     let bin = env!("CARGO_BIN_EXE_kvferry");
     let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/python");
     let rsock = dir.join(format!("{mode}-recv.sock"));
@@ -770,46 +791,57 @@ fn python_e2e(mode: &str, placement: Placement, dir: &Path) -> f64 {
         ),
         None => (Vec::new(), Vec::new(), all),
     };
-    let recv = Proc::spawn(
-        command_on(bin, all)
-            .args([
-                "receiver",
-                "--listen",
-                "tcp://127.0.0.1:0",
-                "--capacity-chunks",
-                &slots,
-                "--chunk-bytes",
-                &chunk,
-                "--attach",
-                rsock.to_str().expect("utf-8 path"),
-                "--shm-path",
-                buf.to_str().expect("utf-8 path"),
-            ])
-            .args(&daemon_cpus),
-    );
-    let endpoint = recv.line("kvferry receiver listening on ", "kvferry receiver");
-    recv.line("kvferry receiver attach on ", "kvferry receiver");
-    let send = Proc::spawn(
-        command_on(bin, all)
-            .args([
-                "sender",
-                "--connect",
-                &endpoint,
-                "--chunk-bytes",
-                &chunk,
-                "--staging-slots",
-                &slots,
-                // One worker: its share is all of staging (the default splits
-                // staging among --attach-max-clients workers).
-                "--attach-shares",
-                "1",
-                "--attach",
-                ssock.to_str().expect("utf-8 path"),
-            ])
-            .args(&daemon_cpus)
-            .args(&copy_cpu),
-    );
-    send.line("kvferry sender attach on ", "kvferry sender");
+    let receiver_args = [
+        "--listen",
+        "tcp://127.0.0.1:0",
+        "--capacity-chunks",
+        &slots,
+        "--chunk-bytes",
+        &chunk,
+        "--attach",
+        rsock.to_str().expect("utf-8 path"),
+        "--shm-path",
+        buf.to_str().expect("utf-8 path"),
+    ];
+    // One worker: its share is all of staging (the default splits staging
+    // among --attach-max-clients workers).
+    let staging_args = ["--staging-slots", &slots, "--attach-shares", "1"];
+    let mut daemon_procs = Vec::new();
+    match daemons {
+        Daemons::Two => {
+            let recv = Proc::spawn(
+                command_on(bin, all)
+                    .arg("receiver")
+                    .args(receiver_args)
+                    .args(&daemon_cpus),
+            );
+            let endpoint = recv.line("kvferry receiver listening on ", "kvferry receiver");
+            recv.line("kvferry receiver attach on ", "kvferry receiver");
+            let send = Proc::spawn(
+                command_on(bin, all)
+                    .args(["sender", "--connect", &endpoint, "--chunk-bytes", &chunk])
+                    .args(staging_args)
+                    .args(["--attach", ssock.to_str().expect("utf-8 path")])
+                    .args(&daemon_cpus)
+                    .args(&copy_cpu),
+            );
+            send.line("kvferry sender attach on ", "kvferry sender");
+            daemon_procs.extend([send, recv]);
+        }
+        Daemons::Node => {
+            let node = Proc::spawn(
+                command_on(bin, all)
+                    .arg("node")
+                    .args(receiver_args)
+                    .args(staging_args)
+                    .args(["--prefill-attach", ssock.to_str().expect("utf-8 path")])
+                    .args(&daemon_cpus)
+                    .args(&copy_cpu),
+            );
+            node.line("kvferry node prefill attach on ", "kvferry node");
+            daemon_procs.push(node);
+        }
+    }
     let prefix = unique(mode);
     let (requests, chunks) = (E2E_REQUESTS.to_string(), E2E_CHUNKS.to_string());
     let python = |role: &str, sock: &Path, extra: &[&str]| {
@@ -836,7 +868,7 @@ fn python_e2e(mode: &str, placement: Placement, dir: &Path) -> f64 {
     };
     let (t0, _, _) = times(&pf, "prefill");
     let (_, t1, bytes) = times(&dec, "decoder");
-    drop((pf, dec, send, recv));
+    drop((pf, dec, daemon_procs));
     let _ = std::fs::remove_file(&buf);
     bytes / (t1 - t0) / f64::from(1u32 << 30)
 }
@@ -853,18 +885,23 @@ fn e2e() {
         Some(_) => &[Placement::Free, Placement::CopyApart],
         None => &[Placement::Free],
     };
+    let runs: Vec<(Daemons, Placement)> = [Daemons::Two, Daemons::Node]
+        .into_iter()
+        .flat_map(|d| placements.iter().map(move |&p| (d, p)))
+        .collect();
     println!(
         "\nattach end to end (Python worker -> kvferry sender -> shm -> kvferry receiver -> \
          Python decoder), {} MiB in {} KiB chunks, {} requests in flight, vs a single-thread \
-         memcpy; threads {}:",
+         memcpy; daemons `two` (kvferry receiver and kvferry sender, ZMQ over loopback TCP) \
+         and `node` (one kvferry node, ZMQ inproc between its roles); threads {}:",
         bytes >> 20,
         E2E_CHUNK >> 10,
         e2e_window(),
         match copy_apart() {
             Some((copy, rest)) => format!(
                 "`free` (the scheduler's choice) and `apart` (the copy engine alone on CPU \
-                 {copy}: sender --copy-cpu {copy}; every other thread of the four processes \
-                 on CPUs {}: daemons' --cpus, the clients started there), runs alternating",
+                 {copy}: --copy-cpu {copy}; every other thread of the processes on CPUs {}: \
+                 the daemons' --cpus, the clients started there); runs alternating",
                 cpu_list(rest)
             ),
             None => "free (one CPU: nothing to set apart)".to_owned(),
@@ -875,33 +912,35 @@ fn e2e() {
     let mut ratios = Vec::new();
     for mode in ["stamp", "full"] {
         for _ in 0..3 {
-            for &placement in placements {
+            for &(daemons, placement) in &runs {
                 let ticks = cpu_ticks();
                 let before = memcpy_gibs(&src, &mut dst, bytes, E2E_CHUNK);
-                let kvf = python_e2e(mode, placement, &dir);
+                let kvf = python_e2e(mode, daemons, placement, &dir);
                 let after = memcpy_gibs(&src, &mut dst, bytes, E2E_CHUNK);
                 let base = (before + after) / 2.0;
                 let ratio = kvf / base;
                 println!(
-                    "  {mode:5} {:5}: kvferry {kvf:6.2} GiB/s, memcpy {base:6.2} GiB/s \
+                    "  {mode:5} {:4} {:5}: kvferry {kvf:6.2} GiB/s, memcpy {base:6.2} GiB/s \
                      (before {before:.2}, after {after:.2}), ratio {ratio:.2} ({})",
+                    daemons.name(),
                     placement.name(),
                     steal_since(&ticks)
                 );
-                ratios.push((mode, placement, ratio));
+                ratios.push((mode, daemons, placement, ratio));
             }
         }
     }
     for mode in ["stamp", "full"] {
-        for &placement in placements {
+        for &(daemons, placement) in &runs {
             let mut r: Vec<f64> = ratios
                 .iter()
-                .filter(|(m, p, _)| *m == mode && *p == placement)
-                .map(|(_, _, r)| *r)
+                .filter(|(m, d, p, _)| *m == mode && *d == daemons && *p == placement)
+                .map(|(.., r)| *r)
                 .collect();
             r.sort_by(f64::total_cmp);
             println!(
-                "  {mode:5} {:5}: median ratio {:.2} (of {:.2?})",
+                "  {mode:5} {:4} {:5}: median ratio {:.2} (of {:.2?})",
+                daemons.name(),
                 placement.name(),
                 r[r.len() / 2],
                 r

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common_sender::*;
+use kvferry::receiver::{Receiver, ReceiverConfig};
 use kvferry::sender::RequestStatus;
 use kvferry::transport::{FaultConfig, TransportConfig};
 
@@ -462,4 +463,41 @@ fn shared_prefix_dedup_writes_only_the_new_keys_to_the_right_slots() {
     assert_eq!(proxy.count("dedup-a"), 1);
     assert_eq!(proxy.count("dedup-b"), 1);
     wait_receiver_empty(&receiver, "after both dedup requests were consumed");
+}
+
+/// `ReceiverConfig::also_listen`: the one socket answers on every endpoint
+/// it binds. An in-process sender over `inproc://` (what `kvferry node`
+/// does) and a second one over the TCP `listen` endpoint both store
+/// requests whose every byte the decoder reads back; a second receiver
+/// cannot bind the same inproc name (the error names it).
+#[test]
+fn a_receiver_answers_on_its_inproc_endpoint_as_on_its_tcp_one() {
+    let inproc = format!("inproc://{}", unique("also-listen"));
+    let receiver = Receiver::start(ReceiverConfig {
+        also_listen: vec![inproc.clone()],
+        ..receiver_cfg(16)
+    })
+    .expect("receiver binds tcp and inproc");
+    let tcp = receiver.endpoint().to_owned();
+    assert!(
+        tcp.starts_with("tcp://"),
+        "endpoint() stays listen's: {tcp}"
+    );
+    let over_inproc = sender(sender_cfg(8, None));
+    let over_tcp = sender(sender_cfg(8, None));
+    for (n, (s, ep)) in [(&over_inproc, &inproc), (&over_tcp, &tcp)]
+        .into_iter()
+        .enumerate()
+    {
+        let req = format!("also-listen-{n}");
+        store_request(s, ep, &req, n as u64, 5, 2)
+            .unwrap_or_else(|e| panic!("store over {ep} failed: {e}"));
+        consume(&receiver, &req, n as u64, 5).unwrap_or_else(|e| panic!("{e}"));
+    }
+    let err = Receiver::start(ReceiverConfig {
+        also_listen: vec![inproc.clone()],
+        ..receiver_cfg(4)
+    })
+    .expect_err("a second receiver cannot bind the same inproc endpoint");
+    assert!(err.to_string().contains(&inproc), "error names it: {err}");
 }

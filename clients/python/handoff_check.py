@@ -1,7 +1,9 @@
 """Checks the Python client's hand-off bounds (docs/attach.md, "Handshake"):
 a fake daemon sends an accepting hello with no, too few or too many
 descriptors (SCM_RIGHTS); the client raises AttachError each time, closes
-every descriptor it received, and attaches nothing. Exit status 0 = passed.
+every descriptor it received, and attaches nothing. Then the check of a
+READY's CHUNK (and a STAGED's SLOT) entries: every field that can be wrong
+is, once each, and the batch is refused. Exit status 0 = passed.
 
 Usage: python3 handoff_check.py
 """
@@ -46,7 +48,34 @@ def fake_daemon(path, fds):
     return t
 
 
+def check_entries():
+    """ka._entries accepts a well-formed batch and refuses each bad field."""
+    n, tag, slots = 5, 77, 16
+
+    def batch(**bad):
+        out = b""
+        for i in range(n):
+            f = dict(kind=ka.EV_CHUNK, tag=tag, slot=i + 3, idx=i, length=100 + i, tokens=9)
+            if i == 2:
+                f.update(bad)
+            out += ka.EVENT.pack(f["kind"], 0, f["tag"], f["slot"], f["idx"],
+                                 f["length"], f["tokens"])
+        return out
+
+    got = ka._entries(batch(), n, ka.EV_CHUNK, tag, slots)
+    if got != ([3, 4, 5, 6, 7], [100, 101, 102, 103, 104], [9] * n):
+        sys.exit("a good batch read as %r" % (got,))
+    for bad in (dict(kind=ka.EV_SLOT), dict(tag=tag + 1), dict(idx=3), dict(slot=slots),
+                dict(tag=tag | 1 << 40)):
+        if ka._entries(batch(**bad), n, ka.EV_CHUNK, tag, slots) is not None:
+            sys.exit("a batch with %r was accepted" % (bad,))
+    if ka._entries(b"", 0, ka.EV_CHUNK, tag, slots) != ([], [], []):
+        sys.exit("an empty batch was refused")
+    print("entries: a good batch read, 5 bad ones refused")
+
+
 def main():
+    check_entries()
     with tempfile.TemporaryDirectory() as d:
         for n in (0, 2, 4, 12):
             r, w = os.pipe()

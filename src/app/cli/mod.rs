@@ -1,6 +1,7 @@
 //! Command-line interface: one subcommand per role.
 
 mod cpus;
+mod node_cmd;
 mod proxy_cmd;
 mod receiver_cmd;
 mod run_cmd;
@@ -30,6 +31,10 @@ pub enum Command {
     Receiver(receiver_cmd::ReceiverArgs),
     /// Run a sender (prefill side) against receivers in other processes.
     Sender(sender_cmd::SenderArgs),
+    /// Run a receiver and a sender in one process for the decode and
+    /// prefill workers of one host (both attach; the control messages
+    /// between the two stay in the process).
+    Node(node_cmd::NodeArgs),
     /// Run a proxy listener: count ProxyNotif per request.
     Proxy(proxy_cmd::ProxyArgs),
 }
@@ -41,8 +46,23 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::Run(a) => run_cmd::run(a),
         Command::Receiver(a) => receiver_cmd::run(a),
         Command::Sender(a) => sender_cmd::run(a),
+        Command::Node(a) => node_cmd::run(a),
         Command::Proxy(a) => proxy_cmd::run(a),
     }
+}
+
+/// Starts the `--metrics` server at `addr`, if given, serving `render`;
+/// the error is the exit code (its message printed).
+pub(crate) fn start_metrics(
+    addr: Option<std::net::SocketAddr>,
+    render: impl Fn() -> String + Send + Sync + 'static,
+) -> Result<Option<crate::metrics::MetricsServer>, ExitCode> {
+    let Some(addr) = addr else {
+        return Ok(None);
+    };
+    crate::metrics::MetricsServer::start(addr, render)
+        .map(Some)
+        .map_err(|e| runtime_error(format!("metrics on {addr}: {e}")))
 }
 
 /// Logs to stderr, filtered by `RUST_LOG` (default: warnings only).

@@ -146,110 +146,154 @@ pub fn run(a: ReceiverArgs) -> ExitCode {
     if let Err(e) = a.cpus.apply("--pin-cpu", a.pin_cpu) {
         return super::usage_error(e);
     }
-    if (a.capacity_chunks as u64)
-        .checked_mul(a.chunk_bytes)
-        .is_none()
-    {
-        return super::usage_error("capacity-chunks × chunk-bytes overflows");
-    }
-    let acceptor = if a.rdma {
-        match AcceptorFactory::for_transport("rdma", &TransportConfig::default()) {
-            Ok(f) => f,
-            Err(e) => return super::usage_error(format!("--rdma: {e}")),
-        }
-    } else {
-        None
-    };
-    let cfg = ReceiverConfig {
-        listen: a.listen.clone(),
-        receiver_id: a
-            .receiver_id
-            .unwrap_or_else(|| format!("receiver-{}", std::process::id())),
-        capacity_chunks: a.capacity_chunks as usize,
-        chunk_bytes: a.chunk_bytes,
-        admission_timeout: Duration::from_millis(a.admission_timeout_ms),
-        lease: Duration::from_millis(a.lease_ms),
-        quarantine_grace: Duration::from_millis(a.quarantine_ms),
-        shm_path: a.shm_path,
-        pin_cpu: a.pin_cpu,
-        auto_consume: a.consume,
-        consume_grace: Duration::from_millis(a.consume_grace_ms),
-        tcp_data: a.tcp_data,
-        tcp_data_advertise: a.tcp_advertise,
-        tcp_data_limits: TcpDataLimits {
-            auth_timeout: Duration::from_millis(a.tcp_auth_timeout_ms),
-            io_timeout: Duration::from_millis(a.tcp_io_timeout_ms),
-            max_unauthenticated: a.tcp_max_unauthenticated as usize,
-            max_per_sender: a.tcp_max_per_sender as usize,
-            ..TcpDataLimits::default()
-        },
-        acceptor,
-        bounds: Bounds {
-            max_parked_bytes: a.max_parked_bytes,
-            max_peer_parked_bytes: a.max_peer_parked_bytes,
-            max_ended_bytes: a.max_record_bytes,
-            max_peer_bytes: a.max_peer_state_bytes,
-            allow_anonymous: !a.no_anonymous,
-            anonymous_lifetime: Duration::from_millis(a.anonymous_lifetime_ms),
-        },
-        recv_queue_per_peer: a.recv_queue_per_peer,
-        reply_queue_per_peer: a.reply_queue_per_peer,
-        ..ReceiverConfig::default()
-    };
     let termination = match super::signals::Termination::install() {
         Ok(t) => t,
         Err(e) => return super::runtime_error(format!("cannot install signal handlers: {e}")),
     };
-    let receiver = match Receiver::start(cfg) {
-        Ok(r) => Arc::new(r),
-        // --rdma on a host without a device: nothing to retry (exit 2).
-        Err(e @ ReceiverError::Transport(_)) => return super::usage_error(format!("--rdma: {e}")),
-        Err(e) => return super::runtime_error(e),
+    let metrics = a.metrics;
+    let served = match Served::start(a, Vec::new()) {
+        Ok(s) => s,
+        Err(code) => return code,
     };
-    let metrics_server = match a.metrics {
-        Some(addr) => {
-            // Weak: a scrape still being served must not keep the receiver
-            // (and its buffer file) alive past the end of `run`.
-            let r = Arc::downgrade(&receiver);
-            let render = move || r.upgrade().map(|r| r.render_metrics()).unwrap_or_default();
-            match MetricsServer::start(addr, render) {
-                Ok(m) => Some(m),
-                Err(e) => return super::runtime_error(format!("metrics on {addr}: {e}")),
-            }
+    let metrics_server = {
+        // Weak: a scrape still being served must not keep the receiver
+        // (and its buffer file) alive past the end of `run`.
+        let r = Arc::downgrade(&served.receiver);
+        match super::start_metrics(metrics, move || {
+            r.upgrade().map(|r| r.render_metrics()).unwrap_or_default()
+        }) {
+            Ok(m) => m,
+            Err(code) => return code,
         }
-        None => None,
     };
-    let attach = match &a.attach {
-        Some(path) => {
-            let cfg = AttachConfig {
-                max_clients: a.attach_max_clients as usize,
-                max_outstanding: a.attach_max_outstanding as usize,
-                keep_dumpable: a.attach_keep_dumpable,
-                ..AttachConfig::new(path)
-            };
-            match DecoderDaemon::start(Arc::clone(&receiver), cfg) {
-                Ok(d) => Some(d),
-                Err(e) => return super::runtime_error(format!("--attach {}: {e}", path.display())),
-            }
-        }
-        None => None,
-    };
-    super::say!("kvferry receiver listening on {}", receiver.endpoint());
-    if let Some(d) = &attach {
-        super::say!("kvferry receiver attach on {}", d.socket().display());
-    }
-    if let Some(addr) = receiver.tcp_data_addr() {
-        super::say!("kvferry receiver tcp data on {addr}");
-    }
-    if let Some(m) = &metrics_server {
-        super::say!("kvferry receiver metrics on {}", m.local_addr());
-    }
-    if a.rdma {
-        super::say!("kvferry receiver offers rdma");
-    }
+    served.announce("receiver", "attach", metrics_server.as_ref());
     let _ = std::io::stdout().flush();
     termination.wait();
     // Ends the sessions (releasing what clients held) before the receiver.
-    drop(attach);
+    drop(served);
     ExitCode::SUCCESS
+}
+
+/// A running receiver and, with `--attach`, its decoder daemon: what
+/// `kvferry receiver` and `kvferry node` serve. Dropping it ends the
+/// sessions (releasing what their clients held), then the receiver.
+pub(super) struct Served {
+    // Declared first: dropped before the receiver it serves.
+    attach: Option<DecoderDaemon>,
+    pub(super) receiver: Arc<Receiver>,
+    rdma: bool,
+}
+
+impl Served {
+    /// Starts the receiver `a` describes, binding `also_listen` too (see
+    /// [`ReceiverConfig::also_listen`]), and its decoder daemon if
+    /// `--attach` is given. `--cpus`/`--pin-cpu` and `--metrics` are the
+    /// caller's. The error is the exit code, its message printed.
+    pub(super) fn start(a: ReceiverArgs, also_listen: Vec<String>) -> Result<Self, ExitCode> {
+        if (a.capacity_chunks as u64)
+            .checked_mul(a.chunk_bytes)
+            .is_none()
+        {
+            return Err(super::usage_error(
+                "capacity-chunks × chunk-bytes overflows",
+            ));
+        }
+        let acceptor = if a.rdma {
+            match AcceptorFactory::for_transport("rdma", &TransportConfig::default()) {
+                Ok(f) => f,
+                Err(e) => return Err(super::usage_error(format!("--rdma: {e}"))),
+            }
+        } else {
+            None
+        };
+        let cfg = ReceiverConfig {
+            listen: a.listen.clone(),
+            also_listen,
+            receiver_id: a
+                .receiver_id
+                .unwrap_or_else(|| format!("receiver-{}", std::process::id())),
+            capacity_chunks: a.capacity_chunks as usize,
+            chunk_bytes: a.chunk_bytes,
+            admission_timeout: Duration::from_millis(a.admission_timeout_ms),
+            lease: Duration::from_millis(a.lease_ms),
+            quarantine_grace: Duration::from_millis(a.quarantine_ms),
+            shm_path: a.shm_path,
+            pin_cpu: a.pin_cpu,
+            auto_consume: a.consume,
+            consume_grace: Duration::from_millis(a.consume_grace_ms),
+            tcp_data: a.tcp_data,
+            tcp_data_advertise: a.tcp_advertise,
+            tcp_data_limits: TcpDataLimits {
+                auth_timeout: Duration::from_millis(a.tcp_auth_timeout_ms),
+                io_timeout: Duration::from_millis(a.tcp_io_timeout_ms),
+                max_unauthenticated: a.tcp_max_unauthenticated as usize,
+                max_per_sender: a.tcp_max_per_sender as usize,
+                ..TcpDataLimits::default()
+            },
+            acceptor,
+            bounds: Bounds {
+                max_parked_bytes: a.max_parked_bytes,
+                max_peer_parked_bytes: a.max_peer_parked_bytes,
+                max_ended_bytes: a.max_record_bytes,
+                max_peer_bytes: a.max_peer_state_bytes,
+                allow_anonymous: !a.no_anonymous,
+                anonymous_lifetime: Duration::from_millis(a.anonymous_lifetime_ms),
+            },
+            recv_queue_per_peer: a.recv_queue_per_peer,
+            reply_queue_per_peer: a.reply_queue_per_peer,
+            ..ReceiverConfig::default()
+        };
+        let receiver = match Receiver::start(cfg) {
+            Ok(r) => Arc::new(r),
+            // --rdma on a host without a device: nothing to retry (exit 2).
+            Err(e @ ReceiverError::Transport(_)) => {
+                return Err(super::usage_error(format!("--rdma: {e}")))
+            }
+            Err(e) => return Err(super::runtime_error(e)),
+        };
+        let attach = match &a.attach {
+            Some(path) => {
+                let cfg = AttachConfig {
+                    max_clients: a.attach_max_clients as usize,
+                    max_outstanding: a.attach_max_outstanding as usize,
+                    keep_dumpable: a.attach_keep_dumpable,
+                    ..AttachConfig::new(path)
+                };
+                match DecoderDaemon::start(Arc::clone(&receiver), cfg) {
+                    Ok(d) => Some(d),
+                    Err(e) => {
+                        return Err(super::runtime_error(format!(
+                            "--attach {}: {e}",
+                            path.display()
+                        )))
+                    }
+                }
+            }
+            None => None,
+        };
+        Ok(Self {
+            attach,
+            receiver,
+            rdma: a.rdma,
+        })
+    }
+
+    /// Prints the lines a launcher waits for, naming the daemon `role`
+    /// (`kvferry <role> listening on …`, `kvferry <role> <attach> on
+    /// <socket>`, …), `metrics`' address among them.
+    pub(super) fn announce(&self, role: &str, attach: &str, metrics: Option<&MetricsServer>) {
+        super::say!("kvferry {role} listening on {}", self.receiver.endpoint());
+        if let Some(d) = &self.attach {
+            super::say!("kvferry {role} {attach} on {}", d.socket().display());
+        }
+        if let Some(addr) = self.receiver.tcp_data_addr() {
+            super::say!("kvferry {role} tcp data on {addr}");
+        }
+        if let Some(m) = metrics {
+            super::say!("kvferry {role} metrics on {}", m.local_addr());
+        }
+        if self.rdma {
+            super::say!("kvferry {role} offers rdma");
+        }
+    }
 }

@@ -227,69 +227,102 @@ fn serve_attached(a: &SenderArgs, cfg: &RunConfig, path: PathBuf) -> ExitCode {
         Err(e) => return super::runtime_error(format!("cannot install signal handlers: {e}")),
     };
     let shares = a.attach_shares.map_or_else(
-        || {
-            crate::staging::max_shares(cfg.staging_slots, cfg.chunk_bytes)
-                .min(a.attach_max_clients as usize)
-        },
+        || default_shares(cfg.staging_slots, cfg.chunk_bytes, a.attach_max_clients),
         |n| n as usize,
     );
-    let sender = Sender::new(SenderConfig {
-        sender_id: a.sender_id.clone(),
-        proxy: a.proxy.clone(),
-        staging_slots: cfg.staging_slots,
-        staging_shares: shares,
-        chunk_bytes: cfg.chunk_bytes,
-        max_pending_bytes: cfg.max_pending_bytes,
-        transport: cfg.transport.clone(),
-        transport_config: TransportConfig {
-            pin_cpu: a.copy_cpu,
-            ..TransportConfig::default()
+    let served = Attached::start(
+        SenderConfig {
+            sender_id: a.sender_id.clone(),
+            proxy: a.proxy.clone(),
+            staging_slots: cfg.staging_slots,
+            staging_shares: shares,
+            chunk_bytes: cfg.chunk_bytes,
+            max_pending_bytes: cfg.max_pending_bytes,
+            transport: cfg.transport.clone(),
+            transport_config: TransportConfig {
+                pin_cpu: a.copy_cpu,
+                ..TransportConfig::default()
+            },
+            static_peers,
+            ..SenderConfig::default()
         },
-        static_peers,
-        ..SenderConfig::default()
-    });
-    let sender = match sender {
-        Ok(s) => Arc::new(s),
-        Err(e) => return super::runtime_error(e),
+        a.connect.clone(),
+        AttachConfig {
+            max_clients: a.attach_max_clients as usize,
+            max_outstanding: a.attach_max_outstanding as usize,
+            keep_dumpable: a.attach_keep_dumpable,
+            ..AttachConfig::new(&path)
+        },
+    );
+    let served = match served {
+        Ok(s) => s,
+        Err(code) => return code,
     };
-    let metrics = match a.metrics {
-        Some(addr) => {
-            let weak = Arc::downgrade(&sender);
-            let render = move || {
-                let live: Vec<Arc<Sender>> = weak.upgrade().into_iter().collect();
-                crate::sender::metrics::render_metrics(&live)
-            };
-            match MetricsServer::start(addr, render) {
-                Ok(m) => Some(m),
-                Err(e) => return super::runtime_error(format!("metrics on {addr}: {e}")),
-            }
-        }
-        None => None,
+    let metrics = {
+        let weak = Arc::downgrade(&served.sender);
+        super::start_metrics(a.metrics, move || {
+            let live: Vec<Arc<Sender>> = weak.upgrade().into_iter().collect();
+            crate::sender::metrics::render_metrics(&live)
+        })
     };
-    let acfg = AttachConfig {
-        max_clients: a.attach_max_clients as usize,
-        max_outstanding: a.attach_max_outstanding as usize,
-        keep_dumpable: a.attach_keep_dumpable,
-        ..AttachConfig::new(&path)
+    let metrics = match metrics {
+        Ok(m) => m,
+        Err(code) => return code,
     };
-    let daemon = match PrefillDaemon::start(Arc::clone(&sender), a.connect.clone(), acfg) {
-        Ok(d) => d,
-        Err(e) => return super::runtime_error(format!("--attach {}: {e}", path.display())),
-    };
-    super::say!("kvferry sender attach on {}", daemon.socket().display());
+    super::say!(
+        "kvferry sender attach on {}",
+        served.daemon.socket().display()
+    );
     if let Some(m) = &metrics {
         super::say!("kvferry sender metrics on {}", m.local_addr());
     }
     let _ = std::io::stdout().flush();
     termination.wait();
-    // Ends the sessions (cancelling their live requests) before the sender.
-    drop(daemon);
     drop(metrics);
-    match Arc::try_unwrap(sender) {
-        Ok(s) => {
-            s.close(Instant::now() + Duration::from_secs(5));
-        }
-        Err(s) => drop(s),
-    }
+    served.stop();
     ExitCode::SUCCESS
+}
+
+/// Staging shares when `--attach-shares` is not given: one per possible
+/// client, fewer if the slots cannot hold that many page-aligned shares.
+pub(super) fn default_shares(staging_slots: usize, chunk_bytes: u64, max_clients: u32) -> usize {
+    crate::staging::max_shares(staging_slots, chunk_bytes).min(max_clients as usize)
+}
+
+/// A sender serving attached prefill workers: what `kvferry sender
+/// --attach` and `kvferry node` run.
+pub(super) struct Attached {
+    pub(super) sender: Arc<Sender>,
+    pub(super) daemon: PrefillDaemon,
+}
+
+impl Attached {
+    /// Starts the sender `cfg` describes and its prefill daemon, whose
+    /// workers name their receivers by index into `connect`. The error is
+    /// the exit code, its message printed.
+    pub(super) fn start(
+        cfg: SenderConfig,
+        connect: Vec<String>,
+        attach: AttachConfig,
+    ) -> Result<Self, ExitCode> {
+        let path = attach.socket.clone();
+        let sender = Sender::new(cfg)
+            .map(Arc::new)
+            .map_err(super::runtime_error)?;
+        let daemon = PrefillDaemon::start(Arc::clone(&sender), connect, attach)
+            .map_err(|e| super::runtime_error(format!("--attach {}: {e}", path.display())))?;
+        Ok(Self { sender, daemon })
+    }
+
+    /// Ends the sessions (cancelling their live requests), then closes the
+    /// sender, waiting at most 5 s for its transfers.
+    pub(super) fn stop(self) {
+        drop(self.daemon);
+        match Arc::try_unwrap(self.sender) {
+            Ok(s) => {
+                s.close(Instant::now() + Duration::from_secs(5));
+            }
+            Err(s) => drop(s),
+        }
+    }
 }

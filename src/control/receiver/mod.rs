@@ -55,6 +55,11 @@ pub struct ReceiverConfig {
     /// ZMQ endpoint to bind, e.g. `tcp://127.0.0.1:7400` (port 0 picks one;
     /// see [`Receiver::endpoint`]).
     pub listen: String,
+    /// More ZMQ endpoints the same socket binds (default none): e.g. an
+    /// `inproc://` one for a sender in this process (`kvferry node`), next
+    /// to a `tcp://` one for remote senders. [`Receiver::endpoint`] is
+    /// still `listen`'s.
+    pub also_listen: Vec<String>,
     /// Identity announced to kvferry senders.
     pub receiver_id: String,
     /// Slots in the receive buffer.
@@ -128,6 +133,7 @@ impl Default for ReceiverConfig {
     fn default() -> Self {
         Self {
             listen: "tcp://127.0.0.1:0".into(),
+            also_listen: Vec::new(),
             receiver_id: format!("receiver-{}", std::process::id()),
             capacity_chunks: 256,
             chunk_bytes: 256 * 1024,
@@ -459,6 +465,12 @@ impl Receiver {
             Ok(Ok(e)) => e,
             _ => cfg.listen.clone(),
         };
+        for more in &cfg.also_listen {
+            sock.bind(more).map_err(|source| ReceiverError::Bind {
+                endpoint: more.clone(),
+                source,
+            })?;
+        }
         let reactor = crate::zmq_io::Reactor::new()?;
         reactor.register(&sock, ctrl::SOCKET_TOKEN)?;
         let now = Instant::now();

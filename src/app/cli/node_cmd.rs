@@ -1,0 +1,175 @@
+//! `kvferry node`: a receiver and a sender in one process, for a host that
+//! runs both the decode and the prefill workers of a deployment
+//! (single-node prefill/decode disaggregation). Both roles serve attached
+//! workers as `kvferry receiver --attach` and `kvferry sender --attach` do,
+//! with the same code; what one process changes is the path between them.
+//! The sender reaches its own receiver over `inproc://` ZMQ (receiver 0 of
+//! a worker's BEGIN), so an `AllocRequest`, its reply and `TransferDone`
+//! pass from one control thread to the other with no ZMQ I/O thread, no
+//! TCP and no other process in between: about a third of the CPU the two
+//! daemons spend per request (docs/attach.md, "One process for both
+//! roles"). The bytes still move once, in the shm copy engine.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::Args;
+
+use crate::attach::AttachConfig;
+use crate::sender::{Sender, SenderConfig};
+use crate::transport::TransportConfig;
+
+use super::receiver_cmd::{ReceiverArgs, Served};
+use super::sender_cmd::{default_shares, Attached};
+
+/// Arguments of `kvferry node`.
+#[derive(Debug, Args)]
+pub struct NodeArgs {
+    /// The receiver's options, as `kvferry receiver` takes them. Its
+    /// `--attach` (required here) is the decoders' socket; `--listen` is
+    /// where senders of other processes and hosts (kvferry's or LMCache's)
+    /// reach this node's receiver; `--chunk-bytes` sizes the staging slots
+    /// too; `--cpus` confines both roles; `--attach-max-clients`,
+    /// `--attach-max-outstanding` and `--attach-keep-dumpable` apply to
+    /// both sockets; `--metrics` serves both roles' metrics.
+    #[command(flatten)]
+    pub receiver: ReceiverArgs,
+    /// Serve attached prefill workers on this Unix socket (as `kvferry
+    /// sender --attach`): a worker's BEGIN names receiver 0 for this
+    /// node's own, 1.. for the `--connect` ones in order.
+    #[arg(long, value_name = "PATH")]
+    pub prefill_attach: PathBuf,
+    /// Staging slots of the sender, `--chunk-bytes` each.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    pub staging_slots: u32,
+    /// Per-worker staging shares (as `kvferry sender --attach-shares`).
+    /// Default: --attach-max-clients, fewer if --staging-slots cannot hold
+    /// that many page-aligned shares.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub attach_shares: Option<u32>,
+    /// Pin the shm copy engine (the one thread that moves the workers'
+    /// bytes) to this CPU; leave it out of --cpus to give it the CPU to
+    /// itself (docs/attach.md, "Placing the threads").
+    #[arg(long, value_name = "CPU")]
+    pub copy_cpu: Option<usize>,
+    /// More receivers (comma-separated or repeated) for the prefill
+    /// workers: receivers 1.. of a BEGIN. The node's sender writes over
+    /// shm, so they are kvferry receivers on this host (for other hosts
+    /// run `kvferry sender --transport tcp|rdma`).
+    #[arg(long, value_delimiter = ',')]
+    pub connect: Vec<String>,
+    /// The proxy's PULL endpoint for ProxyNotif.
+    #[arg(long)]
+    pub proxy: Option<String>,
+    /// Sender id prefix (DEALER identities are `<id>-to-<endpoint>~<random
+    /// per process>`).
+    #[arg(long, default_value = "node")]
+    pub sender_id: String,
+}
+
+/// The in-process endpoint the node's receiver also binds and its sender
+/// connects to (unique in the process, reachable from no other).
+fn inproc_endpoint() -> String {
+    format!("inproc://kvferry-node-{}", std::process::id())
+}
+
+/// Runs a node until SIGINT/SIGTERM.
+pub fn run(a: NodeArgs) -> ExitCode {
+    if let Some(cpu) = a.copy_cpu {
+        if let Err(e) = crate::threads::check_allowed(cpu) {
+            return super::usage_error(format!("--copy-cpu: {e}"));
+        }
+    }
+    // Before anything is spawned: every thread after inherits it.
+    let r = &a.receiver;
+    if let Err(e) = r.cpus.apply("--pin-cpu", r.pin_cpu) {
+        return super::usage_error(e);
+    }
+    let Some(decoders) = r.attach.clone() else {
+        return super::usage_error(
+            "kvferry node serves attached decoders: --attach PATH (their socket) is required",
+        );
+    };
+    if decoders == a.prefill_attach {
+        return super::usage_error("--attach and --prefill-attach must be different sockets");
+    }
+    if a.connect.iter().any(|c| c.trim().is_empty()) {
+        return super::usage_error("--connect has an empty endpoint");
+    }
+    let termination = match super::signals::Termination::install() {
+        Ok(t) => t,
+        Err(e) => return super::runtime_error(format!("cannot install signal handlers: {e}")),
+    };
+    let chunk_bytes = r.chunk_bytes;
+    let (max_clients, max_outstanding) = (r.attach_max_clients, r.attach_max_outstanding);
+    let keep_dumpable = r.attach_keep_dumpable;
+    let metrics = r.metrics;
+    let inproc = inproc_endpoint();
+    let receiver = match Served::start(a.receiver, vec![inproc.clone()]) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
+    let staging_slots = a.staging_slots as usize;
+    let shares = a.attach_shares.map_or_else(
+        || default_shares(staging_slots, chunk_bytes, max_clients),
+        |n| n as usize,
+    );
+    let connect: Vec<String> = std::iter::once(inproc).chain(a.connect).collect();
+    let sender = Attached::start(
+        SenderConfig {
+            sender_id: a.sender_id,
+            proxy: a.proxy,
+            staging_slots,
+            staging_shares: shares,
+            chunk_bytes,
+            transport_config: TransportConfig {
+                pin_cpu: a.copy_cpu,
+                ..TransportConfig::default()
+            },
+            ..SenderConfig::default()
+        },
+        connect,
+        AttachConfig {
+            max_clients: max_clients as usize,
+            max_outstanding: max_outstanding as usize,
+            keep_dumpable,
+            ..AttachConfig::new(&a.prefill_attach)
+        },
+    );
+    let sender = match sender {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
+    let metrics = {
+        // Weak: a scrape still being served must not keep either role alive.
+        let r = Arc::downgrade(&receiver.receiver);
+        let s = Arc::downgrade(&sender.sender);
+        super::start_metrics(metrics, move || {
+            let mut text = r.upgrade().map(|r| r.render_metrics()).unwrap_or_default();
+            let live: Vec<Arc<Sender>> = s.upgrade().into_iter().collect();
+            text.push_str(&crate::sender::metrics::render_metrics(&live));
+            text
+        })
+    };
+    let metrics = match metrics {
+        Ok(m) => m,
+        Err(code) => {
+            sender.stop();
+            return code;
+        }
+    };
+    receiver.announce("node", "decoder attach", metrics.as_ref());
+    super::say!(
+        "kvferry node prefill attach on {}",
+        sender.daemon.socket().display()
+    );
+    let _ = std::io::stdout().flush();
+    termination.wait();
+    drop(metrics);
+    // The sender first: its transfers end while its receiver still serves.
+    sender.stop();
+    drop(receiver);
+    ExitCode::SUCCESS
+}

@@ -1,0 +1,268 @@
+//! `kvferry node` (docs/attach.md, "One process for both roles"): a
+//! receiver and a sender in one process, each serving attached workers.
+//! Run as a user would, with the real binary and the Python and Rust
+//! clients: every byte a worker writes in place is read back in place by
+//! a decoder; a remote `kvferry sender` reaches the node's receiver on
+//! `--listen`; a decoder or a worker SIGKILLed while holding slots gives
+//! them back; bad options are refused at start. Every wait has a deadline.
+#![cfg(not(feature = "shuttle-model"))]
+
+#[path = "common/process.rs"]
+mod process;
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvferry::attach::{AttachError, PrefillClient, PrefillEvent};
+use process::{status_and_stderr, ChildProc, TempDir};
+
+const BIN: &str = env!("CARGO_BIN_EXE_kvferry");
+const WAIT: Duration = Duration::from_secs(30);
+/// Bytes per chunk (small: the tests check every byte).
+const CHUNK: u64 = 16 * 1024;
+
+/// A node with `capacity` receive slots and `staging` staging slots in
+/// `shares` shares, its sockets and buffer file in `dir`; returns it and
+/// its `--listen` endpoint.
+fn node(dir: &TempDir, capacity: u32, staging: u32, shares: u32) -> (ChildProc, String) {
+    let mut p = ChildProc::spawn(
+        Command::new(BIN)
+            .args(["node", "--listen", "tcp://127.0.0.1:0"])
+            .args(["--capacity-chunks", &capacity.to_string()])
+            .args(["--chunk-bytes", &CHUNK.to_string()])
+            .args(["--staging-slots", &staging.to_string()])
+            .args(["--attach-shares", &shares.to_string()])
+            .arg("--attach")
+            .arg(dir.join("decoders.sock"))
+            .arg("--prefill-attach")
+            .arg(dir.join("workers.sock"))
+            .arg("--shm-path")
+            .arg(dir.join("buf"))
+            .stdin(Stdio::null()),
+    );
+    let found = p.after_prefixes(&[
+        "kvferry node listening on ",
+        "kvferry node decoder attach on ",
+        "kvferry node prefill attach on ",
+    ]);
+    (p, found[0].clone())
+}
+
+fn python(script: &str, args: &[&str]) -> ChildProc {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/python");
+    ChildProc::spawn(
+        Command::new("python3")
+            .arg(dir.join(script))
+            .args(args)
+            .env("PYTHONPATH", &dir),
+    )
+}
+
+fn path(dir: &TempDir, name: &str) -> String {
+    dir.join(name).to_str().expect("utf-8 path").to_owned()
+}
+
+/// Byte `j` of chunk `i` is `(i * 31 + j) & 0xff` (what
+/// `clients/python/decoder_check.py` checks).
+fn pattern(i: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|j| ((i * 31 + j) & 0xff) as u8).collect()
+}
+
+fn next(c: &mut PrefillClient, what: &str) -> PrefillEvent {
+    c.next_event(Instant::now() + WAIT)
+        .unwrap_or_else(|e| panic!("{what}: {e}"))
+}
+
+/// A Rust worker on `sock` writes request `req_id` (`n` chunks of the
+/// pattern, the last `last` bytes) in place and waits for DONE. Attaches
+/// again while the daemon refuses it for want of a free share (a share
+/// comes back when the session of a killed worker ends), up to [`WAIT`].
+fn rust_worker(sock: &str, req_id: &str, n: usize, last: usize) {
+    let end = Instant::now() + WAIT;
+    let mut c = loop {
+        match PrefillClient::connect(Path::new(sock), WAIT) {
+            Ok(c) => break c,
+            Err(AttachError::Refused(_)) if Instant::now() < end => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => panic!("the rust worker cannot attach: {e}"),
+        }
+    };
+    let tag = c.begin(req_id, 0, n as u32).unwrap();
+    c.stage(tag, n as u32).unwrap();
+    let b = match next(&mut c, "the rust worker's STAGED") {
+        PrefillEvent::Staged(b) => b,
+        other => panic!("expected STAGED, got {other:?}"),
+    };
+    let mut lens = Vec::new();
+    for i in 0..n {
+        let len = if i + 1 == n { last } else { CHUNK as usize };
+        c.slot_mut(&b, i).unwrap()[..len].copy_from_slice(&pattern(i, len));
+        lens.push(len as u32);
+    }
+    let keys: Vec<String> = (0..n).map(|i| format!("{req_id}/{i:03}")).collect();
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    c.submit(b, &keys, &lens).unwrap();
+    match next(&mut c, "the rust worker's DONE") {
+        PrefillEvent::Done { tag: t } => assert_eq!(t, tag),
+        other => panic!("expected DONE, got {other:?}"),
+    }
+}
+
+#[test]
+fn python_and_rust_workers_feed_python_decoders_through_one_node_and_a_remote_sender() {
+    let dir = TempDir::new("kvferry-node");
+    let (_node, endpoint) = node(&dir, 8, 16, 2);
+    let (decoders, workers) = (path(&dir, "decoders.sock"), path(&dir, "workers.sock"));
+    // A Python worker of the node writes; a Python decoder of the node
+    // reads every byte.
+    let mut dec = python(
+        "decoder_check.py",
+        &[&decoders, "node-1", "5", "777", "release"],
+    );
+    dec.expect_line("ATTACH:subscribed");
+    let mut pf = python("prefill_check.py", &[&workers, "node-1", "5", "777"]);
+    pf.expect_line("PREFILL:ok");
+    pf.wait_success("python worker of the node");
+    dec.expect_line("ATTACH:ok");
+    dec.wait_success("python decoder of the node");
+    // The Rust worker client, the same pattern.
+    let mut dec = python(
+        "decoder_check.py",
+        &[&decoders, "node-2", "3", "100", "release"],
+    );
+    dec.expect_line("ATTACH:subscribed");
+    rust_worker(&workers, "node-2", 3, 100);
+    dec.expect_line("ATTACH:ok");
+    dec.wait_success("python decoder of the rust worker's request");
+    // A sender in another process reaches the node's receiver on --listen
+    // (over TCP, like one on another host): its worker's bytes arrive too.
+    let remote = path(&dir, "remote.sock");
+    let mut send = ChildProc::spawn(
+        Command::new(BIN)
+            .args(["sender", "--connect", &endpoint])
+            .args(["--chunk-bytes", &CHUNK.to_string(), "--staging-slots", "8"])
+            .args(["--attach-shares", "1"])
+            .args(["--attach", &remote])
+            .stdin(Stdio::null()),
+    );
+    send.expect_line("kvferry sender attach on ");
+    let mut dec = python(
+        "decoder_check.py",
+        &[&decoders, "node-3", "4", "5000", "release"],
+    );
+    dec.expect_line("ATTACH:subscribed");
+    let mut pf = python("prefill_check.py", &[&remote, "node-3", "4", "5000"]);
+    pf.expect_line("PREFILL:ok");
+    pf.wait_success("python worker of the remote sender");
+    dec.expect_line("ATTACH:ok");
+    dec.wait_success("python decoder of the remote sender's request");
+}
+
+/// A Python worker that stages `n` slots of `req_id`, says
+/// `HOLD:staged` and sleeps until killed.
+const HOLDING_WORKER: &str = r#"
+import sys, time, kvferry_attach
+c = kvferry_attach.PrefillClient(sys.argv[1])
+n = int(sys.argv[3])
+tag = c.begin(sys.argv[2], 0, n)
+batch = c.stage(tag, n)
+ev = c.next_event(timeout=30.0)
+if ev[0] != "staged" or len(ev[3]) != n:
+    sys.exit("expected STAGED of %d slots, got %r" % (n, ev))
+print("HOLD:staged", flush=True)
+time.sleep(120)
+"#;
+
+#[test]
+fn a_decoder_or_worker_killed_holding_slots_in_a_node_gives_them_back() {
+    let dir = TempDir::new("kvferry-node-kill");
+    // 8 receive slots and 8 staging slots in one share: a request of 8
+    // chunks takes all of either.
+    let (_node, _) = node(&dir, 8, 8, 1);
+    let (decoders, workers) = (path(&dir, "decoders.sock"), path(&dir, "workers.sock"));
+    // A decoder holds all 8 receive slots and is killed.
+    let mut holder = python(
+        "decoder_check.py",
+        &[&decoders, "held-1", "8", "100", "hold"],
+    );
+    holder.expect_line("ATTACH:subscribed");
+    rust_worker(&workers, "held-1", 8, 100);
+    holder.expect_line("ATTACH:holding");
+    holder.sigkill();
+    // The next request of 8 chunks fits only if the killed decoder's
+    // slots came back (otherwise it waits for admission past WAIT).
+    let mut dec = python(
+        "decoder_check.py",
+        &[&decoders, "after-1", "8", "100", "release"],
+    );
+    dec.expect_line("ATTACH:subscribed");
+    rust_worker(&workers, "after-1", 8, 100);
+    dec.expect_line("ATTACH:ok");
+    dec.wait_success("the decoder after the killed one");
+    // A worker holds all 8 staging slots (the one share) and is killed:
+    // the next worker gets the share and all 8 slots again.
+    let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/python");
+    let mut worker = ChildProc::spawn(
+        Command::new("python3")
+            .args(["-c", HOLDING_WORKER, &workers, "held-2", "8"])
+            .env("PYTHONPATH", &py),
+    );
+    worker.expect_line("HOLD:staged");
+    worker.sigkill();
+    let mut dec = python(
+        "decoder_check.py",
+        &[&decoders, "after-2", "8", "100", "release"],
+    );
+    dec.expect_line("ATTACH:subscribed");
+    rust_worker(&workers, "after-2", 8, 100);
+    dec.expect_line("ATTACH:ok");
+    dec.wait_success("the decoder of the worker after the killed one");
+}
+
+#[test]
+fn kvferry_node_refuses_bad_options_at_start_naming_them() {
+    let dir = TempDir::new("kvferry-node-refuse");
+    let (d, w) = (path(&dir, "d.sock"), path(&dir, "w.sock"));
+    let cases: [(&[&str], &str); 5] = [
+        (&["--prefill-attach", &w], "--attach PATH"),
+        (
+            &["--attach", &d, "--prefill-attach", &d],
+            "different sockets",
+        ),
+        (
+            &[
+                "--attach",
+                &d,
+                "--prefill-attach",
+                &w,
+                "--copy-cpu",
+                "100000",
+            ],
+            "--copy-cpu: ",
+        ),
+        (
+            &["--attach", &d, "--prefill-attach", &w, "--cpus", "0-x"],
+            "--cpus",
+        ),
+        (
+            &["--attach", &d, "--prefill-attach", &w, "--connect", ""],
+            "--connect has an empty endpoint",
+        ),
+    ];
+    for (args, says) in cases {
+        let (status, stderr) = status_and_stderr(
+            Command::new(BIN)
+                .args(["node", "--listen", "tcp://127.0.0.1:0"])
+                .args(args),
+            "kvferry node with a bad option",
+        );
+        assert_eq!(status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+        assert!(
+            !dir.join("d.sock").exists() && !dir.join("w.sock").exists(),
+            "{args:?}: a refused node bound a socket"
+        );
+    }
+}
