@@ -55,7 +55,12 @@
 //!    `apart`, the copy engine alone on the last CPU (`kvferry sender
 //!    --copy-cpu`) and every other thread of the four processes on the
 //!    others (the daemons' `--cpus`, the clients started there), which
-//!    docs/attach.md tells the operator of a small machine to do.
+//!    docs/attach.md tells the operator of a small machine to do. And
+//!    each through two daemon set-ups ([`Daemons`]): `two`, `kvferry
+//!    receiver --attach` and `kvferry sender --attach` (ZMQ over loopback
+//!    TCP between them), and `node`, one `kvferry node` serving both roles
+//!    (ZMQ `inproc://` between them; docs/attach.md, "One process for both
+//!    roles").
 
 use std::hint::black_box;
 use std::io::{BufRead, BufReader};

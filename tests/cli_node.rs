@@ -26,9 +26,21 @@ const CHUNK: u64 = 16 * 1024;
 /// `shares` shares, its sockets and buffer file in `dir`; returns it and
 /// its `--listen` endpoint.
 fn node(dir: &TempDir, capacity: u32, staging: u32, shares: u32) -> (ChildProc, String) {
+    node_with(dir, capacity, staging, shares, &[])
+}
+
+/// [`node`] with `extra` options.
+fn node_with(
+    dir: &TempDir,
+    capacity: u32,
+    staging: u32,
+    shares: u32,
+    extra: &[&str],
+) -> (ChildProc, String) {
     let mut p = ChildProc::spawn(
         Command::new(BIN)
             .args(["node", "--listen", "tcp://127.0.0.1:0"])
+            .args(extra)
             .args(["--capacity-chunks", &capacity.to_string()])
             .args(["--chunk-bytes", &CHUNK.to_string()])
             .args(["--staging-slots", &staging.to_string()])
@@ -219,6 +231,28 @@ fn a_decoder_or_worker_killed_holding_slots_in_a_node_gives_them_back() {
     rust_worker(&workers, "after-2", 8, 100);
     dec.expect_line("ATTACH:ok");
     dec.wait_success("the decoder of the worker after the killed one");
+}
+
+/// `--metrics` serves both roles' metrics on one port.
+#[test]
+fn a_nodes_metrics_hold_both_roles() {
+    use std::io::{Read, Write};
+    let dir = TempDir::new("kvferry-node-metrics");
+    let (mut p, _) = node_with(&dir, 8, 8, 1, &["--metrics", "127.0.0.1:0"]);
+    let addr = p.expect_line("kvferry node metrics on ");
+    let addr = addr.trim_start_matches("kvferry node metrics on ").trim();
+    let mut conn = std::net::TcpStream::connect(addr).expect("the metrics port answers");
+    conn.set_read_timeout(Some(WAIT)).unwrap();
+    conn.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut text = String::new();
+    conn.read_to_string(&mut text).expect("a reply within WAIT");
+    assert!(
+        text.starts_with("HTTP/1.1 200") || text.starts_with("HTTP/1.0 200"),
+        "{text}"
+    );
+    for role in ["kvferry_receiver_", "kvferry_sender_"] {
+        assert!(text.contains(role), "no {role} metrics in:\n{text}");
+    }
 }
 
 #[test]

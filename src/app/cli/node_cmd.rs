@@ -160,11 +160,14 @@ pub fn run(a: NodeArgs) -> ExitCode {
             return code;
         }
     };
-    receiver.announce("node", "decoder attach", metrics.as_ref());
+    receiver.announce("node", "decoder attach", None);
     super::say!(
         "kvferry node prefill attach on {}",
         sender.daemon.socket().display()
     );
+    if let Some(m) = &metrics {
+        super::say!("kvferry node metrics on {}", m.local_addr());
+    }
     let _ = std::io::stdout().flush();
     termination.wait();
     drop(metrics);

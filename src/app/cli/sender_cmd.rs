@@ -267,7 +267,10 @@ fn serve_attached(a: &SenderArgs, cfg: &RunConfig, path: PathBuf) -> ExitCode {
     };
     let metrics = match metrics {
         Ok(m) => m,
-        Err(code) => return code,
+        Err(code) => {
+            served.stop();
+            return code;
+        }
     };
     super::say!(
         "kvferry sender attach on {}",
@@ -292,8 +295,9 @@ pub(super) fn default_shares(staging_slots: usize, chunk_bytes: u64, max_clients
 /// A sender serving attached prefill workers: what `kvferry sender
 /// --attach` and `kvferry node` run.
 pub(super) struct Attached {
-    pub(super) sender: Arc<Sender>,
+    // Declared first: dropped (its sessions ended) before the sender.
     pub(super) daemon: PrefillDaemon,
+    pub(super) sender: Arc<Sender>,
 }
 
 impl Attached {
@@ -311,7 +315,7 @@ impl Attached {
             .map_err(super::runtime_error)?;
         let daemon = PrefillDaemon::start(Arc::clone(&sender), connect, attach)
             .map_err(|e| super::runtime_error(format!("--attach {}: {e}", path.display())))?;
-        Ok(Self { sender, daemon })
+        Ok(Self { daemon, sender })
     }
 
     /// Ends the sessions (cancelling their live requests), then closes the
