@@ -83,6 +83,8 @@ def decoder(sock, prefix, requests, chunks, mode):
         if len(descs) != chunks:
             sys.exit("decoder: %s has %d chunks" % (req_id, len(descs)))
         for k, (slot, length, _tokens) in enumerate(descs):
+            if length != cb:  # the worker sends full chunks only
+                sys.exit("decoder: chunk %d of %s has %d bytes" % (k, req_id, length))
             # Both stamps read in place (unpack_from: no view, no copy).
             off = base + slot * cb
             want = stamp_of(i, k)
