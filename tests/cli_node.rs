@@ -4,7 +4,8 @@
 //! clients: every byte a worker writes in place is read back in place by
 //! a decoder; a remote `kvferry sender` reaches the node's receiver on
 //! `--listen`; a decoder or a worker SIGKILLed while holding slots gives
-//! them back; bad options are refused at start. Every wait has a deadline.
+//! them back; an idle node uses no CPU; bad options are refused at start.
+//! Every wait has a deadline.
 #![cfg(not(feature = "shuttle-model"))]
 
 #[path = "common/process.rs"]
@@ -231,6 +232,43 @@ fn a_decoder_or_worker_killed_holding_slots_in_a_node_gives_them_back() {
     rust_worker(&workers, "after-2", 8, 100);
     dec.expect_line("ATTACH:ok");
     dec.wait_success("the decoder of the worker after the killed one");
+}
+
+/// CPU ticks (1/100 s) of process `pid`, user and system.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("/proc/<pid>/stat");
+    // After the command name's closing parenthesis: field 3 onwards.
+    let rest = &stat[stat.rfind(')').expect("comm") + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    f[11].parse::<u64>().expect("utime") + f[12].parse::<u64>().expect("stime")
+}
+
+/// An idle node uses no CPU, with a decoder and a worker attached and a
+/// request moved before (every thread spun, yielded, then parked).
+#[test]
+fn an_idle_node_with_clients_attached_uses_no_cpu() {
+    let dir = TempDir::new("kvferry-node-idle");
+    let (p, _) = node(&dir, 8, 8, 1);
+    let (decoders, workers) = (path(&dir, "decoders.sock"), path(&dir, "workers.sock"));
+    let mut dec = python(
+        "decoder_check.py",
+        &[&decoders, "idle-1", "2", "100", "release"],
+    );
+    dec.expect_line("ATTACH:subscribed");
+    rust_worker(&workers, "idle-1", 2, 100);
+    dec.expect_line("ATTACH:ok");
+    dec.wait_success("the decoder before the idle window");
+    let _decoder = kvferry::attach::DecoderClient::connect(Path::new(&decoders), WAIT)
+        .expect("an idle decoder attaches");
+    let _worker =
+        PrefillClient::connect(Path::new(&workers), WAIT).expect("an idle worker attaches");
+    // Past the sessions' linger and the first sleeps.
+    std::thread::sleep(Duration::from_millis(200));
+    let pid = p.child.id();
+    let before = cpu_ticks(pid);
+    std::thread::sleep(Duration::from_secs(1));
+    let used = cpu_ticks(pid) - before;
+    assert!(used <= 3, "the idle node used {used} CPU ticks in 1 s");
 }
 
 /// `--metrics` serves both roles' metrics on one port.
