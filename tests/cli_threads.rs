@@ -1,4 +1,4 @@
-//! `--cpus` and `kvferry sender --copy-cpu` (docs/attach.md, "Placing the
+//! `--cpus` and `--copy-cpu` (`kvferry sender`, `kvferry node`; docs/attach.md, "Placing the
 //! threads"): the daemons' threads run where the options put them, those
 //! spawned after the confinement (ZMQ's I/O threads, a client's session at
 //! its hello) included, and a
@@ -151,6 +151,68 @@ fn every_receiver_thread_runs_on_cpus_a_decoders_session_included() {
     assert!(threads.len() > 3, "{threads:?}");
     for (name, _, on) in &threads {
         assert_eq!(on, &vec![cpu], "thread {name}: {threads:?}");
+    }
+}
+
+/// `kvferry node` takes the same two options: its copy engine alone on
+/// `--copy-cpu`, every other thread of both roles (both sessions, spawned
+/// at their clients' hellos, included) on `--cpus`.
+#[test]
+fn a_nodes_copy_engine_runs_alone_on_its_cpu_and_both_roles_threads_on_cpus() {
+    let cpus = kvferry::threads::allowed_cpus();
+    let (rest, copy) = (cpus[0], *cpus.last().unwrap());
+    let dir = TempDir::new("kvferry-cpus");
+    let (dsock, wsock) = (dir.0.join("dec.sock"), dir.0.join("work.sock"));
+    let buf = dir.0.join("buf");
+    let (rest_s, copy_s) = (rest.to_string(), copy.to_string());
+    let node = spawn(
+        &[
+            "node",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--capacity-chunks",
+            "4",
+            "--chunk-bytes",
+            "4096",
+            "--staging-slots",
+            "8",
+            "--attach",
+            dsock.to_str().unwrap(),
+            "--prefill-attach",
+            wsock.to_str().unwrap(),
+            "--shm-path",
+            buf.to_str().unwrap(),
+            "--cpus",
+            &rest_s,
+            "--copy-cpu",
+            &copy_s,
+        ],
+        "kvferry node prefill attach on ",
+    );
+    let _decoder = DecoderClient::connect(&dsock, WAIT).expect("a decoder attaches");
+    let _worker = PrefillClient::connect(&wsock, WAIT).expect("a worker attaches");
+    let pid = node.child.id();
+    let end = Instant::now() + WAIT;
+    let threads = loop {
+        let t = threads_of(pid);
+        let sessions = t
+            .iter()
+            .filter(|(n, _, _)| n.starts_with("attach-"))
+            .count();
+        if sessions >= 2 {
+            break t;
+        }
+        assert!(Instant::now() < end, "two sessions within {WAIT:?}: {t:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let copies: Vec<_> = threads
+        .iter()
+        .filter(|(n, _, _)| n == "kvf-shm-copy")
+        .collect();
+    assert_eq!(copies.len(), 1, "one copy engine: {threads:?}");
+    assert_eq!(copies[0].2, vec![copy], "{threads:?}");
+    for (name, _, on) in threads.iter().filter(|(n, _, _)| n != "kvf-shm-copy") {
+        assert_eq!(on, &vec![rest], "thread {name}: {threads:?}");
     }
 }
 
