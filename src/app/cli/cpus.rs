@@ -56,14 +56,16 @@ pub struct CpuArgs {
 }
 
 impl CpuArgs {
-    /// Checks `pin` (the CPU the daemon's option `pin_option` names, if
-    /// given) against the CPUs this process may run on, then confines the
-    /// calling thread, and so every thread spawned after, to `--cpus`;
-    /// call it before the daemon starts anything. The error names the
-    /// option.
-    pub fn apply(&self, pin_option: &str, pin: Option<usize>) -> Result<(), String> {
-        if let Some(cpu) = pin {
-            threads::check_allowed(cpu).map_err(|e| format!("{pin_option}: {e}"))?;
+    /// Checks each of `pins` (an option of the daemon that names one CPU,
+    /// and its value if given) against the CPUs this process may run on,
+    /// then confines the calling thread, and so every thread spawned
+    /// after, to `--cpus`; call it before the daemon starts anything. The
+    /// error names the option.
+    pub fn apply(&self, pins: &[(&str, Option<usize>)]) -> Result<(), String> {
+        for &(option, pin) in pins {
+            if let Some(cpu) = pin {
+                threads::check_allowed(cpu).map_err(|e| format!("{option}: {e}"))?;
+            }
         }
         let Some(list) = &self.cpus else {
             return Ok(());
@@ -103,11 +105,16 @@ mod tests {
     fn a_pin_this_process_may_not_run_on_is_refused_by_name() {
         let none = CpuArgs { cpus: None };
         assert_eq!(
-            none.apply("--copy-cpu", Some(threads::allowed_cpus()[0])),
+            none.apply(&[("--copy-cpu", Some(threads::allowed_cpus()[0]))]),
             Ok(())
         );
-        assert_eq!(none.apply("--copy-cpu", None), Ok(()));
-        let e = none.apply("--copy-cpu", Some(1000)).unwrap_err();
+        assert_eq!(none.apply(&[("--copy-cpu", None)]), Ok(()));
+        let e = none.apply(&[("--copy-cpu", Some(1000))]).unwrap_err();
         assert!(e.starts_with("--copy-cpu: cpu 1000 is not"), "{e}");
+        // Each pin is checked, the first bad one named.
+        let e = none
+            .apply(&[("--copy-cpu", None), ("--pin-cpu", Some(1000))])
+            .unwrap_err();
+        assert!(e.starts_with("--pin-cpu: cpu 1000 is not"), "{e}");
     }
 }

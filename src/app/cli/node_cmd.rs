@@ -13,12 +13,11 @@
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
 
 use clap::Args;
 
 use crate::attach::AttachConfig;
-use crate::sender::{Sender, SenderConfig};
+use crate::sender::SenderConfig;
 use crate::transport::TransportConfig;
 
 use super::receiver_cmd::{ReceiverArgs, Served};
@@ -77,14 +76,12 @@ fn inproc_endpoint() -> String {
 
 /// Runs a node until SIGINT/SIGTERM.
 pub fn run(a: NodeArgs) -> ExitCode {
-    if let Some(cpu) = a.copy_cpu {
-        if let Err(e) = crate::threads::check_allowed(cpu) {
-            return super::usage_error(format!("--copy-cpu: {e}"));
-        }
-    }
     // Before anything is spawned: every thread after inherits it.
     let r = &a.receiver;
-    if let Err(e) = r.cpus.apply("--pin-cpu", r.pin_cpu) {
+    if let Err(e) = r
+        .cpus
+        .apply(&[("--copy-cpu", a.copy_cpu), ("--pin-cpu", r.pin_cpu)])
+    {
         return super::usage_error(e);
     }
     let Some(decoders) = r.attach.clone() else {
@@ -142,18 +139,8 @@ pub fn run(a: NodeArgs) -> ExitCode {
         Ok(s) => s,
         Err(code) => return code,
     };
-    let metrics = {
-        // Weak: a scrape still being served must not keep either role alive.
-        let r = Arc::downgrade(&receiver.receiver);
-        let s = Arc::downgrade(&sender.sender);
-        super::start_metrics(metrics, move || {
-            let mut text = r.upgrade().map(|r| r.render_metrics()).unwrap_or_default();
-            let live: Vec<Arc<Sender>> = s.upgrade().into_iter().collect();
-            text.push_str(&crate::sender::metrics::render_metrics(&live));
-            text
-        })
-    };
-    let metrics = match metrics {
+    let (receiver_text, sender_text) = (receiver.metrics(), sender.metrics());
+    let metrics = match super::start_metrics(metrics, move || receiver_text() + &sender_text()) {
         Ok(m) => m,
         Err(code) => {
             sender.stop();

@@ -143,7 +143,7 @@ pub struct ReceiverArgs {
 /// Runs a receiver until SIGINT/SIGTERM.
 pub fn run(a: ReceiverArgs) -> ExitCode {
     // Before anything is spawned: every thread after inherits it.
-    if let Err(e) = a.cpus.apply("--pin-cpu", a.pin_cpu) {
+    if let Err(e) = a.cpus.apply(&[("--pin-cpu", a.pin_cpu)]) {
         return super::usage_error(e);
     }
     let termination = match super::signals::Termination::install() {
@@ -155,16 +155,9 @@ pub fn run(a: ReceiverArgs) -> ExitCode {
         Ok(s) => s,
         Err(code) => return code,
     };
-    let metrics_server = {
-        // Weak: a scrape still being served must not keep the receiver
-        // (and its buffer file) alive past the end of `run`.
-        let r = Arc::downgrade(&served.receiver);
-        match super::start_metrics(metrics, move || {
-            r.upgrade().map(|r| r.render_metrics()).unwrap_or_default()
-        }) {
-            Ok(m) => m,
-            Err(code) => return code,
-        }
+    let metrics_server = match super::start_metrics(metrics, served.metrics()) {
+        Ok(m) => m,
+        Err(code) => return code,
     };
     served.announce("receiver", "attach", metrics_server.as_ref());
     let _ = std::io::stdout().flush();
@@ -276,6 +269,14 @@ impl Served {
             receiver,
             rdma: a.rdma,
         })
+    }
+
+    /// The receiver's metrics text, for `--metrics`. Holds it weakly: a
+    /// scrape still being served must not keep the receiver (and its
+    /// buffer file) alive past the end of the command.
+    pub(super) fn metrics(&self) -> impl Fn() -> String + Send + Sync + 'static {
+        let r = Arc::downgrade(&self.receiver);
+        move || r.upgrade().map(|r| r.render_metrics()).unwrap_or_default()
     }
 
     /// Prints the lines a launcher waits for, naming the daemon `role`

@@ -97,7 +97,7 @@ pub struct SenderArgs {
 /// Generates the load and prints the report.
 pub fn run(a: SenderArgs) -> ExitCode {
     // Before anything is spawned: every thread after inherits it.
-    if let Err(e) = a.cpus.apply("--copy-cpu", a.copy_cpu) {
+    if let Err(e) = a.cpus.apply(&[("--copy-cpu", a.copy_cpu)]) {
         return super::usage_error(e);
     }
     let mut cfg = match a.load.config() {
@@ -258,14 +258,7 @@ fn serve_attached(a: &SenderArgs, cfg: &RunConfig, path: PathBuf) -> ExitCode {
         Ok(s) => s,
         Err(code) => return code,
     };
-    let metrics = {
-        let weak = Arc::downgrade(&served.sender);
-        super::start_metrics(a.metrics, move || {
-            let live: Vec<Arc<Sender>> = weak.upgrade().into_iter().collect();
-            crate::sender::metrics::render_metrics(&live)
-        })
-    };
-    let metrics = match metrics {
+    let metrics = match super::start_metrics(a.metrics, served.metrics()) {
         Ok(m) => m,
         Err(code) => {
             served.stop();
@@ -316,6 +309,16 @@ impl Attached {
         let daemon = PrefillDaemon::start(Arc::clone(&sender), connect, attach)
             .map_err(|e| super::runtime_error(format!("--attach {}: {e}", path.display())))?;
         Ok(Self { daemon, sender })
+    }
+
+    /// The sender's metrics text, for `--metrics`. Holds it weakly: a
+    /// scrape still being served must not keep it alive.
+    pub(super) fn metrics(&self) -> impl Fn() -> String + Send + Sync + 'static {
+        let weak = Arc::downgrade(&self.sender);
+        move || {
+            let live: Vec<Arc<Sender>> = weak.upgrade().into_iter().collect();
+            crate::sender::metrics::render_metrics(&live)
+        }
     }
 
     /// Ends the sessions (cancelling their live requests), then closes the
