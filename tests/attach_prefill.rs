@@ -33,7 +33,7 @@ use kvferry::attach::{
 use kvferry::protocol::{AllocRequest, AllocResponse, ErrorCode, Message};
 use kvferry::receiver::Receiver;
 use kvferry::sender::{Sender, SenderConfig};
-use process::{status_and_stderr, ChildProc, TempDir};
+use process::{python_client, python_pattern, status_and_stderr, ChildProc, TempDir};
 
 const ROLE: &str = "KVFERRY_PREFILL_ROLE";
 const SOCK: &str = "KVFERRY_PREFILL_SOCK";
@@ -685,22 +685,6 @@ fn spawn_binary(args: &[&str], role: &str, announce: &str) -> (ChildProc, String
     (p, found)
 }
 
-fn python(script: &str, args: &[&str]) -> ChildProc {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/python");
-    ChildProc::spawn(
-        Command::new("python3")
-            .arg(dir.join(script))
-            .args(args)
-            .env("PYTHONPATH", &dir),
-    )
-}
-
-/// Byte `j` of chunk `i` is `(i * 31 + j) & 0xff` (what
-/// `clients/python/decoder_check.py` checks).
-fn python_pattern(i: usize, len: usize) -> Vec<u8> {
-    (0..len).map(|j| ((i * 31 + j) & 0xff) as u8).collect()
-}
-
 #[test]
 fn python_and_rust_prefill_workers_feed_a_python_decoder_through_both_binaries() {
     if std::env::var(ROLE).is_ok() {
@@ -748,15 +732,15 @@ fn python_and_rust_prefill_workers_feed_a_python_decoder_through_both_binaries()
     let rs = rsock.to_str().unwrap();
     let ss = ssock.to_str().unwrap();
     // A Python prefill worker writes; a Python decoder reads every byte.
-    let mut dec = python("decoder_check.py", &[rs, "pyp-1", "5", "777", "release"]);
+    let mut dec = python_client("decoder_check.py", &[rs, "pyp-1", "5", "777", "release"]);
     dec.expect_line("ATTACH:subscribed");
-    let mut pf = python("prefill_check.py", &[ss, "pyp-1", "5", "777"]);
+    let mut pf = python_client("prefill_check.py", &[ss, "pyp-1", "5", "777"]);
     pf.expect_line("PREFILL:ok");
     pf.wait_success("python prefill worker");
     dec.expect_line("ATTACH:ok");
     dec.wait_success("python decoder");
     // The Rust client writes the same pattern; the Python decoder checks it.
-    let mut dec = python("decoder_check.py", &[rs, "pyp-2", "3", "100", "release"]);
+    let mut dec = python_client("decoder_check.py", &[rs, "pyp-2", "3", "100", "release"]);
     dec.expect_line("ATTACH:subscribed");
     let mut c = PrefillClient::connect(&ssock, WAIT).expect("rust worker attaches");
     assert_eq!(c.hello().receivers, 1);
@@ -783,12 +767,12 @@ fn python_and_rust_prefill_workers_feed_a_python_decoder_through_both_binaries()
     // Python decoder sees its 100 tokens (the Python worker first checks
     // that a bad dtype and a token count past the shape are refused).
     let half = (CHUNK / 2).to_string();
-    let mut dec = python(
+    let mut dec = python_client(
         "decoder_check.py",
         &[rs, "pyp-3", "4", "200", "release", "100"],
     );
     dec.expect_line("ATTACH:subscribed");
-    let mut pf = python(
+    let mut pf = python_client(
         "prefill_check.py",
         &[ss, "pyp-3", "4", "200", "3", &half, "bf16", "100"],
     );

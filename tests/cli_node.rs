@@ -8,15 +8,17 @@
 //! Every wait has a deadline.
 #![cfg(not(feature = "shuttle-model"))]
 
-#[path = "common/process.rs"]
-mod process;
+mod common;
 
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::{
+    cpu_ticks, python3, python_client, python_pattern, scrape, status_and_stderr, ChildProc,
+    TempDir,
+};
 use kvferry::attach::{AttachError, PrefillClient, PrefillEvent};
-use process::{status_and_stderr, ChildProc, TempDir};
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvferry");
 const WAIT: Duration = Duration::from_secs(30);
@@ -62,24 +64,34 @@ fn node_with(
     (p, found[0].clone())
 }
 
-fn python(script: &str, args: &[&str]) -> ChildProc {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/python");
-    ChildProc::spawn(
-        Command::new("python3")
-            .arg(dir.join(script))
-            .args(args)
-            .env("PYTHONPATH", &dir),
-    )
+/// A Python decoder (`decoder_check.py`) on `sock`, subscribed to `req`
+/// (`n` chunks of the pattern, the last `last` bytes), in `mode`
+/// (`release` or `hold`).
+fn subscribed(sock: &str, req: &str, n: usize, last: usize, mode: &str) -> ChildProc {
+    let (n, last) = (n.to_string(), last.to_string());
+    let mut dec = python_client("decoder_check.py", &[sock, req, &n, &last, mode]);
+    dec.expect_line("ATTACH:subscribed");
+    dec
+}
+
+/// Waits for a [`subscribed`] decoder to have checked every byte and
+/// released (`what` names it if it fails or hangs).
+fn delivered(mut dec: ChildProc, what: &str) {
+    dec.expect_line("ATTACH:ok");
+    dec.wait_success(what);
+}
+
+/// A Python worker (`prefill_check.py`) on `sock` writes `req` (`n`
+/// chunks of the pattern, the last `last` bytes) and sees it DONE.
+fn python_worker(sock: &str, req: &str, n: usize, last: usize, what: &str) {
+    let (n, last) = (n.to_string(), last.to_string());
+    let mut pf = python_client("prefill_check.py", &[sock, req, &n, &last]);
+    pf.expect_line("PREFILL:ok");
+    pf.wait_success(what);
 }
 
 fn path(dir: &TempDir, name: &str) -> String {
     dir.join(name).to_str().expect("utf-8 path").to_owned()
-}
-
-/// Byte `j` of chunk `i` is `(i * 31 + j) & 0xff` (what
-/// `clients/python/decoder_check.py` checks).
-fn pattern(i: usize, len: usize) -> Vec<u8> {
-    (0..len).map(|j| ((i * 31 + j) & 0xff) as u8).collect()
 }
 
 fn next(c: &mut PrefillClient, what: &str) -> PrefillEvent {
@@ -111,7 +123,7 @@ fn rust_worker(sock: &str, req_id: &str, n: usize, last: usize) {
     let mut lens = Vec::new();
     for i in 0..n {
         let len = if i + 1 == n { last } else { CHUNK as usize };
-        c.slot_mut(&b, i).unwrap()[..len].copy_from_slice(&pattern(i, len));
+        c.slot_mut(&b, i).unwrap()[..len].copy_from_slice(&python_pattern(i, len));
         lens.push(len as u32);
     }
     let keys: Vec<String> = (0..n).map(|i| format!("{req_id}/{i:03}")).collect();
@@ -130,25 +142,13 @@ fn python_and_rust_workers_feed_python_decoders_through_one_node_and_a_remote_se
     let (decoders, workers) = (path(&dir, "decoders.sock"), path(&dir, "workers.sock"));
     // A Python worker of the node writes; a Python decoder of the node
     // reads every byte.
-    let mut dec = python(
-        "decoder_check.py",
-        &[&decoders, "node-1", "5", "777", "release"],
-    );
-    dec.expect_line("ATTACH:subscribed");
-    let mut pf = python("prefill_check.py", &[&workers, "node-1", "5", "777"]);
-    pf.expect_line("PREFILL:ok");
-    pf.wait_success("python worker of the node");
-    dec.expect_line("ATTACH:ok");
-    dec.wait_success("python decoder of the node");
+    let dec = subscribed(&decoders, "node-1", 5, 777, "release");
+    python_worker(&workers, "node-1", 5, 777, "python worker of the node");
+    delivered(dec, "python decoder of the node");
     // The Rust worker client, the same pattern.
-    let mut dec = python(
-        "decoder_check.py",
-        &[&decoders, "node-2", "3", "100", "release"],
-    );
-    dec.expect_line("ATTACH:subscribed");
+    let dec = subscribed(&decoders, "node-2", 3, 100, "release");
     rust_worker(&workers, "node-2", 3, 100);
-    dec.expect_line("ATTACH:ok");
-    dec.wait_success("python decoder of the rust worker's request");
+    delivered(dec, "python decoder of the rust worker's request");
     // A sender in another process reaches the node's receiver on --listen
     // (over TCP, like one on another host): its worker's bytes arrive too.
     let remote = path(&dir, "remote.sock");
@@ -161,16 +161,15 @@ fn python_and_rust_workers_feed_python_decoders_through_one_node_and_a_remote_se
             .stdin(Stdio::null()),
     );
     send.expect_line("kvferry sender attach on ");
-    let mut dec = python(
-        "decoder_check.py",
-        &[&decoders, "node-3", "4", "5000", "release"],
+    let dec = subscribed(&decoders, "node-3", 4, 5000, "release");
+    python_worker(
+        &remote,
+        "node-3",
+        4,
+        5000,
+        "python worker of the remote sender",
     );
-    dec.expect_line("ATTACH:subscribed");
-    let mut pf = python("prefill_check.py", &[&remote, "node-3", "4", "5000"]);
-    pf.expect_line("PREFILL:ok");
-    pf.wait_success("python worker of the remote sender");
-    dec.expect_line("ATTACH:ok");
-    dec.wait_success("python decoder of the remote sender's request");
+    delivered(dec, "python decoder of the remote sender's request");
 }
 
 /// A Python worker that stages `n` slots of `req_id`, says
@@ -196,51 +195,24 @@ fn a_decoder_or_worker_killed_holding_slots_in_a_node_gives_them_back() {
     let (_node, _) = node(&dir, 8, 8, 1);
     let (decoders, workers) = (path(&dir, "decoders.sock"), path(&dir, "workers.sock"));
     // A decoder holds all 8 receive slots and is killed.
-    let mut holder = python(
-        "decoder_check.py",
-        &[&decoders, "held-1", "8", "100", "hold"],
-    );
-    holder.expect_line("ATTACH:subscribed");
+    let mut holder = subscribed(&decoders, "held-1", 8, 100, "hold");
     rust_worker(&workers, "held-1", 8, 100);
     holder.expect_line("ATTACH:holding");
     holder.sigkill();
     // The next request of 8 chunks fits only if the killed decoder's
     // slots came back (otherwise it waits for admission past WAIT).
-    let mut dec = python(
-        "decoder_check.py",
-        &[&decoders, "after-1", "8", "100", "release"],
-    );
-    dec.expect_line("ATTACH:subscribed");
+    let dec = subscribed(&decoders, "after-1", 8, 100, "release");
     rust_worker(&workers, "after-1", 8, 100);
-    dec.expect_line("ATTACH:ok");
-    dec.wait_success("the decoder after the killed one");
+    delivered(dec, "the decoder after the killed one");
     // A worker holds all 8 staging slots (the one share) and is killed:
     // the next worker gets the share and all 8 slots again.
-    let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/python");
-    let mut worker = ChildProc::spawn(
-        Command::new("python3")
-            .args(["-c", HOLDING_WORKER, &workers, "held-2", "8"])
-            .env("PYTHONPATH", &py),
-    );
+    let mut worker =
+        ChildProc::spawn(python3().args(["-c", HOLDING_WORKER, &workers, "held-2", "8"]));
     worker.expect_line("HOLD:staged");
     worker.sigkill();
-    let mut dec = python(
-        "decoder_check.py",
-        &[&decoders, "after-2", "8", "100", "release"],
-    );
-    dec.expect_line("ATTACH:subscribed");
+    let dec = subscribed(&decoders, "after-2", 8, 100, "release");
     rust_worker(&workers, "after-2", 8, 100);
-    dec.expect_line("ATTACH:ok");
-    dec.wait_success("the decoder of the worker after the killed one");
-}
-
-/// CPU ticks (1/100 s) of process `pid`, user and system.
-fn cpu_ticks(pid: u32) -> u64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("/proc/<pid>/stat");
-    // After the command name's closing parenthesis: field 3 onwards.
-    let rest = &stat[stat.rfind(')').expect("comm") + 2..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    f[11].parse::<u64>().expect("utime") + f[12].parse::<u64>().expect("stime")
+    delivered(dec, "the decoder of the worker after the killed one");
 }
 
 /// An idle node uses no CPU, with a decoder and a worker attached and a
@@ -250,14 +222,9 @@ fn an_idle_node_with_clients_attached_uses_no_cpu() {
     let dir = TempDir::new("kvferry-node-idle");
     let (p, _) = node(&dir, 8, 8, 1);
     let (decoders, workers) = (path(&dir, "decoders.sock"), path(&dir, "workers.sock"));
-    let mut dec = python(
-        "decoder_check.py",
-        &[&decoders, "idle-1", "2", "100", "release"],
-    );
-    dec.expect_line("ATTACH:subscribed");
+    let dec = subscribed(&decoders, "idle-1", 2, 100, "release");
     rust_worker(&workers, "idle-1", 2, 100);
-    dec.expect_line("ATTACH:ok");
-    dec.wait_success("the decoder before the idle window");
+    delivered(dec, "the decoder before the idle window");
     let _decoder = kvferry::attach::DecoderClient::connect(Path::new(&decoders), WAIT)
         .expect("an idle decoder attaches");
     let _worker =
@@ -274,20 +241,12 @@ fn an_idle_node_with_clients_attached_uses_no_cpu() {
 /// `--metrics` serves both roles' metrics on one port.
 #[test]
 fn a_nodes_metrics_hold_both_roles() {
-    use std::io::{Read, Write};
     let dir = TempDir::new("kvferry-node-metrics");
     let (mut p, _) = node_with(&dir, 8, 8, 1, &["--metrics", "127.0.0.1:0"]);
     let addr = p.expect_line("kvferry node metrics on ");
     let addr = addr.trim_start_matches("kvferry node metrics on ").trim();
-    let mut conn = std::net::TcpStream::connect(addr).expect("the metrics port answers");
-    conn.set_read_timeout(Some(WAIT)).unwrap();
-    conn.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
-    let mut text = String::new();
-    conn.read_to_string(&mut text).expect("a reply within WAIT");
-    assert!(
-        text.starts_with("HTTP/1.1 200") || text.starts_with("HTTP/1.0 200"),
-        "{text}"
-    );
+    // A 200 answer (`scrape` fails on anything else), holding both roles.
+    let text = scrape(addr.parse().expect("a socket address"));
     for role in ["kvferry_receiver_", "kvferry_sender_"] {
         assert!(text.contains(role), "no {role} metrics in:\n{text}");
     }

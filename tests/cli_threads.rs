@@ -55,20 +55,42 @@ fn threads_of(pid: u32) -> Vec<(String, i32, Vec<usize>)> {
     .collect()
 }
 
-/// Waits until `pid` has a thread whose name starts with `prefix`, then
-/// returns every thread's placement.
-fn placements_once(pid: u32, prefix: &str) -> Vec<(String, i32, Vec<usize>)> {
+/// A client's session thread (`attach-<client id>`; the accept thread is
+/// `attach-accept`).
+fn is_session(name: &str) -> bool {
+    name.strip_prefix("attach-")
+        .is_some_and(|id| id.parse::<u64>().is_ok())
+}
+
+/// Waits until `pid` has `sessions` session threads (spawned after the
+/// client's hello, so not yet there when `connect` returns), then returns
+/// every thread's placement.
+fn placements_with_sessions(pid: u32, sessions: usize) -> Vec<(String, i32, Vec<usize>)> {
     let end = Instant::now() + WAIT;
     loop {
         let p = threads_of(pid);
-        if p.iter().any(|(n, _, _)| n.starts_with(prefix)) {
+        if p.iter().filter(|(n, _, _)| is_session(n)).count() >= sessions {
             return p;
         }
         assert!(
             Instant::now() < end,
-            "no thread named {prefix}* in {pid} within {WAIT:?}: {p:?}"
+            "not {sessions} session threads in {pid} within {WAIT:?}: {p:?}"
         );
         std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The copy engine of `threads` runs on `copy` alone, every other thread
+/// on `rest`.
+fn assert_copy_engine_apart(threads: &[(String, i32, Vec<usize>)], copy: usize, rest: usize) {
+    let copies: Vec<_> = threads
+        .iter()
+        .filter(|(n, _, _)| n == "kvf-shm-copy")
+        .collect();
+    assert_eq!(copies.len(), 1, "one copy engine: {threads:?}");
+    assert_eq!(copies[0].2, vec![copy], "{threads:?}");
+    for (name, _, on) in threads.iter().filter(|(n, _, _)| n != "kvf-shm-copy") {
+        assert_eq!(on, &vec![rest], "thread {name}: {threads:?}");
     }
 }
 
@@ -109,16 +131,8 @@ fn the_copy_engine_runs_alone_on_its_cpu_and_every_other_sender_thread_on_cpus()
     );
     // A worker's session thread is spawned at its hello, long after start.
     let _worker = PrefillClient::connect(&sock, WAIT).expect("a worker attaches");
-    let threads = placements_once(send.child.id(), "attach-");
-    let copies: Vec<_> = threads
-        .iter()
-        .filter(|(n, _, _)| n == "kvf-shm-copy")
-        .collect();
-    assert_eq!(copies.len(), 1, "one copy engine: {threads:?}");
-    assert_eq!(copies[0].2, vec![copy], "{threads:?}");
-    for (name, _, on) in threads.iter().filter(|(n, _, _)| n != "kvf-shm-copy") {
-        assert_eq!(on, &vec![rest], "thread {name}: {threads:?}");
-    }
+    let threads = placements_with_sessions(send.child.id(), 1);
+    assert_copy_engine_apart(&threads, copy, rest);
 }
 
 #[test]
@@ -147,7 +161,7 @@ fn every_receiver_thread_runs_on_cpus_a_decoders_session_included() {
         "kvferry receiver attach on ",
     );
     let _decoder = DecoderClient::connect(&sock, WAIT).expect("a decoder attaches");
-    let threads = placements_once(recv.child.id(), "attach-");
+    let threads = placements_with_sessions(recv.child.id(), 1);
     assert!(threads.len() > 3, "{threads:?}");
     for (name, _, on) in &threads {
         assert_eq!(on, &vec![cpu], "thread {name}: {threads:?}");
@@ -191,29 +205,8 @@ fn a_nodes_copy_engine_runs_alone_on_its_cpu_and_both_roles_threads_on_cpus() {
     );
     let _decoder = DecoderClient::connect(&dsock, WAIT).expect("a decoder attaches");
     let _worker = PrefillClient::connect(&wsock, WAIT).expect("a worker attaches");
-    let pid = node.child.id();
-    let end = Instant::now() + WAIT;
-    let threads = loop {
-        let t = threads_of(pid);
-        let sessions = t
-            .iter()
-            .filter(|(n, _, _)| n.starts_with("attach-"))
-            .count();
-        if sessions >= 2 {
-            break t;
-        }
-        assert!(Instant::now() < end, "two sessions within {WAIT:?}: {t:?}");
-        std::thread::sleep(Duration::from_millis(5));
-    };
-    let copies: Vec<_> = threads
-        .iter()
-        .filter(|(n, _, _)| n == "kvf-shm-copy")
-        .collect();
-    assert_eq!(copies.len(), 1, "one copy engine: {threads:?}");
-    assert_eq!(copies[0].2, vec![copy], "{threads:?}");
-    for (name, _, on) in threads.iter().filter(|(n, _, _)| n != "kvf-shm-copy") {
-        assert_eq!(on, &vec![rest], "thread {name}: {threads:?}");
-    }
+    let threads = placements_with_sessions(node.child.id(), 2);
+    assert_copy_engine_apart(&threads, copy, rest);
 }
 
 #[test]

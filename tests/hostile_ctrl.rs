@@ -129,13 +129,7 @@ impl Proc {
 
     /// User + system CPU ticks so far (`/proc/PID/stat` fields 14 and 15).
     fn cpu_ticks(&self) -> u64 {
-        let s = std::fs::read_to_string(format!("/proc/{}/stat", self.pid()))
-            .expect("read /proc/PID/stat");
-        // The command name (field 2) may hold spaces: count after its ')'.
-        let rest = &s[s.rfind(')').expect("stat has a comm field") + 2..];
-        let f: Vec<&str> = rest.split_whitespace().collect();
-        // `rest` starts at field 3, so fields 14 and 15 are at 11 and 12.
-        f[11].parse::<u64>().expect("utime") + f[12].parse::<u64>().expect("stime")
+        cpu_ticks(self.pid())
     }
 
     /// Asserts the process is idle: at most [`IDLE_TICKS`] over [`IDLE_WINDOW`].

@@ -252,9 +252,10 @@ def _entries(raw, n, kind, tag, limit):
     their (a, len, tokens) columns as lists, or None if one is wrong.
     Column slices of a u32 view: a few C calls for the whole batch, where
     unpacking entry by entry costs ~0.7 µs each."""
-    u32 = memoryview(raw).cast("I")
+    mv = memoryview(raw)
+    u32 = mv.cast("I")
     kinds, slots, idxs = u32[0::8].tolist(), u32[4::8].tolist(), u32[5::8].tolist()
-    tags = memoryview(raw).cast("Q")[1::4].tolist()
+    tags = mv.cast("Q")[1::4].tolist()
     if (kinds != [kind] * n or tags != [tag] * n or idxs != list(range(n))
             or (n and max(slots) >= limit)):
         return None

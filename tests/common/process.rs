@@ -317,3 +317,38 @@ impl Drop for ChildProc {
         kill_and_reap(&mut self.child);
     }
 }
+
+/// `python3` with the reference clients (`clients/python`) on its
+/// `PYTHONPATH`: add a script (see [`python_client`]) or `-c CODE`.
+pub fn python3() -> Command {
+    let mut cmd = Command::new("python3");
+    cmd.env("PYTHONPATH", python_clients());
+    cmd
+}
+
+/// The reference clients' directory.
+pub fn python_clients() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/python")
+}
+
+/// Starts `clients/python/<script>` with `args`.
+pub fn python_client(script: &str, args: &[&str]) -> ChildProc {
+    ChildProc::spawn(python3().arg(python_clients().join(script)).args(args))
+}
+
+/// Byte `j` of chunk `i` is `(i * 31 + j) & 0xff`: what
+/// `clients/python/decoder_check.py` checks and `prefill_check.py` writes.
+pub fn python_pattern(i: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|j| ((i * 31 + j) & 0xff) as u8).collect()
+}
+
+/// User + system CPU ticks (1/100 s) of process `pid` so far
+/// (`/proc/<pid>/stat` fields 14 and 15).
+pub fn cpu_ticks(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("read /proc/PID/stat");
+    // The command name (field 2) may hold spaces: count after its ')'.
+    let rest = &s[s.rfind(')').expect("stat has a comm field") + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // `rest` starts at field 3, so fields 14 and 15 are at 11 and 12.
+    f[11].parse::<u64>().expect("utime") + f[12].parse::<u64>().expect("stime")
+}
