@@ -37,7 +37,15 @@
 //!    rounds are the worst case, and the figure the target is read from).
 //!    The paths of a round run within a few milliseconds of each other, so
 //!    a burst of load on the shared VM hits all of them, where criterion's
-//!    groups run one path for seconds, then the other.
+//!    groups run one path for seconds, then the other. Each round runs in
+//!    both placements of the client's and the session's threads, one after
+//!    the other ([`Placement`]): `free`, the scheduler's choice, and
+//!    `apart`, the session alone on the last CPU and the client on the
+//!    others (what `kvferry receiver --attach --cpus` does with the
+//!    decoder started elsewhere). Before them, one line says where the
+//!    scheduler puts a thread it wakes ([`wake_placement`]), which decides
+//!    `free`: on the project's VM nearly always on the waker's CPU, so
+//!    every hand-off there is a context switch on one CPU.
 //! 2. After criterion's groups (skip with `KVFERRY_ATTACH_SKIP_E2E=1`):
 //!    end to end through the real binaries with the Python clients
 //!    (`clients/python/bench_e2e.py`): a Python prefill worker attached to
@@ -325,11 +333,6 @@ fn set_affinity(tid: libc::pid_t, cpus: impl IntoIterator<Item = usize>) -> bool
     apply_set(tid, &cpu_set(cpus))
 }
 
-/// `KVFERRY_ATTACH_PIN` is set (an operator's choice, off by default).
-fn pin_asked() -> bool {
-    std::env::var_os("KVFERRY_ATTACH_PIN").is_some()
-}
-
 /// The threads of process `pid`: (thread id, name).
 fn threads_of(pid: u32) -> Vec<(libc::pid_t, String)> {
     let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
@@ -344,17 +347,19 @@ fn threads_of(pid: u32) -> Vec<(libc::pid_t, String)> {
     .collect()
 }
 
-/// Where the end-to-end run puts the threads of its four processes.
+/// Where the end-to-end run puts the threads of its four processes, and
+/// the round trip its client and session ([`place_rtt`]).
 #[derive(Clone, Copy, PartialEq)]
 enum Placement {
     /// The scheduler's choice: every process may run on every CPU the
     /// bench started with.
     Free,
-    /// The copy engine alone on the last CPU (`kvferry sender --copy-cpu`),
-    /// every other thread of the four processes on the others (`--cpus`
-    /// for the daemons, the Python clients started on them): what
-    /// docs/attach.md, "Placing the threads", tells an operator of a
-    /// small machine to do.
+    /// End to end, the copy engine alone on the last CPU (`kvferry sender
+    /// --copy-cpu`), every other thread of the four processes on the
+    /// others (`--cpus` for the daemons, the Python clients started on
+    /// them): what docs/attach.md, "Placing the threads", tells an
+    /// operator of a small machine to do. The round trip's session alone
+    /// on the last CPU, its client on the others.
     CopyApart,
 }
 
@@ -432,23 +437,14 @@ fn command_on(program: impl AsRef<std::ffi::OsStr>, cpus: &[usize]) -> Command {
     cmd
 }
 
-/// With `KVFERRY_ATTACH_PIN=1` (an operator's choice, off by default): the
-/// bench's thread (the client, and the in-process baselines) on CPU 0 and
-/// the session's thread on CPU 1, so the hand-offs always cross CPUs. On
-/// the project's 2-vCPU VM the scheduler otherwise keeps the two on one
-/// CPU in some runs, where every hand-off becomes a context switch
-/// (docs/benchmarks.md, "Attach, 2026-12-02 (2)").
-fn pin_apart_if_asked() {
-    if !pin_asked() {
-        return;
-    }
-    // The session thread is spawned after the hello the client got: wait
-    // for it.
+/// The session thread of the bench's one attached client (spawned after
+/// the hello the client got: waited for).
+fn session_thread() -> libc::pid_t {
     let end = deadline();
     // Unnamed threads carry the process's name, which may itself read
     // attach-<digits> (a copy of this binary named so).
     let own = std::fs::read_to_string("/proc/self/comm").unwrap_or_default();
-    let session = loop {
+    loop {
         let found: Vec<libc::pid_t> = threads_of(std::process::id())
             .into_iter()
             // The session threads are named attach-<client id>.
@@ -461,17 +457,148 @@ fn pin_apart_if_asked() {
             .map(|(tid, _)| tid)
             .collect();
         match found.as_slice() {
-            [tid] => break *tid,
+            [tid] => return *tid,
             more => assert!(
                 more.len() < 2 && Instant::now() < end,
                 "want the one session thread, found {more:?}"
             ),
         }
         std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Places the round trip's two threads: `Free`, both on every CPU the
+/// bench started with; `CopyApart`, the session alone on the last CPU and
+/// this thread (the client, and the in-process baselines) on the others
+/// (what `kvferry receiver --attach --cpus N` does with the decoder
+/// started elsewhere). Changing a thread's set does not move it until it
+/// next runs somewhere it may not, so a `free` round right after an
+/// `apart` one starts apart; its fill puts the session to sleep, and the
+/// wake-up places it (see [`wake_placement`]). False on a machine of one
+/// CPU, where there is no `apart`.
+fn place_rtt(placement: Placement, session: libc::pid_t) -> bool {
+    let (session_cpus, own_cpus) = match (placement, copy_apart()) {
+        (Placement::Free, _) => (bench_cpus(), bench_cpus()),
+        // The last CPU alone (what follows `rest`), and `rest`.
+        (Placement::CopyApart, Some((_, rest))) => (&bench_cpus()[rest.len()..], rest),
+        (Placement::CopyApart, None) => return false,
     };
-    pin(session, 1);
-    pin(0, 0);
-    println!("(KVFERRY_ATTACH_PIN: this thread on CPU 0, the session on CPU 1)");
+    assert!(
+        set_affinity(session, session_cpus.iter().copied())
+            && set_affinity(0, own_cpus.iter().copied()),
+        "sched_setaffinity failed for {}",
+        placement.name()
+    );
+    true
+}
+
+/// What the scheduler does with a woken thread, which decides where the
+/// round trip's session runs after its doorbell wake-up: a thread asleep
+/// on a futex is woken [`WAKES`] times, [`WAKE_GAP`] apart, by this
+/// thread spinning (as a client does right after its doorbell); how often
+/// it ran on the waker's CPU, and how long after the wake it ran, with it
+/// free and then with it confined to another CPU. On the project's 2-vCPU
+/// VM nearly every wake-up lands on the waker's CPU (a halted vCPU is
+/// never chosen), and one that must run elsewhere takes tens of µs (the
+/// hypervisor wakes that vCPU): the `free` round trips there are
+/// context switches on one CPU, the `apart` ones pay the slow wake once
+/// per round.
+fn wake_placement() {
+    const WAKES: usize = 200;
+    const WAKE_GAP: Duration = Duration::from_micros(500);
+    let Some((last, rest)) = copy_apart() else {
+        return;
+    };
+    // `confine`: the sleeper on the last CPU, this thread on the others.
+    let run = |confine: bool| -> (usize, f64) {
+        if confine {
+            assert!(set_affinity(0, rest.iter().copied()), "sched_setaffinity");
+        }
+        // Its value: the number of wakes asked; the sleeper answers each
+        // with its CPU in `ran` (+1, 0 = not yet).
+        let word = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let ran = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let (w, r) = (Arc::clone(&word), Arc::clone(&ran));
+        let sleeper = std::thread::spawn(move || {
+            if confine {
+                pin(0, last);
+            }
+            let mut seen = 0;
+            while seen < WAKES as u32 {
+                // Acquire: pairs with the waker's Release increment.
+                let now = w.load(Ordering::Acquire);
+                if now == seen {
+                    futex(&w, libc::FUTEX_WAIT, seen);
+                    continue;
+                }
+                seen = now;
+                // SAFETY: sched_getcpu takes no arguments.
+                let cpu = unsafe { libc::sched_getcpu() };
+                // Release: the waker reads it after its spin.
+                r.store(cpu as u32 + 1, Ordering::Release);
+            }
+        });
+        let (mut same, mut lags) = (0, Vec::with_capacity(WAKES));
+        for i in 0..WAKES as u32 {
+            std::thread::sleep(WAKE_GAP);
+            // Relaxed: the Release store of `word` below publishes it.
+            ran.store(0, Ordering::Relaxed);
+            let t = Instant::now();
+            // Release: publishes the reset of `ran` before the wake.
+            word.store(i + 1, Ordering::Release);
+            futex(&word, libc::FUTEX_WAKE, 1);
+            // SAFETY: as above.
+            let here = unsafe { libc::sched_getcpu() } as u32 + 1;
+            let cpu = loop {
+                // Acquire: pairs with the sleeper's Release store.
+                match ran.load(Ordering::Acquire) {
+                    0 => {
+                        assert!(t.elapsed() < WAIT, "wake_placement: the sleeper never ran");
+                        std::hint::spin_loop();
+                    }
+                    cpu => break cpu,
+                }
+            };
+            lags.push(t.elapsed().as_secs_f64() * 1e6);
+            same += usize::from(cpu == here);
+        }
+        sleeper.join().expect("sleeper");
+        assert!(
+            set_affinity(0, bench_cpus().iter().copied()),
+            "sched_setaffinity"
+        );
+        lags.sort_by(f64::total_cmp);
+        (same, lags[WAKES / 2])
+    };
+    let (same, lag) = run(false);
+    let (_, far) = run(true);
+    println!(
+        "
+wake-ups ({WAKES} futex wakes {} µs apart, the waker spinning): the woken thread ran \
+         on the waker's CPU in {same} of {WAKES}, {lag:.1} µs after the wake (median); \
+         confined to CPU {last}: {far:.1} µs",
+        WAKE_GAP.as_micros()
+    );
+}
+
+/// One futex call on `word`: a wait of at most a second while it still
+/// holds `val` (the caller re-checks), or a wake of `val` waiters.
+fn futex(word: &std::sync::atomic::AtomicU32, op: libc::c_int, val: u32) {
+    let second = libc::timespec {
+        tv_sec: 1,
+        tv_nsec: 0,
+    };
+    // SAFETY: the word is a live, aligned u32 and `second` a live timespec
+    // for the whole call (a wake ignores the timeout).
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            op | libc::FUTEX_PRIVATE_FLAG,
+            val,
+            &second as *const libc::timespec,
+        );
+    }
 }
 
 /// "median per-round ratio M (p10 P, p90 Q)" of `ratios` (sorted here).
@@ -517,92 +644,133 @@ fn steal_since(before: &Option<Vec<u64>>) -> String {
     }
 }
 
-/// Bench 1 again, its paths alternating round by round, then the rings'
-/// floor (module docs).
-fn rtt_interleaved() {
-    let rig = Rig::new();
-    let mut attached = Attached::new(&rig);
-    pin_apart_if_asked();
-    let ticks = cpu_ticks();
-    let per_request = |d: Duration| d.as_secs_f64() * 1e6 / RTT_ROUND as f64;
-    let (mut inp, mut att, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut tf, mut ratio_tf) = (Vec::new(), Vec::new());
-    let (mut awake, mut ratio_awake, mut floor) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut m_take, mut m_awake, mut m_ratio) = (Vec::new(), Vec::new(), Vec::new());
-    // One untimed round first (page faults, first wake-ups).
-    for pair in 0..=RTT_PAIRS {
-        let a = timed_rounds(&rig, RTT_ROUND as u64, |ids| {
-            consume_in_process(&rig.receiver, ids)
-        });
-        let b = timed_rounds(&rig, RTT_ROUND as u64, |ids| {
-            consume_attached(&mut attached.client, ids)
-        });
-        let c = timed_rounds(&rig, RTT_ROUND as u64, |ids| {
+/// The per-round figures of [`rtt_interleaved`] for one placement, in µs
+/// per request (per chunk for the multi-chunk ones) and as ratios.
+#[derive(Default)]
+struct RttRounds {
+    in_process: Vec<f64>,
+    attached: Vec<f64>,
+    ratio: Vec<f64>,
+    take: Vec<f64>,
+    ratio_take: Vec<f64>,
+    awake: Vec<f64>,
+    ratio_awake: Vec<f64>,
+    floor: Vec<f64>,
+    multi_take: Vec<f64>,
+    multi_awake: Vec<f64>,
+    multi_ratio: Vec<f64>,
+}
+
+impl RttRounds {
+    /// Runs every path once, in order, and records the figures if
+    /// `record` (the first round is untimed: page faults, first wake-ups).
+    fn round(&mut self, rig: &Rig, client: &mut DecoderClient, record: bool) {
+        let per_request = |d: Duration| d.as_secs_f64() * 1e6 / RTT_ROUND as f64;
+        let n = RTT_ROUND as u64;
+        let a = timed_rounds(rig, n, |ids| consume_in_process(&rig.receiver, ids));
+        let b = timed_rounds(rig, n, |ids| consume_attached(client, ids));
+        let c = timed_rounds(rig, n, |ids| {
             consume_in_process_take_first(&rig.receiver, ids)
         });
-        let d = timed_awake_rounds(&rig, RTT_ROUND as u64, 1, &mut attached.client);
+        let d = timed_awake_rounds(rig, n, 1, client);
         let multi = (RTT_ROUND / MULTI_CHUNKS) as u64;
-        let mc = timed_rounds_of(&rig, multi, MULTI_CHUNKS, |ids| {
+        let mc = timed_rounds_of(rig, multi, MULTI_CHUNKS, |ids| {
             consume_in_process_take_first(&rig.receiver, ids)
         });
-        let md = timed_awake_rounds(&rig, multi, MULTI_CHUNKS, &mut attached.client);
+        let md = timed_awake_rounds(rig, multi, MULTI_CHUNKS, client);
         // The floor with the session awake (it lingers after the last
         // round's RELEASEs).
         let ids: Vec<String> = (0..RTT_ROUND).map(|i| i.to_string()).collect();
         let t = Instant::now();
-        ring_floor(&mut attached.client, &ids);
+        ring_floor(client, &ids);
         let f = t.elapsed();
-        if pair > 0 {
-            awake.push(per_request(d));
-            ratio_awake.push(d.as_secs_f64() / c.as_secs_f64());
-            floor.push(per_request(f));
-            // A multi-chunk round has RTT_ROUND chunks: per chunk, as
-            // per_request is per one-chunk request.
-            m_take.push(per_request(mc));
-            m_awake.push(per_request(md));
-            m_ratio.push(md.as_secs_f64() / mc.as_secs_f64());
-            inp.push(per_request(a));
-            att.push(per_request(b));
-            tf.push(per_request(c));
-            ratio.push(b.as_secs_f64() / a.as_secs_f64());
-            ratio_tf.push(b.as_secs_f64() / c.as_secs_f64());
+        if !record {
+            return;
+        }
+        self.in_process.push(per_request(a));
+        self.attached.push(per_request(b));
+        self.ratio.push(b.as_secs_f64() / a.as_secs_f64());
+        self.take.push(per_request(c));
+        self.ratio_take.push(b.as_secs_f64() / c.as_secs_f64());
+        self.awake.push(per_request(d));
+        self.ratio_awake.push(d.as_secs_f64() / c.as_secs_f64());
+        self.floor.push(per_request(f));
+        // A multi-chunk round has RTT_ROUND chunks: per chunk, as
+        // per_request is per one-chunk request.
+        self.multi_take.push(per_request(mc));
+        self.multi_awake.push(per_request(md));
+        self.multi_ratio.push(md.as_secs_f64() / mc.as_secs_f64());
+    }
+
+    /// Prints the medians and ratios of the recorded rounds.
+    fn report(&mut self, placement: Placement) {
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let (a, b) = (median(&mut self.in_process), median(&mut self.attached));
+        println!(
+            "  {}: in_process {a:.2} µs, attached {b:.2} µs per request (medians); \
+             attached / in_process: {}",
+            placement.name(),
+            ratio_summary(&mut self.ratio)
+        );
+        let t = median(&mut self.take);
+        println!(
+            "    in_process_take {t:.2} µs; attached / in_process_take: {}",
+            ratio_summary(&mut self.ratio_take)
+        );
+        let w = median(&mut self.awake);
+        println!(
+            "    attached, session awake (a busy decoder: no doorbell wake-up per round) \
+             {w:.2} µs; attached awake / in_process_take: {}",
+            ratio_summary(&mut self.ratio_awake)
+        );
+        println!(
+            "    the rings' floor (RELEASE of an unknown tag -> REFUSED, session awake: \
+             two hand-offs and a session round, no receiver work) {:.2} µs",
+            median(&mut self.floor)
+        );
+        let (t, w) = (median(&mut self.multi_take), median(&mut self.multi_awake));
+        println!(
+            "    {MULTI_CHUNKS}-chunk requests (rounds of {RTT_ROUND} chunks), per chunk: \
+             in_process_take {t:.2} µs, attached with the session awake {w:.2} µs; \
+             attached awake / in_process_take: {}",
+            ratio_summary(&mut self.multi_ratio)
+        );
+    }
+}
+
+/// Bench 1 again, its paths alternating round by round, then the rings'
+/// floor, in both placements of the client's and the session's threads
+/// (rounds alternating; module docs).
+fn rtt_interleaved() {
+    let rig = Rig::new();
+    let mut attached = Attached::new(&rig);
+    let session = session_thread();
+    wake_placement();
+    let ticks = cpu_ticks();
+    let mut runs: Vec<(Placement, RttRounds)> = [Placement::Free, Placement::CopyApart]
+        .into_iter()
+        .filter(|&p| place_rtt(p, session))
+        .map(|p| (p, RttRounds::default()))
+        .collect();
+    for pair in 0..=RTT_PAIRS {
+        for (placement, rounds) in &mut runs {
+            place_rtt(*placement, session);
+            rounds.round(&rig, &mut attached.client, pair > 0);
         }
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let (a, b) = (median(&mut inp), median(&mut att));
+    place_rtt(Placement::Free, session);
     println!(
-        "\nattach_rtt interleaved ({RTT_PAIRS} rounds of {RTT_ROUND} requests per path, {}): \
-         in_process {a:.2} µs, attached {b:.2} µs per request (medians); \
-         attached / in_process: {}",
-        steal_since(&ticks),
-        ratio_summary(&mut ratio)
+        "\nattach_rtt interleaved ({RTT_PAIRS} rounds of {RTT_ROUND} requests per path and \
+         placement, {}); `free`: the scheduler's choice, `apart`: the session alone on the \
+         last CPU, the client on the others:",
+        steal_since(&ticks)
     );
-    let t = median(&mut tf);
-    println!(
-        "  in_process_take {t:.2} µs; attached / in_process_take: {}",
-        ratio_summary(&mut ratio_tf)
-    );
-    let w = median(&mut awake);
-    println!(
-        "  attached, session awake (a busy decoder: no doorbell wake-up per round) {w:.2} µs; \
-         attached awake / in_process_take: {}",
-        ratio_summary(&mut ratio_awake)
-    );
-    println!(
-        "  the rings' floor (RELEASE of an unknown tag -> REFUSED, session awake: \
-         two hand-offs and a session round, no receiver work) {:.2} µs",
-        median(&mut floor)
-    );
-    let (t, w) = (median(&mut m_take), median(&mut m_awake));
-    println!(
-        "  {MULTI_CHUNKS}-chunk requests (rounds of {RTT_ROUND} chunks), per chunk: \
-         in_process_take {t:.2} µs, attached with the session awake {w:.2} µs; \
-         attached awake / in_process_take: {}",
-        ratio_summary(&mut m_ratio)
-    );
+    for (placement, rounds) in &mut runs {
+        rounds.report(*placement);
+    }
 }
 
 /// [`timed_rounds`] of the attached path with the session awake: right
@@ -957,7 +1125,7 @@ fn e2e() {
 
 fn main() {
     // The CPUs the bench started with, before the round trip pins this
-    // thread (KVFERRY_ATTACH_PIN).
+    // thread.
     bench_cpus();
     benches();
     Criterion::default().configure_from_args().final_summary();
