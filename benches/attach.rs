@@ -46,6 +46,11 @@
 //!    scheduler puts a thread it wakes ([`wake_placement`]), which decides
 //!    `free`: on the project's VM nearly always on the waker's CPU, so
 //!    every hand-off there is a context switch on one CPU.
+//!    Then the prefill worker's round trip ([`prefill_rtt`]): a
+//!    one-chunk request from BEGIN to DONE through a [`PrefillDaemon`]
+//!    against the same request written in process by an identical sender,
+//!    rounds alternating; both include the admission round trip to the
+//!    receiver over ZMQ and the shm copy.
 //! 2. After criterion's groups (skip with `KVFERRY_ATTACH_SKIP_E2E=1`):
 //!    end to end through the real binaries with the Python clients
 //!    (`clients/python/bench_e2e.py`): a Python prefill worker attached to
@@ -79,10 +84,14 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, Criterion, Throughput};
-use kvferry::attach::{AttachConfig, DecoderClient, DecoderDaemon, Event};
+use kvferry::attach::{
+    AttachConfig, DecoderClient, DecoderDaemon, Event, PrefillClient, PrefillDaemon, PrefillEvent,
+};
 use kvferry::receiver::{Receiver, ReceiverConfig, RequestStatus};
 use kvferry::region::default_region_path;
-use kvferry::sender::{Sender, SenderConfig, TransferSpec};
+use kvferry::sender::{
+    RequestSpec, RequestStatus as SendStatus, Sender, SenderConfig, TransferSpec,
+};
 
 /// Bytes per chunk of bench 1.
 const RTT_CHUNK: u64 = 4096;
@@ -831,6 +840,170 @@ fn rounds(
     total
 }
 
+// ----- bench 1b: the prefill worker's round trip ------------------------------
+
+/// Requests per round of [`prefill_rtt`] (each written, and then taken
+/// from the receiver untimed, before the next round).
+const PREFILL_ROUND: usize = 32;
+/// Rounds of [`prefill_rtt`] per path.
+const PREFILL_PAIRS: usize = 30;
+
+/// A receiver, and two senders over shm writing to it: one used in
+/// process, one behind a [`PrefillDaemon`] with a client attached.
+/// Fields drop in order: the client and its daemon, then the in-process
+/// sender, then the receiver they both write to.
+struct PrefillRig {
+    client: PrefillClient,
+    _daemon: PrefillDaemon,
+    in_process: Sender,
+    receiver: Receiver,
+    dir: std::path::PathBuf,
+}
+
+impl PrefillRig {
+    fn new() -> Self {
+        let receiver = Receiver::start(ReceiverConfig {
+            listen: "tcp://127.0.0.1:0".into(),
+            receiver_id: unique("prtt-recv"),
+            capacity_chunks: PREFILL_ROUND * 2,
+            chunk_bytes: RTT_CHUNK,
+            ..ReceiverConfig::default()
+        })
+        .expect("receiver starts");
+        let sender = |staging_shares| {
+            Sender::new(SenderConfig {
+                sender_id: unique("prtt-send"),
+                staging_slots: PREFILL_ROUND,
+                staging_shares,
+                chunk_bytes: RTT_CHUNK,
+                ..SenderConfig::default()
+            })
+            .expect("sender starts")
+        };
+        let dir = std::env::temp_dir().join(unique("kvferry-prefill-bench"));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let daemon = PrefillDaemon::start(
+            Arc::new(sender(1)),
+            vec![receiver.endpoint().to_owned()],
+            AttachConfig::new(dir.join("prefill.sock")),
+        )
+        .expect("prefill daemon starts");
+        let client = PrefillClient::connect(daemon.socket(), WAIT).expect("worker attaches");
+        Self {
+            in_process: sender(0),
+            receiver,
+            client,
+            _daemon: daemon,
+            dir,
+        }
+    }
+
+    /// Takes every request of `ids` from the receiver (untimed): each must
+    /// have arrived whole.
+    fn consume(&self, ids: &[String]) {
+        for id in ids {
+            self.receiver
+                .wait_ready(id, deadline())
+                .unwrap_or_else(|e| panic!("request {id} not ready: {e:?}"));
+            drop(self.receiver.take(id).expect("ready: taken"));
+        }
+    }
+
+    /// Writes one one-chunk request in process: begin, stage (waiting for
+    /// admission and a slot), fill a byte, submit, wait for its end.
+    fn write_in_process(&self, id: &str) {
+        let spec = RequestSpec::new(id, self.receiver.endpoint(), 1);
+        let req = self.in_process.begin(spec).expect("begun");
+        let mut batch = req.stage(1, deadline()).expect("staged");
+        batch.slot_mut(0).expect("one slot")[0] = 0x5a;
+        batch
+            .submit(&[format!("{id}/0")], &[RTT_CHUNK as u32])
+            .expect("submitted");
+        match req.wait(deadline()) {
+            SendStatus::Completed => {}
+            other => panic!("request {id} ended {other:?}"),
+        }
+    }
+
+    /// The same through the attach rings: BEGIN and STAGE, STAGED, fill a
+    /// byte, KEY and SUBMIT, DONE.
+    fn write_attached(&mut self, id: &str) {
+        let c = &mut self.client;
+        let tag = c.begin(id, 0, 1).expect("BEGIN");
+        c.stage(tag, 1).expect("STAGE");
+        let batch = match c.next_event(deadline()).expect("an event") {
+            PrefillEvent::Staged(b) => b,
+            other => panic!("expected STAGED for {id}, got {other:?}"),
+        };
+        c.slot_mut(&batch, 0).expect("one slot")[0] = 0x5a;
+        let key = format!("{id}/0");
+        c.submit(batch, &[key.as_str()], &[RTT_CHUNK as u32])
+            .expect("SUBMIT");
+        match c.next_event(deadline()).expect("an event") {
+            PrefillEvent::Done { tag: t } => assert_eq!(t, tag),
+            other => panic!("expected DONE for {id}, got {other:?}"),
+        }
+    }
+
+    /// One round of [`PREFILL_ROUND`] requests written by `write`, one at
+    /// a time; returns the time of the writes only.
+    fn round(&mut self, mut write: impl FnMut(&mut Self, &str)) -> Duration {
+        let ids: Vec<String> = (0..PREFILL_ROUND).map(|_| unique("prtt")).collect();
+        let t = Instant::now();
+        for id in &ids {
+            write(self, id);
+        }
+        let spent = t.elapsed();
+        self.consume(&ids);
+        spent
+    }
+}
+
+impl Drop for PrefillRig {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The prefill worker's round trip, the literal "submit → completion" of
+/// its rings: a one-chunk request from BEGIN to DONE through a
+/// [`PrefillDaemon`] (the Rust [`PrefillClient`]), against the same
+/// request written in process by an identical sender (`Sender::begin`,
+/// `Request::stage`, fill, `StagedBatch::submit`, `Request::wait`). Both
+/// include the request's admission round trip to the receiver over ZMQ
+/// and the shm copy; the rings add the hand-offs to the daemon's session
+/// and back (STAGED, then DONE). Rounds alternate; the scheduler places
+/// the threads.
+fn prefill_rtt() {
+    let mut rig = PrefillRig::new();
+    let ticks = cpu_ticks();
+    let per_request = |d: Duration| d.as_secs_f64() * 1e6 / PREFILL_ROUND as f64;
+    let (mut inp, mut att, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
+    // One untimed round first (connections, page faults).
+    for pair in 0..=PREFILL_PAIRS {
+        let a = rig.round(|r, id| r.write_in_process(id));
+        let b = rig.round(PrefillRig::write_attached);
+        if pair > 0 {
+            inp.push(per_request(a));
+            att.push(per_request(b));
+            ratio.push(b.as_secs_f64() / a.as_secs_f64());
+        }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (a, b) = (median(&mut inp), median(&mut att));
+    println!(
+        "\nprefill round trip ({PREFILL_PAIRS} rounds of {PREFILL_ROUND} one-chunk requests \
+         per path, one at a time, {}): in process (begin, stage, submit, wait) {a:.1} µs, \
+         attached (BEGIN + STAGE -> STAGED, SUBMIT -> DONE) {b:.1} µs per request \
+         (medians); attached / in process: {}",
+        steal_since(&ticks),
+        ratio_summary(&mut ratio)
+    );
+}
+
 criterion_group!(benches, rtt);
 
 // ----- bench 2: Python end to end through the binaries -------------------------
@@ -1133,6 +1306,7 @@ fn main() {
     // `cargo test --benches` smoke runs.
     if std::env::args().any(|a| a == "--bench") {
         rtt_interleaved();
+        prefill_rtt();
         e2e();
     }
 }
