@@ -812,3 +812,111 @@ fn the_python_client_refuses_a_hello_without_exactly_its_descriptors() {
     py.expect_line("HANDOFF OK");
     py.wait_success("clients/python/handoff_check.py");
 }
+
+/// The thread of session `id` (named `attach-<id>`) in this process, once
+/// it runs.
+fn session_tid(id: u32) -> libc::pid_t {
+    let name = format!("attach-{id}");
+    let mut found = None;
+    wait_for(&format!("session thread {name}"), || {
+        found = std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(Result::ok)
+            .find(|t| {
+                std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == name)
+            })
+            .and_then(|t| t.file_name().to_str()?.parse().ok());
+        found.is_some()
+    });
+    found.unwrap()
+}
+
+/// Lets thread `tid` run on `cpus` only.
+fn run_on(tid: libc::pid_t, cpus: &[usize]) {
+    // SAFETY: a zeroed cpu_set_t is the empty set; CPU_SET stays inside it
+    // (allowed CPUs are below CPU_SETSIZE); sched_setaffinity reads it.
+    let ok = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for &c in cpus {
+            libc::CPU_SET(c, &mut set);
+        }
+        libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    };
+    assert!(ok, "sched_setaffinity({tid}, {cpus:?})");
+}
+
+/// The CPU thread `tid` last ran on (`/proc/self/task/<tid>/stat`, field 39).
+fn last_cpu(tid: libc::pid_t) -> usize {
+    let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).unwrap();
+    // After the command name's closing parenthesis: field 3 on.
+    let rest = &stat[stat.rfind(')').unwrap() + 1..];
+    rest.split_whitespace().nth(36).unwrap().parse().unwrap()
+}
+
+/// `n` hand-offs each way: a RELEASE of an unknown tag, answered REFUSED.
+fn refused_round_trips(c: &mut DecoderClient, n: u64) {
+    for i in 0..n {
+        let tag = 50_000 + i;
+        c.submit_raw(DecoderSubmit::release(tag)).unwrap();
+        match next(c, &format!("the refusal of round trip {i}")) {
+            Event::Refused { tag: t, .. } => assert_eq!(t, tag),
+            other => panic!("expected REFUSED for {tag}, got {other:?}"),
+        }
+    }
+}
+
+/// A session that hands work back and forth with its client on the
+/// client's CPU moves to another CPU of its set (docs/attach.md, "Placing
+/// the threads"); one confined to that CPU stays. Run in a child process
+/// of its own, where the session threads are this test's only ones.
+#[test]
+fn a_session_sharing_its_clients_cpu_moves_off_it_unless_confined_there() {
+    const TEST: &str = "a_session_sharing_its_clients_cpu_moves_off_it_unless_confined_there";
+    if std::env::var(ROLE).is_err() {
+        let mut child = ChildProc::spawn(
+            Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", TEST, "--nocapture", "--test-threads=1"])
+                .env(ROLE, "step-off"),
+        );
+        child.expect_line("ATTACH:done");
+        child.wait_success("the step-off child");
+        return;
+    }
+    let [a, b, ..] = kvferry::threads::allowed_cpus() else {
+        println!("skipped: one CPU, nowhere to move to. ATTACH:done");
+        return;
+    };
+    let (a, b) = (*a, *b);
+    let dir = TempDir::new("kvferry-attach");
+    let r = Arc::new(receiver(4));
+    let d = daemon(&r, &dir.sock(), |_| {});
+    // The client: this thread, on CPU a.
+    kvferry::threads::pin_current(a).unwrap();
+
+    let mut confined = connect(&dir.sock());
+    let s1 = session_tid(confined.hello().client_id);
+    run_on(s1, &[a]);
+    refused_round_trips(&mut confined, 400);
+    assert_eq!(d.stepped_off(), 0, "a session confined to one CPU moved");
+    assert_eq!(last_cpu(s1), a);
+    drop(confined);
+
+    let mut free = connect(&dir.sock());
+    let s2 = session_tid(free.hello().client_id);
+    // Up to five tries: on a loaded machine the load balancer may move the
+    // session before it sees it shares the CPU (then it has nothing to do).
+    let moved = (0..5).any(|_| {
+        // On the client's CPU and awake (lingering after these), then free.
+        run_on(s2, &[a]);
+        refused_round_trips(&mut free, 4);
+        let before = d.stepped_off();
+        run_on(s2, &[a, b]);
+        refused_round_trips(&mut free, 400);
+        d.stepped_off() > before && last_cpu(s2) != a
+    });
+    assert!(
+        moved,
+        "five times 400 round trips on its client's CPU, and the session never moved off it"
+    );
+    println!("ATTACH:done");
+}

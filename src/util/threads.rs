@@ -155,6 +155,47 @@ fn confine_current_checked(cpus: &[usize], allowed: &[usize]) -> Result<(), PinE
     }
 }
 
+/// Moves the calling thread off the CPU it runs on, to another CPU of its
+/// own affinity set, and leaves that set as it was: true if it moved.
+/// False (nothing changed) if the set has no other CPU, as for a thread
+/// pinned or confined to one, or if the kernel refuses.
+///
+/// The kernel migrates a thread whose set no longer holds its CPU before
+/// `sched_setaffinity` returns, and does not move it back when the old set
+/// is restored: the thread stays on the new CPU until the scheduler next
+/// places it (a wake-up, the load balancer). An attach session uses this
+/// when it finds itself sharing its client's CPU (`docs/attach.md`,
+/// "Placing the threads").
+pub(crate) fn step_off_current_cpu() -> bool {
+    // SAFETY: sched_getcpu takes nothing and returns a CPU id or -1.
+    let Ok(cpu) = usize::try_from(unsafe { libc::sched_getcpu() }) else {
+        return false;
+    };
+    if cpu >= CPU_SET_CAPACITY {
+        return false;
+    }
+    // SAFETY: a zeroed cpu_set_t is the empty set; sched_getaffinity writes
+    // at most `size_of::<cpu_set_t>()` bytes into it; CPU_ISSET, CPU_CLR and
+    // CPU_COUNT stay inside it (`cpu` < CPU_SET_CAPACITY = CPU_SETSIZE);
+    // sched_setaffinity only reads the set for the size passed.
+    unsafe {
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, size, &mut set) != 0 || !libc::CPU_ISSET(cpu, &set) {
+            return false;
+        }
+        let mut others = set;
+        libc::CPU_CLR(cpu, &mut others);
+        if libc::CPU_COUNT(&others) == 0 || libc::sched_setaffinity(0, size, &others) != 0 {
+            return false;
+        }
+        // Restoring the set cannot fail where setting a subset of it did;
+        // if it did, the thread keeps running on the others.
+        libc::sched_setaffinity(0, size, &set);
+    }
+    true
+}
+
 /// Spawn a thread called `name`; if `pin` is `Some(cpu)` the thread pins
 /// itself to `cpu` before running `f`.
 ///
@@ -405,6 +446,39 @@ mod tests {
             .collect();
         v.sort_unstable();
         v
+    }
+
+    /// The CPU the calling thread runs on.
+    fn on_cpu() -> usize {
+        // SAFETY: sched_getcpu takes nothing.
+        usize::try_from(unsafe { libc::sched_getcpu() }).expect("sched_getcpu")
+    }
+
+    #[test]
+    fn step_off_moves_the_thread_to_another_cpu_of_its_set_and_keeps_the_set() {
+        let cpus = allowed_cpus();
+        let [a, b, ..] = cpus else {
+            eprintln!("skipped: one CPU, nowhere to step to");
+            return;
+        };
+        let (a, b) = (*a, *b);
+        std::thread::spawn(move || {
+            confine_current(&[a]).unwrap();
+            assert_eq!(on_cpu(), a);
+            assert!(
+                !step_off_current_cpu(),
+                "a thread confined to one CPU cannot step off it"
+            );
+            assert_eq!((on_cpu(), current_mask()), (a, vec![a]), "nothing changed");
+            // Widening the set does not move a running thread.
+            confine_current(&[a, b]).unwrap();
+            assert_eq!(on_cpu(), a);
+            assert!(step_off_current_cpu(), "CPU {b} is in its set");
+            assert_eq!(on_cpu(), b, "moved to the other CPU of its set");
+            assert_eq!(current_mask(), vec![a, b], "its set is as it was");
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]

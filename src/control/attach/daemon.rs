@@ -9,7 +9,7 @@ use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -89,6 +89,8 @@ pub(super) struct DaemonShared<R> {
     pub(super) stop: EventFd,
     /// Live sessions.
     pub(super) live: AtomicUsize,
+    /// Times a session moved off its client's CPU (`placement.rs`).
+    pub(super) stepped_off: AtomicU64,
 }
 
 /// A running attach daemon of role `R`. Dropping it stops accepting, ends
@@ -156,6 +158,7 @@ impl<R: Role> Daemon<R> {
             cfg,
             stop: EventFd::new()?,
             live: AtomicUsize::new(0),
+            stepped_off: AtomicU64::new(0),
         });
         let s = Arc::clone(&shared);
         let accept =
@@ -175,6 +178,12 @@ impl<R: Role> Daemon<R> {
     pub(super) fn clients(&self) -> usize {
         // Relaxed: a statistic.
         self.shared.live.load(Ordering::Relaxed)
+    }
+
+    /// Times a session moved off its client's CPU.
+    pub(super) fn stepped_off(&self) -> u64 {
+        // Relaxed: a statistic.
+        self.shared.stepped_off.load(Ordering::Relaxed)
     }
 }
 

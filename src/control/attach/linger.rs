@@ -27,6 +27,11 @@
 //! long sleep (the other side was idle) brings it back to [`LINGER`], so
 //! an idle engine spends at most [`LINGER_MAX`] yielding per side before
 //! it sleeps.
+//!
+//! The same first yield says where the other side runs. A run of
+//! [`SHARED_AFTER`] hand-offs each answered only after this thread's yield
+//! gave its CPU away means the two share it ([`sharing_cpu`]); a session
+//! then moves off it (`placement.rs`).
 
 use std::cell::Cell;
 use std::time::{Duration, Instant};
@@ -57,6 +62,24 @@ thread_local! {
     static SPIN_ROUNDS: Cell<u32> = const { Cell::new(DEFAULT_SPIN_ROUNDS) };
     /// This thread's linger, between [`LINGER`] and [`LINGER_MAX`].
     static LINGER_NOW: Cell<Duration> = const { Cell::new(LINGER) };
+    /// Hand-offs in a row that this thread's CPU carried both ways: its
+    /// first yield gave the CPU away and the answer was there after it.
+    static SHARED_STREAK: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Hand-offs in a row after which [`sharing_cpu`] says this thread shares
+/// its CPU with the other side.
+pub(super) const SHARED_AFTER: u32 = 16;
+
+/// True once the last [`SHARED_AFTER`] hand-offs of this thread's lingers
+/// were each answered only after its yield gave the CPU away (the other
+/// side most likely runs on this CPU); the count then starts again.
+pub(super) fn sharing_cpu() -> bool {
+    let shared = SHARED_STREAK.get() >= SHARED_AFTER;
+    if shared {
+        SHARED_STREAK.set(0);
+    }
+    shared
 }
 
 /// Returns true as soon as `ready()` does, false once this thread's linger
@@ -70,6 +93,8 @@ pub(super) fn linger(mut ready: impl FnMut() -> bool) -> bool {
     let spin = SPIN_ROUNDS.get();
     for _ in 0..(1u32 << spin) {
         if ready() {
+            // The other side answered while this thread held its CPU.
+            SHARED_STREAK.set(0);
             return true;
         }
         std::hint::spin_loop();
@@ -78,7 +103,14 @@ pub(super) fn linger(mut ready: impl FnMut() -> bool) -> bool {
     let start = Instant::now();
     std::thread::yield_now();
     if ready() {
-        SPIN_ROUNDS.set(adapted(spin, start.elapsed() >= GAVE_AWAY));
+        let gave_away = start.elapsed() >= GAVE_AWAY;
+        SPIN_ROUNDS.set(adapted(spin, gave_away));
+        SHARED_STREAK.set(if gave_away {
+            // Saturating: a client's thread never asks (only sessions move).
+            SHARED_STREAK.get().saturating_add(1)
+        } else {
+            0
+        });
         return true;
     }
     let linger = LINGER_NOW.get();
@@ -88,6 +120,8 @@ pub(super) fn linger(mut ready: impl FnMut() -> bool) -> bool {
             return true;
         }
     }
+    // About to sleep: the next wake-up places the thread anew.
+    SHARED_STREAK.set(0);
     false
 }
 
@@ -173,6 +207,74 @@ mod tests {
             spin, DEFAULT_SPIN_ROUNDS,
             "quick yields: back to the default, no more"
         );
+    }
+
+    /// Hands off with a thread on this thread's CPU: each linger's yield
+    /// runs the other thread, which answers after 5 µs of work (so the
+    /// yield returns past [`GAVE_AWAY`] on any machine).
+    #[test]
+    fn hand_offs_answered_only_after_the_yield_gave_the_cpu_away_say_it_is_shared() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+        let cpu = *crate::threads::allowed_cpus().first().expect("a CPU");
+        // Acquire/Release: each flag publishes only itself.
+        let asked = Arc::new(AtomicBool::new(false));
+        let answered = Arc::new(AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
+        let other = {
+            let (asked, answered, stop) = (asked.clone(), answered.clone(), stop.clone());
+            std::thread::spawn(move || {
+                crate::threads::confine_current(&[cpu]).unwrap();
+                while !stop.load(Ordering::Acquire) {
+                    if asked.swap(false, Ordering::AcqRel) {
+                        let t = Instant::now();
+                        while t.elapsed() < Duration::from_micros(5) {
+                            std::hint::spin_loop();
+                        }
+                        answered.store(true, Ordering::Release);
+                    }
+                    std::thread::yield_now();
+                }
+            })
+        };
+        let rounds = SHARED_AFTER * 20;
+        let shared = std::thread::spawn(move || {
+            crate::threads::confine_current(&[cpu]).unwrap();
+            LINGER_NOW.set(LINGER_MAX);
+            (0..rounds).any(|_| {
+                answered.store(false, Ordering::Release);
+                asked.store(true, Ordering::Release);
+                // A linger that gives up (the other thread not run within
+                // it) only starts the count again.
+                linger(|| answered.load(Ordering::Acquire)) && sharing_cpu()
+            })
+        })
+        .join()
+        .unwrap();
+        stop.store(true, Ordering::Release);
+        other.join().unwrap();
+        assert!(
+            shared,
+            "{rounds} hand-offs with a thread on the same CPU never reported as shared"
+        );
+    }
+
+    #[test]
+    fn an_answer_during_the_spin_or_a_failed_linger_ends_the_shared_run() {
+        std::thread::spawn(|| {
+            SHARED_STREAK.set(SHARED_AFTER);
+            assert!(linger(|| true));
+            assert!(!sharing_cpu(), "answered during the spin: not shared");
+            SHARED_STREAK.set(SHARED_AFTER);
+            LINGER_NOW.set(Duration::from_micros(1));
+            assert!(!linger(|| false));
+            assert!(!sharing_cpu(), "about to sleep: the run starts again");
+            SHARED_STREAK.set(SHARED_AFTER);
+            assert!(sharing_cpu(), "a full run is shared");
+            assert!(!sharing_cpu(), "and the count starts again");
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]

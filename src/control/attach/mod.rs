@@ -25,6 +25,7 @@ mod daemon;
 mod fds;
 pub mod layout;
 mod linger;
+mod placement;
 mod poll;
 mod prefill;
 mod prefill_client;

@@ -86,6 +86,15 @@ impl PrefillDaemon {
     pub fn clients(&self) -> usize {
         self.0.clients()
     }
+
+    /// Times a session of this daemon moved off the CPU it shared with its
+    /// client, where every hand-off between the two was a context switch
+    /// (`docs/attach.md`, "Placing the threads"). Many of them mean the
+    /// scheduler keeps placing sessions beside their clients: give the
+    /// daemon CPUs of its own (`--cpus`).
+    pub fn stepped_off(&self) -> u64 {
+        self.0.stepped_off()
+    }
 }
 
 impl Role for Prefills {

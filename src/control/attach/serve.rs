@@ -15,7 +15,8 @@ use kvferry_ring::Plain;
 use super::daemon::{AttachConfig, DaemonShared};
 use super::fds::send_with_fds;
 use super::layout::{Hello, ATTACH_VERSION, HELLO_FDS, STATUS_OK};
-use super::linger::{linger, slept};
+use super::linger::{linger, sharing_cpu, slept};
+use super::placement::StepOff;
 use super::poll::{poll, readable};
 use crate::eventfd::EventFd;
 
@@ -192,6 +193,7 @@ fn linger_on(session: &impl Serve) -> bool {
 pub(super) fn serve<R>(shared: &DaemonShared<R>, mut sock: UnixStream, session: &mut impl Serve) {
     let mut fds: Vec<libc::pollfd> = Vec::with_capacity(shared.cfg.max_outstanding + 2);
     let mut polled_at = Instant::now();
+    let mut step_off = StepOff::default();
     loop {
         fds.clear();
         fds.push(readable(sock.as_raw_fd()));
@@ -207,6 +209,9 @@ pub(super) fn serve<R>(shared: &DaemonShared<R>, mut sock: UnixStream, session: 
             session.submissions().arm();
             Some(RETRY)
         } else if linger_on(session) {
+            if sharing_cpu() {
+                step_off.shared_spell(&shared.stepped_off);
+            }
             Some(Duration::ZERO)
         } else {
             None
@@ -365,6 +370,7 @@ mod tests {
             cfg: AttachConfig::new("/nonexistent/busy.sock"),
             stop: EventFd::new().unwrap(),
             live: AtomicUsize::new(0),
+            stepped_off: std::sync::atomic::AtomicU64::new(0),
         });
         let (ours, theirs) = UnixStream::pair().unwrap();
         ours.set_nonblocking(true).unwrap();
