@@ -63,12 +63,16 @@
 //!    place ([`default_region_path`]: `/dev/shm` if there is one). Both of
 //!    the script's modes: `stamp` (the bytes move once, in the daemon's
 //!    transport) and `full` (Python also writes every byte into staging and
-//!    copies every byte out). Each in two placements of the threads, runs
-//!    alternating ([`Placement`]): `free`, the scheduler's choice, and
-//!    `apart`, the copy engine alone on the last CPU (`kvferry sender
-//!    --copy-cpu`) and every other thread of the four processes on the
-//!    others (the daemons' `--cpus`, the clients started there), which
-//!    docs/attach.md tells the operator of a small machine to do. And
+//!    copies every byte out). Each in three placements of the threads, runs
+//!    alternating ([`E2ePlacement`]): `none`, the scheduler's choice
+//!    (`--copy-cpu none`); `auto`, the daemons' default (`--copy-cpu
+//!    auto`: the copy engine alone on the last CPU, the daemon's other
+//!    threads on the others), the clients left to the scheduler: what a
+//!    user gets without placing anything; and `apart`, the copy engine
+//!    alone on the last CPU (`kvferry sender --copy-cpu`) and every other
+//!    thread of the four processes on the others (the daemons' `--cpus`,
+//!    the clients started there), which docs/attach.md tells the operator
+//!    of a small machine to do. And
 //!    each through two daemon set-ups ([`Daemons`]): `two`, `kvferry
 //!    receiver --attach` and `kvferry sender --attach` (ZMQ over loopback
 //!    TCP between them), and `node`, one `kvferry node` serving both roles
@@ -356,19 +360,15 @@ fn threads_of(pid: u32) -> Vec<(libc::pid_t, String)> {
     .collect()
 }
 
-/// Where the end-to-end run puts the threads of its four processes, and
-/// the round trip its client and session ([`place_rtt`]).
+/// Where the round trip puts its client and session ([`place_rtt`]).
 #[derive(Clone, Copy, PartialEq)]
 enum Placement {
-    /// The scheduler's choice: every process may run on every CPU the
-    /// bench started with.
+    /// The scheduler's choice: both threads may run on every CPU the bench
+    /// started with.
     Free,
-    /// End to end, the copy engine alone on the last CPU (`kvferry sender
-    /// --copy-cpu`), every other thread of the four processes on the
-    /// others (`--cpus` for the daemons, the Python clients started on
-    /// them): what docs/attach.md, "Placing the threads", tells an
-    /// operator of a small machine to do. The round trip's session alone
-    /// on the last CPU, its client on the others.
+    /// The session alone on the last CPU, its client on the others (what
+    /// `kvferry receiver --attach --cpus N` does with the decoder started
+    /// elsewhere).
     CopyApart,
 }
 
@@ -377,6 +377,35 @@ impl Placement {
         match self {
             Self::Free => "free",
             Self::CopyApart => "apart",
+        }
+    }
+}
+
+/// Where the end-to-end run puts the threads of its four processes.
+#[derive(Clone, Copy, PartialEq)]
+enum E2ePlacement {
+    /// The scheduler's choice for every thread: the daemons started with
+    /// `--copy-cpu none`.
+    Scheduler,
+    /// What a user gets without placing anything: the daemons' default
+    /// (`--copy-cpu auto`: the copy engine alone on the last CPU, the
+    /// daemon's other threads on the others), the Python clients left to
+    /// the scheduler.
+    Auto,
+    /// Every thread placed: the copy engine alone on the last CPU
+    /// (`--copy-cpu`), every other thread of the four processes on the
+    /// others (`--cpus` for the daemons, the Python clients started on
+    /// them), which docs/attach.md, "Placing the threads", tells an
+    /// operator of a small machine to do.
+    Apart,
+}
+
+impl E2ePlacement {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Scheduler => "none",
+            Self::Auto => "auto",
+            Self::Apart => "apart",
         }
     }
 }
@@ -408,7 +437,8 @@ fn bench_cpus() -> &'static [usize] {
     kvferry::threads::allowed_cpus()
 }
 
-/// The copy engine's CPU and the others, for [`Placement::CopyApart`];
+/// The last CPU and the others, for [`Placement::CopyApart`] and
+/// [`E2ePlacement::Apart`];
 /// `None` on a machine of one CPU.
 fn copy_apart() -> Option<(usize, &'static [usize])> {
     match bench_cpus() {
@@ -1114,7 +1144,7 @@ fn memcpy_gibs(src: &[u8], dst: &mut [u8], bytes: usize, chunk: usize) -> f64 {
 /// last release. Sockets go in `dir`; the receive buffer's file where the
 /// receiver would put it by default, removed after the run (the daemons
 /// are killed, so they do not remove it themselves).
-fn python_e2e(mode: &str, daemons: Daemons, placement: Placement, dir: &Path) -> f64 {
+fn python_e2e(mode: &str, daemons: Daemons, placement: E2ePlacement, dir: &Path) -> f64 {
     let bin = env!("CARGO_BIN_EXE_kvferry");
     let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/python");
     let rsock = dir.join(format!("{mode}-recv.sock"));
@@ -1125,17 +1155,17 @@ fn python_e2e(mode: &str, daemons: Daemons, placement: Placement, dir: &Path) ->
     let all = bench_cpus();
     // The daemons start on every CPU (--copy-cpu must be one they may run
     // on) and place their threads themselves; the clients start placed.
-    let apart = match placement {
-        Placement::CopyApart => copy_apart(),
-        Placement::Free => None,
-    };
-    let (daemon_cpus, copy_cpu, clients) = match apart {
-        Some((copy, rest)) => (
+    let strings = |v: &[&str]| v.iter().map(|&a| a.to_owned()).collect::<Vec<_>>();
+    let (daemon_cpus, copy_cpu, clients) = match (placement, copy_apart()) {
+        (E2ePlacement::Apart, Some((copy, rest))) => (
             vec!["--cpus".to_owned(), cpu_list(rest)],
             vec!["--copy-cpu".to_owned(), copy.to_string()],
             rest,
         ),
-        None => (Vec::new(), Vec::new(), all),
+        (E2ePlacement::Auto, _) => (Vec::new(), Vec::new(), all),
+        (E2ePlacement::Scheduler | E2ePlacement::Apart, _) => {
+            (Vec::new(), strings(&["--copy-cpu", "none"]), all)
+        }
     };
     let receiver_args = [
         "--listen",
@@ -1227,11 +1257,15 @@ fn e2e() {
     std::fs::create_dir_all(&dir).expect("temp dir");
     let bytes = E2E_REQUESTS * E2E_CHUNKS * E2E_CHUNK;
     let window = e2e_slots() * E2E_CHUNK;
-    let placements: &[Placement] = match copy_apart() {
-        Some(_) => &[Placement::Free, Placement::CopyApart],
-        None => &[Placement::Free],
+    let placements: &[E2ePlacement] = match copy_apart() {
+        Some(_) => &[
+            E2ePlacement::Scheduler,
+            E2ePlacement::Auto,
+            E2ePlacement::Apart,
+        ],
+        None => &[E2ePlacement::Scheduler],
     };
-    let runs: Vec<(Daemons, Placement)> = [Daemons::Two, Daemons::Node]
+    let runs: Vec<(Daemons, E2ePlacement)> = [Daemons::Two, Daemons::Node]
         .into_iter()
         .flat_map(|d| placements.iter().map(move |&p| (d, p)))
         .collect();
@@ -1245,12 +1279,14 @@ fn e2e() {
         e2e_window(),
         match copy_apart() {
             Some((copy, rest)) => format!(
-                "`free` (the scheduler's choice) and `apart` (the copy engine alone on CPU \
-                 {copy}: --copy-cpu {copy}; every other thread of the processes on CPUs {}: \
-                 the daemons' --cpus, the clients started there); runs alternating",
-                cpu_list(rest)
+                "`none` (the scheduler's choice: --copy-cpu none), `auto` (the daemons' \
+                 default, --copy-cpu auto: the copy engine alone on CPU {copy}, the daemons' \
+                 other threads on CPUs {rest}; the clients the scheduler's choice) and `apart` \
+                 (--copy-cpu {copy}; every other thread of the processes on CPUs {rest}: the \
+                 daemons' --cpus, the clients started there); runs alternating",
+                rest = cpu_list(rest)
             ),
-            None => "free (one CPU: nothing to set apart)".to_owned(),
+            None => "none (one CPU: nothing to set apart)".to_owned(),
         }
     );
     let src = vec![0x33u8; window];

@@ -35,9 +35,11 @@ fn parse_list(list: &str) -> Vec<usize> {
         .collect()
 }
 
-/// Every thread of `pid`: (name, thread id, the CPUs it may run on), from
-/// `/proc/<pid>/task/*/status`.
-fn threads_of(pid: u32) -> Vec<(String, i32, Vec<usize>)> {
+/// Threads of a process: (name, thread id, the CPUs it may run on).
+type Threads = Vec<(String, i32, Vec<usize>)>;
+
+/// Every thread of `pid`, from `/proc/<pid>/task/*/status`.
+fn threads_of(pid: u32) -> Threads {
     let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
         return Vec::new();
     };
@@ -65,7 +67,7 @@ fn is_session(name: &str) -> bool {
 /// Waits until `pid` has `sessions` session threads (spawned after the
 /// client's hello, so not yet there when `connect` returns), then returns
 /// every thread's placement.
-fn placements_with_sessions(pid: u32, sessions: usize) -> Vec<(String, i32, Vec<usize>)> {
+fn placements_with_sessions(pid: u32, sessions: usize) -> Threads {
     let end = Instant::now() + WAIT;
     loop {
         let p = threads_of(pid);
@@ -82,15 +84,15 @@ fn placements_with_sessions(pid: u32, sessions: usize) -> Vec<(String, i32, Vec<
 
 /// The copy engine of `threads` runs on `copy` alone, every other thread
 /// on `rest`.
-fn assert_copy_engine_apart(threads: &[(String, i32, Vec<usize>)], copy: usize, rest: usize) {
+fn assert_copy_engine_apart(threads: &Threads, copy: &[usize], rest: &[usize]) {
     let copies: Vec<_> = threads
         .iter()
         .filter(|(n, _, _)| n == "kvf-shm-copy")
         .collect();
     assert_eq!(copies.len(), 1, "one copy engine: {threads:?}");
-    assert_eq!(copies[0].2, vec![copy], "{threads:?}");
+    assert_eq!(copies[0].2, copy, "{threads:?}");
     for (name, _, on) in threads.iter().filter(|(n, _, _)| n != "kvf-shm-copy") {
-        assert_eq!(on, &vec![rest], "thread {name}: {threads:?}");
+        assert_eq!(on, rest, "thread {name}: {threads:?}");
     }
 }
 
@@ -98,6 +100,166 @@ fn spawn(args: &[&str], announce: &str) -> ChildProc {
     let mut p = ChildProc::spawn(Command::new(BIN).args(args).stdin(Stdio::null()));
     p.expect_line(announce);
     p
+}
+
+/// Spawns the daemon `args` name and returns it with every stdout line up
+/// to and including the one containing `announce`.
+fn spawn_lines(args: &[&str], announce: &str) -> (ChildProc, Vec<String>) {
+    let mut p = ChildProc::spawn(Command::new(BIN).args(args).stdin(Stdio::null()));
+    let end = Instant::now() + WAIT;
+    let what = format!("kvferry {args:?} to print {announce:?}");
+    let mut lines = Vec::new();
+    while !lines.last().is_some_and(|l: &String| l.contains(announce)) {
+        match p.lines.next(&mut p.child, end, &what) {
+            Some(l) => lines.push(l),
+            None => panic!("{what}: it exited after {lines:?}"),
+        }
+    }
+    (p, lines)
+}
+
+/// `kvferry sender --attach` with `extra` options, and the socket its
+/// worker attaches to.
+fn sender_args(sock: &std::path::Path, extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = [
+        "sender",
+        "--connect",
+        "tcp://127.0.0.1:9",
+        "--chunk-bytes",
+        "4096",
+        "--staging-slots",
+        "8",
+        "--attach",
+        sock.to_str().unwrap(),
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    args.extend(extra.iter().map(|&a| a.to_owned()));
+    args
+}
+
+/// `kvferry node` with `extra` options, its decoders' and workers' sockets
+/// in `dir`.
+fn node_args(dir: &TempDir, extra: &[&str]) -> Vec<String> {
+    let path = |name: &str| dir.0.join(name).to_str().unwrap().to_owned();
+    let mut args: Vec<String> = [
+        "node",
+        "--listen",
+        "tcp://127.0.0.1:0",
+        "--capacity-chunks",
+        "4",
+        "--chunk-bytes",
+        "4096",
+        "--staging-slots",
+        "8",
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    args.extend([
+        "--attach".to_owned(),
+        path("dec.sock"),
+        "--prefill-attach".to_owned(),
+        path("work.sock"),
+        "--shm-path".to_owned(),
+        path("buf"),
+    ]);
+    args.extend(extra.iter().map(|&a| a.to_owned()));
+    args
+}
+
+/// Where `kvferry sender --attach` and `kvferry node` put their threads
+/// with `extra` placement options, each with one attached client per
+/// socket (their session threads are spawned at the hello): the
+/// placements of the sender's threads, then the node's, and the stdout
+/// lines each printed up to its announcement.
+fn daemon_placements(extra: &[&str]) -> [(Threads, Vec<String>); 2] {
+    let dir = TempDir::new("kvferry-cpus");
+    let sock = dir.0.join("send.sock");
+    let args = sender_args(&sock, extra);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (send, send_lines) = spawn_lines(&args, "kvferry sender attach on ");
+    let _worker = PrefillClient::connect(&sock, WAIT).expect("a worker attaches");
+    let sender = placements_with_sessions(send.child.id(), 1);
+    let args = node_args(&dir, extra);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (node, node_lines) = spawn_lines(&args, "kvferry node prefill attach on ");
+    let _decoder =
+        DecoderClient::connect(dir.0.join("dec.sock"), WAIT).expect("a decoder attaches");
+    let _node_worker =
+        PrefillClient::connect(dir.0.join("work.sock"), WAIT).expect("a worker attaches");
+    let node = placements_with_sessions(node.child.id(), 2);
+    [(sender, send_lines), (node, node_lines)]
+}
+
+/// By default (`--copy-cpu auto`) a daemon serving prefill workers keeps
+/// the last CPU it may run on for its copy engine and runs every other
+/// thread, sessions included, on the rest, and says so; on one CPU it
+/// places nothing.
+#[test]
+fn by_default_the_copy_engine_has_the_last_cpu_to_itself() {
+    let cpus = kvferry::threads::allowed_cpus();
+    for (threads, lines) in daemon_placements(&[]) {
+        let said: Vec<&String> = lines.iter().filter(|l| l.contains("copy engine")).collect();
+        match cpus {
+            [rest @ .., copy] if !rest.is_empty() => {
+                assert_copy_engine_apart(&threads, &[*copy], rest);
+                assert_eq!(said.len(), 1, "{lines:?}");
+                assert!(
+                    said[0].ends_with(&format!("copy engine on cpu {copy}")),
+                    "{lines:?}"
+                );
+            }
+            _ => {
+                eprintln!("one CPU only: nothing to keep apart");
+                assert!(said.is_empty(), "{lines:?}");
+                for (name, _, on) in &threads {
+                    assert_eq!(on, cpus, "thread {name}: {threads:?}");
+                }
+            }
+        }
+    }
+}
+
+/// `--copy-cpu none` leaves every thread to the scheduler, on every CPU
+/// the daemon was started with.
+#[test]
+fn copy_cpu_none_places_no_thread() {
+    let cpus = kvferry::threads::allowed_cpus();
+    for (threads, lines) in daemon_placements(&["--copy-cpu", "none"]) {
+        assert!(
+            threads.iter().any(|(n, _, _)| n == "kvf-shm-copy"),
+            "{threads:?}"
+        );
+        for (name, _, on) in &threads {
+            assert_eq!(on, cpus, "thread {name}: {threads:?}");
+        }
+        assert!(
+            !lines.iter().any(|l| l.contains("copy engine")),
+            "{lines:?}"
+        );
+    }
+}
+
+/// `--cpus` without `--copy-cpu` is the operator's placement: the copy
+/// engine runs on those CPUs with every other thread (`auto` keeps no CPU
+/// for it then).
+#[test]
+fn with_cpus_and_no_copy_cpu_the_copy_engine_runs_on_cpus_too() {
+    let first = kvferry::threads::allowed_cpus()[0];
+    let list = first.to_string();
+    for (threads, lines) in daemon_placements(&["--cpus", &list]) {
+        assert!(
+            threads.iter().any(|(n, _, _)| n == "kvf-shm-copy"),
+            "{threads:?}"
+        );
+        for (name, _, on) in &threads {
+            assert_eq!(on, &vec![first], "thread {name}: {threads:?}");
+        }
+        assert!(
+            !lines.iter().any(|l| l.contains("copy engine")),
+            "{lines:?}"
+        );
+    }
 }
 
 #[test]
@@ -132,7 +294,7 @@ fn the_copy_engine_runs_alone_on_its_cpu_and_every_other_sender_thread_on_cpus()
     // A worker's session thread is spawned at its hello, long after start.
     let _worker = PrefillClient::connect(&sock, WAIT).expect("a worker attaches");
     let threads = placements_with_sessions(send.child.id(), 1);
-    assert_copy_engine_apart(&threads, copy, rest);
+    assert_copy_engine_apart(&threads, &[copy], &[rest]);
 }
 
 #[test]
@@ -206,7 +368,7 @@ fn a_nodes_copy_engine_runs_alone_on_its_cpu_and_both_roles_threads_on_cpus() {
     let _decoder = DecoderClient::connect(&dsock, WAIT).expect("a decoder attaches");
     let _worker = PrefillClient::connect(&wsock, WAIT).expect("a worker attaches");
     let threads = placements_with_sessions(node.child.id(), 2);
-    assert_copy_engine_apart(&threads, copy, rest);
+    assert_copy_engine_apart(&threads, &[copy], &[rest]);
 }
 
 #[test]
@@ -236,6 +398,10 @@ fn a_bad_cpu_option_is_refused_at_start_naming_it() {
     refused(
         &with(&["--copy-cpu", "1000"]),
         "--copy-cpu: cpu 1000 is not",
+    );
+    refused(
+        &with(&["--copy-cpu", "last"]),
+        "is not a CPU id, `auto` or `none`",
     );
     // Without --attach there is no one copy engine to place.
     refused(

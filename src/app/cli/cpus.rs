@@ -1,4 +1,5 @@
-//! `--cpus`: the CPUs a daemon's threads run on.
+//! `--cpus`: the CPUs a daemon's threads run on; `--copy-cpu`: the CPU its
+//! copy engine runs on.
 
 use clap::Args;
 
@@ -43,6 +44,59 @@ impl CpuList {
     }
 }
 
+/// `--copy-cpu`: where a daemon that serves attached prefill workers
+/// (`kvferry sender --attach`, `kvferry node`) runs its transport's engine
+/// thread (shm's copy engine, the one thread that moves the workers' bytes
+/// and the pipeline's serial stage).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyCpu {
+    /// The default: when `--cpus` is not given and the process may run on
+    /// two CPUs or more, the last of them goes to the engine alone and
+    /// every other thread of the daemon runs on the rest ([`auto_split`]);
+    /// otherwise the scheduler's choice.
+    Auto,
+    /// The scheduler's choice: no pin, no CPU kept for the engine.
+    None,
+    /// Pinned to this CPU (leave it out of `--cpus` to keep the daemon's
+    /// other threads off it).
+    Cpu(usize),
+}
+
+impl CopyCpu {
+    /// Parses `auto`, `none` or a CPU id; anything else is an error naming it.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "auto" => Ok(Self::Auto),
+            "none" => Ok(Self::None),
+            t => t
+                .parse()
+                .map(Self::Cpu)
+                .map_err(|_| format!("{s:?} is not a CPU id, `auto` or `none`")),
+        }
+    }
+}
+
+/// `--copy-cpu auto` without `--cpus`: the engine's CPU and the CPUs of
+/// every other thread, from the CPUs the process may run on (`allowed`,
+/// sorted) and those the daemon's other options pin a thread to
+/// (`pinned`). The engine takes the last allowed CPU no option pins a
+/// thread to, the rest of the process every other allowed CPU; `None`
+/// (leave every thread to the scheduler) when that leaves no CPU for the
+/// rest, as on a one-CPU machine.
+///
+/// Why by default: on a machine with few CPUs the scheduler puts the
+/// daemon's hand-off threads (control, sessions, completion poll) beside
+/// the engine, which then waits for a CPU while it has bytes to move; kept
+/// apart, end to end ran 1.2× faster on the project's two-vCPU VM with the
+/// workers left to the scheduler (docs/attach.md, "Placing the threads").
+/// On a machine with many CPUs it costs one CPU's worth of choice for a
+/// thread that sleeps when idle.
+pub fn auto_split(allowed: &[usize], pinned: &[usize]) -> Option<(usize, Vec<usize>)> {
+    let copy = *allowed.iter().rev().find(|c| !pinned.contains(c))?;
+    let rest: Vec<usize> = allowed.iter().copied().filter(|&c| c != copy).collect();
+    (!rest.is_empty()).then_some((copy, rest))
+}
+
 /// The `--cpus` option every daemon takes.
 #[derive(Debug, Args)]
 pub struct CpuArgs {
@@ -56,21 +110,48 @@ pub struct CpuArgs {
 }
 
 impl CpuArgs {
-    /// Checks each of `pins` (an option of the daemon that names one CPU,
-    /// and its value if given) against the CPUs this process may run on,
-    /// then confines the calling thread, and so every thread spawned
-    /// after, to `--cpus`; call it before the daemon starts anything. The
+    /// Checks `copy` and each of `pins` (an option of the daemon that names
+    /// one CPU, and its value if given) against the CPUs this process may
+    /// run on, then confines the calling thread, and so every thread
+    /// spawned after, to `--cpus`, or with [`CopyCpu::Auto`] and no
+    /// `--cpus` to the CPUs [`auto_split`] leaves the rest; call it before
+    /// the daemon starts anything. Returns the CPU to pin the copy engine
+    /// to, if any (a daemon without one passes [`CopyCpu::None`]). The
     /// error names the option.
-    pub fn apply(&self, pins: &[(&str, Option<usize>)]) -> Result<(), String> {
-        for &(option, pin) in pins {
+    pub fn apply(
+        &self,
+        copy: CopyCpu,
+        pins: &[(&str, Option<usize>)],
+    ) -> Result<Option<usize>, String> {
+        let copy_pin = match copy {
+            CopyCpu::Cpu(cpu) => Some(cpu),
+            CopyCpu::Auto | CopyCpu::None => None,
+        };
+        for &(option, pin) in std::iter::once(&("--copy-cpu", copy_pin)).chain(pins) {
             if let Some(cpu) = pin {
                 threads::check_allowed(cpu).map_err(|e| format!("{option}: {e}"))?;
             }
         }
-        let Some(list) = &self.cpus else {
-            return Ok(());
+        let (confine, copy_pin) = match (&self.cpus, copy) {
+            (Some(list), _) => (Some(list.0.clone()), copy_pin),
+            (None, CopyCpu::Auto) => {
+                let pinned: Vec<usize> = pins.iter().filter_map(|&(_, p)| p).collect();
+                match auto_split(threads::allowed_cpus(), &pinned) {
+                    Some((copy, rest)) => (Some(rest), Some(copy)),
+                    None => (None, None),
+                }
+            }
+            (None, _) => (None, copy_pin),
         };
-        threads::confine_current(&list.0).map_err(|e| format!("--cpus: {e}"))
+        if let Some(cpus) = confine {
+            let option = if self.cpus.is_some() {
+                "--cpus"
+            } else {
+                "--copy-cpu auto"
+            };
+            threads::confine_current(&cpus).map_err(|e| format!("{option}: {e}"))?;
+        }
+        Ok(copy_pin)
     }
 }
 
@@ -103,18 +184,51 @@ mod tests {
 
     #[test]
     fn a_pin_this_process_may_not_run_on_is_refused_by_name() {
+        // Neither `--cpus` nor `auto`: nothing is confined, so the test
+        // thread keeps its CPUs.
         let none = CpuArgs { cpus: None };
-        assert_eq!(
-            none.apply(&[("--copy-cpu", Some(threads::allowed_cpus()[0]))]),
-            Ok(())
-        );
-        assert_eq!(none.apply(&[("--copy-cpu", None)]), Ok(()));
-        let e = none.apply(&[("--copy-cpu", Some(1000))]).unwrap_err();
+        let first = threads::allowed_cpus()[0];
+        assert_eq!(none.apply(CopyCpu::Cpu(first), &[]), Ok(Some(first)));
+        assert_eq!(none.apply(CopyCpu::None, &[("--pin-cpu", None)]), Ok(None));
+        let e = none.apply(CopyCpu::Cpu(1000), &[]).unwrap_err();
         assert!(e.starts_with("--copy-cpu: cpu 1000 is not"), "{e}");
         // Each pin is checked, the first bad one named.
         let e = none
-            .apply(&[("--copy-cpu", None), ("--pin-cpu", Some(1000))])
+            .apply(CopyCpu::None, &[("--pin-cpu", Some(1000))])
             .unwrap_err();
         assert!(e.starts_with("--pin-cpu: cpu 1000 is not"), "{e}");
+        // A bad pin is refused before `auto` confines anything.
+        let e = none
+            .apply(CopyCpu::Auto, &[("--pin-cpu", Some(1000))])
+            .unwrap_err();
+        assert!(e.starts_with("--pin-cpu: cpu 1000 is not"), "{e}");
+    }
+
+    #[test]
+    fn copy_cpu_takes_auto_none_or_a_cpu_id() {
+        assert_eq!(CopyCpu::parse("auto"), Ok(CopyCpu::Auto));
+        assert_eq!(CopyCpu::parse("none"), Ok(CopyCpu::None));
+        assert_eq!(CopyCpu::parse(" 3"), Ok(CopyCpu::Cpu(3)));
+        for bad in ["", "-1", "x", "1,2", "Auto"] {
+            let e = CopyCpu::parse(bad).unwrap_err();
+            assert!(
+                e.contains("is not a CPU id, `auto` or `none`"),
+                "{bad:?}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn auto_gives_the_engine_the_last_cpu_no_option_pins_and_the_rest_the_others() {
+        assert_eq!(auto_split(&[0, 1], &[]), Some((1, vec![0])));
+        assert_eq!(auto_split(&[0, 2, 5, 7], &[]), Some((7, vec![0, 2, 5])));
+        // A CPU another option pins a thread to is not the engine's.
+        assert_eq!(auto_split(&[0, 1, 2], &[2]), Some((1, vec![0, 2])));
+        assert_eq!(auto_split(&[0, 1], &[1]), Some((0, vec![1])));
+        // Nothing left for the rest, or no CPU for the engine: the
+        // scheduler's choice.
+        assert_eq!(auto_split(&[3], &[]), None);
+        assert_eq!(auto_split(&[3], &[3]), None);
+        assert_eq!(auto_split(&[], &[]), None);
     }
 }

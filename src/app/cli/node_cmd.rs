@@ -20,6 +20,7 @@ use crate::attach::AttachConfig;
 use crate::sender::SenderConfig;
 use crate::transport::TransportConfig;
 
+use super::cpus::CopyCpu;
 use super::receiver_cmd::{ReceiverArgs, Served};
 use super::sender_cmd::{default_shares, Attached};
 
@@ -48,11 +49,15 @@ pub struct NodeArgs {
     /// that many page-aligned shares.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub attach_shares: Option<u32>,
-    /// Pin the shm copy engine (the one thread that moves the workers'
-    /// bytes) to this CPU; leave it out of --cpus to give it the CPU to
-    /// itself (docs/attach.md, "Placing the threads").
-    #[arg(long, value_name = "CPU")]
-    pub copy_cpu: Option<usize>,
+    /// The CPU of the shm copy engine (the one thread that moves the
+    /// workers' bytes): a CPU id, `none` (the scheduler's choice) or
+    /// `auto`: without --cpus, on two CPUs or more, the last CPU this
+    /// process may run on (and --pin-cpu does not name) goes to the engine
+    /// alone and every other thread of both roles runs on the rest. With
+    /// an id, leave it out of --cpus to give it the CPU to itself
+    /// (docs/attach.md, "Placing the threads").
+    #[arg(long, value_name = "CPU|auto|none", default_value = "auto", value_parser = CopyCpu::parse)]
+    pub copy_cpu: CopyCpu,
     /// More receivers (comma-separated or repeated) for the prefill
     /// workers: receivers 1.. of a BEGIN. The node's sender writes over
     /// shm, so they are kvferry receivers on this host (for other hosts
@@ -78,12 +83,10 @@ fn inproc_endpoint() -> String {
 pub fn run(a: NodeArgs) -> ExitCode {
     // Before anything is spawned: every thread after inherits it.
     let r = &a.receiver;
-    if let Err(e) = r
-        .cpus
-        .apply(&[("--copy-cpu", a.copy_cpu), ("--pin-cpu", r.pin_cpu)])
-    {
-        return super::usage_error(e);
-    }
+    let copy_cpu = match r.cpus.apply(a.copy_cpu, &[("--pin-cpu", r.pin_cpu)]) {
+        Ok(c) => c,
+        Err(e) => return super::usage_error(e),
+    };
     let Some(decoders) = r.attach.clone() else {
         return super::usage_error(
             "kvferry node serves attached decoders: --attach PATH (their socket) is required",
@@ -122,7 +125,7 @@ pub fn run(a: NodeArgs) -> ExitCode {
             staging_shares: shares,
             chunk_bytes,
             transport_config: TransportConfig {
-                pin_cpu: a.copy_cpu,
+                pin_cpu: copy_cpu,
                 ..TransportConfig::default()
             },
             ..SenderConfig::default()
@@ -148,6 +151,9 @@ pub fn run(a: NodeArgs) -> ExitCode {
         }
     };
     receiver.announce("node", "decoder attach", None);
+    if let Some(cpu) = copy_cpu {
+        super::say!("kvferry node copy engine on cpu {cpu}");
+    }
     super::say!(
         "kvferry node prefill attach on {}",
         sender.daemon.socket().display()

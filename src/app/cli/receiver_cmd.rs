@@ -15,7 +15,7 @@ use crate::receiver::bounds::Bounds;
 use crate::receiver::{AcceptorFactory, Receiver, ReceiverConfig, ReceiverError, TcpDataLimits};
 use crate::transport::TransportConfig;
 
-use super::cpus::CpuArgs;
+use super::cpus::{CopyCpu, CpuArgs};
 
 /// Arguments of `kvferry receiver`.
 #[derive(Debug, Args)]
@@ -143,7 +143,7 @@ pub struct ReceiverArgs {
 /// Runs a receiver until SIGINT/SIGTERM.
 pub fn run(a: ReceiverArgs) -> ExitCode {
     // Before anything is spawned: every thread after inherits it.
-    if let Err(e) = a.cpus.apply(&[("--pin-cpu", a.pin_cpu)]) {
+    if let Err(e) = a.cpus.apply(CopyCpu::None, &[("--pin-cpu", a.pin_cpu)]) {
         return super::usage_error(e);
     }
     let termination = match super::signals::Termination::install() {

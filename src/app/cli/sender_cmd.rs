@@ -15,7 +15,7 @@ use crate::runner::{self, RunConfig};
 use crate::sender::{Sender, SenderConfig};
 use crate::transport::TransportConfig;
 
-use super::cpus::CpuArgs;
+use super::cpus::{CopyCpu, CpuArgs};
 use super::run_cmd::{finish, progress_mode, LoadArgs};
 
 /// Arguments of `kvferry sender`.
@@ -76,14 +76,16 @@ pub struct SenderArgs {
     /// (docs/attach.md, "Trust"). For debugging only.
     #[arg(long)]
     pub attach_keep_dumpable: bool,
-    /// With --attach: pin the transport's engine thread (shm's copy
-    /// engine, the one thread that moves the workers' bytes) to this CPU.
-    /// Leave the CPU out of --cpus to give it the CPU to itself, and keep
-    /// the workers off it too (`taskset`): on a small machine the
-    /// scheduler otherwise puts other threads beside it (docs/attach.md,
-    /// "Placing the threads").
-    #[arg(long, value_name = "CPU", requires = "attach")]
-    pub copy_cpu: Option<usize>,
+    /// With --attach: the CPU of the transport's engine thread (shm's copy
+    /// engine, the one thread that moves the workers' bytes): a CPU id,
+    /// `none` (the scheduler's choice) or `auto`, the default: without
+    /// --cpus, on two CPUs or more, the last CPU this process may run on
+    /// goes to the engine alone and every other thread runs on the rest.
+    /// With an id, leave that CPU out of --cpus to give it the CPU to
+    /// itself. On a small machine keep the workers off it too (`taskset`)
+    /// (docs/attach.md, "Placing the threads").
+    #[arg(long, value_name = "CPU|auto|none", requires = "attach", value_parser = CopyCpu::parse)]
+    pub copy_cpu: Option<CopyCpu>,
     #[command(flatten)]
     pub cpus: CpuArgs,
     /// Print the report as one JSON object.
@@ -96,10 +98,16 @@ pub struct SenderArgs {
 
 /// Generates the load and prints the report.
 pub fn run(a: SenderArgs) -> ExitCode {
-    // Before anything is spawned: every thread after inherits it.
-    if let Err(e) = a.cpus.apply(&[("--copy-cpu", a.copy_cpu)]) {
-        return super::usage_error(e);
-    }
+    // Before anything is spawned: every thread after inherits it. The
+    // load generator runs a copy engine per prefiller: none is placed.
+    let copy = match a.attach {
+        Some(_) => a.copy_cpu.unwrap_or(CopyCpu::Auto),
+        None => CopyCpu::None,
+    };
+    let copy_cpu = match a.cpus.apply(copy, &[]) {
+        Ok(c) => c,
+        Err(e) => return super::usage_error(e),
+    };
     let mut cfg = match a.load.config() {
         Ok(c) => c,
         Err(e) => return super::usage_error(e),
@@ -121,7 +129,7 @@ pub fn run(a: SenderArgs) -> ExitCode {
         if let Err(e) = refuse_unused_with_attach(&a) {
             return super::usage_error(e);
         }
-        return serve_attached(&a, &cfg, path);
+        return serve_attached(&a, &cfg, path, copy_cpu);
     }
     let server: Mutex<Option<MetricsServer>> = Mutex::new(None);
     let mut metrics_error = None;
@@ -217,7 +225,12 @@ fn refuse_unused_with_attach(a: &SenderArgs) -> Result<(), String> {
 
 /// `--attach`: one sender serving attached prefill workers until
 /// SIGINT/SIGTERM.
-fn serve_attached(a: &SenderArgs, cfg: &RunConfig, path: PathBuf) -> ExitCode {
+fn serve_attached(
+    a: &SenderArgs,
+    cfg: &RunConfig,
+    path: PathBuf,
+    copy_cpu: Option<usize>,
+) -> ExitCode {
     let static_peers = match cfg.static_peers() {
         Ok(p) => p,
         Err(e) => return super::usage_error(e),
@@ -240,7 +253,7 @@ fn serve_attached(a: &SenderArgs, cfg: &RunConfig, path: PathBuf) -> ExitCode {
             max_pending_bytes: cfg.max_pending_bytes,
             transport: cfg.transport.clone(),
             transport_config: TransportConfig {
-                pin_cpu: a.copy_cpu,
+                pin_cpu: copy_cpu,
                 ..TransportConfig::default()
             },
             static_peers,
@@ -265,6 +278,9 @@ fn serve_attached(a: &SenderArgs, cfg: &RunConfig, path: PathBuf) -> ExitCode {
             return code;
         }
     };
+    if let Some(cpu) = copy_cpu {
+        super::say!("kvferry sender copy engine on cpu {cpu}");
+    }
     super::say!(
         "kvferry sender attach on {}",
         served.daemon.socket().display()
