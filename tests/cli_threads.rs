@@ -170,25 +170,30 @@ fn node_args(dir: &TempDir, extra: &[&str]) -> Vec<String> {
 /// Where `kvferry sender --attach` and `kvferry node` put their threads
 /// with `extra` placement options, each with one attached client per
 /// socket (their session threads are spawned at the hello): the
-/// placements of the sender's threads, then the node's, and the stdout
-/// lines each printed up to its announcement.
+/// placements of the sender's threads, then the node's, each with every
+/// line the daemon printed (read to the end after it was killed, so a line
+/// printed after the announcements is there too).
 fn daemon_placements(extra: &[&str]) -> [(Threads, Vec<String>); 2] {
     let dir = TempDir::new("kvferry-cpus");
     let sock = dir.0.join("send.sock");
     let args = sender_args(&sock, extra);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let (send, send_lines) = spawn_lines(&args, "kvferry sender attach on ");
-    let _worker = PrefillClient::connect(&sock, WAIT).expect("a worker attaches");
+    let (mut send, mut send_lines) = spawn_lines(&args, "kvferry sender attach on ");
+    let worker = PrefillClient::connect(&sock, WAIT).expect("a worker attaches");
     let sender = placements_with_sessions(send.child.id(), 1);
+    drop(worker);
+    send.sigkill();
+    send_lines.extend(send.lines.rest(&mut send.child, "the killed sender"));
     let args = node_args(&dir, extra);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let (node, node_lines) = spawn_lines(&args, "kvferry node prefill attach on ");
-    let _decoder =
-        DecoderClient::connect(dir.0.join("dec.sock"), WAIT).expect("a decoder attaches");
-    let _node_worker =
-        PrefillClient::connect(dir.0.join("work.sock"), WAIT).expect("a worker attaches");
-    let node = placements_with_sessions(node.child.id(), 2);
-    [(sender, send_lines), (node, node_lines)]
+    let (mut node, mut node_lines) = spawn_lines(&args, "kvferry node prefill attach on ");
+    let decoder = DecoderClient::connect(dir.0.join("dec.sock"), WAIT).expect("a decoder attaches");
+    let worker = PrefillClient::connect(dir.0.join("work.sock"), WAIT).expect("a worker attaches");
+    let placed = placements_with_sessions(node.child.id(), 2);
+    drop((decoder, worker));
+    node.sigkill();
+    node_lines.extend(node.lines.rest(&mut node.child, "the killed node"));
+    [(sender, send_lines), (placed, node_lines)]
 }
 
 /// By default (`--copy-cpu auto`) a daemon serving prefill workers keeps
@@ -199,6 +204,13 @@ fn daemon_placements(extra: &[&str]) -> [(Threads, Vec<String>); 2] {
 fn by_default_the_copy_engine_has_the_last_cpu_to_itself() {
     let cpus = kvferry::threads::allowed_cpus();
     for (threads, lines) in daemon_placements(&[]) {
+        // The first line is still the announcement scripts wait for
+        // (`kvferry sender attach on`, `kvferry node listening on`).
+        assert!(
+            lines[0].starts_with("kvferry sender attach on ")
+                || lines[0].starts_with("kvferry node listening on "),
+            "{lines:?}"
+        );
         let said: Vec<&String> = lines.iter().filter(|l| l.contains("copy engine")).collect();
         match cpus {
             [rest @ .., copy] if !rest.is_empty() => {

@@ -151,15 +151,16 @@ pub fn run(a: NodeArgs) -> ExitCode {
         }
     };
     receiver.announce("node", "decoder attach", None);
-    if let Some(cpu) = copy_cpu {
-        super::say!("kvferry node copy engine on cpu {cpu}");
-    }
     super::say!(
         "kvferry node prefill attach on {}",
         sender.daemon.socket().display()
     );
     if let Some(m) = &metrics {
         super::say!("kvferry node metrics on {}", m.local_addr());
+    }
+    // After the announcements: scripts wait for them, not for this.
+    if let Some(cpu) = copy_cpu {
+        super::say!("kvferry node copy engine on cpu {cpu}");
     }
     let _ = std::io::stdout().flush();
     termination.wait();

@@ -278,15 +278,17 @@ fn serve_attached(
             return code;
         }
     };
-    if let Some(cpu) = copy_cpu {
-        super::say!("kvferry sender copy engine on cpu {cpu}");
-    }
     super::say!(
         "kvferry sender attach on {}",
         served.daemon.socket().display()
     );
     if let Some(m) = &metrics {
         super::say!("kvferry sender metrics on {}", m.local_addr());
+    }
+    // After the announcements: scripts take the first line as the daemon's
+    // readiness.
+    if let Some(cpu) = copy_cpu {
+        super::say!("kvferry sender copy engine on cpu {cpu}");
     }
     let _ = std::io::stdout().flush();
     termination.wait();
