@@ -1155,7 +1155,6 @@ fn python_e2e(mode: &str, daemons: Daemons, placement: E2ePlacement, dir: &Path)
     let all = bench_cpus();
     // The daemons start on every CPU (--copy-cpu must be one they may run
     // on) and place their threads themselves; the clients start placed.
-    let strings = |v: &[&str]| v.iter().map(|&a| a.to_owned()).collect::<Vec<_>>();
     let (daemon_cpus, copy_cpu, clients) = match (placement, copy_apart()) {
         (E2ePlacement::Apart, Some((copy, rest))) => (
             vec!["--cpus".to_owned(), cpu_list(rest)],
@@ -1163,9 +1162,11 @@ fn python_e2e(mode: &str, daemons: Daemons, placement: E2ePlacement, dir: &Path)
             rest,
         ),
         (E2ePlacement::Auto, _) => (Vec::new(), Vec::new(), all),
-        (E2ePlacement::Scheduler | E2ePlacement::Apart, _) => {
-            (Vec::new(), strings(&["--copy-cpu", "none"]), all)
-        }
+        (E2ePlacement::Scheduler | E2ePlacement::Apart, _) => (
+            Vec::new(),
+            vec!["--copy-cpu".to_owned(), "none".to_owned()],
+            all,
+        ),
     };
     let receiver_args = [
         "--listen",

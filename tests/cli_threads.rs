@@ -96,15 +96,9 @@ fn assert_copy_engine_apart(threads: &Threads, copy: &[usize], rest: &[usize]) {
     }
 }
 
-fn spawn(args: &[&str], announce: &str) -> ChildProc {
-    let mut p = ChildProc::spawn(Command::new(BIN).args(args).stdin(Stdio::null()));
-    p.expect_line(announce);
-    p
-}
-
 /// Spawns the daemon `args` name and returns it with every stdout line up
 /// to and including the one containing `announce`.
-fn spawn_lines(args: &[&str], announce: &str) -> (ChildProc, Vec<String>) {
+fn spawn_lines(args: &[String], announce: &str) -> (ChildProc, Vec<String>) {
     let mut p = ChildProc::spawn(Command::new(BIN).args(args).stdin(Stdio::null()));
     let end = Instant::now() + WAIT;
     let what = format!("kvferry {args:?} to print {announce:?}");
@@ -118,54 +112,20 @@ fn spawn_lines(args: &[&str], announce: &str) -> (ChildProc, Vec<String>) {
     (p, lines)
 }
 
-/// `kvferry sender --attach` with `extra` options, and the socket its
-/// worker attaches to.
-fn sender_args(sock: &std::path::Path, extra: &[&str]) -> Vec<String> {
-    let mut args: Vec<String> = [
-        "sender",
-        "--connect",
-        "tcp://127.0.0.1:9",
-        "--chunk-bytes",
-        "4096",
-        "--staging-slots",
-        "8",
-        "--attach",
-        sock.to_str().unwrap(),
-    ]
-    .map(str::to_owned)
-    .to_vec();
-    args.extend(extra.iter().map(|&a| a.to_owned()));
-    args
+/// `parts`, one after the other, as owned arguments.
+fn args_of(parts: &[&[&str]]) -> Vec<String> {
+    parts.concat().into_iter().map(str::to_owned).collect()
 }
 
-/// `kvferry node` with `extra` options, its decoders' and workers' sockets
-/// in `dir`.
-fn node_args(dir: &TempDir, extra: &[&str]) -> Vec<String> {
-    let path = |name: &str| dir.0.join(name).to_str().unwrap().to_owned();
-    let mut args: Vec<String> = [
-        "node",
-        "--listen",
-        "tcp://127.0.0.1:0",
-        "--capacity-chunks",
-        "4",
-        "--chunk-bytes",
-        "4096",
-        "--staging-slots",
-        "8",
-    ]
-    .map(str::to_owned)
-    .to_vec();
-    args.extend([
-        "--attach".to_owned(),
-        path("dec.sock"),
-        "--prefill-attach".to_owned(),
-        path("work.sock"),
-        "--shm-path".to_owned(),
-        path("buf"),
-    ]);
-    args.extend(extra.iter().map(|&a| a.to_owned()));
-    args
-}
+/// The receive buffer's options of `kvferry receiver` and `kvferry node`.
+const RECEIVER: [&str; 6] = [
+    "--listen",
+    "tcp://127.0.0.1:0",
+    "--capacity-chunks",
+    "4",
+    "--chunk-bytes",
+    "4096",
+];
 
 /// Where `kvferry sender --attach` and `kvferry node` put their threads
 /// with `extra` placement options, each with one attached client per
@@ -175,25 +135,67 @@ fn node_args(dir: &TempDir, extra: &[&str]) -> Vec<String> {
 /// printed after the announcements is there too).
 fn daemon_placements(extra: &[&str]) -> [(Threads, Vec<String>); 2] {
     let dir = TempDir::new("kvferry-cpus");
-    let sock = dir.0.join("send.sock");
-    let args = sender_args(&sock, extra);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let (mut send, mut send_lines) = spawn_lines(&args, "kvferry sender attach on ");
-    let worker = PrefillClient::connect(&sock, WAIT).expect("a worker attaches");
+    let path = |name: &str| dir.0.join(name).to_str().unwrap().to_owned();
+    let (send_sock, dec_sock, work_sock) = (path("send.sock"), path("dec.sock"), path("work.sock"));
+    let sender_args = args_of(&[
+        &[
+            "sender",
+            "--connect",
+            "tcp://127.0.0.1:9",
+            "--chunk-bytes",
+            "4096",
+            "--staging-slots",
+            "8",
+            "--attach",
+            &send_sock,
+        ],
+        extra,
+    ]);
+    let (mut send, mut send_lines) = spawn_lines(&sender_args, "kvferry sender attach on ");
+    let worker = PrefillClient::connect(&send_sock, WAIT).expect("a worker attaches");
     let sender = placements_with_sessions(send.child.id(), 1);
     drop(worker);
     send.sigkill();
     send_lines.extend(send.lines.rest(&mut send.child, "the killed sender"));
-    let args = node_args(&dir, extra);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let (mut node, mut node_lines) = spawn_lines(&args, "kvferry node prefill attach on ");
-    let decoder = DecoderClient::connect(dir.0.join("dec.sock"), WAIT).expect("a decoder attaches");
-    let worker = PrefillClient::connect(dir.0.join("work.sock"), WAIT).expect("a worker attaches");
+    let node_args = args_of(&[
+        &["node"],
+        &RECEIVER,
+        &[
+            "--staging-slots",
+            "8",
+            "--attach",
+            &dec_sock,
+            "--prefill-attach",
+            &work_sock,
+            "--shm-path",
+            &path("buf"),
+        ],
+        extra,
+    ]);
+    let (mut node, mut node_lines) = spawn_lines(&node_args, "kvferry node prefill attach on ");
+    let decoder = DecoderClient::connect(&dec_sock, WAIT).expect("a decoder attaches");
+    let worker = PrefillClient::connect(&work_sock, WAIT).expect("a worker attaches");
     let placed = placements_with_sessions(node.child.id(), 2);
     drop((decoder, worker));
     node.sigkill();
     node_lines.extend(node.lines.rest(&mut node.child, "the killed node"));
     [(sender, send_lines), (placed, node_lines)]
+}
+
+/// Nothing was set apart: the daemon has a copy engine, every thread of it
+/// runs on `cpus`, and it printed no placement line.
+fn assert_nothing_apart(threads: &Threads, lines: &[String], cpus: &[usize]) {
+    assert!(
+        threads.iter().any(|(n, _, _)| n == "kvf-shm-copy"),
+        "{threads:?}"
+    );
+    for (name, _, on) in threads {
+        assert_eq!(on, cpus, "thread {name}: {threads:?}");
+    }
+    assert!(
+        !lines.iter().any(|l| l.contains("copy engine")),
+        "{lines:?}"
+    );
 }
 
 /// By default (`--copy-cpu auto`) a daemon serving prefill workers keeps
@@ -223,10 +225,7 @@ fn by_default_the_copy_engine_has_the_last_cpu_to_itself() {
             }
             _ => {
                 eprintln!("one CPU only: nothing to keep apart");
-                assert!(said.is_empty(), "{lines:?}");
-                for (name, _, on) in &threads {
-                    assert_eq!(on, cpus, "thread {name}: {threads:?}");
-                }
+                assert_nothing_apart(&threads, &lines, cpus);
             }
         }
     }
@@ -238,17 +237,7 @@ fn by_default_the_copy_engine_has_the_last_cpu_to_itself() {
 fn copy_cpu_none_places_no_thread() {
     let cpus = kvferry::threads::allowed_cpus();
     for (threads, lines) in daemon_placements(&["--copy-cpu", "none"]) {
-        assert!(
-            threads.iter().any(|(n, _, _)| n == "kvf-shm-copy"),
-            "{threads:?}"
-        );
-        for (name, _, on) in &threads {
-            assert_eq!(on, cpus, "thread {name}: {threads:?}");
-        }
-        assert!(
-            !lines.iter().any(|l| l.contains("copy engine")),
-            "{lines:?}"
-        );
+        assert_nothing_apart(&threads, &lines, cpus);
     }
 }
 
@@ -260,53 +249,25 @@ fn with_cpus_and_no_copy_cpu_the_copy_engine_runs_on_cpus_too() {
     let first = kvferry::threads::allowed_cpus()[0];
     let list = first.to_string();
     for (threads, lines) in daemon_placements(&["--cpus", &list]) {
-        assert!(
-            threads.iter().any(|(n, _, _)| n == "kvf-shm-copy"),
-            "{threads:?}"
-        );
-        for (name, _, on) in &threads {
-            assert_eq!(on, &vec![first], "thread {name}: {threads:?}");
-        }
-        assert!(
-            !lines.iter().any(|l| l.contains("copy engine")),
-            "{lines:?}"
-        );
+        assert_nothing_apart(&threads, &lines, &[first]);
     }
 }
 
+/// `--copy-cpu` and `--cpus` together: the copy engine alone on
+/// `--copy-cpu`, every other thread (of both roles in `kvferry node`, the
+/// sessions spawned at the clients' hellos included) on `--cpus`.
 #[test]
-fn the_copy_engine_runs_alone_on_its_cpu_and_every_other_sender_thread_on_cpus() {
+fn the_copy_engine_runs_alone_on_its_cpu_and_every_other_thread_on_cpus() {
     let cpus = kvferry::threads::allowed_cpus();
     // Two CPUs apart where there are two; on one, both options name it.
     let (rest, copy) = (cpus[0], *cpus.last().unwrap());
     if rest == copy {
         eprintln!("one CPU only: checking placement without isolation");
     }
-    let dir = TempDir::new("kvferry-cpus");
-    let sock = dir.0.join("send.sock");
     let (rest_s, copy_s) = (rest.to_string(), copy.to_string());
-    let send = spawn(
-        &[
-            "sender",
-            "--connect",
-            "tcp://127.0.0.1:9",
-            "--chunk-bytes",
-            "4096",
-            "--staging-slots",
-            "8",
-            "--attach",
-            sock.to_str().unwrap(),
-            "--cpus",
-            &rest_s,
-            "--copy-cpu",
-            &copy_s,
-        ],
-        "kvferry sender attach on ",
-    );
-    // A worker's session thread is spawned at its hello, long after start.
-    let _worker = PrefillClient::connect(&sock, WAIT).expect("a worker attaches");
-    let threads = placements_with_sessions(send.child.id(), 1);
-    assert_copy_engine_apart(&threads, &[copy], &[rest]);
+    for (threads, _) in daemon_placements(&["--cpus", &rest_s, "--copy-cpu", &copy_s]) {
+        assert_copy_engine_apart(&threads, &[copy], &[rest]);
+    }
 }
 
 #[test]
@@ -316,22 +277,19 @@ fn every_receiver_thread_runs_on_cpus_a_decoders_session_included() {
     let sock = dir.0.join("recv.sock");
     let buf = dir.0.join("buf");
     let cpu_s = cpu.to_string();
-    let recv = spawn(
-        &[
-            "receiver",
-            "--listen",
-            "tcp://127.0.0.1:0",
-            "--capacity-chunks",
-            "4",
-            "--chunk-bytes",
-            "4096",
-            "--attach",
-            sock.to_str().unwrap(),
-            "--shm-path",
-            buf.to_str().unwrap(),
-            "--cpus",
-            &cpu_s,
-        ],
+    let (recv, _) = spawn_lines(
+        &args_of(&[
+            &["receiver"],
+            &RECEIVER,
+            &[
+                "--attach",
+                sock.to_str().unwrap(),
+                "--shm-path",
+                buf.to_str().unwrap(),
+                "--cpus",
+                &cpu_s,
+            ],
+        ]),
         "kvferry receiver attach on ",
     );
     let _decoder = DecoderClient::connect(&sock, WAIT).expect("a decoder attaches");
@@ -340,47 +298,6 @@ fn every_receiver_thread_runs_on_cpus_a_decoders_session_included() {
     for (name, _, on) in &threads {
         assert_eq!(on, &vec![cpu], "thread {name}: {threads:?}");
     }
-}
-
-/// `kvferry node` takes the same two options: its copy engine alone on
-/// `--copy-cpu`, every other thread of both roles (both sessions, spawned
-/// at their clients' hellos, included) on `--cpus`.
-#[test]
-fn a_nodes_copy_engine_runs_alone_on_its_cpu_and_both_roles_threads_on_cpus() {
-    let cpus = kvferry::threads::allowed_cpus();
-    let (rest, copy) = (cpus[0], *cpus.last().unwrap());
-    let dir = TempDir::new("kvferry-cpus");
-    let (dsock, wsock) = (dir.0.join("dec.sock"), dir.0.join("work.sock"));
-    let buf = dir.0.join("buf");
-    let (rest_s, copy_s) = (rest.to_string(), copy.to_string());
-    let node = spawn(
-        &[
-            "node",
-            "--listen",
-            "tcp://127.0.0.1:0",
-            "--capacity-chunks",
-            "4",
-            "--chunk-bytes",
-            "4096",
-            "--staging-slots",
-            "8",
-            "--attach",
-            dsock.to_str().unwrap(),
-            "--prefill-attach",
-            wsock.to_str().unwrap(),
-            "--shm-path",
-            buf.to_str().unwrap(),
-            "--cpus",
-            &rest_s,
-            "--copy-cpu",
-            &copy_s,
-        ],
-        "kvferry node prefill attach on ",
-    );
-    let _decoder = DecoderClient::connect(&dsock, WAIT).expect("a decoder attaches");
-    let _worker = PrefillClient::connect(&wsock, WAIT).expect("a worker attaches");
-    let threads = placements_with_sessions(node.child.id(), 2);
-    assert_copy_engine_apart(&threads, &[copy], &[rest]);
 }
 
 #[test]
