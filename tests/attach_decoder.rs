@@ -378,6 +378,57 @@ fn many_waiting_subscriptions_ending_together_are_each_delivered_once() {
 /// the session and are delivered oldest first as the client makes room;
 /// one the client unsubscribes meanwhile is never delivered, and its
 /// slots come back.
+/// A session returns released slots after answering what the client
+/// submitted behind the RELEASE (docs/attach.md, "Submission"); a client
+/// that submits nothing more still gets them returned at once, not at its
+/// next SUBSCRIBE or detach.
+#[test]
+fn a_release_returns_the_slots_while_the_client_stays_attached_and_quiet() {
+    let dir = TempDir::new("kvferry-attach");
+    let r = Arc::new(receiver(16));
+    let d = daemon(&r, &dir.sock(), |_| {});
+    let s = sender(sender_cfg(8, None));
+    store(&s, r.endpoint(), "quiet-1", 3, 100);
+    r.wait_ready("quiet-1", deadline()).expect("ready");
+    let mut c = connect(&dir.sock());
+    c.subscribe("quiet-1").unwrap();
+    let Event::Ready(delivery) = next(&mut c, "READY for quiet-1") else {
+        panic!("expected READY for quiet-1");
+    };
+    verify(&c, &delivery, 3, 100);
+    assert_eq!(allocated(&r), 3, "held for the client");
+    c.release(delivery).unwrap();
+    wait_for(
+        "the released slots and subscription back, the client quiet",
+        || allocated(&r) == 0 && d.subscriptions() == 0,
+    );
+    assert_eq!(d.clients(), 1, "the client is still attached");
+}
+
+/// The session returns a released subscription late, but never so late
+/// that the client's own next SUBSCRIBE of the same `req_id` is refused.
+#[test]
+fn a_req_id_released_and_subscribed_again_at_once_is_not_refused() {
+    let dir = TempDir::new("kvferry-attach");
+    let r = Arc::new(receiver(16));
+    let _d = daemon(&r, &dir.sock(), |_| {});
+    let s = sender(sender_cfg(8, None));
+    let mut c = connect(&dir.sock());
+    let first = c.subscribe("again-1").unwrap();
+    c.unsubscribe(first).unwrap();
+    let second = c.subscribe("again-1").unwrap();
+    store(&s, r.endpoint(), "again-1", 2, 10);
+    match next(&mut c, "READY for the second subscription") {
+        Event::Ready(d) => {
+            assert_eq!(d.tag(), second);
+            verify(&c, &d, 2, 10);
+            c.release(d).unwrap();
+        }
+        other => panic!("expected READY for the second subscription, got {other:?}"),
+    }
+    wait_for("the slots back", || allocated(&r) == 0);
+}
+
 #[test]
 fn deliveries_waiting_for_ring_room_go_out_oldest_first_and_a_released_one_never() {
     const N: usize = 8;

@@ -125,6 +125,26 @@ pub(super) fn linger(mut ready: impl FnMut() -> bool) -> bool {
     false
 }
 
+/// Spins (no yield) until `ready()`, for at most `d` and at most this
+/// thread's adapted spin ([`linger`]'s: none once its yields were seen to
+/// hand the CPU to the other side, which a spin would only keep waiting);
+/// returns `ready()`'s last answer. For a wait far shorter than a yield's
+/// round trip.
+pub(super) fn spin_for(d: Duration, mut ready: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    for i in 0..(1u32 << SPIN_ROUNDS.get()) {
+        if ready() {
+            return true;
+        }
+        std::hint::spin_loop();
+        // The clock read once per 16 checks: a check is a load or two.
+        if i % 16 == 15 && start.elapsed() >= d {
+            return false;
+        }
+    }
+    ready()
+}
+
 /// Tells this thread's linger how long the sleep that followed a failed
 /// [`linger`] lasted, once it ended with work to do: the next linger is
 /// [`after_sleep`] of it.
@@ -158,6 +178,41 @@ fn adapted(spin: u32, gave_away: bool) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_short_spin_returns_at_the_condition_or_after_its_rounds_or_time() {
+        let mut checks = 0;
+        assert!(spin_for(Duration::from_secs(5), || {
+            checks += 1;
+            checks == 3
+        }));
+        assert_eq!(checks, 3, "returned at the first true");
+        std::thread::spawn(|| {
+            SPIN_ROUNDS.set(DEFAULT_SPIN_ROUNDS);
+            let mut checks = 0u32;
+            assert!(!spin_for(Duration::from_secs(5), || {
+                checks += 1;
+                false
+            }));
+            assert!(
+                checks <= (1 << DEFAULT_SPIN_ROUNDS) + 1,
+                "spun past its rounds"
+            );
+            SPIN_ROUNDS.set(0);
+            checks = 0;
+            assert!(!spin_for(Duration::from_secs(5), || {
+                checks += 1;
+                false
+            }));
+            assert!(checks <= 2, "a thread that learned not to spin spun");
+            SPIN_ROUNDS.set(20);
+            let t = Instant::now();
+            assert!(!spin_for(Duration::from_micros(20), || false));
+            assert!(t.elapsed() >= Duration::from_micros(20), "gave up early");
+        })
+        .join()
+        .unwrap();
+    }
 
     #[test]
     fn a_ready_condition_returns_at_once_and_an_idle_one_after_the_linger() {

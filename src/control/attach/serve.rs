@@ -15,7 +15,7 @@ use kvferry_ring::Plain;
 use super::daemon::{AttachConfig, DaemonShared};
 use super::fds::send_with_fds;
 use super::layout::{Hello, ATTACH_VERSION, HELLO_FDS, STATUS_OK};
-use super::linger::{linger, sharing_cpu, slept};
+use super::linger::{linger, sharing_cpu, slept, spin_for};
 use super::placement::StepOff;
 use super::poll::{poll, readable};
 use crate::eventfd::EventFd;
@@ -141,7 +141,22 @@ pub(super) trait Serve {
     fn wake(&mut self, fds: &[libc::pollfd]);
     /// The client's submission ring.
     fn submissions(&self) -> &dyn Doorbell;
+    /// True while the session holds work it put off so as to answer its
+    /// client sooner (see [`idle`](Self::idle)).
+    fn deferred(&self) -> bool {
+        false
+    }
+    /// Does the put-off work. The loop calls it when the client has left
+    /// the session nothing to answer for [`DEFER_WAIT`], and before it
+    /// sleeps or waits for room.
+    fn idle(&mut self) {}
 }
+
+/// How long the loop waits for the client's next submission before it
+/// does put-off work ([`Serve::idle`]): longer than a client takes between
+/// two submissions of one step (a RELEASE, then the next SUBSCRIBE: about
+/// 0.1 µs), short against the moment a released slot matters to anyone.
+pub(super) const DEFER_WAIT: Duration = Duration::from_micros(2);
 
 /// True if the role's eventfd `fd`, polled as `polled` (`None`: not in
 /// this round's poll set), was signalled since the session last cleared
@@ -185,8 +200,12 @@ impl<S: Plain> Doorbell for Consumer<S> {
 /// waiting (poll without sleeping); false once the client was asked to
 /// ring (need-wakeup armed).
 fn linger_on(session: &impl Serve) -> bool {
-    let sq = session.submissions();
-    linger(|| sq.pending() || session.signalled()) || !sq.arm()
+    linger(|| submitted(session)) || !session.submissions().arm()
+}
+
+/// True if the session has work: submissions, or one of its role's signals.
+fn submitted(session: &impl Serve) -> bool {
+    session.submissions().pending() || session.signalled()
 }
 
 /// Serves `session` until its socket closes (the lease) or `shared` stops.
@@ -199,6 +218,9 @@ pub(super) fn serve<R>(shared: &DaemonShared<R>, mut sock: UnixStream, session: 
         fds.push(readable(sock.as_raw_fd()));
         fds.push(readable(shared.stop.as_fd().as_raw_fd()));
         let retry = session.interest(&mut fds);
+        if session.deferred() && (retry || !spin_for(DEFER_WAIT, || submitted(session))) {
+            session.idle();
+        }
         // With submissions waiting the poll only collects the other
         // descriptors' state (the lease, stop, the role's); otherwise the
         // client rings the socket when it submits.

@@ -129,6 +129,7 @@ impl Role for Decoders {
             cq: rings.cq,
             tags: HashMap::with_capacity(shared.cfg.max_outstanding),
             unposted: VecDeque::with_capacity(shared.cfg.max_outstanding),
+            released: Vec::with_capacity(shared.cfg.max_outstanding),
             waiting: Vec::with_capacity(shared.cfg.max_outstanding),
             scratch: Vec::new(),
             inbox: vec![DecoderSubmit::release(0); sq_cap],
@@ -169,6 +170,11 @@ pub(super) struct Session {
     /// most `max_outstanding`. Posted in this order, without a walk over
     /// every tag per wake-up.
     unposted: VecDeque<u64>,
+    /// Entries the client released, whose return to the receiver (the
+    /// chunks' slots, the subscription) waits until the session has
+    /// answered what the client submitted behind the RELEASE (see
+    /// [`Serve::idle`]); at most `max_outstanding`.
+    released: Vec<Entry>,
     /// Signalled by every `Sub::Waiting` handle of this session when its
     /// request ends: one descriptor to poll, however many are waiting.
     ended: Arc<EventFd>,
@@ -223,11 +229,23 @@ impl Serve for Session {
             self.waiting = waiting;
         }
         self.claim_wild();
-        self.post_taken();
+        if self.post_taken() {
+            // The client reads what was just posted: the session's time is
+            // its own until the next submission.
+            self.return_released();
+        }
     }
 
     fn submissions(&self) -> &dyn Doorbell {
         &self.sq
+    }
+
+    fn deferred(&self) -> bool {
+        !self.released.is_empty()
+    }
+
+    fn idle(&mut self) {
+        self.return_released();
     }
 }
 
@@ -266,7 +284,7 @@ impl Session {
             return self.refuse(s.tag, Refusal::TooManyOutstanding);
         }
         let id: Arc<str> = Arc::from(req_id);
-        if !self.shared.role.subscribed.lock().insert(Arc::clone(&id)) {
+        if !self.claim_id(&id) {
             return self.refuse(s.tag, Refusal::AlreadySubscribed);
         }
         // A request that is complete already (a decoder subscribing to one
@@ -390,13 +408,7 @@ impl Session {
             }
             let req_id: Arc<str> = req_id.into();
             // A req_id subscription (or another wildcard) has it.
-            if !self
-                .shared
-                .role
-                .subscribed
-                .lock()
-                .insert(Arc::clone(&req_id))
-            {
+            if !self.claim_id(&req_id) {
                 continue;
             }
             let names = req_id.len().div_ceil(NAME_PART);
@@ -444,10 +456,58 @@ impl Session {
                     // does not wait for it).
                     self.unposted.retain(|t| *t != tag);
                 }
-                self.shared.role.subscribed.lock().remove(&*e.req_id);
+                // Returned after the session answered what follows (the
+                // client's next SUBSCRIBE, most often): a drop takes the
+                // receiver's lock and frees slots, work the client need
+                // not wait for.
+                self.released.push(e);
+                if self.released.len() >= self.shared.cfg.max_outstanding {
+                    self.return_released();
+                }
             }
             None => self.refuse(tag, Refusal::UnknownTag),
         }
+    }
+
+    /// Adds `req_id` to the daemon's subscriptions; false if a
+    /// subscription (of any client) has it. One this client released and
+    /// the session has not returned yet is returned first: a RELEASE and a
+    /// new SUBSCRIBE of the same `req_id` behave as if returned at once.
+    fn claim_id(&mut self, req_id: &Arc<str>) -> bool {
+        if self
+            .shared
+            .role
+            .subscribed
+            .lock()
+            .insert(Arc::clone(req_id))
+        {
+            return true;
+        }
+        if !self.released.iter().any(|e| e.req_id == *req_id) {
+            return false;
+        }
+        self.return_released();
+        self.shared
+            .role
+            .subscribed
+            .lock()
+            .insert(Arc::clone(req_id))
+    }
+
+    /// Gives the released entries back: their subscriptions, then (outside
+    /// the subscription lock: a drop takes the receiver's) their chunks'
+    /// slots or their watches.
+    fn return_released(&mut self) {
+        if self.released.is_empty() {
+            return;
+        }
+        {
+            let mut subscribed = self.shared.role.subscribed.lock();
+            for e in &self.released {
+                subscribed.remove(&*e.req_id);
+            }
+        }
+        self.released.clear();
     }
 
     /// Takes `req_id`'s chunks for the client under `tag`: `None` if it is
@@ -501,10 +561,11 @@ impl Session {
     }
 
     /// Posts the taken requests not on the ring yet, oldest first, while
-    /// they fit.
-    fn post_taken(&mut self) {
+    /// they fit; true if it posted any.
+    fn post_taken(&mut self) -> bool {
+        let mut posted_any = false;
         if !self.cq.outbox.is_empty() {
-            return;
+            return posted_any;
         }
         while let Some(&tag) = self.unposted.front() {
             let Some(Entry {
@@ -550,20 +611,23 @@ impl Session {
                 });
             }
             let Some(mut batch) = self.cq.ring.reserve(self.scratch.len()) else {
-                return;
+                return posted_any;
             };
             batch.fill_from(&self.scratch);
             batch.commit();
             *posted = true;
+            posted_any = true;
             self.unposted.pop_front();
             tracing::debug!(tag, req_id = %req_id, chunks = chunks.len(), "delivered");
         }
+        posted_any
     }
 }
 
 impl Drop for Session {
     fn drop(&mut self) {
         self.end_wild();
+        self.return_released();
         let entries: Vec<Entry> = self.tags.drain().map(|(_, e)| e).collect();
         {
             let mut subscribed = self.shared.role.subscribed.lock();
