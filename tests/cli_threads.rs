@@ -133,6 +133,20 @@ const RECEIVER: [&str; 6] = [
 /// placements of the sender's threads, then the node's, each with every
 /// line the daemon printed (read to the end after it was killed, so a line
 /// printed after the announcements is there too).
+/// Stops a daemon as an operator does (SIGTERM) and returns the rest of
+/// its stdout, to the end: every line it printed, the placement line that
+/// follows the announcement included (a SIGKILL right after the
+/// announcement could land before it).
+fn terminate(p: &mut ChildProc, what: &str) -> Vec<String> {
+    let pid = libc::pid_t::try_from(p.child.id()).expect("a pid");
+    // SAFETY: kill(2) of our own child, not reaped yet (its pid is ours).
+    let rc = unsafe { libc::kill(pid, libc::SIGTERM) };
+    assert_eq!(rc, 0, "SIGTERM to {what}");
+    let rest = p.lines.rest(&mut p.child, what);
+    p.wait_success(what);
+    rest
+}
+
 fn daemon_placements(extra: &[&str]) -> [(Threads, Vec<String>); 2] {
     let dir = TempDir::new("kvferry-cpus");
     let path = |name: &str| dir.0.join(name).to_str().unwrap().to_owned();
@@ -155,8 +169,7 @@ fn daemon_placements(extra: &[&str]) -> [(Threads, Vec<String>); 2] {
     let worker = PrefillClient::connect(&send_sock, WAIT).expect("a worker attaches");
     let sender = placements_with_sessions(send.child.id(), 1);
     drop(worker);
-    send.sigkill();
-    send_lines.extend(send.lines.rest(&mut send.child, "the killed sender"));
+    send_lines.extend(terminate(&mut send, "the sender"));
     let node_args = args_of(&[
         &["node"],
         &RECEIVER,
@@ -177,8 +190,7 @@ fn daemon_placements(extra: &[&str]) -> [(Threads, Vec<String>); 2] {
     let worker = PrefillClient::connect(&work_sock, WAIT).expect("a worker attaches");
     let placed = placements_with_sessions(node.child.id(), 2);
     drop((decoder, worker));
-    node.sigkill();
-    node_lines.extend(node.lines.rest(&mut node.child, "the killed node"));
+    node_lines.extend(terminate(&mut node, "the node"));
     [(sender, send_lines), (placed, node_lines)]
 }
 
