@@ -374,10 +374,6 @@ fn many_waiting_subscriptions_ending_together_are_each_delivered_once() {
     wait_for("every slot back", || allocated(&r) == 0);
 }
 
-/// Complete requests subscribed while the completion ring is full wait in
-/// the session and are delivered oldest first as the client makes room;
-/// one the client unsubscribes meanwhile is never delivered, and its
-/// slots come back.
 /// A session returns released slots after answering what the client
 /// submitted behind the RELEASE (docs/attach.md, "Submission"); a client
 /// that submits nothing more still gets them returned at once, not at its
@@ -429,6 +425,10 @@ fn a_req_id_released_and_subscribed_again_at_once_is_not_refused() {
     wait_for("the slots back", || allocated(&r) == 0);
 }
 
+/// Complete requests subscribed while the completion ring is full wait in
+/// the session and are delivered oldest first as the client makes room;
+/// one the client unsubscribes meanwhile is never delivered, and its
+/// slots come back.
 #[test]
 fn deliveries_waiting_for_ring_room_go_out_oldest_first_and_a_released_one_never() {
     const N: usize = 8;

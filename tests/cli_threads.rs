@@ -127,12 +127,6 @@ const RECEIVER: [&str; 6] = [
     "4096",
 ];
 
-/// Where `kvferry sender --attach` and `kvferry node` put their threads
-/// with `extra` placement options, each with one attached client per
-/// socket (their session threads are spawned at the hello): the
-/// placements of the sender's threads, then the node's, each with every
-/// line the daemon printed (read to the end after it was killed, so a line
-/// printed after the announcements is there too).
 /// Stops a daemon as an operator does (SIGTERM) and returns the rest of
 /// its stdout, to the end: every line it printed, the placement line that
 /// follows the announcement included (a SIGKILL right after the
@@ -147,6 +141,12 @@ fn terminate(p: &mut ChildProc, what: &str) -> Vec<String> {
     rest
 }
 
+/// Where `kvferry sender --attach` and `kvferry node` put their threads
+/// with `extra` placement options, each with one attached client per
+/// socket (their session threads are spawned at the hello): the
+/// placements of the sender's threads, then the node's, each with every
+/// line the daemon printed ([`terminate`]: read to the end after it
+/// exited, so a line printed after the announcements is there too).
 fn daemon_placements(extra: &[&str]) -> [(Threads, Vec<String>); 2] {
     let dir = TempDir::new("kvferry-cpus");
     let path = |name: &str| dir.0.join(name).to_str().unwrap().to_owned();

@@ -474,24 +474,15 @@ impl Session {
     /// the session has not returned yet is returned first: a RELEASE and a
     /// new SUBSCRIBE of the same `req_id` behave as if returned at once.
     fn claim_id(&mut self, req_id: &Arc<str>) -> bool {
-        if self
-            .shared
-            .role
-            .subscribed
-            .lock()
-            .insert(Arc::clone(req_id))
-        {
+        let insert = |s: &Self| s.shared.role.subscribed.lock().insert(Arc::clone(req_id));
+        if insert(self) {
             return true;
         }
         if !self.released.iter().any(|e| e.req_id == *req_id) {
             return false;
         }
         self.return_released();
-        self.shared
-            .role
-            .subscribed
-            .lock()
-            .insert(Arc::clone(req_id))
+        insert(self)
     }
 
     /// Gives the released entries back: their subscriptions, then (outside
@@ -563,10 +554,10 @@ impl Session {
     /// Posts the taken requests not on the ring yet, oldest first, while
     /// they fit; true if it posted any.
     fn post_taken(&mut self) -> bool {
-        let mut posted_any = false;
         if !self.cq.outbox.is_empty() {
-            return posted_any;
+            return false;
         }
+        let mut posted_any = false;
         while let Some(&tag) = self.unposted.front() {
             let Some(Entry {
                 req_id,
@@ -627,17 +618,9 @@ impl Session {
 impl Drop for Session {
     fn drop(&mut self) {
         self.end_wild();
+        // Everything the client held or waited for goes back as a release.
+        self.released.extend(self.tags.drain().map(|(_, e)| e));
         self.return_released();
-        let entries: Vec<Entry> = self.tags.drain().map(|(_, e)| e).collect();
-        {
-            let mut subscribed = self.shared.role.subscribed.lock();
-            for e in &entries {
-                subscribed.remove(&*e.req_id);
-            }
-        }
-        // Outside the subscription lock: dropping a held request's chunks
-        // (or a watch) takes the receiver's lock.
-        drop(entries);
         tracing::debug!(client = self.id, "detached; everything it held is released");
     }
 }
