@@ -65,14 +65,15 @@
 //!    transport) and `full` (Python also writes every byte into staging and
 //!    copies every byte out). Each in three placements of the threads, runs
 //!    alternating ([`E2ePlacement`]): `none`, the scheduler's choice
-//!    (`--copy-cpu none`); `auto`, the daemons' default (`--copy-cpu
-//!    auto`: the copy engine alone on the last CPU, the daemon's other
-//!    threads on the others), the clients left to the scheduler: what a
-//!    user gets without placing anything; and `apart`, the copy engine
-//!    alone on the last CPU (`kvferry sender --copy-cpu`) and every other
-//!    thread of the four processes on the others (the daemons' `--cpus`,
-//!    the clients started there), which docs/attach.md tells the operator
-//!    of a small machine to do. And
+//!    (`--copy-cpu none`, the receiver's `--spare-cpu none`); `auto`, the
+//!    daemons' default (`--copy-cpu auto`: the copy engine alone on the
+//!    last CPU, the daemon's other threads on the others; the receiver's
+//!    `--spare-cpu auto`: its threads on the others too), the clients left
+//!    to the scheduler: what a user gets without placing anything; and
+//!    `apart`, the copy engine alone on the last CPU (`kvferry sender
+//!    --copy-cpu`) and every other thread of the four processes on the
+//!    others (the daemons' `--cpus`, the clients started there), which
+//!    docs/attach.md tells the operator of a small machine to do. And
 //!    each through two daemon set-ups ([`Daemons`]): `two`, `kvferry
 //!    receiver --attach` and `kvferry sender --attach` (ZMQ over loopback
 //!    TCP between them), and `node`, one `kvferry node` serving both roles
@@ -385,12 +386,13 @@ impl Placement {
 #[derive(Clone, Copy, PartialEq)]
 enum E2ePlacement {
     /// The scheduler's choice for every thread: the daemons started with
-    /// `--copy-cpu none`.
+    /// `--copy-cpu none` (`kvferry receiver`: `--spare-cpu none`).
     Scheduler,
     /// What a user gets without placing anything: the daemons' default
     /// (`--copy-cpu auto`: the copy engine alone on the last CPU, the
-    /// daemon's other threads on the others), the Python clients left to
-    /// the scheduler.
+    /// daemon's other threads on the others; `--spare-cpu auto`: the
+    /// receiver's on the others too), the Python clients left to the
+    /// scheduler.
     Auto,
     /// Every thread placed: the copy engine alone on the last CPU
     /// (`--copy-cpu`), every other thread of the four processes on the
@@ -1158,16 +1160,18 @@ fn python_e2e(mode: &str, daemons: Daemons, placement: E2ePlacement, dir: &Path)
     let all = bench_cpus();
     // The daemons start on every CPU (--copy-cpu must be one they may run
     // on) and place their threads themselves; the clients start placed.
-    let (daemon_cpus, copy_cpu, clients) = match (placement, copy_apart()) {
+    let (daemon_cpus, copy_cpu, spare_cpu, clients) = match (placement, copy_apart()) {
         (E2ePlacement::Apart, Some((copy, rest))) => (
             vec!["--cpus".to_owned(), cpu_list(rest)],
             vec!["--copy-cpu".to_owned(), copy.to_string()],
+            Vec::new(),
             rest,
         ),
-        (E2ePlacement::Auto, _) => (Vec::new(), Vec::new(), all),
+        (E2ePlacement::Auto, _) => (Vec::new(), Vec::new(), Vec::new(), all),
         (E2ePlacement::Scheduler | E2ePlacement::Apart, _) => (
             Vec::new(),
             vec!["--copy-cpu".to_owned(), "none".to_owned()],
+            vec!["--spare-cpu".to_owned(), "none".to_owned()],
             all,
         ),
     };
@@ -1193,7 +1197,8 @@ fn python_e2e(mode: &str, daemons: Daemons, placement: E2ePlacement, dir: &Path)
                 command_on(bin, all)
                     .arg("receiver")
                     .args(receiver_args)
-                    .args(&daemon_cpus),
+                    .args(&daemon_cpus)
+                    .args(&spare_cpu),
             );
             let endpoint = recv.line("kvferry receiver listening on ", "kvferry receiver");
             recv.line("kvferry receiver attach on ", "kvferry receiver");
@@ -1283,9 +1288,10 @@ fn e2e() {
         e2e_window(),
         match copy_apart() {
             Some((copy, rest)) => format!(
-                "`none` (the scheduler's choice: --copy-cpu none), `auto` (the daemons' \
-                 default, --copy-cpu auto: the copy engine alone on CPU {copy}, the daemons' \
-                 other threads on CPUs {rest}; the clients the scheduler's choice) and `apart` \
+                "`none` (the scheduler's choice: --copy-cpu none, --spare-cpu none), `auto` \
+                 (the daemons' default, --copy-cpu auto and --spare-cpu auto: the copy engine \
+                 alone on CPU {copy}, the daemons' other threads on CPUs {rest}; the clients \
+                 the scheduler's choice) and `apart` \
                  (--copy-cpu {copy}; every other thread of the processes on CPUs {rest}: the \
                  daemons' --cpus, the clients started there); runs alternating",
                 rest = cpu_list(rest)

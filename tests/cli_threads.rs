@@ -1,4 +1,5 @@
-//! `--cpus` and `--copy-cpu` (`kvferry sender`, `kvferry node`; docs/attach.md, "Placing the
+//! `--cpus`, `--copy-cpu` (`kvferry sender`, `kvferry node`) and
+//! `--spare-cpu` (`kvferry receiver`; docs/attach.md, "Placing the
 //! threads"): the daemons' threads run where the options put them, those
 //! spawned after the confinement (ZMQ's I/O threads, a client's session at
 //! its hello) included, and a
@@ -282,34 +283,113 @@ fn the_copy_engine_runs_alone_on_its_cpu_and_every_other_thread_on_cpus() {
     }
 }
 
-#[test]
-fn every_receiver_thread_runs_on_cpus_a_decoders_session_included() {
-    let cpu = *kvferry::threads::allowed_cpus().last().unwrap();
+/// Where `kvferry receiver` puts its threads with `extra` options: with
+/// `--attach` (`attach`), once a decoder attached (its session thread is
+/// spawned at the hello); and every line it printed, to the end.
+fn receiver_placement(attach: bool, extra: &[&str]) -> (Threads, Vec<String>) {
     let dir = TempDir::new("kvferry-cpus");
     let sock = dir.0.join("recv.sock");
     let buf = dir.0.join("buf");
-    let cpu_s = cpu.to_string();
-    let (recv, _) = spawn_lines(
-        &args_of(&[
-            &["receiver"],
-            &RECEIVER,
-            &[
-                "--attach",
-                sock.to_str().unwrap(),
-                "--shm-path",
-                buf.to_str().unwrap(),
-                "--cpus",
-                &cpu_s,
-            ],
-        ]),
-        "kvferry receiver attach on ",
-    );
-    let _decoder = DecoderClient::connect(&sock, WAIT).expect("a decoder attaches");
-    let threads = placements_with_sessions(recv.child.id(), 1);
+    let (sock_s, buf_s) = (sock.to_str().unwrap(), buf.to_str().unwrap());
+    let attach_args: &[&str] = if attach { &["--attach", sock_s] } else { &[] };
+    let args = args_of(&[
+        &["receiver"],
+        &RECEIVER,
+        &["--shm-path", buf_s],
+        attach_args,
+        extra,
+    ]);
+    let announce = if attach {
+        "kvferry receiver attach on "
+    } else {
+        "kvferry receiver listening on "
+    };
+    let (mut recv, mut lines) = spawn_lines(&args, announce);
+    let decoder = attach.then(|| DecoderClient::connect(&sock, WAIT).expect("a decoder attaches"));
+    let threads = placements_with_sessions(recv.child.id(), usize::from(attach));
     assert!(threads.len() > 3, "{threads:?}");
+    drop(decoder);
+    lines.extend(terminate(&mut recv, "the receiver"));
+    (threads, lines)
+}
+
+/// The lines of a receiver that say which CPU it left out.
+fn spare_lines(lines: &[String]) -> Vec<&String> {
+    lines.iter().filter(|l| l.contains("copy engine")).collect()
+}
+
+/// By default (`--spare-cpu auto`) a receiver serving attached decoders
+/// runs every thread, sessions included, off the last CPU, which a
+/// `kvferry sender --attach` on the same host gives its copy engine, and
+/// says so after its announcements; `--pin-cpu` naming that CPU moves the
+/// spared one down, as it moves a sender's engine. On one CPU nothing is
+/// left out.
+#[test]
+fn by_default_a_receiver_serving_decoders_leaves_the_last_cpu_to_a_senders_copy_engine() {
+    let cpus = kvferry::threads::allowed_cpus();
+    let (threads, lines) = receiver_placement(true, &[]);
+    assert!(
+        lines[0].starts_with("kvferry receiver listening on "),
+        "{lines:?}"
+    );
+    let [rest @ .., last] = cpus else {
+        unreachable!("a process runs on some CPU")
+    };
+    if rest.is_empty() {
+        eprintln!("one CPU only: nothing to leave out");
+        for (name, _, on) in &threads {
+            assert_eq!(on, cpus, "thread {name}: {threads:?}");
+        }
+        assert_eq!(spare_lines(&lines), Vec::<&String>::new());
+        return;
+    }
+    for (name, _, on) in &threads {
+        assert_eq!(on, rest, "thread {name}: {threads:?}");
+    }
+    let said = format!("kvferry receiver leaves cpu {last} to a sender's copy engine");
+    assert_eq!(spare_lines(&lines), vec![&said], "{lines:?}");
+    // The control thread pinned to the last CPU: the one before is spared.
+    let last_s = last.to_string();
+    let (threads, lines) = receiver_placement(true, &["--pin-cpu", &last_s]);
+    let spared = rest[rest.len() - 1];
+    let others: Vec<usize> = cpus.iter().copied().filter(|&c| c != spared).collect();
+    for (name, _, on) in &threads {
+        let want = if name.starts_with("kvf-recv-ctrl") {
+            vec![*last]
+        } else {
+            others.clone()
+        };
+        assert_eq!(on, &want, "thread {name}: {threads:?}");
+    }
+    let said = format!("kvferry receiver leaves cpu {spared} to a sender's copy engine");
+    assert_eq!(spare_lines(&lines), vec![&said], "{lines:?}");
+}
+
+/// `--spare-cpu none`, and a receiver without `--attach` (a load-test
+/// target), leave every thread on every CPU the receiver started with.
+#[test]
+fn spare_cpu_none_and_a_receiver_without_attach_leave_out_no_cpu() {
+    let cpus = kvferry::threads::allowed_cpus();
+    for (attach, extra) in [(true, &["--spare-cpu", "none"][..]), (false, &[])] {
+        let (threads, lines) = receiver_placement(attach, extra);
+        for (name, _, on) in &threads {
+            assert_eq!(on, cpus, "{extra:?}, thread {name}: {threads:?}");
+        }
+        assert_eq!(spare_lines(&lines), Vec::<&String>::new(), "{extra:?}");
+    }
+}
+
+/// `--cpus` is the operator's placement: every thread of the receiver runs
+/// there, the last CPU included if listed (`--spare-cpu auto` leaves
+/// nothing out then).
+#[test]
+fn every_receiver_thread_runs_on_cpus_a_decoders_session_included() {
+    let cpu = *kvferry::threads::allowed_cpus().last().unwrap();
+    let (threads, lines) = receiver_placement(true, &["--cpus", &cpu.to_string()]);
     for (name, _, on) in &threads {
         assert_eq!(on, &vec![cpu], "thread {name}: {threads:?}");
     }
+    assert_eq!(spare_lines(&lines), Vec::<&String>::new());
 }
 
 #[test]
@@ -363,5 +443,20 @@ fn a_bad_cpu_option_is_refused_at_start_naming_it() {
     refused(
         &[&receiver[..], &["--pin-cpu", "1000"]].concat(),
         "--pin-cpu: cpu 1000 is not",
+    );
+    refused(
+        &[&receiver[..], &["--spare-cpu", "1"]].concat(),
+        "is not `auto` or `none`",
+    );
+    // Without --attach the receiver places nothing: nothing to spare.
+    refused(
+        &[
+            "receiver",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--spare-cpu",
+            "none",
+        ],
+        "--attach",
     );
 }

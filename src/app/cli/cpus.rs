@@ -1,5 +1,6 @@
 //! `--cpus`: the CPUs a daemon's threads run on; `--copy-cpu`: the CPU its
-//! copy engine runs on.
+//! copy engine runs on; `--spare-cpu`: the CPU a receiver leaves to a
+//! sender's copy engine.
 
 use clap::Args;
 
@@ -74,6 +75,17 @@ impl CopyCpu {
                 .map_err(|_| format!("{s:?} is not a CPU id, `auto` or `none`")),
         }
     }
+
+    /// Parses `--spare-cpu`: `auto` or `none` (a receiver has no engine of
+    /// its own to pin; `--cpus` keeps its threads off any other CPU).
+    pub fn parse_spare(s: &str) -> Result<Self, String> {
+        match Self::parse(s) {
+            Ok(Self::Cpu(_)) | Err(_) => Err(format!(
+                "{s:?} is not `auto` or `none` (to keep off another CPU, list the others in --cpus)"
+            )),
+            choice => choice,
+        }
+    }
 }
 
 /// `--copy-cpu auto` without `--cpus`: the engine's CPU and the CPUs of
@@ -110,24 +122,26 @@ pub struct CpuArgs {
 }
 
 impl CpuArgs {
-    /// Checks `copy` and each of `pins` (an option of the daemon that names
-    /// one CPU, and its value if given) against the CPUs this process may
-    /// run on, then confines the calling thread, and so every thread
-    /// spawned after, to `--cpus`, or with [`CopyCpu::Auto`] and no
-    /// `--cpus` to the CPUs [`auto_split`] leaves the rest; call it before
-    /// the daemon starts anything. Returns the CPU to pin the copy engine
-    /// to, if any (a daemon without one passes [`CopyCpu::None`]). The
-    /// error names the option.
+    /// Checks `copy` (the option that chose it, `--copy-cpu` or a
+    /// receiver's `--spare-cpu`, and its value) and each of `pins` (an
+    /// option of the daemon that names one CPU, and its value if given)
+    /// against the CPUs this process may run on, then confines the calling
+    /// thread, and so every thread spawned after, to `--cpus`, or with
+    /// [`CopyCpu::Auto`] and no `--cpus` to the CPUs [`auto_split`] leaves
+    /// the rest; call it before the daemon starts anything. Returns the CPU
+    /// to pin the copy engine to, if any (for `--spare-cpu`, the CPU left
+    /// to a sender's; a daemon without either passes [`CopyCpu::None`]).
+    /// The error names the option.
     pub fn apply(
         &self,
-        copy: CopyCpu,
+        (copy_option, copy): (&str, CopyCpu),
         pins: &[(&str, Option<usize>)],
     ) -> Result<Option<usize>, String> {
         let copy_pin = match copy {
             CopyCpu::Cpu(cpu) => Some(cpu),
             CopyCpu::Auto | CopyCpu::None => None,
         };
-        for &(option, pin) in std::iter::once(&("--copy-cpu", copy_pin)).chain(pins) {
+        for &(option, pin) in std::iter::once(&(copy_option, copy_pin)).chain(pins) {
             if let Some(cpu) = pin {
                 threads::check_allowed(cpu).map_err(|e| format!("{option}: {e}"))?;
             }
@@ -145,9 +159,9 @@ impl CpuArgs {
         };
         if let Some(cpus) = confine {
             let option = if self.cpus.is_some() {
-                "--cpus"
+                "--cpus".to_owned()
             } else {
-                "--copy-cpu auto"
+                format!("{copy_option} auto")
             };
             threads::confine_current(&cpus).map_err(|e| format!("{option}: {e}"))?;
         }
@@ -188,18 +202,26 @@ mod tests {
         // thread keeps its CPUs.
         let none = CpuArgs { cpus: None };
         let first = threads::allowed_cpus()[0];
-        assert_eq!(none.apply(CopyCpu::Cpu(first), &[]), Ok(Some(first)));
-        assert_eq!(none.apply(CopyCpu::None, &[("--pin-cpu", None)]), Ok(None));
-        let e = none.apply(CopyCpu::Cpu(1000), &[]).unwrap_err();
+        assert_eq!(
+            none.apply(("--copy-cpu", CopyCpu::Cpu(first)), &[]),
+            Ok(Some(first))
+        );
+        assert_eq!(
+            none.apply(("--copy-cpu", CopyCpu::None), &[("--pin-cpu", None)]),
+            Ok(None)
+        );
+        let e = none
+            .apply(("--copy-cpu", CopyCpu::Cpu(1000)), &[])
+            .unwrap_err();
         assert!(e.starts_with("--copy-cpu: cpu 1000 is not"), "{e}");
         // Each pin is checked, the first bad one named.
         let e = none
-            .apply(CopyCpu::None, &[("--pin-cpu", Some(1000))])
+            .apply(("--copy-cpu", CopyCpu::None), &[("--pin-cpu", Some(1000))])
             .unwrap_err();
         assert!(e.starts_with("--pin-cpu: cpu 1000 is not"), "{e}");
         // A bad pin is refused before `auto` confines anything.
         let e = none
-            .apply(CopyCpu::Auto, &[("--pin-cpu", Some(1000))])
+            .apply(("--spare-cpu", CopyCpu::Auto), &[("--pin-cpu", Some(1000))])
             .unwrap_err();
         assert!(e.starts_with("--pin-cpu: cpu 1000 is not"), "{e}");
     }
@@ -215,6 +237,16 @@ mod tests {
                 e.contains("is not a CPU id, `auto` or `none`"),
                 "{bad:?}: {e}"
             );
+        }
+    }
+
+    #[test]
+    fn spare_cpu_takes_auto_or_none_only() {
+        assert_eq!(CopyCpu::parse_spare("auto"), Ok(CopyCpu::Auto));
+        assert_eq!(CopyCpu::parse_spare(" none"), Ok(CopyCpu::None));
+        for bad in ["", "1", "x", "Auto"] {
+            let e = CopyCpu::parse_spare(bad).unwrap_err();
+            assert!(e.contains("is not `auto` or `none`"), "{bad:?}: {e}");
         }
     }
 

@@ -28,7 +28,7 @@ pub enum Command {
     /// Run the main job: xPyD on one machine, with a report.
     Run(run_cmd::RunArgs),
     /// Run a receiver (decode side): admission, slots, the receive buffer.
-    Receiver(receiver_cmd::ReceiverArgs),
+    Receiver(receiver_cmd::ReceiverCmdArgs),
     /// Run a sender (prefill side) against receivers in other processes.
     Sender(sender_cmd::SenderArgs),
     /// Run a receiver and a sender in one process for the decode and

@@ -83,7 +83,10 @@ fn inproc_endpoint() -> String {
 pub fn run(a: NodeArgs) -> ExitCode {
     // Before anything is spawned: every thread after inherits it.
     let r = &a.receiver;
-    let copy_cpu = match r.cpus.apply(a.copy_cpu, &[("--pin-cpu", r.pin_cpu)]) {
+    let copy_cpu = match r
+        .cpus
+        .apply(("--copy-cpu", a.copy_cpu), &[("--pin-cpu", r.pin_cpu)])
+    {
         Ok(c) => c,
         Err(e) => return super::usage_error(e),
     };

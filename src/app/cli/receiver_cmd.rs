@@ -17,7 +17,24 @@ use crate::transport::TransportConfig;
 
 use super::cpus::{CopyCpu, CpuArgs};
 
-/// Arguments of `kvferry receiver`.
+/// Arguments of `kvferry receiver`: the receiver's, and the CPU it leaves
+/// to a sender's copy engine.
+#[derive(Debug, Args)]
+pub struct ReceiverCmdArgs {
+    /// The receiver's options, as `kvferry node` takes them too.
+    #[command(flatten)]
+    pub receiver: ReceiverArgs,
+    /// With --attach: `auto` (the default) keeps every thread of this
+    /// daemon off the last CPU it may run on (and --pin-cpu does not name),
+    /// when --cpus is not given and it may run on two CPUs or more: where a
+    /// `kvferry sender --attach` on this host runs its copy engine by
+    /// default, the thread that writes this receiver's buffer. `none`: no
+    /// CPU left out (docs/attach.md, "Placing the threads").
+    #[arg(long, value_name = "auto|none", requires = "attach", value_parser = CopyCpu::parse_spare)]
+    pub spare_cpu: Option<CopyCpu>,
+}
+
+/// The receiver's options, shared by `kvferry receiver` and `kvferry node`.
 #[derive(Debug, Args)]
 pub struct ReceiverArgs {
     /// ZMQ endpoint to bind for AllocRequests.
@@ -141,11 +158,26 @@ pub struct ReceiverArgs {
 }
 
 /// Runs a receiver until SIGINT/SIGTERM.
-pub fn run(a: ReceiverArgs) -> ExitCode {
-    // Before anything is spawned: every thread after inherits it.
-    if let Err(e) = a.cpus.apply(CopyCpu::None, &[("--pin-cpu", a.pin_cpu)]) {
-        return super::usage_error(e);
-    }
+pub fn run(
+    ReceiverCmdArgs {
+        receiver: a,
+        spare_cpu,
+    }: ReceiverCmdArgs,
+) -> ExitCode {
+    // Before anything is spawned: every thread after inherits it. A
+    // receiver serving attached decoders leaves the last CPU to a sender's
+    // copy engine on this host (the node gives its own engine that CPU).
+    let spare = match a.attach {
+        Some(_) => spare_cpu.unwrap_or(CopyCpu::Auto),
+        None => CopyCpu::None,
+    };
+    let spared = match a
+        .cpus
+        .apply(("--spare-cpu", spare), &[("--pin-cpu", a.pin_cpu)])
+    {
+        Ok(s) => s,
+        Err(e) => return super::usage_error(e),
+    };
     let termination = match super::signals::Termination::install() {
         Ok(t) => t,
         Err(e) => return super::runtime_error(format!("cannot install signal handlers: {e}")),
@@ -160,6 +192,10 @@ pub fn run(a: ReceiverArgs) -> ExitCode {
         Err(code) => return code,
     };
     served.announce("receiver", "attach", metrics_server.as_ref());
+    // After the announcements: scripts wait for them, not for this.
+    if let Some(cpu) = spared {
+        super::say!("kvferry receiver leaves cpu {cpu} to a sender's copy engine");
+    }
     let _ = std::io::stdout().flush();
     termination.wait();
     // Ends the sessions (releasing what clients held) before the receiver.

@@ -104,7 +104,7 @@ pub fn run(a: SenderArgs) -> ExitCode {
         Some(_) => a.copy_cpu.unwrap_or(CopyCpu::Auto),
         None => CopyCpu::None,
     };
-    let copy_cpu = match a.cpus.apply(copy, &[]) {
+    let copy_cpu = match a.cpus.apply(("--copy-cpu", copy), &[]) {
         Ok(c) => c,
         Err(e) => return super::usage_error(e),
     };
