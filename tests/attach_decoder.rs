@@ -25,7 +25,7 @@ use kvferry::attach::{AttachConfig, AttachError, DecoderClient, DecoderDaemon, E
 use kvferry::protocol::ErrorCode;
 use kvferry::receiver::Receiver;
 use kvferry::sender::{RequestSpec, Sender, TransferSpec};
-use process::{wait_exit, ChildProc, TempDir};
+use process::{sigterm, wait_exit, ChildProc, TempDir};
 
 const ROLE: &str = "KVFERRY_ATTACH_ROLE";
 const SOCK: &str = "KVFERRY_ATTACH_SOCK";
@@ -594,8 +594,7 @@ fn the_receiver_binary_serves_attached_decoders_and_survives_a_killed_one() {
         other => panic!("expected READY, got {other:?}"),
     }
     drop(c);
-    // SAFETY: kill with a pid we spawned and still own (not yet reaped).
-    unsafe { libc::kill(recv.child.id() as i32, libc::SIGTERM) };
+    sigterm(&recv.child);
     let st = wait_exit(&mut recv.child, "kvferry receiver after SIGTERM");
     assert!(st.success(), "receiver exit {st}");
     assert!(!dir.sock().exists(), "the socket is removed at exit");

@@ -114,9 +114,7 @@ fn receiver_serves_scrapes_and_exits_cleanly_on_sigterm() {
         1.0
     );
 
-    // SAFETY: plain FFI call with a valid pid of our own child and a valid signal.
-    let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-    assert_eq!(rc, 0, "kill(SIGTERM)");
+    assert!(sigterm(&child), "kill(SIGTERM)");
     let st = wait_exit(&mut child, "after SIGTERM");
     let err = stderr_of(&mut child);
     assert_eq!(st.code(), Some(0), "exit status {st}; stderr: {err}");
@@ -132,9 +130,7 @@ fn sigterm_right_after_the_announcement_is_a_clean_exit() {
     let Some(mut r) = spawn_receiver().or_else(spawn_receiver) else {
         panic!("receiver starts (two attempts)");
     };
-    // SAFETY: plain FFI call with a valid pid of our own child and a valid signal.
-    let rc = unsafe { libc::kill(r.child.id() as libc::pid_t, libc::SIGTERM) };
-    assert_eq!(rc, 0, "kill(SIGTERM)");
+    assert!(sigterm(&r.child), "kill(SIGTERM)");
     let st = wait_exit(&mut r.child, "SIGTERM right after start");
     assert_eq!(st.code(), Some(0), "exit status {st}");
     let _ = (r.endpoint, r.metrics);

@@ -14,7 +14,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvferry::attach::{DecoderClient, PrefillClient};
-use process::{status_and_stderr, ChildProc, TempDir};
+use process::{sigterm, status_and_stderr, ChildProc, TempDir};
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvferry");
 const WAIT: Duration = Duration::from_secs(30);
@@ -133,10 +133,7 @@ const RECEIVER: [&str; 6] = [
 /// follows the announcement included (a SIGKILL right after the
 /// announcement could land before it).
 fn terminate(p: &mut ChildProc, what: &str) -> Vec<String> {
-    let pid = libc::pid_t::try_from(p.child.id()).expect("a pid");
-    // SAFETY: kill(2) of our own child, not reaped yet (its pid is ours).
-    let rc = unsafe { libc::kill(pid, libc::SIGTERM) };
-    assert_eq!(rc, 0, "SIGTERM to {what}");
+    assert!(sigterm(&p.child), "SIGTERM to {what}");
     let rest = p.lines.rest(&mut p.child, what);
     p.wait_success(what);
     rest

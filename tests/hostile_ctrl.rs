@@ -190,8 +190,7 @@ impl Proc {
 
 impl Drop for Proc {
     fn drop(&mut self) {
-        // SAFETY: plain FFI call with the pid of our own child and a valid signal.
-        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        sigterm(&self.child);
         let end = deadline();
         while Instant::now() < end {
             if let Ok(Some(st)) = self.child.try_wait() {

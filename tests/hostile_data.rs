@@ -20,7 +20,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{alloc, assert_ok, keys, metric, scrape, transfer_done, Client, HANG};
+use common::{alloc, assert_ok, keys, metric, scrape, sigterm, transfer_done, Client, HANG};
 use kvferry::protocol::Descriptor;
 use kvferry::region::Region;
 use kvferry::sender::{RequestStatus, Sender, SenderConfig, TransferSpec};
@@ -134,8 +134,7 @@ impl Rx {
 
 impl Drop for Rx {
     fn drop(&mut self) {
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        sigterm(&self.child);
         let end = Instant::now() + HANG;
         while self.child.try_wait().ok().flatten().is_none() {
             if Instant::now() >= end {

@@ -103,8 +103,7 @@ fn a_starting_receiver_removes_what_a_sigkilled_one_left_and_never_a_live_ones()
     // SIGTERM.
     for r in [&mut live, &mut next] {
         drop(DecoderClient::connect(&r.sock, PROC_WAIT).expect("attaches"));
-        // SAFETY: kill with a pid we spawned and still own (not yet reaped).
-        unsafe { libc::kill(r.proc.child.id() as libc::pid_t, libc::SIGTERM) };
+        sigterm(&r.proc.child);
         r.proc.wait_success("a receiver's exit on SIGTERM");
         assert!(!r.buffer.exists(), "{} removed on exit", r.buffer.display());
     }

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvferry::runner::{self, ChunkRange, Progress, RunConfig};
-use process::{free_port, KillOnDrop as Proc};
+use process::{free_port, sigterm, KillOnDrop as Proc};
 
 fn small(requests: usize) -> RunConfig {
     RunConfig {
@@ -270,8 +270,7 @@ fn killed_sender_process_frees_its_capacity_through_the_lease() {
         "the dead sender's requests expired by lease:\n{body}"
     );
     // SIGTERM, not the guard's SIGKILL: the receiver removes its shm file.
-    // SAFETY: kill(2) of our own child process.
-    unsafe { libc::kill(receiver.0.id() as i32, libc::SIGTERM) };
+    sigterm(&receiver.0);
     let deadline = Instant::now() + Duration::from_secs(10);
     wait_until(deadline, "the receiver to exit on SIGTERM", || {
         receiver.0.try_wait().ok().flatten().is_some()

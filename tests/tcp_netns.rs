@@ -26,7 +26,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use kvferry::runner::payload::{ChunkId, Payloads, HEADER};
-use process::{wait_exit_within, ChildLines, KillOnDrop as Proc};
+use process::{sigterm, wait_exit_within, ChildLines, KillOnDrop as Proc};
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvferry");
 /// Longest any single wait may take before the test is declared hung.
@@ -302,9 +302,7 @@ fn sender_and_receiver_in_two_namespaces_over_veth() {
 
     // SIGTERM: a clean exit that removes the buffer file. `ip netns exec`
     // execs the receiver, so the child's pid is the receiver's.
-    // SAFETY: kill(2) of our own child process with a valid signal.
-    let rc = unsafe { libc::kill(receiver.0.id() as libc::pid_t, libc::SIGTERM) };
-    assert_eq!(rc, 0, "kill(SIGTERM)");
+    assert!(sigterm(&receiver.0), "kill(SIGTERM)");
     let st = wait_exit(&mut receiver.0, "the receiver after SIGTERM");
     let err = stderr_of(&mut receiver.0);
     assert_eq!(st.code(), Some(0), "receiver exit {st}; stderr: {err}");

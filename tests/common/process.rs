@@ -43,6 +43,17 @@ pub fn limit_nofile(cmd: &mut Command, n: u64) {
     }
 }
 
+/// Sends SIGTERM to `child`, as an operator stops a daemon (it exits
+/// cleanly, removing its files); false if kill(2) failed.
+pub fn sigterm(child: &Child) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(child.id()) else {
+        return false;
+    };
+    // SAFETY: kill(2) takes a pid and a signal and touches no memory of
+    // ours; the pid is our own child's, which stays ours until reaped.
+    unsafe { libc::kill(pid, libc::SIGTERM) == 0 }
+}
+
 /// A thread of the test, called `what`; see [`spawn_thread`].
 pub struct Spawned<T> {
     handle: JoinHandle<T>,

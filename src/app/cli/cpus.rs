@@ -76,6 +76,17 @@ impl CopyCpu {
         }
     }
 
+    /// The choice of a daemon that places threads only while it serves
+    /// attached processes (`attached`): the option as `given`, `auto` by
+    /// default; without `--attach`, [`CopyCpu::None`] (the option needs it).
+    pub fn for_attach(given: Option<Self>, attached: bool) -> Self {
+        if attached {
+            given.unwrap_or(Self::Auto)
+        } else {
+            Self::None
+        }
+    }
+
     /// Parses `--spare-cpu`: `auto` or `none` (a receiver has no engine of
     /// its own to pin; `--cpus` keeps its threads off any other CPU).
     pub fn parse_spare(s: &str) -> Result<Self, String> {
@@ -158,12 +169,10 @@ impl CpuArgs {
             (None, _) => (None, copy_pin),
         };
         if let Some(cpus) = confine {
-            let option = if self.cpus.is_some() {
-                "--cpus".to_owned()
-            } else {
-                format!("{copy_option} auto")
-            };
-            threads::confine_current(&cpus).map_err(|e| format!("{option}: {e}"))?;
+            threads::confine_current(&cpus).map_err(|e| match self.cpus {
+                Some(_) => format!("--cpus: {e}"),
+                None => format!("{copy_option} auto: {e}"),
+            })?;
         }
         Ok(copy_pin)
     }
@@ -238,6 +247,20 @@ mod tests {
                 "{bad:?}: {e}"
             );
         }
+    }
+
+    #[test]
+    fn a_daemon_places_threads_only_while_it_serves_attached_processes() {
+        assert_eq!(CopyCpu::for_attach(None, true), CopyCpu::Auto);
+        assert_eq!(
+            CopyCpu::for_attach(Some(CopyCpu::Cpu(1)), true),
+            CopyCpu::Cpu(1)
+        );
+        assert_eq!(
+            CopyCpu::for_attach(Some(CopyCpu::None), true),
+            CopyCpu::None
+        );
+        assert_eq!(CopyCpu::for_attach(None, false), CopyCpu::None);
     }
 
     #[test]

@@ -167,10 +167,7 @@ pub fn run(
     // Before anything is spawned: every thread after inherits it. A
     // receiver serving attached decoders leaves the last CPU to a sender's
     // copy engine on this host (the node gives its own engine that CPU).
-    let spare = match a.attach {
-        Some(_) => spare_cpu.unwrap_or(CopyCpu::Auto),
-        None => CopyCpu::None,
-    };
+    let spare = CopyCpu::for_attach(spare_cpu, a.attach.is_some());
     let spared = match a
         .cpus
         .apply(("--spare-cpu", spare), &[("--pin-cpu", a.pin_cpu)])

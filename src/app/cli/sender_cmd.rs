@@ -100,10 +100,7 @@ pub struct SenderArgs {
 pub fn run(a: SenderArgs) -> ExitCode {
     // Before anything is spawned: every thread after inherits it. The
     // load generator runs a copy engine per prefiller: none is placed.
-    let copy = match a.attach {
-        Some(_) => a.copy_cpu.unwrap_or(CopyCpu::Auto),
-        None => CopyCpu::None,
-    };
+    let copy = CopyCpu::for_attach(a.copy_cpu, a.attach.is_some());
     let copy_cpu = match a.cpus.apply(("--copy-cpu", copy), &[]) {
         Ok(c) => c,
         Err(e) => return super::usage_error(e),
