@@ -21,7 +21,10 @@
 //!    CHUNK on the completion ring → read a byte in place → RELEASE). Requests are
 //!    written (untimed) by an in-process `Sender` in rounds of
 //!    [`RTT_ROUND`]; only their consumption is timed.
-//!    After criterion's groups, the same three paths once more, interleaved
+//!    After criterion's groups, first the round trip of a client that has
+//!    just attached ([`fresh_rounds`]: its first pass over its completion
+//!    ring, against `in_process_take`, alternating), then the same three
+//!    paths once more, interleaved
 //!    round by round ([`RTT_PAIRS`] rounds of [`RTT_ROUND`] requests each):
 //!    the median per-request time of each and the median of the per-round
 //!    ratios, attached to each baseline. The attached rounds start right
@@ -792,6 +795,7 @@ fn rtt_interleaved() {
     let rig = Rig::new();
     let mut attached = Attached::new(&rig);
     let session = session_thread();
+    let fresh = fresh_rounds(&rig, &mut attached.client, session);
     wake_placement();
     let ticks = cpu_ticks();
     let mut runs: Vec<(Placement, RttRounds)> = [Placement::Free, Placement::CopyApart]
@@ -812,9 +816,46 @@ fn rtt_interleaved() {
          last CPU, the client on the others:",
         steal_since(&ticks)
     );
+    println!("{fresh}");
     for (placement, rounds) in &mut runs {
         rounds.report(*placement);
     }
+}
+
+/// Rounds of [`fresh_rounds`]: about one pass over a new attachment's
+/// completion ring (4096 entries by default; a round posts 129).
+const FRESH_ROUNDS: usize = 32;
+
+/// The first [`FRESH_ROUNDS`] rounds of a client that has just attached,
+/// against as many of `in_process_take`, alternating, the session awake
+/// and placed `apart` where there is room (a fresh attachment's first
+/// pass over its rings, each page of which used to cost both sides a page
+/// fault): the summary line.
+fn fresh_rounds(rig: &Rig, client: &mut DecoderClient, session: libc::pid_t) -> String {
+    let placed = place_rtt(Placement::CopyApart, session);
+    let (mut take, mut attached) = (Duration::ZERO, Duration::ZERO);
+    let mut ratios = Vec::with_capacity(FRESH_ROUNDS);
+    for _ in 0..FRESH_ROUNDS {
+        let t = timed_rounds(rig, RTT_ROUND as u64, |ids| {
+            consume_in_process_take_first(&rig.receiver, ids)
+        });
+        let a = timed_awake_rounds(rig, RTT_ROUND as u64, 1, client);
+        ratios.push(a.as_secs_f64() / t.as_secs_f64());
+        (take, attached) = (take + t, attached + a);
+    }
+    place_rtt(Placement::Free, session);
+    let per_request = |d: Duration| d.as_secs_f64() * 1e6 / (FRESH_ROUNDS * RTT_ROUND) as f64;
+    format!(
+        "  a fresh attachment's first {} one-chunk requests ({}, session awake): \
+         in_process_take {:.2} µs, attached {:.2} µs per request; attached / in_process_take: \
+         {:.2} over them all, {}",
+        FRESH_ROUNDS * RTT_ROUND,
+        if placed { "apart" } else { "free" },
+        per_request(take),
+        per_request(attached),
+        attached.as_secs_f64() / take.as_secs_f64(),
+        ratio_summary(&mut ratios)
+    )
 }
 
 /// [`timed_rounds`] of the attached path with the session awake: right

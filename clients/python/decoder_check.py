@@ -13,6 +13,7 @@ import sys
 import time
 
 import kvferry_attach
+import resident
 
 PERIOD = bytes(range(256)) * 2
 
@@ -27,6 +28,7 @@ def main():
     sock, req_id, n, last, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     last_tokens = int(sys.argv[6]) if len(sys.argv) > 6 else None
     c = kvferry_attach.DecoderClient(sock)
+    resident.check("decoder", 3)
     if req_id == "*":
         c.subscribe_all()
         # Submissions are handled in order: once the RELEASE of an unknown

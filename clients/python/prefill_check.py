@@ -16,6 +16,7 @@ shape's largest dimension are checked to be refused (codes 12 and 13).
 import sys
 
 import kvferry_attach
+import resident
 
 PERIOD = bytes(range(256)) * 2
 
@@ -42,6 +43,7 @@ def main():
         geometry = dict(fmt=int(fmt), shape=shape, dtype=dtype)
         toks = int(toks)
     c = kvferry_attach.PrefillClient(sock)
+    resident.check("prefill worker", 3)
     if geometry:
         bad = c.begin(req_id + "-bad", 0, n, **dict(geometry, dtype="nope16"))
         ev = c.next_event(timeout=30.0)

@@ -11,7 +11,7 @@ use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64 as StdAtomicU64;
 
-use memmap2::MmapMut;
+use memmap2::{Advice, MmapMut};
 
 use crate::layout::{
     fingerprint, round_capacity, Control, Geometry, Header, Kind, LAYOUT_VERSION, MAGIC,
@@ -118,6 +118,7 @@ fn fill<T: Plain>(
 ) -> Result<MmapMut, ShmError> {
     file.set_len(geom.total_len).map_err(io(path))?;
     let mut map = map(file, path)?;
+    populate(&map, geom.total_len);
     let ctrl = map.as_mut_ptr() as *mut Control;
     // SAFETY: the mapping is page aligned and at least total_len >=
     // size_of::<Control>() bytes, and nobody else knows the temporary file
@@ -183,6 +184,21 @@ fn map(file: &File, path: &Path) -> Result<MmapMut, ShmError> {
     unsafe { MmapMut::map_mut(file) }.map_err(io(path))
 }
 
+/// Faults the ring's `len` bytes into `map` writable up front
+/// (`MADV_POPULATE_WRITE`): without it, each side takes a page fault the
+/// first time its entries reach a page (two for a 4 KiB page of entries,
+/// each several µs on a VM, tens when the host backs the page then), a
+/// stall in the middle of a freshly attached client's first pass over the
+/// ring. `len` is the validated geometry, not the file's size, so a peer's
+/// oversized file commits nothing more. Best effort: a kernel before 5.14
+/// refuses the advice (EINVAL) and the pages fault in on first use, as
+/// they did before.
+fn populate(map: &MmapMut, len: u64) {
+    if let Ok(len) = usize::try_from(len) {
+        let _ = map.advise_range(Advice::PopulateWrite, 0, len.min(map.len()));
+    }
+}
+
 /// Open an existing ring file and validate its header for `T` and `kind`.
 pub(crate) fn open<T: Plain>(path: &Path, kind: Kind) -> Result<Ring<T>, ShmError> {
     check_align::<T>()?;
@@ -218,6 +234,7 @@ pub(crate) fn open_file<T: Plain>(
     // bytes; every field of Header is an integer (any bit pattern valid).
     let header = unsafe { &*(map.as_ptr() as *const Header) };
     let geom = validate::<T>(header, kind, len)?;
+    populate(&map, geom.total_len);
     // SAFETY: `validate` checked the header against `geom` and that the file
     // holds total_len bytes.
     Ok(unsafe { Ring::from_mapping(map, &geom, kind) })

@@ -1042,3 +1042,40 @@ fn anonymous_ring_is_a_sealed_memfd_checked_like_a_file() {
     let plain = std::fs::File::open("/proc/self/status").unwrap();
     assert!(spsc::shared::from_file::<u32>(&plain, "status").is_err());
 }
+
+/// Page faults taken so far by the calling thread (minor and major).
+fn thread_faults() -> u64 {
+    // SAFETY: a zeroed rusage is valid; getrusage writes into it.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: RUSAGE_THREAD of the calling thread, into a valid rusage.
+    assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut u) }, 0);
+    (u.ru_minflt + u.ru_majflt) as u64
+}
+
+/// Both mappings of a shared ring, the creator's and one opened from its
+/// descriptor, have their page tables filled for the whole ring: a first
+/// pass over every slot, producer and consumer each through its own
+/// mapping, takes no page fault (without it: one per page on the
+/// producer's side, as the kernel allocates it, and more on the
+/// consumer's).
+#[test]
+fn both_mappings_of_a_shared_ring_take_no_page_fault_on_a_first_pass() {
+    const CAP: usize = 8192; // 64 KiB of u64 slots: 16 pages
+    let a = spsc::shared::create_anonymous::<u64>(c"kvferry-test-fresh", CAP).unwrap();
+    let b = spsc::shared::from_file::<u64>(a.file().unwrap(), "received").unwrap();
+    let mut p = a.producer().unwrap();
+    let mut c = b.consumer().unwrap();
+    // Warm up the code paths and the first slot's page.
+    p.push(0).unwrap();
+    assert_eq!(c.pop(), Some(0));
+    let before = thread_faults();
+    for i in 1..=CAP as u64 {
+        p.push(i).unwrap();
+        assert_eq!(c.pop(), Some(i));
+    }
+    let faults = thread_faults() - before;
+    assert!(
+        faults <= 1,
+        "a first pass over a fresh shared ring took {faults} page faults"
+    );
+}

@@ -329,6 +329,11 @@ impl DecoderClient {
         if (buf.len() as u64) < need {
             return Err(AttachError::Protocol("buffer mapping too short".into()));
         }
+        // The slots' page tables filled now, not by a page fault as the
+        // first deliveries reach each page (several µs each on a VM; a
+        // 256 KiB chunk is 64 pages). Best effort: a kernel before 5.14
+        // refuses the advice, and the pages fault in on first use.
+        let _ = buf.advise_range(memmap2::Advice::PopulateRead, 0, need as usize);
         Ok(Self {
             sock,
             sq,

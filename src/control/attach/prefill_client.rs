@@ -140,6 +140,11 @@ impl PrefillClient {
         if (staging.len() as u64) < need {
             return Err(AttachError::Protocol("staging mapping too short".into()));
         }
+        // The share's page tables filled now, not by a page fault as the
+        // worker first fills each page (several µs each on a VM; a 256 KiB
+        // chunk is 64 pages). Best effort: a kernel before 5.14 refuses the
+        // advice, and the pages fault in on first use.
+        let _ = staging.advise_range(memmap2::Advice::PopulateWrite, 0, need as usize);
         // A child this process forks does not inherit the share: it could
         // otherwise write it after this worker left (docs/attach.md, "Trust").
         staging.advise(memmap2::Advice::DontFork)?;
