@@ -33,7 +33,9 @@ use kvferry::attach::{
 use kvferry::protocol::{AllocRequest, AllocResponse, ErrorCode, Message};
 use kvferry::receiver::Receiver;
 use kvferry::sender::{Sender, SenderConfig};
-use process::{python_client, python_pattern, status_and_stderr, ChildProc, TempDir};
+use process::{
+    python_client, python_pattern, status_and_stderr, thread_faults, ChildProc, TempDir,
+};
 
 const ROLE: &str = "KVFERRY_PREFILL_ROLE";
 const SOCK: &str = "KVFERRY_PREFILL_SOCK";
@@ -1539,15 +1541,6 @@ fn a_forked_child_of_a_worker_does_not_inherit_its_share() {
     wait_sender_empty(&t.s, "after the forker");
 }
 
-/// Page faults taken so far by the calling thread (minor and major).
-fn thread_faults() -> u64 {
-    // SAFETY: a zeroed rusage is valid; getrusage writes into it.
-    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: RUSAGE_THREAD of the calling thread, into a valid rusage.
-    assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut u) }, 0);
-    (u.ru_minflt + u.ru_majflt) as u64
-}
-
 /// A worker's staging share is mapped with its page tables filled
 /// (docs/attach.md, "Mapping"): filling every slot of a fresh attachment's
 /// share takes no page fault (without it: one per 4 KiB page written,
@@ -1576,11 +1569,11 @@ fn a_fresh_worker_fills_its_whole_share_without_a_page_fault() {
     let b = staged(&mut a, "the whole share");
     assert_eq!(b.len(), SLOTS);
     let data = vec![0x5au8; CHUNK as usize];
-    let before = thread_faults();
+    let before = thread_faults(0);
     for j in 0..SLOTS {
         a.slot_mut(&b, j).expect("held slot").copy_from_slice(&data);
     }
-    let faults = thread_faults() - before;
+    let faults = thread_faults(0) - before;
     a.cancel(tag).unwrap();
     match next(&mut a, "FAILED") {
         PrefillEvent::Failed { tag: t2, .. } => assert_eq!(t2, tag),

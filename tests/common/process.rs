@@ -54,6 +54,30 @@ pub fn sigterm(child: &Child) -> bool {
     unsafe { libc::kill(pid, libc::SIGTERM) == 0 }
 }
 
+/// Page faults (minor and major) taken so far by thread `tid` of this
+/// process, 0 for the calling thread: `/proc/self/task/<tid>/stat`, fields
+/// 10 and 12. What a test counts to see that memory was mapped up front.
+pub fn thread_faults(tid: libc::pid_t) -> u64 {
+    let tid = if tid == 0 {
+        // SAFETY: gettid takes nothing and cannot fail.
+        unsafe { libc::gettid() }
+    } else {
+        tid
+    };
+    let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat"))
+        .unwrap_or_else(|e| panic!("stat of thread {tid}: {e}"));
+    // After the command name's closing parenthesis: field 3 on.
+    let rest: Vec<&str> = stat[stat.rfind(')').map_or(0, |i| i + 1)..]
+        .split_whitespace()
+        .collect();
+    let field = |i: usize| -> u64 {
+        rest.get(i)
+            .and_then(|f| f.parse().ok())
+            .unwrap_or_else(|| panic!("thread {tid}'s stat has no fault count: {stat}"))
+    };
+    field(7) + field(9)
+}
+
 /// A thread of the test, called `what`; see [`spawn_thread`].
 pub struct Spawned<T> {
     handle: JoinHandle<T>,
