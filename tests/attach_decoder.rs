@@ -25,7 +25,7 @@ use kvferry::attach::{AttachConfig, AttachError, DecoderClient, DecoderDaemon, E
 use kvferry::protocol::ErrorCode;
 use kvferry::receiver::Receiver;
 use kvferry::sender::{RequestSpec, Sender, TransferSpec};
-use process::{sigterm, thread_faults, wait_exit, ChildProc, TempDir};
+use process::{rerun_alone, sigterm, thread_faults, wait_exit, ChildProc, TempDir};
 
 const ROLE: &str = "KVFERRY_ATTACH_ROLE";
 const SOCK: &str = "KVFERRY_ATTACH_SOCK";
@@ -124,8 +124,7 @@ fn decoder_child(
     last: usize,
 ) -> ChildProc {
     ChildProc::spawn(
-        Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", test, "--nocapture", "--test-threads=1"])
+        rerun_alone(test)
             .env(ROLE, role)
             .env(SOCK, sock)
             .env(REQ, req)
@@ -923,11 +922,7 @@ fn refused_round_trips(c: &mut DecoderClient, n: u64) {
 fn a_session_sharing_its_clients_cpu_moves_off_it_unless_confined_there() {
     const TEST: &str = "a_session_sharing_its_clients_cpu_moves_off_it_unless_confined_there";
     if std::env::var(ROLE).is_err() {
-        let mut child = ChildProc::spawn(
-            Command::new(std::env::current_exe().unwrap())
-                .args(["--exact", TEST, "--nocapture", "--test-threads=1"])
-                .env(ROLE, "step-off"),
-        );
+        let mut child = ChildProc::spawn(rerun_alone(TEST).env(ROLE, "step-off"));
         child.expect_line("ATTACH:done");
         child.wait_success("the step-off child");
         return;
@@ -995,11 +990,7 @@ fn deliver_and_verify(c: &mut DecoderClient, req_id: &str, n: usize) {
 fn a_fresh_attachment_takes_no_page_fault_on_its_rings_or_slots() {
     const TEST: &str = "a_fresh_attachment_takes_no_page_fault_on_its_rings_or_slots";
     if std::env::var(ROLE).is_err() {
-        let mut child = ChildProc::spawn(
-            Command::new(std::env::current_exe().unwrap())
-                .args(["--exact", TEST, "--nocapture", "--test-threads=1"])
-                .env(ROLE, "fresh"),
-        );
+        let mut child = ChildProc::spawn(rerun_alone(TEST).env(ROLE, "fresh"));
         child.expect_line("ATTACH:done");
         child.wait_success("the fresh-attachment child");
         return;

@@ -34,7 +34,8 @@ use kvferry::protocol::{AllocRequest, AllocResponse, ErrorCode, Message};
 use kvferry::receiver::Receiver;
 use kvferry::sender::{Sender, SenderConfig};
 use process::{
-    python_client, python_pattern, status_and_stderr, thread_faults, ChildProc, TempDir,
+    python_client, python_pattern, rerun_alone, status_and_stderr, thread_faults, ChildProc,
+    TempDir,
 };
 
 const ROLE: &str = "KVFERRY_PREFILL_ROLE";
@@ -145,8 +146,7 @@ fn child_main(role: &str) {
 /// The re-executed test binary as a worker child (killed on drop).
 fn worker_child(test: &str, role: &str, sock: &Path, req: &str, n: usize) -> ChildProc {
     ChildProc::spawn(
-        Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", test, "--nocapture", "--test-threads=1"])
+        rerun_alone(test)
             .env(ROLE, role)
             .env(SOCK, sock)
             .env(REQ, req)
@@ -1237,8 +1237,7 @@ fn lingerer_main() {
 
 fn lingerer_child(test: &str, sock: &Path) -> ChildProc {
     ChildProc::spawn(
-        Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", test, "--nocapture", "--test-threads=1"])
+        rerun_alone(test)
             .env(ROLE, "lingerer")
             .env(SOCK, sock)
             .stdin(Stdio::piped()),
@@ -1445,8 +1444,7 @@ fn hostile_host_main() {
         .collect();
     assert!(!share_fds.is_empty(), "the daemon holds its share memfds");
     let mut h = ChildProc::spawn(
-        Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", HOSTILE_TEST, "--nocapture", "--test-threads=1"])
+        rerun_alone(HOSTILE_TEST)
             .env(ROLE, "hostile")
             // SAFETY: gettid has no preconditions.
             .env(
@@ -1469,11 +1467,7 @@ fn a_same_uid_process_cannot_open_the_daemons_shares_nor_find_its_rings() {
         Ok(_) => return,
         Err(_) => {}
     }
-    let mut host = ChildProc::spawn(
-        Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", HOSTILE_TEST, "--nocapture", "--test-threads=1"])
-            .env(ROLE, "hostile-host"),
-    );
+    let mut host = ChildProc::spawn(rerun_alone(HOSTILE_TEST).env(ROLE, "hostile-host"));
     host.expect_line("HOST DONE");
     host.wait_success("the daemon host");
 }
@@ -1521,13 +1515,7 @@ fn a_forked_child_of_a_worker_does_not_inherit_its_share() {
     }
     let t = setup(4, 1);
     let mut w = ChildProc::spawn(
-        Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "a_forked_child_of_a_worker_does_not_inherit_its_share",
-                "--nocapture",
-                "--test-threads=1",
-            ])
+        rerun_alone("a_forked_child_of_a_worker_does_not_inherit_its_share")
             .env(ROLE, "forker")
             .env(SOCK, t.d.socket()),
     );

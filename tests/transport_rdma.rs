@@ -1400,7 +1400,7 @@ fn a_forked_child_of_an_exited_worker_cannot_write_the_share_the_next_worker_fil
     use common_sender::{chunk_id, consume, key, payloads, unique, wait_for, WAIT};
     use kvferry::attach::{AttachConfig, PrefillClient, PrefillDaemon, PrefillEvent};
     use std::io::Write;
-    use std::process::{Command, Stdio};
+    use std::process::Stdio;
     let dir = process::TempDir::new("kvferry-rdma-share");
     let r = rdma_receiver();
     let s = Arc::new(rdma_share_sender(1, 4));
@@ -1416,8 +1416,7 @@ fn a_forked_child_of_an_exited_worker_cannot_write_the_share_the_next_worker_fil
     )
     .expect("prefill daemon starts");
     let mut w = process::ChildProc::spawn(
-        Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", TEST, "--nocapture", "--test-threads=1"])
+        process::rerun_alone(TEST)
             .env(ENV_ROLE, TEST)
             .env(ENV_SOCK, d.socket())
             .stdin(Stdio::piped()),

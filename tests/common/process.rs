@@ -54,6 +54,16 @@ pub fn sigterm(child: &Child) -> bool {
     unsafe { libc::kill(pid, libc::SIGTERM) == 0 }
 }
 
+/// A command running test `test` of this test binary again, alone
+/// (`--exact`, one test thread, its output not captured): how a test puts
+/// a role of its own in a child process (the caller sets the env var that
+/// names the role, and spawns it).
+pub fn rerun_alone(test: &str) -> Command {
+    let mut cmd = Command::new(std::env::current_exe().expect("the test binary's path"));
+    cmd.args(["--exact", test, "--nocapture", "--test-threads=1"]);
+    cmd
+}
+
 /// Page faults (minor and major) taken so far by thread `tid` of this
 /// process, 0 for the calling thread: `/proc/self/task/<tid>/stat`, fields
 /// 10 and 12. What a test counts to see that memory was mapped up front.
