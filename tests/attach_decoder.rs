@@ -533,6 +533,17 @@ fn another_user_cannot_attach() {
 
 /// Starts `kvferry receiver --attach SOCK`; returns it with its endpoint.
 fn spawn_receiver_binary(sock: &Path, shm: &Path) -> (ChildProc, String) {
+    spawn_receiver_binary_with(sock, shm, &[], Stdio::inherit())
+}
+
+/// [`spawn_receiver_binary`] with more options and its stderr sent to
+/// `stderr`.
+fn spawn_receiver_binary_with(
+    sock: &Path,
+    shm: &Path,
+    extra: &[&str],
+    stderr: Stdio,
+) -> (ChildProc, String) {
     // Killed on drop, so a failing test leaves no daemon behind.
     let mut p = ChildProc::spawn(
         Command::new(BIN)
@@ -547,7 +558,9 @@ fn spawn_receiver_binary(sock: &Path, shm: &Path) -> (ChildProc, String) {
             .arg(sock)
             .arg("--shm-path")
             .arg(shm)
-            .stdin(Stdio::null()),
+            .args(extra)
+            .stdin(Stdio::null())
+            .stderr(stderr),
     );
     let endpoint = p
         .after_prefixes(&[
@@ -657,6 +670,55 @@ fn the_python_client_reads_every_byte_from_the_receiver_binary_and_a_killed_one_
     wild.expect_line("ATTACH:ok");
     wild.wait_success("python wildcard decoder");
     recv.sigkill();
+}
+
+/// A decoder process that scribbles on its own rings' indices
+/// (`clients/python/ring_abuse_check.py`: a submission tail behind the
+/// session's head or more than a ring ahead, a completion head ahead of
+/// the session's tail or more than a ring behind) harms only itself: its
+/// session reads no submission and writes no completion past them, serves
+/// it again, losing no answer, once they are sane, and never panics (a
+/// debug build did, on the completion ring's free-room arithmetic). With
+/// one attachment allowed, a decoder attaching after it left is served.
+#[test]
+fn a_decoder_scribbling_on_its_ring_indices_harms_only_itself() {
+    let dir = TempDir::new("kvferry-attach");
+    let shm = dir.0.join("buf");
+    let log_path = dir.0.join("receiver.stderr");
+    let log = std::fs::File::create(&log_path).expect("the receiver's stderr file");
+    let (mut recv, endpoint) = spawn_receiver_binary_with(
+        &dir.sock(),
+        &shm,
+        &["--attach-max-clients", "1"],
+        Stdio::from(log),
+    );
+    let receiver_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+    let sock = dir.sock();
+    let mut abuser =
+        process::python_client("ring_abuse_check.py", &["decoder", sock.to_str().unwrap()]);
+    abuser.expect_line("ATTACH:ok");
+    abuser.wait_success("the decoder scribbling on its ring indices");
+    let pid = recv.child.id();
+    wait_for("the scribbling decoder's session to end", || {
+        process::attach_sessions(pid) == 0
+    });
+    // Its place is back: the one attachment allowed goes to the next one.
+    let s = sender(sender_cfg(8, None));
+    let mut py = python_decoder(&dir.sock(), "after-scribbling", 2, 77, "release");
+    py.expect_line("ATTACH:subscribed");
+    store_for_python(&s, &endpoint, "after-scribbling", 2, 77);
+    py.expect_line("ATTACH:ok");
+    py.wait_success("the decoder attached after the scribbling one");
+    assert!(
+        recv.child
+            .try_wait()
+            .expect("the receiver's status")
+            .is_none(),
+        "the receiver exited:\n{}",
+        receiver_log()
+    );
+    let log = receiver_log();
+    assert!(!log.contains("panicked"), "the receiver panicked:\n{log}");
 }
 
 #[test]

@@ -687,6 +687,84 @@ fn spawn_binary(args: &[&str], role: &str, announce: &str) -> (ChildProc, String
     (p, found)
 }
 
+/// A worker process that scribbles on its own rings' indices
+/// (`clients/python/ring_abuse_check.py prefill`, as the decoder's test in
+/// `attach_decoder.rs`) harms only itself: its session reads no
+/// submission and writes no completion past them, answers every CANCEL
+/// once the indices are sane, and never panics; with one attachment
+/// allowed, the next worker writes a request that a Python decoder
+/// verifies byte for byte.
+#[test]
+fn a_worker_scribbling_on_its_ring_indices_harms_only_itself() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let dir = TempDir::new("kvferry-prefill");
+    let rsock = dir.0.join("recv.sock");
+    let ssock = dir.0.join("send.sock");
+    let shm = dir.0.join("buf");
+    let chunk = CHUNK.to_string();
+    let (_recv, endpoint) = spawn_binary(
+        &[
+            "receiver",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--capacity-chunks",
+            "8",
+            "--chunk-bytes",
+            &chunk,
+            "--attach",
+            rsock.to_str().unwrap(),
+            "--shm-path",
+            shm.to_str().unwrap(),
+        ],
+        "receiver",
+        "kvferry receiver listening on ",
+    );
+    let log_path = dir.0.join("sender.stderr");
+    let log = std::fs::File::create(&log_path).expect("the sender's stderr file");
+    let mut send = ChildProc::spawn(
+        Command::new(BIN)
+            .args(["sender", "--connect", &endpoint, "--chunk-bytes", &chunk])
+            .args(["--staging-slots", "8", "--attach-max-clients", "1"])
+            .arg("--attach")
+            .arg(&ssock)
+            .stdin(Stdio::null())
+            .stderr(Stdio::from(log)),
+    );
+    send.expect_line("kvferry sender attach on ");
+    let sender_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+    let (rs, ss) = (rsock.to_str().unwrap(), ssock.to_str().unwrap());
+    let mut abuser = python_client("ring_abuse_check.py", &["prefill", ss]);
+    abuser.expect_line("ATTACH:ok");
+    abuser.wait_success("the worker scribbling on its ring indices");
+    let pid = send.child.id();
+    wait_for("the scribbling worker's session to end", || {
+        process::attach_sessions(pid) == 0
+    });
+    // Its place is back: the one attachment allowed goes to the next one.
+    let mut dec = python_client(
+        "decoder_check.py",
+        &[rs, "after-scribbling", "2", "77", "release"],
+    );
+    dec.expect_line("ATTACH:subscribed");
+    let mut pf = python_client("prefill_check.py", &[ss, "after-scribbling", "2", "77"]);
+    pf.expect_line("PREFILL:ok");
+    pf.wait_success("the worker attached after the scribbling one");
+    dec.expect_line("ATTACH:ok");
+    dec.wait_success("the decoder of its request");
+    assert!(
+        send.child
+            .try_wait()
+            .expect("the sender's status")
+            .is_none(),
+        "the sender exited:\n{}",
+        sender_log()
+    );
+    let log = sender_log();
+    assert!(!log.contains("panicked"), "the sender panicked:\n{log}");
+}
+
 #[test]
 fn python_and_rust_prefill_workers_feed_a_python_decoder_through_both_binaries() {
     if std::env::var(ROLE).is_ok() {

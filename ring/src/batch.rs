@@ -59,7 +59,11 @@ impl<'a, T: Plain> WriteBatch<'a, T> {
         // SAFETY: the batch owns slots start..start+len exclusively until it
         // publishes them (the producer reserved them; the consumer cannot
         // reach them before the publish store).
-        unsafe { self.ring.slot(self.start + i as u64).write(value) };
+        unsafe {
+            self.ring
+                .slot(self.start.wrapping_add(i as u64))
+                .write(value)
+        };
         Ok(())
     }
 
@@ -69,7 +73,7 @@ impl<'a, T: Plain> WriteBatch<'a, T> {
         let n = src.len().min(self.len as usize);
         for (i, v) in src[..n].iter().enumerate() {
             // SAFETY: as in `set`; `i < n <= len`.
-            unsafe { self.ring.slot(self.start + i as u64).write(*v) };
+            unsafe { self.ring.slot(self.start.wrapping_add(i as u64)).write(*v) };
         }
         n
     }
@@ -85,7 +89,7 @@ impl<'a, T: Plain> WriteBatch<'a, T> {
             (
                 std::slice::from_raw_parts_mut(self.ring.slot_ptr(self.start), first),
                 std::slice::from_raw_parts_mut(
-                    self.ring.slot_ptr(self.start + first as u64),
+                    self.ring.slot_ptr(self.start.wrapping_add(first as u64)),
                     second,
                 ),
             )
@@ -105,7 +109,7 @@ impl<'a, T: Plain> WriteBatch<'a, T> {
         if self.len == 0 {
             return;
         }
-        let end = self.start + self.len;
+        let end = self.start.wrapping_add(self.len);
         match &mut self.publish {
             Publish::Tail(tail, _) => {
                 **tail = end;
@@ -114,10 +118,13 @@ impl<'a, T: Plain> WriteBatch<'a, T> {
                 self.ring.tail().store(end, Ordering::Release);
             }
             Publish::Stamps => {
-                for pos in self.start..end {
+                for i in 0..self.len {
+                    let pos = self.start.wrapping_add(i);
                     // Release: pairs with the consumer's Acquire load of the
                     // stamp before it reads this slot.
-                    self.ring.stamp(pos).store(pos + 1, Ordering::Release);
+                    self.ring
+                        .stamp(pos)
+                        .store(pos.wrapping_add(1), Ordering::Release);
                 }
             }
         }
@@ -166,7 +173,7 @@ impl<'a, T: Plain> ReadBatch<'a, T> {
         // SAFETY: slots head..head+len were published (their Release store was
         // observed with Acquire when the batch was made) and producers cannot
         // reuse them before we store the head.
-        Some(unsafe { self.ring.slot(*self.head + i as u64).read() })
+        Some(unsafe { self.ring.slot(self.head.wrapping_add(i as u64)).read() })
     }
 
     /// The entries in order.
@@ -184,7 +191,10 @@ impl<'a, T: Plain> ReadBatch<'a, T> {
         unsafe {
             (
                 std::slice::from_raw_parts(self.ring.slot_ptr(*self.head), first),
-                std::slice::from_raw_parts(self.ring.slot_ptr(*self.head + first as u64), second),
+                std::slice::from_raw_parts(
+                    self.ring.slot_ptr(self.head.wrapping_add(first as u64)),
+                    second,
+                ),
             )
         }
     }
@@ -198,7 +208,7 @@ impl<T: Plain> Drop for ReadBatch<'_, T> {
         if self.len == 0 {
             return;
         }
-        *self.head += self.len;
+        *self.head = self.head.wrapping_add(self.len);
         // Release: pairs with the producers' Acquire load of the head before
         // they overwrite these slots, so our reads happen before their writes.
         self.ring.head().store(*self.head, Ordering::Release);

@@ -177,6 +177,33 @@ impl<T: Plain> Ring<T> {
         self.capacity
     }
 
+    /// Entries between the consumer's `head` and the producer's `tail` that
+    /// a producer keeping the protocol can have published: `tail - head`,
+    /// or 0 when that exceeds the capacity. Only a peer scribbling on a
+    /// shared index writes such a `tail` (behind `head`, or more than a
+    /// ring ahead): the ring then reads as empty, and nothing is read from
+    /// it until the index is sane again (`docs/ring.md`, "Hostile peers").
+    #[inline]
+    pub(crate) fn published(&self, tail: u64, head: u64) -> u64 {
+        let n = tail.wrapping_sub(head);
+        if n <= self.capacity {
+            n
+        } else {
+            0
+        }
+    }
+
+    /// Free slots between the producer's `tail` and the consumer's `head`:
+    /// the capacity less `tail - head`, or 0 when that exceeds the
+    /// capacity. Only a peer scribbling on a shared index writes such a
+    /// `head` (ahead of `tail`, or more than a ring behind): the ring then
+    /// reads as full, so no entry is written over one the consumer may not
+    /// have read (`docs/ring.md`, "Hostile peers").
+    #[inline]
+    pub(crate) fn free(&self, tail: u64, head: u64) -> u64 {
+        self.capacity.saturating_sub(tail.wrapping_sub(head))
+    }
+
     /// The slot that position `pos` maps to.
     #[inline]
     pub(crate) fn slot(&self, pos: u64) -> &SlotCell<T> {

@@ -1079,3 +1079,158 @@ fn both_mappings_of_a_shared_ring_take_no_page_fault_on_a_first_pass() {
         "a first pass over a fresh shared ring took {faults} page faults"
     );
 }
+
+/// Offsets of the shared index words (`docs/ring.md`, "Memory layout").
+const TAIL_AT: u64 = 128;
+const HEAD_AT: u64 = 256;
+
+/// Occupancies (`tail - head`, wrapping) that no pair of sides keeping
+/// the protocol ever shows in a 16-entry ring: a head ahead of the tail,
+/// more than a ring between them, and far off either way.
+const OFF_RING: [u64; 5] = [u64::MAX, 17, 1 << 63, 1 << 40, (1u64 << 40).wrapping_neg()];
+
+/// A consumer process that writes a `head` no consumer keeping the
+/// protocol writes (ahead of the tail, or more than a ring behind it)
+/// gets a full ring: the producer neither panics on the index arithmetic
+/// (a debug build did: `capacity - (tail - head)` underflowed) nor writes
+/// over the entries still waiting. Once the consumer stores its real head
+/// again, the ring works as before.
+#[test]
+fn a_consumer_scribbling_on_head_gets_a_full_ring_and_nothing_overwritten() {
+    let p = spsc_file("bogus-head");
+    let shared = spsc::shared::open::<u64>(&p.0).unwrap();
+    let mut tx = shared.producer().unwrap();
+    let mut rx = shared.consumer().unwrap();
+    let mut next = 0u64;
+    let mut tail = 0u64;
+    for round in 0..6 {
+        // Five entries waiting (the ring wraps along the rounds).
+        for _ in 0..5 {
+            tx.push(next).unwrap();
+            next += 1;
+        }
+        tail += 5;
+        for head in OFF_RING.map(|d| tail.wrapping_sub(d)) {
+            patch(&p.0, HEAD_AT, &head.to_ne_bytes());
+            // More than the ring holds: the producer reloads the head.
+            assert_eq!(
+                tx.push_slice(&[u64::MAX; 32]),
+                0,
+                "round {round}, head {head:#x}: pushed past a bogus head"
+            );
+            assert_eq!(
+                tx.push(u64::MAX),
+                Err(u64::MAX),
+                "round {round}, head {head:#x}"
+            );
+            assert!(tx.reserve(1).is_none(), "round {round}, head {head:#x}");
+            assert_eq!(tx.len(), 16, "round {round}, head {head:#x}: reads as full");
+        }
+        // The consumer's own head store puts the real index back.
+        let mut out = [0u64; 16];
+        assert_eq!(
+            rx.pop_into(&mut out),
+            5,
+            "round {round}: the waiting entries"
+        );
+        assert_eq!(
+            out[..5],
+            [next - 5, next - 4, next - 3, next - 2, next - 1],
+            "round {round}: an entry was overwritten"
+        );
+    }
+    // Sane again: the whole ring is usable.
+    assert_eq!(tx.push_slice(&[1; 16]), 16);
+    assert_eq!(rx.pop_into(&mut [0u64; 16]), 16);
+}
+
+/// A producer process that writes a `tail` no producer keeping the
+/// protocol writes (behind the head, or more than a ring ahead of it)
+/// gives the consumer nothing to read: no stale or unwritten slot is read
+/// as an entry, the ring reads as empty, and a wait ends at its deadline.
+/// Once the producer publishes from its real tail again, the ring works.
+#[test]
+fn a_producer_scribbling_on_tail_gives_nothing_to_read() {
+    let p = spsc_file("bogus-tail");
+    let shared = spsc::shared::open::<u64>(&p.0).unwrap();
+    let mut tx = shared.producer().unwrap();
+    let mut rx = shared.consumer().unwrap();
+    let mut head = 0u64;
+    for round in 0..6 {
+        // Entries were published and read: stale values sit in the slots.
+        assert_eq!(tx.push_slice(&[round; 7]), 7);
+        assert_eq!(rx.pop_into(&mut [0u64; 7]), 7);
+        head += 7;
+        for tail in OFF_RING.map(|d| head.wrapping_add(d)) {
+            patch(&p.0, TAIL_AT, &tail.to_ne_bytes());
+            let what = format!("round {round}, tail {tail:#x}");
+            assert_eq!(rx.pop(), None, "{what}: read an entry past a bogus tail");
+            assert_eq!(rx.pop_into(&mut [0u64; 16]), 0, "{what}");
+            assert_eq!(rx.peek().len(), 0, "{what}");
+            assert_eq!(rx.len(), 0, "{what}: reads as empty");
+            assert!(rx.is_empty(), "{what}");
+            let soon = Instant::now() + Duration::from_millis(20);
+            assert_eq!(rx.wait(Some(soon)), WaitStatus::TimedOut, "{what}");
+            assert!(rx.arm_wakeup(), "{what}: nothing to read, so it may sleep");
+            rx.disarm_wakeup();
+        }
+        // The producer's own tail store puts the real index back.
+        assert_eq!(tx.push(round), Ok(()));
+        assert_eq!(rx.pop(), Some(round), "round {round}: after the real tail");
+        head += 1;
+    }
+}
+
+/// Indices are wrapping `u64`s, and a peer may have left any value in the
+/// shared words before a side attaches: rings of both kinds whose indices
+/// cross 2^64 carry their entries across it (a debug build panicked on the
+/// index additions).
+#[test]
+fn indices_crossing_two_to_the_64_wrap() {
+    let start = (u64::MAX - 4).to_ne_bytes();
+    let p = spsc_file("wrap-spsc");
+    patch(&p.0, TAIL_AT, &start);
+    patch(&p.0, HEAD_AT, &start);
+    let shared = spsc::shared::open::<u64>(&p.0).unwrap();
+    let (mut tx, mut rx) = (shared.producer().unwrap(), shared.consumer().unwrap());
+    for round in 0..3u64 {
+        assert_eq!(tx.push_slice(&[round; 6]), 6, "spsc round {round}");
+        {
+            let mut batch = tx.reserve(4).expect("room for 4");
+            assert_eq!(batch.fill_from(&[10 + round; 4]), 4);
+        }
+        assert_eq!(rx.len(), 10, "spsc round {round}");
+        let mut out = [0u64; 6];
+        assert_eq!(rx.pop_into(&mut out), 6, "spsc round {round}");
+        assert_eq!(out, [round; 6], "spsc round {round}");
+        let batch = rx.peek();
+        assert_eq!(
+            batch.iter().collect::<Vec<_>>(),
+            [10 + round; 4],
+            "spsc round {round}"
+        );
+    }
+
+    let p = TempPath::new("wrap-mpsc");
+    drop(mpsc::shared::create::<u64>(&p.0, 16).unwrap());
+    patch(&p.0, TAIL_AT, &start);
+    patch(&p.0, HEAD_AT, &start);
+    let shared = mpsc::shared::open::<u64>(&p.0).unwrap();
+    let (mut tx, mut rx) = (shared.producer().unwrap(), shared.consumer().unwrap());
+    for round in 0..3u64 {
+        assert_eq!(tx.push_slice(&[round; 6]), 6, "mpsc round {round}");
+        {
+            let mut batch = tx.reserve(4).expect("room for 4");
+            assert_eq!(batch.fill_from(&[10 + round; 4]), 4);
+        }
+        let mut out = [0u64; 6];
+        assert_eq!(rx.pop_into(&mut out), 6, "mpsc round {round}");
+        assert_eq!(out, [round; 6], "mpsc round {round}");
+        let batch = rx.peek();
+        assert_eq!(
+            batch.iter().collect::<Vec<_>>(),
+            [10 + round; 4],
+            "mpsc round {round}"
+        );
+    }
+}

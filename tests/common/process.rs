@@ -88,6 +88,25 @@ pub fn thread_faults(tid: libc::pid_t) -> u64 {
     field(7) + field(9)
 }
 
+/// Attach session threads (named `attach-<client id>`) that process `pid`
+/// runs now: 0 once every session of its attach daemons has ended.
+pub fn attach_sessions(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|tasks| {
+            tasks
+                .filter_map(Result::ok)
+                .filter(|t| {
+                    std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| {
+                        c.trim()
+                            .strip_prefix("attach-")
+                            .is_some_and(|id| id.parse::<u32>().is_ok())
+                    })
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
 /// A thread of the test, called `what`; see [`spawn_thread`].
 pub struct Spawned<T> {
     handle: JoinHandle<T>,

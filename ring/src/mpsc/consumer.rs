@@ -38,24 +38,24 @@ impl<T: Plain> Consumer<T> {
     fn stamped(&self, pos: u64) -> bool {
         // Acquire: pairs with the producer's Release stamp store after it
         // wrote the slot.
-        self.ring.stamp(pos).load(Ordering::Acquire) == pos + 1
+        self.ring.stamp(pos).load(Ordering::Acquire) == pos.wrapping_add(1)
     }
 
     /// Number of consecutive published entries from head, up to `max`.
     #[inline]
     fn scan(&mut self, max: u64) -> u64 {
         let cap = self.ring.capacity();
-        let mut n = self.ready_end - self.head;
-        while n < max && n < cap && self.stamped(self.head + n) {
+        let mut n = self.ready_end.wrapping_sub(self.head);
+        while n < max && n < cap && self.stamped(self.head.wrapping_add(n)) {
             n += 1;
         }
-        self.ready_end = self.head + n;
+        self.ready_end = self.head.wrapping_add(n);
         n
     }
 
     #[inline]
     fn release(&mut self, n: u64) {
-        self.head += n;
+        self.head = self.head.wrapping_add(n);
         // Release: pairs with the producers' Acquire load of head before they
         // reuse the slots we just read.
         self.ring.head().store(self.head, Ordering::Release);
@@ -82,7 +82,7 @@ impl<T: Plain> Consumer<T> {
         let n = self.scan(out.len() as u64);
         for (i, o) in out[..n as usize].iter_mut().enumerate() {
             // SAFETY: positions head..head+n are stamped (see `pop`).
-            *o = unsafe { self.ring.slot(self.head + i as u64).read() };
+            *o = unsafe { self.ring.slot(self.head.wrapping_add(i as u64)).read() };
         }
         if n > 0 {
             self.release(n);
@@ -102,14 +102,14 @@ impl<T: Plain> Consumer<T> {
     /// or the deadline passes ([`WaitStatus::TimedOut`]; `None` waits
     /// forever). Spins briefly, yields, then sleeps on the futex doorbell.
     pub fn wait(&self, deadline: Option<Instant>) -> WaitStatus {
-        if self.ready_end > self.head {
+        if self.ready_end != self.head {
             return WaitStatus::Ready;
         }
         let head = self.head;
         let ring = &*self.ring;
         // Acquire: pairs with the producer's Release stamp store.
         ring.wait_until(deadline, || {
-            ring.stamp(head).load(Ordering::Acquire) == head + 1
+            ring.stamp(head).load(Ordering::Acquire) == head.wrapping_add(1)
         })
     }
 

@@ -80,7 +80,12 @@ impl<T: Plain> Producer<T> {
             }
             let n = want.min(free);
             // Relaxed (both): see the load above.
-            match tail.compare_exchange_weak(t, t + n, Ordering::Relaxed, Ordering::Relaxed) {
+            match tail.compare_exchange_weak(
+                t,
+                t.wrapping_add(n),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
                 Ok(_) => return Some((t, n)),
                 Err(cur) => t = cur,
             }
@@ -89,10 +94,13 @@ impl<T: Plain> Producer<T> {
 
     #[inline]
     fn stamp(&self, start: u64, n: u64) {
-        for pos in start..start + n {
+        for i in 0..n {
+            let pos = start.wrapping_add(i);
             // Release: pairs with the consumer's Acquire load of this stamp
             // before it reads the slot.
-            self.ring.stamp(pos).store(pos + 1, Ordering::Release);
+            self.ring
+                .stamp(pos)
+                .store(pos.wrapping_add(1), Ordering::Release);
         }
         let _ = self.ring.notify();
     }
@@ -121,7 +129,7 @@ impl<T: Plain> Producer<T> {
         for (i, v) in items[..n as usize].iter().enumerate() {
             // SAFETY: positions start..start+n were claimed by this handle
             // alone and are free (see `push`).
-            unsafe { self.ring.slot(start + i as u64).write(*v) };
+            unsafe { self.ring.slot(start.wrapping_add(i as u64)).write(*v) };
         }
         self.stamp(start, n);
         n as usize

@@ -38,14 +38,14 @@ impl<T: Plain> Consumer<T> {
     /// `want` look available.
     #[inline]
     fn available(&mut self, want: u64) -> u64 {
-        let avail = self.cached_tail.wrapping_sub(self.head);
+        let avail = self.ring.published(self.cached_tail, self.head);
         if avail >= want {
             return avail;
         }
         // Acquire: pairs with the producer's Release store of tail after it
         // wrote the slots.
         self.cached_tail = self.ring.tail().load(Ordering::Acquire);
-        self.cached_tail.wrapping_sub(self.head)
+        self.ring.published(self.cached_tail, self.head)
     }
 
     #[inline]
@@ -76,7 +76,7 @@ impl<T: Plain> Consumer<T> {
         let n = (out.len() as u64).min(self.available(out.len() as u64));
         for (i, o) in out[..n as usize].iter_mut().enumerate() {
             // SAFETY: positions head..head+n are published (see `pop`).
-            *o = unsafe { self.ring.slot(self.head + i as u64).read() };
+            *o = unsafe { self.ring.slot(self.head.wrapping_add(i as u64)).read() };
         }
         if n > 0 {
             self.release(n);
@@ -99,7 +99,9 @@ impl<T: Plain> Consumer<T> {
         let head = self.head;
         let ring = &*self.ring;
         // Acquire: pairs with the producer's Release store of tail.
-        ring.wait_until(deadline, || ring.tail().load(Ordering::Acquire) != head)
+        ring.wait_until(deadline, || {
+            ring.published(ring.tail().load(Ordering::Acquire), head) != 0
+        })
     }
 
     /// Before sleeping elsewhere than in [`Consumer::wait`] (a `poll(2)`
@@ -115,7 +117,7 @@ impl<T: Plain> Consumer<T> {
         let head = self.head;
         let ring = &*self.ring;
         // Acquire: pairs with the producer's Release store of tail.
-        ring.arm_wakeup(|| ring.tail().load(Ordering::Acquire) != head)
+        ring.arm_wakeup(|| ring.published(ring.tail().load(Ordering::Acquire), head) != 0)
     }
 
     /// Clears the need-wakeup flag once awake (producers then skip the
@@ -128,7 +130,7 @@ impl<T: Plain> Consumer<T> {
     pub fn len(&self) -> usize {
         // Relaxed: a snapshot for statistics only.
         let tail = self.ring.tail().load(Ordering::Relaxed);
-        tail.wrapping_sub(self.head).min(self.ring.capacity()) as usize
+        self.ring.published(tail, self.head) as usize
     }
 
     /// True if the ring holds no entries.

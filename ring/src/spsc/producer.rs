@@ -44,15 +44,14 @@ impl<T: Plain> Producer<T> {
     /// look free.
     #[inline]
     fn free(&mut self, want: u64) -> u64 {
-        let cap = self.ring.capacity();
-        let free = cap - self.tail.wrapping_sub(self.cached_head);
+        let free = self.ring.free(self.tail, self.cached_head);
         if free >= want {
             return free;
         }
         // Acquire: pairs with the consumer's Release store of head after it
         // read the slots, so our writes to them come after its reads.
         self.cached_head = self.ring.head().load(Ordering::Acquire);
-        cap - self.tail.wrapping_sub(self.cached_head)
+        self.ring.free(self.tail, self.cached_head)
     }
 
     #[inline]
@@ -91,7 +90,7 @@ impl<T: Plain> Producer<T> {
         for (i, v) in items[..n as usize].iter().enumerate() {
             // SAFETY: positions tail..tail+n are free (n <= free slots) and
             // owned by this producer until published.
-            unsafe { self.ring.slot(self.tail + i as u64).write(*v) };
+            unsafe { self.ring.slot(self.tail.wrapping_add(i as u64)).write(*v) };
         }
         self.publish(n);
         n as usize

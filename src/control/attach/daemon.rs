@@ -214,6 +214,28 @@ fn non_dumpable() -> io::Result<()> {
     Ok(())
 }
 
+/// One attachment counted in [`DaemonShared::live`] (against
+/// `max_clients`) for as long as it lives: counted when taken, given back
+/// when dropped, whichever way its session ends (a panic in it included)
+/// or if it never starts.
+struct Place<R>(Arc<DaemonShared<R>>);
+
+impl<R> Place<R> {
+    fn take(shared: &Arc<DaemonShared<R>>) -> Self {
+        // Relaxed: a count; only the accept thread raises it, and what a
+        // session did is ordered by the engine's own locks, not by it.
+        shared.live.fetch_add(1, Ordering::Relaxed);
+        Self(Arc::clone(shared))
+    }
+}
+
+impl<R> Drop for Place<R> {
+    fn drop(&mut self) {
+        // Relaxed: as in `take`.
+        self.0.live.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 fn refuse(mut sock: UnixStream, status: u32) {
     let _ = sock.write_all(&Hello::refusal(status).encode());
 }
@@ -268,15 +290,11 @@ fn accept_loop<R: Role>(shared: &Arc<DaemonShared<R>>, listener: &UnixListener) 
             // Counted before `open`, which answers the client's hello: a
             // client told it is attached is always among `clients()` (a
             // count taken after the hello could read 0 for a client that
-            // already attached and detached). Relaxed: a count; only this
-            // thread raises it, and what a session did is ordered by the
-            // engine's own locks, not by the count.
-            shared.live.fetch_add(1, Ordering::Relaxed);
+            // already attached and detached).
+            let place = Place::take(shared);
             let session = match R::open(shared, id, peer, &sock) {
                 Ok(s) => s,
                 Err(e) => {
-                    // Relaxed: as the increment above.
-                    shared.live.fetch_sub(1, Ordering::Relaxed);
                     tracing::warn!(client = id, error = %e, "attach: cannot set up the client");
                     let status = e.get_ref().and_then(|e| e.downcast_ref::<OpenRefused>());
                     refuse(sock, status.map_or(STATUS_INTERNAL, |r| r.0));
@@ -285,20 +303,20 @@ fn accept_loop<R: Role>(shared: &Arc<DaemonShared<R>>, listener: &UnixListener) 
             };
             let s = Arc::clone(shared);
             match crate::threads::spawn_named(&format!("attach-{id}"), None, move || {
+                // Dropped last: the place is given back once the session
+                // has given back what its client held, however it ends.
+                let _place = place;
                 let mut session = session;
                 let span = tracing::debug_span!("attach_session", role = R::NAME, client = id);
                 let _enter = span.enter();
                 tracing::debug!("attached");
                 serve(&s, sock, &mut session);
                 drop(session); // gives back what the client held
-                               // Relaxed: a count; the session's effects are ordered by
-                               // the engine's own locks.
-                s.live.fetch_sub(1, Ordering::Relaxed);
             }) {
                 Ok(t) => sessions.push(t),
                 Err(e) => {
-                    // The closure (and the session with it) was dropped.
-                    shared.live.fetch_sub(1, Ordering::Relaxed);
+                    // The closure was dropped, and the session and its
+                    // place with it.
                     tracing::warn!(client = id, error = %e, "attach: cannot spawn a session");
                 }
             }
@@ -308,5 +326,38 @@ fn accept_loop<R: Role>(shared: &Arc<DaemonShared<R>>, listener: &UnixListener) 
     for t in sessions {
         let left = end.saturating_duration_since(std::time::Instant::now());
         let _ = crate::threads::join_within(t, left, "attach session");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A session that panics (a bug) still gives its place back: a daemon
+    /// at `max_clients` would otherwise refuse every client from then on.
+    #[test]
+    fn a_place_is_given_back_when_its_session_panics_or_never_starts() {
+        let shared = Arc::new(DaemonShared {
+            role: (),
+            cfg: AttachConfig::new("/nonexistent/place.sock"),
+            stop: EventFd::new().unwrap(),
+            live: AtomicUsize::new(0),
+            stepped_off: AtomicU64::new(0),
+        });
+        // Relaxed (all): a count, read after the thread was joined.
+        let place = Place::take(&shared);
+        assert_eq!(shared.live.load(Ordering::Relaxed), 1);
+        let session = std::thread::spawn(move || {
+            let _place = place;
+            panic!("a session's bug");
+        });
+        assert!(session.join().is_err(), "the session panicked");
+        assert_eq!(
+            shared.live.load(Ordering::Relaxed),
+            0,
+            "the panicked session's place was not given back"
+        );
+        drop(Place::take(&shared));
+        assert_eq!(shared.live.load(Ordering::Relaxed), 0);
     }
 }
