@@ -45,6 +45,11 @@ struct Proc {
     /// Lines written to stderr so far (drained by a thread, so a chatty
     /// process never blocks on a full pipe).
     stderr_lines: Arc<AtomicUsize>,
+    /// The first stderr line saying a thread panicked, if any.
+    panic_line: Arc<std::sync::Mutex<Option<String>>>,
+    /// The thread reading stderr: done once the process exited and every
+    /// line was read.
+    stderr_reader: thread::JoinHandle<()>,
 }
 
 impl Proc {
@@ -81,17 +86,23 @@ impl Proc {
         let mut child = cmd.spawn().expect("spawn kvferry");
         let stderr = child.stderr.take().expect("stderr piped");
         let stderr_lines = Arc::new(AtomicUsize::new(0));
-        {
+        let panic_line = Arc::new(std::sync::Mutex::new(None));
+        let stderr_reader = {
             let n = Arc::clone(&stderr_lines);
+            let panicked = Arc::clone(&panic_line);
             thread::spawn(move || {
                 for line in BufReader::new(stderr).lines() {
                     let Ok(line) = line else { break };
                     if n.fetch_add(1, Ordering::Relaxed) < 5 {
                         eprintln!("[kvferry stderr] {line}");
                     }
+                    if line.contains("panicked") {
+                        let mut first = panicked.lock().unwrap_or_else(|e| e.into_inner());
+                        first.get_or_insert(line);
+                    }
                 }
-            });
-        }
+            })
+        };
         let lines = ChildLines::take(&mut child);
         match lines.after_prefix(&mut child, &format!("kvferry {role} listening on ")) {
             Some(endpoint) => Some(Proc {
@@ -99,6 +110,8 @@ impl Proc {
                 endpoint,
                 metrics,
                 stderr_lines,
+                panic_line,
+                stderr_reader,
             }),
             None => {
                 let _ = child.kill();
@@ -110,6 +123,13 @@ impl Proc {
 
     fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// Fails if a thread of the process panicked (its stderr said so):
+    /// nothing a peer sends may panic it, even where the process lives on.
+    fn assert_no_panic(&self, what: &str) {
+        let first = self.panic_line.lock().unwrap_or_else(|e| e.into_inner());
+        assert!(first.is_none(), "{what}: kvferry panicked: {first:?}");
     }
 
     /// A field of `/proc/PID/status` in kB.
@@ -196,6 +216,12 @@ impl Drop for Proc {
             if let Ok(Some(st)) = self.child.try_wait() {
                 if !thread::panicking() {
                     assert_eq!(st.code(), Some(0), "kvferry exits 0 on SIGTERM");
+                    // The last lines: the pipe is closed, so the reader
+                    // ends at once.
+                    while !self.stderr_reader.is_finished() && Instant::now() < end {
+                        thread::sleep(Duration::from_millis(10));
+                    }
+                    self.assert_no_panic("by its exit");
                 }
                 return;
             }
@@ -288,6 +314,7 @@ fn ctrl_answers(r: &Proc, name: &str) {
 /// Finishes a test: gauges at zero, the process idle, RSS within `max_kib`
 /// of `base_kib`, and a last round trip.
 fn assert_recovered(r: &Proc, what: &str, base_kib: u64, max_growth_kib: u64) {
+    r.assert_no_panic(what);
     r.wait_receiver_empty(what);
     round_trip(r, &format!("{what}-after"));
     r.wait_receiver_empty(what);
@@ -1059,4 +1086,344 @@ fn idle_hellod_peers_cannot_lock_new_peers_out() {
         round_trip(&r, &format!("newcomer-{i}"));
     }
     drop(squatters);
+}
+
+/// One random, well-formed message of any type, its fields biased toward
+/// the edges, naming requests, keys and senders from small pools so that
+/// messages of different peers meet on the same state.
+fn random_message(rng: &mut rand::rngs::SmallRng) -> Message {
+    use kvferry::protocol::{
+        AllocRequest, AllocResponse, CancelNotif, Descriptor, Hello, HelloAck, ProxyFailed,
+        TransferDone, PROTOCOL_VERSION,
+    };
+    use rand::Rng;
+    let edgy = |rng: &mut rand::rngs::SmallRng| -> i64 {
+        match rng.random_range(0..8) {
+            0 => -1,
+            1 => 0,
+            2 => i64::MAX,
+            3 => i64::MIN,
+            4 => rng.random(),
+            5 => (1 << 32) + rng.random_range(-1..=1),
+            _ => rng.random_range(1..40),
+        }
+    };
+    let req = |rng: &mut rand::rngs::SmallRng| format!("fz-{}", rng.random_range(0..4));
+    let keys = |rng: &mut rand::rngs::SmallRng| -> Vec<String> {
+        (0..rng.random_range(0..6))
+            .map(|_| format!("k{}", rng.random_range(0..8)))
+            .collect()
+    };
+    let seq = |rng: &mut rand::rngs::SmallRng| rng.random_bool(0.5).then(|| rng.random());
+    let descriptor = |rng: &mut rand::rngs::SmallRng| match rng.random_range(0..4) {
+        0 => Descriptor::None,
+        1 => Descriptor::Shm {
+            path: ["/dev/shm/nope", "", "/etc/passwd"][rng.random_range(0..3)].into(),
+            len: rng.random(),
+        },
+        2 => Descriptor::Tcp {
+            addr: ["127.0.0.1:1", "", "::::"][rng.random_range(0..3)].into(),
+            secret: rng
+                .random_bool(0.5)
+                .then(|| "00".repeat(rng.random_range(0..40))),
+        },
+        _ => Descriptor::Rdma {
+            qp_num: rng.random(),
+            lid: rng.random(),
+            gid: vec![0; rng.random_range(0..20)],
+            rkey: rng.random(),
+            addr: rng.random(),
+            len: rng.random(),
+        },
+    };
+    match rng.random_range(0..10) {
+        0..=3 => Message::AllocRequest(AllocRequest {
+            keys: keys(rng),
+            fmt: edgy(rng),
+            shape: (0..rng.random_range(0..10)).map(|_| edgy(rng)).collect(),
+            dtype: ["uint8", "bf16", "float32", "", "int4"][rng.random_range(0..5)].into(),
+            last_chunk_toks: edgy(rng),
+            req_id: req(rng),
+            is_last_batch: rng.random(),
+            total_chunks: edgy(rng),
+            seq: seq(rng),
+        }),
+        4 => Message::CancelNotif(CancelNotif {
+            req_id: req(rng),
+            keys: keys(rng),
+            seq: seq(rng),
+        }),
+        5 => Message::TransferDone(TransferDone {
+            req_id: req(rng),
+            seq: seq(rng),
+        }),
+        6 => Message::Heartbeat(Heartbeat {
+            sender_id: format!("fz-peer-{}", rng.random_range(0..3)),
+        }),
+        7 => Message::Hello(Hello {
+            sender_id: format!("fz-peer-{}", rng.random_range(0..3)),
+            version: [PROTOCOL_VERSION, 0, u32::MAX][rng.random_range(0..3)],
+            transport: ["shm", "tcp", "rdma", "carrier-pigeon"][rng.random_range(0..4)].into(),
+            descriptor: descriptor(rng),
+        }),
+        8 => Message::AllocResponse(AllocResponse {
+            remote_indexes: (0..rng.random_range(0..4)).map(|_| edgy(rng)).collect(),
+            already_sent_indexes: Vec::new(),
+            seq: seq(rng),
+            error: None,
+            code: None,
+        }),
+        _ => match rng.random_range(0..3) {
+            0 => Message::ProxyNotif(ProxyNotif { req_id: req(rng) }),
+            1 => Message::ProxyFailed(ProxyFailed {
+                req_id: req(rng),
+                code: "x".into(),
+                error: None,
+            }),
+            _ => Message::HelloAck(HelloAck {
+                receiver_id: "fz".into(),
+                version: PROTOCOL_VERSION,
+                transport: "shm".into(),
+                descriptor: descriptor(rng),
+                chunk_bytes: rng.random(),
+                capacity_chunks: rng.random(),
+            }),
+        },
+    }
+}
+
+/// Three peers send 4000 random well-formed messages of every type (each
+/// field biased toward the edges: -1, 0, `i64::MAX`/`MIN`, 2^32, shapes of
+/// up to 9 dimensions, unknown dtypes and transports, descriptors of every
+/// kind) naming four requests, eight keys and each other, so that their
+/// messages meet on the same state. The receiver answers a probe
+/// throughout, never panics, and ends as an untouched one would: gauges
+/// at zero, a round trip, RSS bounded, idle. `KVFERRY_FUZZ_SEED` picks
+/// another sequence.
+#[test]
+fn random_well_formed_messages_from_several_peers_never_break_the_receiver() {
+    use rand::SeedableRng;
+    let r = receiver(16, &[]);
+    round_trip(&r, "fz-before");
+    let base = r.rss_kib();
+    let peers: Vec<Client> = (0..3)
+        .map(|i| Client::connect(&r.endpoint, &format!("fz-peer-{i}")))
+        .collect();
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(
+        std::env::var("KVFERRY_FUZZ_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(7),
+    );
+    for i in 0..4000 {
+        let peer = &peers[rand::Rng::random_range(&mut rng, 0..peers.len())];
+        peer.send(&random_message(&mut rng));
+        if i % 64 == 0 {
+            for p in &peers {
+                while p.has_pending() {
+                    let _ = p.try_recv_frames(Instant::now());
+                }
+            }
+            ctrl_answers(&r, &format!("fz-probe-{i}"));
+        }
+    }
+    drop(peers);
+    assert_recovered(&r, "random messages", base, 16 * 1024);
+}
+
+/// A ROUTER playing a hostile kvferry receiver against the real `kvferry
+/// sender` (load mode, 400 requests of 1-6 chunks, 4 in flight): it
+/// answers Hello mostly with a valid HelloAck (a real receive buffer, so
+/// the shm transport writes where it is told) and sometimes with a bogus
+/// one; every AllocRequest and CancelNotif once with its `seq`, a quarter
+/// of the time with decodable garbage (-1, one past the buffer, far past
+/// it, duplicates, too few or too many indexes, error and code fields);
+/// and any message with an extra reply half the time: a stale, unknown or
+/// repeated `seq`, undecodable indexes (`i64::MAX`/`MIN`), or an
+/// unsolicited bogus HelloAck. `KVFERRY_FUZZ_SEED` picks another
+/// sequence. The sender ends
+/// (each request done or failed, its watchdog silent), never panics, and
+/// leaks nothing (its report's leak check).
+#[test]
+fn random_replies_from_a_hostile_receiver_never_break_the_sender() {
+    use kvferry::protocol::{decode, AllocResponse, Descriptor, HelloAck, PROTOCOL_VERSION};
+    use kvferry::region::{default_region_path, Region};
+    use rand::rngs::SmallRng;
+    use rand::{Rng, SeedableRng};
+    let router = kvferry::zmq_io::context()
+        .socket(zmq::ROUTER)
+        .expect("router");
+    router.set_linger(0).expect("linger");
+    router.bind("tcp://127.0.0.1:0").expect("bind");
+    let ep = router
+        .get_last_endpoint()
+        .expect("endpoint")
+        .expect("utf-8 endpoint");
+    let region = Region::create(&default_region_path(), 4096, 8).expect("a receive buffer");
+    let dir = TempDir::new("kvferry-fuzz-sender");
+    let (out_path, err_path) = (dir.join("sender.stdout"), dir.join("sender.stderr"));
+    let mut child = Command::new(BIN)
+        .args(["sender", "--connect", &ep, "--requests", "400"])
+        .args(["--chunks", "1..6", "--batch", "2", "--concurrency", "4"])
+        .args(["--chunk-bytes", "4096", "--capacity-chunks", "8"])
+        .args(["--staging-slots", "8", "--stall-timeout", "20"])
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out_path).expect("stdout file"))
+        .stderr(std::fs::File::create(&err_path).expect("stderr file"))
+        .spawn()
+        .expect("spawn kvferry sender");
+    let mut rng = SmallRng::seed_from_u64(
+        std::env::var("KVFERRY_FUZZ_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(7),
+    );
+    let index = |rng: &mut SmallRng| -> i64 {
+        match rng.random_range(0..8) {
+            0 => -1,
+            1 => i64::MAX,
+            2 => i64::MIN,
+            3 => rng.random(),
+            4 => 8,
+            _ => rng.random_range(0..8),
+        }
+    };
+    let good_ack = HelloAck {
+        receiver_id: "fz".into(),
+        version: PROTOCOL_VERSION,
+        transport: "shm".into(),
+        descriptor: Descriptor::Shm {
+            path: region.path().to_string_lossy().into_owned(),
+            len: region.data_len(),
+        },
+        chunk_bytes: 4096,
+        capacity_chunks: 8,
+    };
+    let bogus_ack = |rng: &mut SmallRng| HelloAck {
+        version: [PROTOCOL_VERSION, 0, u32::MAX][rng.random_range(0..3)],
+        transport: ["shm", "tcp", "rdma"][rng.random_range(0..3)].into(),
+        descriptor: match rng.random_range(0..3) {
+            0 => Descriptor::None,
+            1 => Descriptor::Shm {
+                path: ["/etc/hostname", "/nope", ""][rng.random_range(0..3)].into(),
+                len: rng.random(),
+            },
+            _ => Descriptor::Tcp {
+                addr: "127.0.0.1:1".into(),
+                secret: None,
+            },
+        },
+        chunk_bytes: [0, 4096, u64::MAX][rng.random_range(0..3)],
+        capacity_chunks: [0, 8, u64::MAX][rng.random_range(0..3)],
+        ..good_ack.clone()
+    };
+    let mut seen = std::collections::BTreeMap::new();
+    let end = deadline() + HANG;
+    let status = loop {
+        let mut items = [router.as_poll_item(zmq::POLLIN)];
+        if zmq::poll(&mut items, 20).expect("poll") > 0 {
+            let frames = router.recv_multipart(0).expect("recv");
+            let msg = frames.last().map(|f| decode(f));
+            let kind = match &msg {
+                Some(Ok(m)) => format!("{m:?}").split('(').next().unwrap_or("").to_owned(),
+                _ => "undecodable".to_owned(),
+            };
+            *seen.entry(kind).or_insert(0usize) += 1;
+            let (seq, keys) = match &msg {
+                Some(Ok(Message::AllocRequest(r))) => (r.seq, r.keys.len()),
+                Some(Ok(Message::CancelNotif(c))) => (c.seq, c.keys.len()),
+                _ => (None, 0),
+            };
+            let mut replies = Vec::new();
+            if let Some(Ok(Message::Hello(_))) = msg {
+                replies.push(Message::HelloAck(if rng.random_bool(0.9) {
+                    good_ack.clone()
+                } else {
+                    bogus_ack(&mut rng)
+                }));
+            }
+            // `Some(true)`: indexes inside the buffer, one per key; `Some
+            // (false)`: decodable garbage (-1, one past the buffer, far past
+            // it, too few or too many); `None`: anything, undecodable too
+            // (i64::MAX/MIN, random).
+            let response = |rng: &mut SmallRng, seq: Option<u64>, kind: Option<bool>| {
+                let n = if kind == Some(true) || rng.random_bool(0.5) {
+                    keys
+                } else {
+                    rng.random_range(0..6)
+                };
+                Message::AllocResponse(AllocResponse {
+                    remote_indexes: (0..n)
+                        .map(|_| match kind {
+                            Some(true) => rng.random_range(0..8),
+                            Some(false) => {
+                                [-1, 8, 1 << 20, rng.random_range(0..8)][rng.random_range(0..4)]
+                            }
+                            None => index(rng),
+                        })
+                        .collect(),
+                    already_sent_indexes: Vec::new(),
+                    seq,
+                    error: (kind != Some(true) && rng.random_bool(0.2)).then(|| "no".into()),
+                    code: (kind != Some(true) && rng.random_bool(0.2))
+                        .then(|| ["no_space", "x", ""][rng.random_range(0..3)].into()),
+                })
+            };
+            if seq.is_some() {
+                // Every request and cancel gets one answer with its seq
+                // (garbage a quarter of the time), so none waits out the
+                // sender's reply timeout.
+                let valid = rng.random_bool(0.75);
+                replies.push(response(&mut rng, seq, Some(valid)));
+            }
+            for _ in 0..rng.random_range(0..2) {
+                // Extra: unsolicited, a stale or unknown seq, or a repeat.
+                let extra = match rng.random_range(0..4) {
+                    0 => Message::HelloAck(bogus_ack(&mut rng)),
+                    1 => response(&mut rng, None, None),
+                    2 => {
+                        let stale = Some(rng.random_range(0..64));
+                        response(&mut rng, stale, None)
+                    }
+                    _ => response(&mut rng, seq, None),
+                };
+                replies.push(extra);
+            }
+            for reply in replies {
+                let _ = router.send_multipart(
+                    [&frames[0][..], &[][..], &encode(&reply)[..]],
+                    zmq::DONTWAIT,
+                );
+            }
+        }
+        if let Some(st) = child.try_wait().expect("the sender's status") {
+            break st;
+        }
+        if Instant::now() > end {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "hung waiting for the sender to finish against a hostile receiver (seen {seen:?}):\n{}\n{}",
+                std::fs::read_to_string(&out_path).unwrap_or_default(),
+                std::fs::read_to_string(&err_path).unwrap_or_default()
+            );
+        }
+    };
+    let out = std::fs::read_to_string(&out_path).unwrap_or_default();
+    let err = std::fs::read_to_string(&err_path).unwrap_or_default();
+    assert!(!err.contains("panicked"), "the sender panicked:\n{err}");
+    assert!(
+        matches!(status.code(), Some(0 | 1)),
+        "the sender ended with {status}:\n{out}\n{err}"
+    );
+    assert!(
+        !out.contains("DEADLOCK"),
+        "the sender's watchdog fired:\n{out}"
+    );
+    assert!(
+        out.contains("leak check   staging slots 0 ✓")
+            && out.contains("receive slots 0 ✓")
+            && out.contains("reservations 0 ✓"),
+        "the sender leaked:\n{out}"
+    );
 }
