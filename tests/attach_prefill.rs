@@ -1652,3 +1652,169 @@ fn a_fresh_worker_fills_its_whole_share_without_a_page_fault() {
          should be filled at attach)"
     );
 }
+
+/// Panics of attach session threads (`attach-<id>`) in this test process,
+/// counted by a panic hook installed once (it chains to the default hook).
+fn session_panics() -> usize {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static PANICS: AtomicUsize = AtomicUsize::new(0);
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let name = thread::current().name().unwrap_or("").to_owned();
+            if name
+                .strip_prefix("attach-")
+                .is_some_and(|id| id.parse::<u32>().is_ok())
+            {
+                // Relaxed: a count read after the sessions ended.
+                PANICS.fetch_add(1, Ordering::Relaxed);
+            }
+            previous(info);
+        }));
+    });
+    // Relaxed: as above.
+    PANICS.load(Ordering::Relaxed)
+}
+
+/// A worker that mixes valid steps, chosen at random on its own live
+/// state (BEGINs of pooled req_ids with totals from 0 to `u32::MAX` to
+/// receiver 0 or an unknown one, STAGEs of 0 to 1000 slots, its held
+/// batches filled and submitted with 0 to all their keys, CANCELs), with
+/// raw entries the session must refuse or take in its stride (KEYs of
+/// random batches, indexes, lengths and bytes, invalid UTF-8 and
+/// over-long texts included; SUBMITs of wrong counts and token numbers;
+/// STAGEs past the completion ring; CANCELs and BEGINs no client would
+/// send; unknown ops), 3000 steps, draining its events as it goes. The
+/// Rust client's own checks of every event pass (the daemon never sends
+/// what it must not), no session thread panics, and once the worker
+/// detaches the sender holds nothing and a well-behaved worker's request
+/// lands byte for byte. `KVFERRY_FUZZ_SEED` picks another sequence.
+#[test]
+fn random_steps_of_a_worker_never_break_its_session() {
+    use kvferry::attach::layout::{MAX_TEXT, OP_BEGIN, OP_CANCEL, OP_STAGE};
+    use rand::rngs::SmallRng;
+    use rand::{Rng, SeedableRng};
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let panics_before = session_panics();
+    let t = setup(16, 2);
+    let mut c = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
+    let mut rng = SmallRng::seed_from_u64(
+        std::env::var("KVFERRY_FUZZ_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(7),
+    );
+    let prefix = unique("fz");
+    let mut tags: Vec<u64> = Vec::new();
+    let mut held: Vec<StagedSlots> = Vec::new();
+    let (mut done, mut failed, mut refused) = (0, 0, 0);
+    let pick = |rng: &mut SmallRng, v: &[u32]| v[rng.random_range(0..v.len())];
+    for step in 0..3000 {
+        let tag = if !tags.is_empty() && rng.random_bool(0.8) {
+            tags[rng.random_range(0..tags.len())]
+        } else {
+            rng.random_range(0..1 << 20)
+        };
+        let sent = match rng.random_range(0..12) {
+            0 | 1 => {
+                // Now and then the req_id of an earlier BEGIN.
+                let req = format!("{prefix}-{}", rng.random_range(0..step / 4 + 2));
+                let receiver = pick(&mut rng, &[0, 0, 0, 0, 0, 1, u32::MAX]);
+                let total = pick(&mut rng, &[1, 1, 2, 2, 3, 0, 64, u32::MAX]);
+                c.begin(&req, receiver, total).map(|t| tags.push(t))
+            }
+            2 | 3 => c.stage(tag, pick(&mut rng, &[1, 1, 1, 2, 3, 0, 9, 1000])),
+            4 | 5 if !held.is_empty() => {
+                let b = held.swap_remove(rng.random_range(0..held.len()));
+                let n = if rng.random_bool(0.8) {
+                    b.len()
+                } else {
+                    rng.random_range(0..=b.len())
+                };
+                let keys: Vec<String> = (0..n).map(|i| format!("{prefix}/{step}/{i}")).collect();
+                let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                let lens: Vec<u32> = (0..n)
+                    .map(|_| {
+                        pick(
+                            &mut rng,
+                            &[1, 100, CHUNK as u32, CHUNK as u32, 0, CHUNK as u32 + 1],
+                        )
+                    })
+                    .collect();
+                c.submit(b, &keys, &lens)
+            }
+            6 => c.cancel(tag),
+            _ => {
+                let batch = rng.random_range(0..1 << 16);
+                let mut s = match rng.random_range(0..6) {
+                    0 => PrefillSubmit::of(
+                        OP_KEY,
+                        tag,
+                        batch,
+                        pick(&mut rng, &[0, 1, 8, u32::MAX]),
+                        pick(&mut rng, &[0, 1, CHUNK as u32, u32::MAX]),
+                    ),
+                    1 => PrefillSubmit::submit(
+                        tag,
+                        batch,
+                        pick(&mut rng, &[0, 1, 9, u32::MAX]),
+                        Some(pick(&mut rng, &[0, 1, u32::MAX - 1])),
+                    ),
+                    // Past the completion ring: refused, never staged.
+                    2 => PrefillSubmit::of(OP_STAGE, tag, batch, u32::MAX, 0),
+                    // A CANCEL or a BEGIN of a tag the client never used.
+                    3 => PrefillSubmit::of(OP_CANCEL, (1 << 40) + u64::from(batch), 0, 0, 0),
+                    4 => PrefillSubmit::of(OP_BEGIN, tag, 0, 1, 0),
+                    _ => PrefillSubmit::of(rng.random_range(6..1000), tag, batch, 0, 0),
+                };
+                s.text_len = pick(
+                    &mut rng,
+                    &[0, 1, 16, MAX_TEXT as u32, MAX_TEXT as u32 + 1, u32::MAX],
+                );
+                rng.fill(&mut s.text[..]);
+                if s.op == OP_BEGIN {
+                    // Never a BEGIN the session could take: the tag is
+                    // the client's own or ... an unknown receiver.
+                    s.a = u32::MAX;
+                }
+                c.submit_raw(s)
+            }
+        };
+        let _ = sent; // An API call the client itself refused: fine.
+                      // Drain what has come.
+        loop {
+            match c.next_event(Instant::now()) {
+                Ok(PrefillEvent::Staged(b)) => held.push(b),
+                Ok(PrefillEvent::Done { .. }) => done += 1,
+                Ok(PrefillEvent::Failed { .. }) => failed += 1,
+                Ok(PrefillEvent::Refused { .. }) => refused += 1,
+                Err(AttachError::Timeout) => break,
+                Err(e) => panic!("step {step}: the client's check of an event failed: {e}"),
+            }
+        }
+    }
+    assert!(
+        refused > 0 && done + failed > 0,
+        "the steps did little: {done} done, {failed} failed, {refused} refused"
+    );
+    drop(held);
+    drop(c);
+    wait_for("the fuzzing worker's session to end", || t.d.clients() == 0);
+    wait_sender_empty(&t.s, "after the fuzzing worker");
+    assert_eq!(session_panics(), panics_before, "a session thread panicked");
+    // A well-behaved worker is served as before.
+    let mut w = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
+    let req = unique("after-fz");
+    let tag = w.begin(&req, 0, 3).unwrap();
+    w.stage(tag, 3).unwrap();
+    let b = staged(&mut w, "the next worker's batch");
+    fill_and_submit(&mut w, b, &req, 0, 3);
+    match next(&mut w, "the next worker's DONE") {
+        PrefillEvent::Done { tag: t2 } => assert_eq!(t2, tag),
+        other => panic!("expected DONE, got {other:?}"),
+    }
+    verify_at_receiver(&t.r, &req, 3);
+}
