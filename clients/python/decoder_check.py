@@ -7,6 +7,10 @@ byte of its N chunks (byte j of chunk i is (i * 31 + j) & 0xff; all chunks
 are full but the last, LAST_LEN bytes), then in MODE "release" releases it
 and prints "ATTACH:ok"; in MODE "hold" prints "ATTACH:holding" and sleeps
 until killed. With LAST_TOKENS the last chunk must carry that token count.
+In MODE "crossed" it releases the subscription once its READY is on the
+completion ring but not read, then checks that next_event skips that
+READY (the daemon released the delivery) and returns the REFUSED of a
+RELEASE of an unknown tag sent after it; prints "ATTACH:ok".
 """
 
 import sys
@@ -40,6 +44,19 @@ def main():
     else:
         tag = c.subscribe(req_id)
     print("ATTACH:subscribed", flush=True)
+    if mode == "crossed":
+        end = time.monotonic() + 30.0
+        while not c.cq.available():
+            if time.monotonic() > end:
+                sys.exit("the READY never came")
+            time.sleep(0.001)
+        c.release(tag)
+        c.release(0xFEED)
+        ev = c.next_event(timeout=30.0)
+        if ev != ("refused", 0xFEED, 6):
+            sys.exit("expected the fence's refusal after the crossed READY, got %r" % (ev,))
+        print("ATTACH:ok", flush=True)
+        return
     ev = c.next_event(timeout=30.0)
     if req_id == "*":
         if ev[0] != "ready" or not ev[1] & kvferry_attach.DAEMON_TAG:

@@ -409,13 +409,31 @@ class DecoderClient:
         self._submit(OP_RELEASE, tag)
         self.tags.pop(tag, None)
 
+    def _let_go(self, tag):
+        """A tag this client gave out and released (or unsubscribed): an
+        event for it was posted before the daemon read the RELEASE, and
+        the daemon released that delivery itself. Tags are never reused."""
+        return not tag & DAEMON_TAG and 0 < tag < self.next_tag and tag not in self.tags
+
     def next_event(self, timeout=30.0):
         """('ready', tag, req_id, [(slot, len, tokens)]) | ('failed', tag,
-        req_id, code) | ('refused', tag, code)."""
+        req_id, code) | ('refused', tag, code). A READY or FAILED of a tag
+        released before it came (release() of a subscription not
+        delivered yet) is skipped: the daemon released that delivery."""
         deadline = time.monotonic() + timeout
-        if not self.cq.wait(deadline):
-            raise TimeoutError("no attach event within %.1fs" % timeout)
+        while True:
+            if not self.cq.wait(deadline):
+                raise TimeoutError("no attach event within %.1fs" % timeout)
+            ev = self._event()
+            if ev is not None:
+                return ev
+
+    def _event(self):
         kind, code, tag, a, b, _len, _tok = EVENT.unpack(self.cq.pop())
+        if kind in (EV_READY, EV_FAILED) and not b and self._let_go(tag):
+            if kind == EV_READY and a and self.cq.pop_many(a) is None:
+                raise AttachError("READY not followed by its chunks")
+            return None
         if kind == EV_READY:
             req_id = self.tags.get(tag)
             if b:  # a wildcard delivery: its req_id follows in NAME entries

@@ -3,6 +3,7 @@
 //! release them.
 
 use foldhash::{HashMap, HashMapExt};
+use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{self, Write};
 use std::os::unix::net::UnixStream;
@@ -275,6 +276,10 @@ pub(super) fn follow_ons<T>(
     Ok(out)
 }
 
+/// How often [`DecoderClient::next_event`] retries releases that found
+/// the submission ring full.
+const DEFERRED_RETRY: Duration = Duration::from_millis(1);
+
 /// An attached decoder (see `docs/attach.md`). Not `Sync`: one thread
 /// drives it.
 pub struct DecoderClient {
@@ -291,6 +296,10 @@ pub struct DecoderClient {
     wild_ever: bool,
     next_tag: u64,
     next_serial: u64,
+    /// Tags of releases that found the submission ring full, oldest
+    /// first: sent before any later submission (one per delivery given
+    /// up, so at most `max_outstanding`).
+    deferred: VecDeque<u64>,
 }
 
 impl std::fmt::Debug for DecoderClient {
@@ -343,6 +352,7 @@ impl DecoderClient {
             tags: HashMap::new(),
             wild: None,
             wild_ever: false,
+            deferred: VecDeque::new(),
             next_tag: 1,
             next_serial: 1,
         })
@@ -354,8 +364,30 @@ impl DecoderClient {
     }
 
     fn submit(&mut self, s: DecoderSubmit) -> Result<(), AttachError> {
+        // After the releases still waiting for room, in order.
+        if !self.flush_deferred()? {
+            return Err(AttachError::Full);
+        }
         self.sq.push(s).map_err(|_| AttachError::Full)?;
         doorbell(&mut self.sq, &mut self.sock)
+    }
+
+    /// Pushes the deferred releases while the ring has room; true once
+    /// none is left. A ring still full is rung: the session drains it as
+    /// soon as its completion ring has room (the caller reads events).
+    fn flush_deferred(&mut self) -> Result<bool, AttachError> {
+        if self.deferred.is_empty() {
+            return Ok(true);
+        }
+        while let Some(&tag) = self.deferred.front() {
+            if self.sq.push(DecoderSubmit::release(tag)).is_err() {
+                ring_socket(&mut self.sock)?;
+                return Ok(false);
+            }
+            self.deferred.pop_front();
+        }
+        doorbell(&mut self.sq, &mut self.sock)?;
+        Ok(true)
     }
 
     /// Subscribes to `req_id`; returns the tag its events carry.
@@ -401,8 +433,11 @@ impl DecoderClient {
         self.submit(s)
     }
 
-    /// Drops a subscription not delivered yet (its events may still arrive
-    /// and are then ignored by the daemon's bookkeeping as released).
+    /// Drops a subscription not delivered yet. A delivery or failure the
+    /// daemon posted before it read the unsubscribe is skipped by
+    /// [`next_event`](Self::next_event), never returned: the daemon
+    /// releases such a delivery (the request is consumed, its slots go
+    /// back) as it would a RELEASE of a delivery.
     pub fn unsubscribe(&mut self, tag: u64) -> Result<(), AttachError> {
         if self.wild == Some(tag) {
             self.submit(DecoderSubmit::release(tag))?;
@@ -421,14 +456,22 @@ impl DecoderClient {
         }
     }
 
-    /// Gives a delivered request's slots back to the receiver.
+    /// Gives a delivered request's slots back to the receiver. Never
+    /// fails for a full submission ring (the delivery is consumed, so it
+    /// could not be released again): the RELEASE then waits in the client
+    /// and goes out before any later submission, at the latest from the
+    /// next [`next_event`](Self::next_event) that finds room.
     pub fn release(&mut self, d: Delivery) -> Result<(), AttachError> {
         match self.tags.get(&d.tag) {
             Some(TagState::Held(serial)) if *serial == d.serial => {}
             _ => return Err(AttachError::Protocol("not this client's delivery".into())),
         }
-        self.submit(DecoderSubmit::release(d.tag))?;
         self.tags.remove(&d.tag);
+        if self.deferred.is_empty() && self.sq.push(DecoderSubmit::release(d.tag)).is_ok() {
+            return doorbell(&mut self.sq, &mut self.sock);
+        }
+        self.deferred.push_back(d.tag);
+        self.flush_deferred()?;
         Ok(())
     }
 
@@ -448,7 +491,17 @@ impl DecoderClient {
     /// Waits until the next event or `deadline`.
     pub fn next_event(&mut self, deadline: Instant) -> Result<Event, AttachError> {
         loop {
-            let ev = next_entry(&mut self.cq, deadline)?;
+            // Releases waiting for room are retried every millisecond
+            // meanwhile: the event waited for may need their slots.
+            let slice = if self.flush_deferred()? {
+                deadline
+            } else {
+                deadline.min(Instant::now() + DEFERRED_RETRY)
+            };
+            let ev = match next_entry(&mut self.cq, slice) {
+                Err(AttachError::Timeout) if slice < deadline => continue,
+                ev => ev?,
+            };
             if let Some(out) = self.on_event(ev)? {
                 return Ok(out);
             }
@@ -478,6 +531,15 @@ impl DecoderClient {
         String::from_utf8(name).map_err(|_| AttachError::Protocol("req_id not UTF-8".into()))
     }
 
+    /// True for a tag this client gave out and no longer tracks: one it
+    /// unsubscribed (or released). An event for it was posted before the
+    /// daemon read the RELEASE (the daemon posts nothing for a tag after
+    /// that): a delivery it then released unseen, or a failure. Tags are
+    /// never reused, so no bookkeeping of past tags is needed.
+    fn let_go(&self, tag: u64) -> bool {
+        tag & DAEMON_TAG == 0 && tag < self.next_tag && !self.tags.contains_key(&tag)
+    }
+
     fn on_event(&mut self, ev: DecoderEvent) -> Result<Option<Event>, AttachError> {
         let bad = |what: &str| AttachError::Protocol(format!("{what}: {ev:?}"));
         match ev.kind {
@@ -488,6 +550,16 @@ impl DecoderClient {
                     Some(TagState::Subscribed(_)) if ev.b == 0 => None,
                     None if ev.tag & DAEMON_TAG != 0 && self.wild_ever => {
                         Some(self.read_name(&ev)?)
+                    }
+                    None if ev.b == 0 && self.let_go(ev.tag) => {
+                        // Unsubscribed while its READY was on the way: the
+                        // daemon released it on the RELEASE (its slots are
+                        // another request's by now). Its entries are
+                        // skipped, never shown.
+                        follow_ons(&mut self.cq, &ev, EV_CHUNK, ev.a as usize, "READY", |_| {
+                            Some(())
+                        })?;
+                        return Ok(None);
                     }
                     _ => return Err(bad("READY for a tag not subscribed")),
                 };
@@ -518,6 +590,10 @@ impl DecoderClient {
                 })))
             }
             EV_FAILED => {
+                if self.let_go(ev.tag) {
+                    // Unsubscribed while its FAILED was on the way.
+                    return Ok(None);
+                }
                 let Some(TagState::Subscribed(req_id)) = self.tags.remove(&ev.tag) else {
                     return Err(bad("FAILED for a tag not subscribed"));
                 };
