@@ -1653,6 +1653,51 @@ fn a_fresh_worker_fills_its_whole_share_without_a_page_fault() {
     );
 }
 
+/// A STAGED posted before the daemon read the worker's CANCEL (the
+/// daemon gives the batch back on the CANCEL): the Rust client skips it
+/// and returns the request's FAILED, so no slot the worker no longer owns
+/// is handed out for writing; it used to return the batch, writable,
+/// while the sender already counted its slots free.
+#[test]
+fn a_batch_staged_across_a_cancel_is_skipped_not_handed_out() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let t = setup(8, 2);
+    let mut c = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
+    let tag = c.begin(&unique("crossed"), 0, 4).unwrap();
+    c.stage(tag, 2).unwrap();
+    wait_for("the batch staged", || t.s.staging_in_use() == 2);
+    // Long enough for the session to have posted the STAGED.
+    thread::sleep(Duration::from_millis(100));
+    c.cancel(tag).unwrap();
+    match next(&mut c, "after the cancel") {
+        PrefillEvent::Failed { tag: t2, code } => {
+            assert_eq!((t2, code), (tag, Some(ErrorCode::Cancelled)))
+        }
+        other => panic!("expected FAILED cancelled (the crossed STAGED skipped), got {other:?}"),
+    }
+    wait_sender_empty(&t.s, "after the crossed cancel");
+}
+
+/// The Python worker skips a STAGED that crossed its CANCEL too
+/// (`clients/python/cancel_check.py`: it cancels once the STAGED is on the
+/// ring, unread); it used to return it, its slot numbers free for another
+/// batch of the same worker.
+#[test]
+fn the_python_worker_skips_a_batch_staged_across_its_cancel() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let t = setup(8, 2);
+    let code = kvferry::attach::layout::error_number(ErrorCode::Cancelled).to_string();
+    let sock = t.d.socket().to_str().unwrap().to_owned();
+    let mut py = python_client("cancel_check.py", &[&sock, &unique("py-crossed"), &code]);
+    py.expect_line("PREFILL:ok");
+    py.wait_success("the python worker whose STAGED crossed its cancel");
+    wait_sender_empty(&t.s, "after the python worker's crossed cancel");
+}
+
 /// Panics of attach session threads (`attach-<id>`) in this test process,
 /// counted by a panic hook installed once (it chains to the default hook).
 fn session_panics() -> usize {

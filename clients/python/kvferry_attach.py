@@ -506,6 +506,11 @@ class PrefillClient:
         self.next_tag = 1
         self.next_batch = 1
         self.held = set()  # (tag, batch) staged for us and not submitted
+        self.live = set()  # tags begun and not ended (a refused BEGIN's stays)
+        # Live tags we cancelled: a STAGED posted before the daemon read the
+        # CANCEL (which gave the batch back) is skipped, its slots never
+        # handed out.
+        self.cancelled = set()
 
     def _push(self, op, tag, a=0, b=0, length=0, text=b"", wait=0.0, c=0, extra=b""):
         # `extra`: bytes after the text's used part (a BEGIN's geometry).
@@ -529,6 +534,7 @@ class PrefillClient:
         tag = self.next_tag
         self.next_tag += 1
         self._push(OP_BEGIN, tag, receiver, total_chunks, 0, raw, extra=geometry)
+        self.live.add(tag)
         return tag
 
     def stage(self, tag, n):
@@ -564,10 +570,16 @@ class PrefillClient:
         self.held.discard((tag, batch))
 
     def cancel(self, tag):
+        """Cancels tag's request (its FAILED follows); a batch staged for it
+        before the daemon read the CANCEL is skipped by next_event."""
         self.held = {h for h in self.held if h[0] != tag}
         self._push(OP_CANCEL, tag)
+        if tag in self.live:
+            self.cancelled.add(tag)
 
     def _ended(self, tag):
+        self.live.discard(tag)
+        self.cancelled.discard(tag)
         # The daemon keeps batches we held at the end until we acknowledge
         # (we might still be writing them): CANCEL is the acknowledgement.
         if any(h[0] == tag for h in self.held):
@@ -577,9 +589,19 @@ class PrefillClient:
         """('staged', tag, batch, [slot]) | ('done', tag) | ('failed', tag,
         code) | ('refused', tag, code)."""
         deadline = time.monotonic() + timeout
-        if not self.cq.wait(deadline):
-            raise TimeoutError("no attach event within %.1fs" % timeout)
+        while True:
+            if not self.cq.wait(deadline):
+                raise TimeoutError("no attach event within %.1fs" % timeout)
+            ev = self._event()
+            if ev is not None:
+                return ev
+
+    def _event(self):
         kind, code, tag, a, b, _len, _tok = EVENT.unpack(self.cq.pop())
+        if kind == EV_STAGED and tag in self.cancelled:
+            if b and self.cq.pop_many(b) is None:
+                raise AttachError("STAGED not followed by its slots")
+            return None
         if kind == EV_STAGED:
             raw = self.cq.pop_many(b) if b else b""
             if raw is None:

@@ -100,6 +100,10 @@ pub struct PrefillClient {
     held: HashSet<(u64, u32)>,
     /// Batch ids asked for and not answered yet, per tag.
     asked: HashMap<u64, u32>,
+    /// Live requests this worker cancelled (until their end event): a
+    /// STAGED of one was posted before the daemon read the CANCEL, which
+    /// gave the batch back, so it is skipped, its slots never handed out.
+    cancelled: HashSet<u64>,
     next_tag: u64,
     next_batch: u32,
 }
@@ -158,6 +162,7 @@ impl PrefillClient {
             tags: HashSet::new(),
             held: HashSet::new(),
             asked: HashMap::new(),
+            cancelled: HashSet::new(),
             next_tag: 1,
             next_batch: 1,
         })
@@ -308,10 +313,17 @@ impl PrefillClient {
         ))
     }
 
-    /// Cancels request `tag` (its FAILED event follows).
+    /// Cancels request `tag` (its FAILED event follows). A batch staged
+    /// for it before the daemon read the CANCEL is given back by the
+    /// daemon and skipped by [`next_event`](Self::next_event), never
+    /// returned.
     pub fn cancel(&mut self, tag: u64) -> Result<(), AttachError> {
         self.held.retain(|h| h.0 != tag);
-        self.push(PrefillSubmit::of(OP_CANCEL, tag, 0, 0, 0))
+        self.push(PrefillSubmit::of(OP_CANCEL, tag, 0, 0, 0))?;
+        if self.tags.contains(&tag) {
+            self.cancelled.insert(tag);
+        }
+        Ok(())
     }
 
     /// Sends a raw submission, unchecked (for tests of the daemon's
@@ -323,13 +335,25 @@ impl PrefillClient {
 
     /// Waits until the next event or `deadline`.
     pub fn next_event(&mut self, deadline: Instant) -> Result<PrefillEvent, AttachError> {
-        let ev = next_entry(&mut self.cq, deadline)?;
-        self.on_event(ev)
+        loop {
+            let ev = next_entry(&mut self.cq, deadline)?;
+            if let Some(out) = self.on_event(ev)? {
+                return Ok(out);
+            }
+        }
     }
 
-    fn on_event(&mut self, ev: DecoderEvent) -> Result<PrefillEvent, AttachError> {
+    fn on_event(&mut self, ev: DecoderEvent) -> Result<Option<PrefillEvent>, AttachError> {
         let bad = |what: &str| AttachError::Protocol(format!("{what}: {ev:?}"));
         match ev.kind {
+            EV_STAGED if self.cancelled.contains(&ev.tag) => {
+                // Staged before the daemon read our CANCEL: the daemon gave
+                // the batch back (its slots may be another batch's now).
+                follow_ons(&mut self.cq, &ev, EV_SLOT, ev.b as usize, "STAGED", |_| {
+                    Some(())
+                })?;
+                Ok(None)
+            }
             EV_STAGED => {
                 let asked = self.asked.get_mut(&ev.tag).filter(|n| **n > 0);
                 let Some(asked) = asked else {
@@ -341,12 +365,12 @@ impl PrefillClient {
                     (u64::from(c.a) < share).then_some(c.a)
                 })?;
                 self.held.insert((ev.tag, ev.a));
-                Ok(PrefillEvent::Staged(StagedSlots {
+                Ok(Some(PrefillEvent::Staged(StagedSlots {
                     tag: ev.tag,
                     id: ev.a,
                     slots,
                     last_chunk_toks: None,
-                }))
+                })))
             }
             EV_DONE | EV_FAILED => {
                 if !self.tags.remove(&ev.tag) {
@@ -361,21 +385,22 @@ impl PrefillClient {
                     doorbell(&mut self.sq, &mut self.sock)?;
                 }
                 self.asked.remove(&ev.tag);
-                Ok(if ev.kind == EV_DONE {
+                self.cancelled.remove(&ev.tag);
+                Ok(Some(if ev.kind == EV_DONE {
                     PrefillEvent::Done { tag: ev.tag }
                 } else {
                     PrefillEvent::Failed {
                         tag: ev.tag,
                         code: error_from_number(ev.code),
                     }
-                })
+                }))
             }
             // Changes no bookkeeping here: a refused BEGIN's tag gets no
             // end event (the caller knows which submission it was).
-            EV_REFUSED => Ok(PrefillEvent::Refused {
+            EV_REFUSED => Ok(Some(PrefillEvent::Refused {
                 tag: ev.tag,
                 reason: Refusal::from_code(ev.code),
-            }),
+            })),
             _ => Err(bad("unknown event kind")),
         }
     }
