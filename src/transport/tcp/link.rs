@@ -397,6 +397,17 @@ impl Link {
                         let status = CompletionStatus::from_u32(ack.status)
                             .unwrap_or(CompletionStatus::TransportError);
                         io.done.push(Completion::new(w, status));
+                        if status != CompletionStatus::Ok {
+                            // A reject: the receiver closes the connection
+                            // after it and lands nothing more from it, so
+                            // it is lost now rather than when its close is
+                            // read (a write queued meanwhile would go on it
+                            // and be lost too, where the next connection
+                            // would land it).
+                            return Err(Broken::peer(format!(
+                                "the receiver rejected work {w} ({status:?}) and closes the connection"
+                            )));
+                        }
                     }
                     Some(&w) => {
                         return Err(Broken::ours(format!(
