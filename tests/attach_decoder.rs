@@ -717,8 +717,7 @@ fn a_decoder_scribbling_on_its_ring_indices_harms_only_itself() {
         "the receiver exited:\n{}",
         receiver_log()
     );
-    let log = receiver_log();
-    assert!(!log.contains("panicked"), "the receiver panicked:\n{log}");
+    process::assert_no_panic_logged(&log_path, "the receiver");
 }
 
 #[test]
@@ -1247,7 +1246,7 @@ fn random_steps_of_the_python_decoder_against_the_receiver_binary() {
     for i in 0..N {
         store_for_python(&s, &endpoint, &format!("{prefix}-{i}"), 1, 100);
     }
-    let seed = std::env::var("KVFERRY_FUZZ_SEED").unwrap_or_else(|_| "7".into());
+    let seed = process::fuzz_seed().to_string();
     let sock = dir.sock();
     let mut py = process::python_client(
         "decoder_fuzz.py",
@@ -1255,32 +1254,7 @@ fn random_steps_of_the_python_decoder_against_the_receiver_binary() {
     );
     py.expect_line(&format!("FUZZ:ok accounted={N} "));
     py.wait_success("the python decoder's random steps");
-    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-    assert!(!log.contains("panicked"), "the receiver panicked:\n{log}");
-}
-
-/// Panics of attach session threads (`attach-<id>`) in this test process,
-/// counted by a panic hook installed once (it chains to the default hook).
-fn session_panics() -> usize {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    static PANICS: AtomicUsize = AtomicUsize::new(0);
-    static HOOK: std::sync::Once = std::sync::Once::new();
-    HOOK.call_once(|| {
-        let previous = std::panic::take_hook();
-        std::panic::set_hook(Box::new(move |info| {
-            let name = thread::current().name().unwrap_or("").to_owned();
-            if name
-                .strip_prefix("attach-")
-                .is_some_and(|id| id.parse::<u32>().is_ok())
-            {
-                // Relaxed: a count read after the sessions ended.
-                PANICS.fetch_add(1, Ordering::Relaxed);
-            }
-            previous(info);
-        }));
-    });
-    // Relaxed: as above.
-    PANICS.load(Ordering::Relaxed)
+    process::assert_no_panic_logged(&log_path, "the receiver");
 }
 
 /// A decoder taking 3000 random steps while a sender keeps writing
@@ -1304,7 +1278,7 @@ fn random_steps_of_a_decoder_never_break_its_session() {
     if std::env::var(ROLE).is_ok() {
         return;
     }
-    let panics_before = session_panics();
+    let panics_before = process::attach_session_panics();
     let dir = TempDir::new("kvferry-attach");
     let r = Arc::new(receiver(16));
     let d = daemon(&r, &dir.sock(), |_| {});
@@ -1312,6 +1286,16 @@ fn random_steps_of_a_decoder_never_break_its_session() {
     let prefix = format!("fz{}", std::process::id());
     let written: Arc<Mutex<Vec<(String, usize)>>> = Arc::default();
     let stop = Arc::new(AtomicBool::new(false));
+    /// Raises the writer's stop flag when dropped: the writer ends however
+    /// the test does (a failed assertion included).
+    struct StopWriter(Arc<AtomicBool>);
+    impl Drop for StopWriter {
+        fn drop(&mut self) {
+            // Relaxed: see the writer.
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
+    let stop_writer = StopWriter(Arc::clone(&stop));
     let writer = {
         let (s, r, written, stop, prefix) = (
             Arc::clone(&s),
@@ -1349,12 +1333,7 @@ fn random_steps_of_a_decoder_never_break_its_session() {
         written.lock().unwrap().len() >= 4
     });
     let mut c = connect(&dir.sock());
-    let mut rng = SmallRng::seed_from_u64(
-        std::env::var("KVFERRY_FUZZ_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(7),
-    );
+    let mut rng = SmallRng::seed_from_u64(process::fuzz_seed());
     let n_of = |req: &str| -> usize {
         let i: usize = req.rsplit('-').next().unwrap().parse().unwrap();
         1 + i % 3
@@ -1501,15 +1480,18 @@ fn random_steps_of_a_decoder_never_break_its_session() {
     );
     drop(held);
     drop(c);
-    // Relaxed: see the writer.
-    stop.store(true, Ordering::Relaxed);
+    drop(stop_writer);
     wait_for("the fuzzing decoder's session to end", || d.clients() == 0);
     assert_eq!(
         d.subscriptions(),
         0,
         "subscriptions left after the session ended"
     );
-    assert_eq!(session_panics(), panics_before, "a session thread panicked");
+    assert_eq!(
+        process::attach_session_panics(),
+        panics_before,
+        "a session thread panicked"
+    );
     // Whatever it did not take goes whole to the next decoder; the writer
     // ends once the buffer has room for its last request.
     let mut next_decoder = connect(&dir.sock());

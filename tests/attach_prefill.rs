@@ -687,6 +687,28 @@ fn spawn_binary(args: &[&str], role: &str, announce: &str) -> (ChildProc, String
     (p, found)
 }
 
+/// `kvferry receiver` (8 slots of [`CHUNK`] bytes, buffer at `shm`)
+/// serving attached decoders on `sock`; returns it with its endpoint.
+fn spawn_attach_receiver(sock: &Path, shm: &Path) -> (ChildProc, String) {
+    spawn_binary(
+        &[
+            "receiver",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--capacity-chunks",
+            "8",
+            "--chunk-bytes",
+            &CHUNK.to_string(),
+            "--attach",
+            sock.to_str().unwrap(),
+            "--shm-path",
+            shm.to_str().unwrap(),
+        ],
+        "receiver",
+        "kvferry receiver listening on ",
+    )
+}
+
 /// A worker process that scribbles on its own rings' indices
 /// (`clients/python/ring_abuse_check.py prefill`, as the decoder's test in
 /// `attach_decoder.rs`) harms only itself: its session reads no
@@ -704,23 +726,7 @@ fn a_worker_scribbling_on_its_ring_indices_harms_only_itself() {
     let ssock = dir.0.join("send.sock");
     let shm = dir.0.join("buf");
     let chunk = CHUNK.to_string();
-    let (_recv, endpoint) = spawn_binary(
-        &[
-            "receiver",
-            "--listen",
-            "tcp://127.0.0.1:0",
-            "--capacity-chunks",
-            "8",
-            "--chunk-bytes",
-            &chunk,
-            "--attach",
-            rsock.to_str().unwrap(),
-            "--shm-path",
-            shm.to_str().unwrap(),
-        ],
-        "receiver",
-        "kvferry receiver listening on ",
-    );
+    let (_recv, endpoint) = spawn_attach_receiver(&rsock, &shm);
     let log_path = dir.0.join("sender.stderr");
     let log = std::fs::File::create(&log_path).expect("the sender's stderr file");
     let mut send = ChildProc::spawn(
@@ -761,8 +767,7 @@ fn a_worker_scribbling_on_its_ring_indices_harms_only_itself() {
         "the sender exited:\n{}",
         sender_log()
     );
-    let log = sender_log();
-    assert!(!log.contains("panicked"), "the sender panicked:\n{log}");
+    process::assert_no_panic_logged(&log_path, "the sender");
 }
 
 #[test]
@@ -775,23 +780,7 @@ fn python_and_rust_prefill_workers_feed_a_python_decoder_through_both_binaries()
     let ssock = dir.0.join("send.sock");
     let shm = dir.0.join("buf");
     let chunk = CHUNK.to_string();
-    let (_recv, endpoint) = spawn_binary(
-        &[
-            "receiver",
-            "--listen",
-            "tcp://127.0.0.1:0",
-            "--capacity-chunks",
-            "8",
-            "--chunk-bytes",
-            &chunk,
-            "--attach",
-            rsock.to_str().unwrap(),
-            "--shm-path",
-            shm.to_str().unwrap(),
-        ],
-        "receiver",
-        "kvferry receiver listening on ",
-    );
+    let (_recv, endpoint) = spawn_attach_receiver(&rsock, &shm);
     let (_send, _) = spawn_binary(
         &[
             "sender",
@@ -1698,30 +1687,6 @@ fn the_python_worker_skips_a_batch_staged_across_its_cancel() {
     wait_sender_empty(&t.s, "after the python worker's crossed cancel");
 }
 
-/// Panics of attach session threads (`attach-<id>`) in this test process,
-/// counted by a panic hook installed once (it chains to the default hook).
-fn session_panics() -> usize {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    static PANICS: AtomicUsize = AtomicUsize::new(0);
-    static HOOK: std::sync::Once = std::sync::Once::new();
-    HOOK.call_once(|| {
-        let previous = std::panic::take_hook();
-        std::panic::set_hook(Box::new(move |info| {
-            let name = thread::current().name().unwrap_or("").to_owned();
-            if name
-                .strip_prefix("attach-")
-                .is_some_and(|id| id.parse::<u32>().is_ok())
-            {
-                // Relaxed: a count read after the sessions ended.
-                PANICS.fetch_add(1, Ordering::Relaxed);
-            }
-            previous(info);
-        }));
-    });
-    // Relaxed: as above.
-    PANICS.load(Ordering::Relaxed)
-}
-
 /// A worker that mixes valid steps, chosen at random on its own live
 /// state (BEGINs of pooled req_ids with totals from 0 to `u32::MAX` to
 /// receiver 0 or an unknown one, STAGEs of 0 to 1000 slots, its held
@@ -1743,15 +1708,10 @@ fn random_steps_of_a_worker_never_break_its_session() {
     if std::env::var(ROLE).is_ok() {
         return;
     }
-    let panics_before = session_panics();
+    let panics_before = process::attach_session_panics();
     let t = setup(16, 2);
     let mut c = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
-    let mut rng = SmallRng::seed_from_u64(
-        std::env::var("KVFERRY_FUZZ_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(7),
-    );
+    let mut rng = SmallRng::seed_from_u64(process::fuzz_seed());
     let prefix = unique("fz");
     let mut tags: Vec<u64> = Vec::new();
     let mut held: Vec<StagedSlots> = Vec::new();
@@ -1849,7 +1809,11 @@ fn random_steps_of_a_worker_never_break_its_session() {
     drop(c);
     wait_for("the fuzzing worker's session to end", || t.d.clients() == 0);
     wait_sender_empty(&t.s, "after the fuzzing worker");
-    assert_eq!(session_panics(), panics_before, "a session thread panicked");
+    assert_eq!(
+        process::attach_session_panics(),
+        panics_before,
+        "a session thread panicked"
+    );
     // A well-behaved worker is served as before.
     let mut w = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
     let req = unique("after-fz");

@@ -932,14 +932,9 @@ fn a_squatted_identity_does_not_lock_out_a_kvferry_sender() {
 
 // ----- 3. the sender's own sockets ----------------------------------------------
 
-/// A hostile receiver answers with 64 MiB frames: the sender's DEALER has
-/// `ZMQ_MAXMSGSIZE` (the 4 MiB frame limit), so ZMQ drops the connection
-/// before buffering one, and the sender's peak memory stays far below one
-/// such frame (measured with `wait4`'s `ru_maxrss`).
-#[test]
-// The child is reaped by `wait4` (for its rusage), which clippy cannot see.
-#[allow(clippy::zombie_processes)]
-fn a_hostile_receiver_cannot_make_a_sender_buffer_a_huge_reply() {
+/// A ROUTER bound on a loopback port, playing a receiver for a `kvferry
+/// sender` started with `--connect` to the endpoint returned.
+fn fake_receiver() -> (zmq::Socket, String) {
     let router = kvferry::zmq_io::context()
         .socket(zmq::ROUTER)
         .expect("router");
@@ -949,6 +944,18 @@ fn a_hostile_receiver_cannot_make_a_sender_buffer_a_huge_reply() {
         .get_last_endpoint()
         .expect("endpoint")
         .expect("utf-8 endpoint");
+    (router, ep)
+}
+
+/// A hostile receiver answers with 64 MiB frames: the sender's DEALER has
+/// `ZMQ_MAXMSGSIZE` (the 4 MiB frame limit), so ZMQ drops the connection
+/// before buffering one, and the sender's peak memory stays far below one
+/// such frame (measured with `wait4`'s `ru_maxrss`).
+#[test]
+// The child is reaped by `wait4` (for its rusage), which clippy cannot see.
+#[allow(clippy::zombie_processes)]
+fn a_hostile_receiver_cannot_make_a_sender_buffer_a_huge_reply() {
+    let (router, ep) = fake_receiver();
     let mut child = Command::new(BIN)
         .args([
             "sender",
@@ -1209,12 +1216,7 @@ fn random_well_formed_messages_from_several_peers_never_break_the_receiver() {
     let peers: Vec<Client> = (0..3)
         .map(|i| Client::connect(&r.endpoint, &format!("fz-peer-{i}")))
         .collect();
-    let mut rng = rand::rngs::SmallRng::seed_from_u64(
-        std::env::var("KVFERRY_FUZZ_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(7),
-    );
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(fuzz_seed());
     for i in 0..4000 {
         let peer = &peers[rand::Rng::random_range(&mut rng, 0..peers.len())];
         peer.send(&random_message(&mut rng));
@@ -1250,15 +1252,7 @@ fn random_replies_from_a_hostile_receiver_never_break_the_sender() {
     use kvferry::region::{default_region_path, Region};
     use rand::rngs::SmallRng;
     use rand::{Rng, SeedableRng};
-    let router = kvferry::zmq_io::context()
-        .socket(zmq::ROUTER)
-        .expect("router");
-    router.set_linger(0).expect("linger");
-    router.bind("tcp://127.0.0.1:0").expect("bind");
-    let ep = router
-        .get_last_endpoint()
-        .expect("endpoint")
-        .expect("utf-8 endpoint");
+    let (router, ep) = fake_receiver();
     let region = Region::create(&default_region_path(), 4096, 8).expect("a receive buffer");
     let dir = TempDir::new("kvferry-fuzz-sender");
     let (out_path, err_path) = (dir.join("sender.stdout"), dir.join("sender.stderr"));
@@ -1272,12 +1266,7 @@ fn random_replies_from_a_hostile_receiver_never_break_the_sender() {
         .stderr(std::fs::File::create(&err_path).expect("stderr file"))
         .spawn()
         .expect("spawn kvferry sender");
-    let mut rng = SmallRng::seed_from_u64(
-        std::env::var("KVFERRY_FUZZ_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(7),
-    );
+    let mut rng = SmallRng::seed_from_u64(fuzz_seed());
     let index = |rng: &mut SmallRng| -> i64 {
         match rng.random_range(0..8) {
             0 => -1,
@@ -1411,7 +1400,7 @@ fn random_replies_from_a_hostile_receiver_never_break_the_sender() {
     };
     let out = std::fs::read_to_string(&out_path).unwrap_or_default();
     let err = std::fs::read_to_string(&err_path).unwrap_or_default();
-    assert!(!err.contains("panicked"), "the sender panicked:\n{err}");
+    assert_no_panic_logged(&err_path, "the sender");
     assert!(
         matches!(status.code(), Some(0 | 1)),
         "the sender ended with {status}:\n{out}\n{err}"

@@ -352,6 +352,19 @@ class _Hello:
             os.close(fd)
 
 
+def _next_event(client, timeout):
+    """The next event client._event() returns from client.cq within
+    timeout seconds; None from _event is an entry skipped (an event of a
+    tag the client let go)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if not client.cq.wait(deadline):
+            raise TimeoutError("no attach event within %.1fs" % timeout)
+        ev = client._event()
+        if ev is not None:
+            return ev
+
+
 def _connect(sock_path, timeout):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
@@ -420,13 +433,7 @@ class DecoderClient:
         req_id, code) | ('refused', tag, code). A READY or FAILED of a tag
         released before it came (release() of a subscription not
         delivered yet) is skipped: the daemon released that delivery."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if not self.cq.wait(deadline):
-                raise TimeoutError("no attach event within %.1fs" % timeout)
-            ev = self._event()
-            if ev is not None:
-                return ev
+        return _next_event(self, timeout)
 
     def _event(self):
         kind, code, tag, a, b, _len, _tok = EVENT.unpack(self.cq.pop())
@@ -588,13 +595,7 @@ class PrefillClient:
     def next_event(self, timeout=30.0):
         """('staged', tag, batch, [slot]) | ('done', tag) | ('failed', tag,
         code) | ('refused', tag, code)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if not self.cq.wait(deadline):
-                raise TimeoutError("no attach event within %.1fs" % timeout)
-            ev = self._event()
-            if ev is not None:
-                return ev
+        return _next_event(self, timeout)
 
     def _event(self):
         kind, code, tag, a, b, _len, _tok = EVENT.unpack(self.cq.pop())

@@ -88,23 +88,63 @@ pub fn thread_faults(tid: libc::pid_t) -> u64 {
     field(7) + field(9)
 }
 
-/// Attach session threads (named `attach-<client id>`) that process `pid`
-/// runs now: 0 once every session of its attach daemons has ended.
+/// True for the name of an attach session thread (`attach-<client id>`;
+/// not the daemon's `attach-accept`).
+fn is_attach_session(name: &str) -> bool {
+    name.strip_prefix("attach-")
+        .is_some_and(|id| id.parse::<u32>().is_ok())
+}
+
+/// Attach session threads that process `pid` runs now: 0 once every
+/// session of its attach daemons has ended.
 pub fn attach_sessions(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/task"))
         .map(|tasks| {
             tasks
                 .filter_map(Result::ok)
                 .filter(|t| {
-                    std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| {
-                        c.trim()
-                            .strip_prefix("attach-")
-                            .is_some_and(|id| id.parse::<u32>().is_ok())
-                    })
+                    std::fs::read_to_string(t.path().join("comm"))
+                        .is_ok_and(|c| is_attach_session(c.trim()))
                 })
                 .count()
         })
         .unwrap_or(0)
+}
+
+/// Panics of attach session threads in this test process so far, counted
+/// by a panic hook installed on the first call (it chains to the hook it
+/// replaces). Compare the counts before and after the sessions of a test.
+pub fn attach_session_panics() -> usize {
+    static PANICS: AtomicUsize = AtomicUsize::new(0);
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if is_attach_session(thread::current().name().unwrap_or("")) {
+                // Relaxed: a count read after the sessions ended.
+                PANICS.fetch_add(1, Ordering::Relaxed);
+            }
+            previous(info);
+        }));
+    });
+    // Relaxed: as above.
+    PANICS.load(Ordering::Relaxed)
+}
+
+/// The seed of a randomised test: `KVFERRY_FUZZ_SEED` if set (to replay
+/// or widen a run), else 7.
+pub fn fuzz_seed() -> u64 {
+    std::env::var("KVFERRY_FUZZ_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(7)
+}
+
+/// Fails naming `who` if the stderr a child wrote to `path` says a thread
+/// panicked: nothing a peer sends may panic it, even where it lives on.
+pub fn assert_no_panic_logged(path: &Path, who: &str) {
+    let log = std::fs::read_to_string(path).unwrap_or_default();
+    assert!(!log.contains("panicked"), "{who} panicked:\n{log}");
 }
 
 /// A thread of the test, called `what`; see [`spawn_thread`].

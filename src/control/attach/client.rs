@@ -276,6 +276,18 @@ pub(super) fn follow_ons<T>(
     Ok(out)
 }
 
+/// Pops the `n` entries that follow `head`, checked as [`follow_ons`]
+/// checks them, and drops them: an event the client does not hand out.
+pub(super) fn skip_follow_ons(
+    cq: &mut Consumer<DecoderEvent>,
+    head: &DecoderEvent,
+    kind: u32,
+    n: usize,
+    what: &str,
+) -> Result<(), AttachError> {
+    follow_ons(cq, head, kind, n, what, |_| Some(())).map(drop)
+}
+
 /// How often [`DecoderClient::next_event`] retries releases that found
 /// the submission ring full.
 const DEFERRED_RETRY: Duration = Duration::from_millis(1);
@@ -556,9 +568,7 @@ impl DecoderClient {
                         // daemon released it on the RELEASE (its slots are
                         // another request's by now). Its entries are
                         // skipped, never shown.
-                        follow_ons(&mut self.cq, &ev, EV_CHUNK, ev.a as usize, "READY", |_| {
-                            Some(())
-                        })?;
+                        skip_follow_ons(&mut self.cq, &ev, EV_CHUNK, ev.a as usize, "READY")?;
                         return Ok(None);
                     }
                     _ => return Err(bad("READY for a tag not subscribed")),

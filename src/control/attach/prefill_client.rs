@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 use kvferry_ring::spsc::{self, Consumer, Producer};
 use memmap2::MmapMut;
 
-use super::client::{doorbell, follow_ons, handshake, next_entry, ring_socket, AttachError};
+use super::client::{
+    doorbell, follow_ons, handshake, next_entry, ring_socket, skip_follow_ons, AttachError,
+};
 use super::layout::{
     error_from_number, BeginGeometry, DecoderEvent, Hello, PrefillSubmit, Refusal, EV_DONE,
     EV_FAILED, EV_REFUSED, EV_SLOT, EV_STAGED, MAX_REQ_ID, MAX_TEXT, OP_CANCEL, OP_KEY, OP_STAGE,
@@ -349,9 +351,7 @@ impl PrefillClient {
             EV_STAGED if self.cancelled.contains(&ev.tag) => {
                 // Staged before the daemon read our CANCEL: the daemon gave
                 // the batch back (its slots may be another batch's now).
-                follow_ons(&mut self.cq, &ev, EV_SLOT, ev.b as usize, "STAGED", |_| {
-                    Some(())
-                })?;
+                skip_follow_ons(&mut self.cq, &ev, EV_SLOT, ev.b as usize, "STAGED")?;
                 Ok(None)
             }
             EV_STAGED => {
