@@ -400,6 +400,32 @@ fn a_release_returns_the_slots_while_the_client_stays_attached_and_quiet() {
     assert_eq!(d.clients(), 1, "the client is still attached");
 }
 
+/// A decoder whose daemon went away is told so: its calls fail with
+/// `Closed`, not `Full` (which says "retry"; a closed ring refuses pushes
+/// as a full one does).
+#[test]
+fn a_decoder_whose_daemon_is_gone_gets_closed_not_full() {
+    let dir = TempDir::new("kvferry-attach");
+    let r = Arc::new(receiver(16));
+    let d = daemon(&r, &dir.sock(), |_| {});
+    let mut c = connect(&dir.sock());
+    let tag = c.subscribe("orphan-1").unwrap();
+    drop(d);
+    let closed = |e: &AttachError| matches!(e, AttachError::Closed);
+    let e = c
+        .next_event(deadline())
+        .expect_err("no event from a daemon gone");
+    assert!(closed(&e), "next_event: {e}");
+    let e = c
+        .subscribe("orphan-2")
+        .expect_err("a subscribe to a daemon gone");
+    assert!(closed(&e), "subscribe: {e}");
+    let e = c
+        .unsubscribe(tag)
+        .expect_err("an unsubscribe to a daemon gone");
+    assert!(closed(&e), "unsubscribe: {e}");
+}
+
 /// The session returns a released subscription late, but never so late
 /// that the client's own next SUBSCRIBE of the same `req_id` is refused.
 #[test]

@@ -1669,6 +1669,144 @@ fn a_batch_staged_across_a_cancel_is_skipped_not_handed_out() {
     wait_sender_empty(&t.s, "after the crossed cancel");
 }
 
+/// A submit that cannot go out gives its batch back, still held and as
+/// filled: a key out of range (nothing pushed), and a submission ring that
+/// stays full past the worker's wait (the worker left its events unread,
+/// so the session stopped reading; some KEYs may have gone out). Once the
+/// worker reads its events, the same batch submitted again lands byte for
+/// byte. Before, the batch was consumed by the failed call and its slots
+/// stayed held until the request ended.
+#[test]
+fn a_submit_that_cannot_go_out_gives_the_batch_back_to_submit_again() {
+    use kvferry::attach::SubmitError;
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let t = setup(8, 2);
+    let mut c = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
+    let req = unique("given-back");
+    let tag = c.begin(&req, 0, 2).unwrap();
+    c.stage(tag, 2).unwrap();
+    let b = staged(&mut c, "the batch");
+    let mut keys = Vec::new();
+    let mut lens = Vec::new();
+    for i in 0..2 {
+        let data = chunk(&req, i, 2);
+        c.slot_mut(&b, i).unwrap()[..data.len()].copy_from_slice(&data);
+        keys.push(key(&req, REQUEST, i as u32, 2));
+        lens.push(data.len() as u32);
+    }
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let back = |r: Result<(), SubmitError>, what: &str| match r {
+        Err(SubmitError {
+            batch: Some(b),
+            error,
+        }) => (b, error),
+        other => panic!("{what}: expected the batch back, got {other:?}"),
+    };
+    // A key too long for the entry: refused before anything is pushed.
+    let long = "k".repeat(kvferry::attach::layout::MAX_TEXT + 1);
+    let (b, e) = back(c.submit(b, &[keys[0], &long], &lens), "a key too long");
+    assert!(matches!(e, AttachError::Protocol(_)), "{e}");
+    assert!(c.slot_mut(&b, 0).is_some(), "the batch is still held");
+
+    // The completion ring full of answers the worker does not read, then
+    // the submission ring full behind it.
+    let bad = PrefillSubmit::of(999, tag, 0, 0, 0);
+    let end = deadline();
+    let mut full_since = None;
+    while full_since.is_none_or(|at: Instant| at.elapsed() < Duration::from_millis(100)) {
+        assert!(
+            Instant::now() < end,
+            "the submission ring never stayed full"
+        );
+        match c.submit_raw(bad) {
+            Ok(()) => full_since = None,
+            Err(AttachError::Full) => {
+                full_since.get_or_insert_with(Instant::now);
+                thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => panic!("flooding the ring: {e}"),
+        }
+    }
+    c.set_full_wait(Duration::from_millis(200));
+    let (b, e) = back(c.submit(b, &keys, &lens), "a full ring");
+    assert!(matches!(e, AttachError::Full), "{e}");
+    assert_eq!(t.s.staging_in_use(), 2, "the slots stay the worker's");
+
+    // Read the answers (the session reads the ring again), then retry.
+    let mut refused = 0;
+    loop {
+        match c.next_event(Instant::now() + Duration::from_millis(200)) {
+            Ok(PrefillEvent::Refused { reason, .. }) => {
+                assert_eq!(reason, Some(Refusal::BadOp));
+                refused += 1;
+            }
+            Ok(other) => panic!("expected only refusals, got {other:?}"),
+            Err(AttachError::Timeout) => break,
+            Err(e) => panic!("reading the refusals: {e}"),
+        }
+    }
+    assert!(
+        refused > c.hello().sq_capacity as usize,
+        "only {refused} refusals"
+    );
+    c.submit(b, &keys, &lens)
+        .expect("the batch given back submits");
+    match next(&mut c, "DONE of the retried batch") {
+        PrefillEvent::Done { tag: t2 } => assert_eq!(t2, tag),
+        other => panic!("expected DONE, got {other:?}"),
+    }
+    verify_at_receiver(&t.r, &req, 2);
+    drop(c);
+    wait_sender_empty(&t.s, "after the retried batch");
+}
+
+/// A worker whose daemon went away is told so: every call fails with
+/// `Closed`, none with `Full` (a closed ring refuses pushes as a full one
+/// does; the client used to report it full, which says "retry") and a
+/// submit does not wait out its full-ring wait.
+#[test]
+fn a_worker_whose_daemon_is_gone_gets_closed_not_full() {
+    use kvferry::attach::SubmitError;
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let t = setup(8, 2);
+    let mut c = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
+    let req = unique("orphan");
+    let tag = c.begin(&req, 0, 2).unwrap();
+    c.stage(tag, 1).unwrap();
+    let b = staged(&mut c, "the batch");
+    drop(t.d);
+    let closed = |e: &AttachError| matches!(e, AttachError::Closed);
+    let e = c
+        .next_event(deadline())
+        .expect_err("no event from a daemon gone");
+    assert!(closed(&e), "next_event: {e}");
+    let e = c.stage(tag, 1).expect_err("a stage to a daemon gone");
+    assert!(closed(&e), "stage: {e}");
+    let e = c
+        .begin(&unique("orphan"), 0, 1)
+        .expect_err("a begin to a daemon gone");
+    assert!(closed(&e), "begin: {e}");
+    let key = key(&req, REQUEST, 0, 2);
+    let started = Instant::now();
+    match c.submit(b, &[&key], &[1]) {
+        Err(SubmitError {
+            error: AttachError::Closed,
+            batch: Some(_),
+        }) => {}
+        other => panic!("submit: expected Closed with the batch back, got {other:?}"),
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "the submit waited out its full-ring wait"
+    );
+    let e = c.cancel(tag).expect_err("a cancel to a daemon gone");
+    assert!(closed(&e), "cancel: {e}");
+}
+
 /// The Python worker skips a STAGED that crossed its CANCEL too
 /// (`clients/python/cancel_check.py`: it cancels once the STAGED is on the
 /// ring, unread); it used to return it, its slot numbers free for another
@@ -1749,7 +1887,7 @@ fn random_steps_of_a_worker_never_break_its_session() {
                         )
                     })
                     .collect();
-                c.submit(b, &keys, &lens)
+                c.submit(b, &keys, &lens).map_err(AttachError::from)
             }
             6 => c.cancel(tag),
             _ => {
@@ -1826,4 +1964,232 @@ fn random_steps_of_a_worker_never_break_its_session() {
         other => panic!("expected DONE, got {other:?}"),
     }
     verify_at_receiver(&t.r, &req, 3);
+}
+
+/// One worker's request in [`random_worker`]: its id, its chunk count,
+/// chunks asked for and chunks written so far, and whether it cancelled.
+struct Live {
+    req: String,
+    n: usize,
+    asked: usize,
+    written: usize,
+    cancelled: bool,
+}
+
+/// What [`random_worker`] saw end: requests landed (checked byte for
+/// byte), failed after its own CANCEL, and ended DONE despite a CANCEL
+/// that crossed the end.
+#[derive(Default, Debug)]
+struct Ends {
+    done: usize,
+    cancelled: usize,
+    done_despite_cancel: usize,
+}
+
+impl Ends {
+    fn ended(&self) -> usize {
+        self.done + self.cancelled + self.done_despite_cancel
+    }
+}
+
+/// Cancels live request `tag` of a [`random_worker`], forgetting its held
+/// batches as the client does.
+fn cancel_live(c: &mut PrefillClient, tag: u64, l: &mut Live, held: &mut Vec<StagedSlots>) {
+    c.cancel(tag).expect("cancel");
+    l.cancelled = true;
+    held.retain(|b| b.tag() != tag);
+}
+
+/// Worker `w` of [`concurrent_random_workers_land_every_done_request_byte_for_byte`]:
+/// random valid steps (BEGIN, STAGE of part of what is left, fill and
+/// SUBMIT of a held batch, now or steps later, CANCEL at any point), every
+/// slot written with its chunk's own bytes; each DONE request is checked
+/// at the receiver byte for byte and released. Ends once `requests` have
+/// ended and every request it began has.
+fn random_worker(r: &Receiver, sock: &Path, w: u64, requests: usize) -> Ends {
+    use rand::rngs::SmallRng;
+    use rand::{Rng, SeedableRng};
+    let mut rng = SmallRng::seed_from_u64(process::fuzz_seed() ^ (w << 32));
+    let mut c = PrefillClient::connect(sock, WAIT).expect("worker attaches");
+    let mut live: HashMap<u64, Live> = HashMap::new();
+    let mut held: Vec<StagedSlots> = Vec::new();
+    let mut ends = Ends::default();
+    // Requests that ended DONE after this worker cancelled them.
+    let mut crossed = HashSet::new();
+    let mut step = 0;
+    let end = deadline();
+    while ends.ended() < requests || !live.is_empty() {
+        assert!(
+            Instant::now() < end,
+            "worker {w}: requests never ended: {}",
+            live.len()
+        );
+        let winding_down = ends.ended() >= requests;
+        step += 1;
+        let tags: Vec<u64> = live.keys().copied().collect();
+        let pick = |rng: &mut SmallRng| tags[rng.random_range(0..tags.len())];
+        match rng.random_range(0..10) {
+            0 | 1 if !winding_down && live.len() < 3 => {
+                let req = unique(&format!("rw{w}"));
+                let n = rng.random_range(1..=6);
+                let tag = c.begin(&req, 0, n as u32).expect("begin");
+                live.insert(
+                    tag,
+                    Live {
+                        req,
+                        n,
+                        asked: 0,
+                        written: 0,
+                        cancelled: false,
+                    },
+                );
+            }
+            2..=4 if !tags.is_empty() => {
+                let tag = pick(&mut rng);
+                let l = live.get_mut(&tag).unwrap();
+                if !l.cancelled && l.asked < l.n {
+                    let k = rng.random_range(1..=(l.n - l.asked).min(4));
+                    c.stage(tag, k as u32).expect("stage");
+                    l.asked += k;
+                    if rng.random_bool(0.1) {
+                        // Right behind it: its STAGED is likely posted
+                        // before the daemon reads the CANCEL.
+                        cancel_live(&mut c, tag, l, &mut held);
+                    }
+                }
+            }
+            // Submit a held batch, or (winding down) all of them.
+            5..=7 if !held.is_empty() => {
+                let b = held.swap_remove(rng.random_range(0..held.len()));
+                let l = live
+                    .get_mut(&b.tag())
+                    .expect("a held batch's request is live");
+                let (first, n) = (l.written, l.n);
+                let mut keys = Vec::new();
+                let mut lens = Vec::new();
+                for j in 0..b.len() {
+                    let data = chunk(&l.req, first + j, n);
+                    c.slot_mut(&b, j).expect("held slot")[..data.len()].copy_from_slice(&data);
+                    keys.push(key(&l.req, REQUEST, (first + j) as u32, n as u32));
+                    lens.push(data.len() as u32);
+                }
+                l.written += b.len();
+                let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                c.submit(b, &keys, &lens).expect("submit");
+            }
+            8 if !tags.is_empty() && rng.random_bool(if winding_down { 0.05 } else { 0.3 }) => {
+                let tag = pick(&mut rng);
+                let l = live.get_mut(&tag).unwrap();
+                if !l.cancelled {
+                    cancel_live(&mut c, tag, l, &mut held);
+                }
+            }
+            _ if winding_down => {
+                // Ask for what is left, then wait for events.
+                for (&tag, l) in live
+                    .iter_mut()
+                    .filter(|(_, l)| !l.cancelled && l.asked < l.n)
+                {
+                    c.stage(tag, (l.n - l.asked).min(4) as u32).expect("stage");
+                    l.asked += (l.n - l.asked).min(4);
+                }
+            }
+            _ => {}
+        }
+        // What has come (waiting a little when nothing is held, so that
+        // the steps keep pace with the daemon under any load).
+        let mut wait = if held.is_empty() {
+            Instant::now() + Duration::from_millis(2)
+        } else {
+            Instant::now()
+        };
+        loop {
+            let ev = match c.next_event(wait) {
+                Ok(ev) => ev,
+                Err(AttachError::Timeout) => break,
+                Err(e) => panic!("worker {w}, step {step}: {e}"),
+            };
+            wait = Instant::now();
+            match ev {
+                PrefillEvent::Staged(b) => {
+                    assert!(
+                        !live[&b.tag()].cancelled,
+                        "worker {w}: a cancelled request's batch staged"
+                    );
+                    held.push(b);
+                }
+                PrefillEvent::Done { tag } => {
+                    let l = live.remove(&tag).expect("DONE of a live request");
+                    assert_eq!(
+                        l.written, l.n,
+                        "worker {w}: DONE before every chunk was written"
+                    );
+                    verify_at_receiver(r, &l.req, l.n);
+                    if l.cancelled {
+                        // Its CANCEL comes back refused: the tag had ended.
+                        crossed.insert(tag);
+                        ends.done_despite_cancel += 1;
+                    } else {
+                        ends.done += 1;
+                    }
+                }
+                PrefillEvent::Failed { tag, code } => {
+                    let l = live.remove(&tag).expect("FAILED of a live request");
+                    assert!(
+                        l.cancelled && code == Some(ErrorCode::Cancelled),
+                        "worker {w}: request {} failed by itself: {code:?}",
+                        l.req
+                    );
+                    held.retain(|b| b.tag() != tag);
+                    ends.cancelled += 1;
+                }
+                PrefillEvent::Refused { tag, reason } => assert!(
+                    reason == Some(Refusal::UnknownTag) && crossed.remove(&tag),
+                    "worker {w}: a valid step of tag {tag} was refused: {reason:?}"
+                ),
+            }
+        }
+    }
+    ends
+}
+
+/// Three workers attached to one sender daemon, four staging slots each,
+/// take random valid steps at once: requests begun, staged in parts,
+/// filled and submitted out of step with each other, cancelled at every
+/// point of their life. Slots pass from batch to batch, request to request
+/// and (through the daemon) worker to worker all the time; every request
+/// that ends DONE holds exactly its own bytes at the receiver, every
+/// cancelled one ends FAILED(Cancelled) (or DONE, if the CANCEL crossed its
+/// end) and nothing is left held anywhere.
+#[test]
+fn concurrent_random_workers_land_every_done_request_byte_for_byte() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let panics_before = process::attach_session_panics();
+    let t = setup(12, 3);
+    let sock = t.d.socket().to_owned();
+    let ends: Vec<Ends> = thread::scope(|s| {
+        let workers: Vec<_> = (0..3)
+            .map(|w| {
+                let (r, sock) = (&t.r, &sock);
+                s.spawn(move || random_worker(r, sock, w, 60))
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|h| h.join().expect("a worker failed"))
+            .collect()
+    });
+    let done: usize = ends.iter().map(|e| e.done + e.done_despite_cancel).sum();
+    let cancelled: usize = ends.iter().map(|e| e.cancelled).sum();
+    assert!(done > 20 && cancelled > 5, "the steps did little: {ends:?}");
+    wait_for("the workers' sessions to end", || t.d.clients() == 0);
+    wait_sender_empty(&t.s, "after the random workers");
+    wait_receiver_empty(&t.r, "after the random workers");
+    assert_eq!(
+        process::attach_session_panics(),
+        panics_before,
+        "a session thread panicked"
+    );
 }

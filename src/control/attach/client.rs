@@ -213,6 +213,16 @@ pub(super) fn doorbell<S: Plain>(
     Ok(())
 }
 
+/// Why a push onto `sq` failed: the daemon's session closed the ring, or
+/// it is full.
+pub(super) fn full_or_closed<S: Plain>(sq: &Producer<S>) -> AttachError {
+    if sq.is_closed() {
+        AttachError::Closed
+    } else {
+        AttachError::Full
+    }
+}
+
 /// Writes one doorbell byte whatever the flag says (a full ring: wake the
 /// session to drain it). A byte the session did not need is harmless.
 pub(super) fn ring_socket(sock: &mut UnixStream) -> Result<(), AttachError> {
@@ -378,9 +388,9 @@ impl DecoderClient {
     fn submit(&mut self, s: DecoderSubmit) -> Result<(), AttachError> {
         // After the releases still waiting for room, in order.
         if !self.flush_deferred()? {
-            return Err(AttachError::Full);
+            return Err(full_or_closed(&self.sq));
         }
-        self.sq.push(s).map_err(|_| AttachError::Full)?;
+        self.sq.push(s).map_err(|_| full_or_closed(&self.sq))?;
         doorbell(&mut self.sq, &mut self.sock)
     }
 

@@ -36,5 +36,5 @@ pub use client::{AttachError, ChunkDesc, DecoderClient, Delivery, Event};
 pub use daemon::AttachConfig;
 pub use layout::{BeginGeometry, GeometryError, Refusal};
 pub use prefill::PrefillDaemon;
-pub use prefill_client::{PrefillClient, PrefillEvent, StagedSlots};
+pub use prefill_client::{PrefillClient, PrefillEvent, StagedSlots, SubmitError};
 pub use session::DecoderDaemon;

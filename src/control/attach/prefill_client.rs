@@ -12,7 +12,8 @@ use kvferry_ring::spsc::{self, Consumer, Producer};
 use memmap2::MmapMut;
 
 use super::client::{
-    doorbell, follow_ons, handshake, next_entry, ring_socket, skip_follow_ons, AttachError,
+    doorbell, follow_ons, full_or_closed, handshake, next_entry, ring_socket, skip_follow_ons,
+    AttachError,
 };
 use super::layout::{
     error_from_number, BeginGeometry, DecoderEvent, Hello, PrefillSubmit, Refusal, EV_DONE,
@@ -55,6 +56,24 @@ impl StagedSlots {
     /// default.
     pub fn set_last_chunk_toks(&mut self, toks: u32) {
         self.last_chunk_toks = Some(toks);
+    }
+}
+
+/// A [`PrefillClient::submit`] that failed.
+#[derive(Debug, thiserror::Error)]
+#[error("batch not submitted: {error}")]
+pub struct SubmitError {
+    /// Why.
+    pub error: AttachError,
+    /// The batch, unless its SUBMIT went out and only the doorbell after
+    /// it failed (the daemon is gone). Still the worker's: its slots keep
+    /// what was written into them.
+    pub batch: Option<StagedSlots>,
+}
+
+impl From<SubmitError> for AttachError {
+    fn from(e: SubmitError) -> Self {
+        e.error
     }
 }
 
@@ -108,6 +127,8 @@ pub struct PrefillClient {
     cancelled: HashSet<u64>,
     next_tag: u64,
     next_batch: u32,
+    /// How long a submit waits for room on a full submission ring.
+    full_wait: Duration,
 }
 
 impl std::fmt::Debug for PrefillClient {
@@ -120,7 +141,7 @@ impl std::fmt::Debug for PrefillClient {
 }
 
 /// How long [`PrefillClient::submit`] waits for room on a full submission
-/// ring.
+/// ring unless [`PrefillClient::set_full_wait`] says otherwise.
 const FULL_WAIT: Duration = Duration::from_secs(10);
 
 impl PrefillClient {
@@ -167,6 +188,7 @@ impl PrefillClient {
             cancelled: HashSet::new(),
             next_tag: 1,
             next_batch: 1,
+            full_wait: FULL_WAIT,
         })
     }
 
@@ -186,24 +208,33 @@ impl PrefillClient {
     }
 
     fn push(&mut self, s: PrefillSubmit) -> Result<(), AttachError> {
-        self.sq.push(s).map_err(|_| AttachError::Full)?;
+        self.sq.push(s).map_err(|_| full_or_closed(&self.sq))?;
         doorbell(&mut self.sq, &mut self.sock)
     }
 
+    /// How long [`submit`](Self::submit) waits for room on a full
+    /// submission ring before it gives the batch back with
+    /// [`AttachError::Full`] (default 10 s). The ring stays full only
+    /// while this worker leaves its events unread: the daemon's session
+    /// stops reading submissions when it has no room for their answers.
+    pub fn set_full_wait(&mut self, wait: Duration) {
+        self.full_wait = wait;
+    }
+
     /// Pushes `s`, waiting (ringing the doorbell) while the ring is full,
-    /// up to [`FULL_WAIT`].
+    /// up to [`set_full_wait`](Self::set_full_wait).
     fn push_waiting(&mut self, s: PrefillSubmit) -> Result<(), AttachError> {
-        let deadline = Instant::now() + FULL_WAIT;
+        let deadline = Instant::now() + self.full_wait;
         let mut s = s;
         loop {
             match self.sq.push(s) {
                 Ok(()) => return Ok(()),
-                Err(back) if Instant::now() < deadline => {
+                Err(back) if !self.sq.is_closed() && Instant::now() < deadline => {
                     s = back;
                     ring_socket(&mut self.sock)?;
                     std::thread::sleep(Duration::from_micros(100));
                 }
-                Err(_) => return Err(AttachError::Full),
+                Err(_) => return Err(full_or_closed(&self.sq)),
             }
         }
     }
@@ -271,12 +302,45 @@ impl PrefillClient {
 
     /// Hands the first `keys.len()` slots of `b` to the sender: chunk `i`
     /// is named `keys[i]` (1..=[`MAX_TEXT`] bytes) and is `lens[i]` bytes.
+    /// Waits for room on a full submission ring (see
+    /// [`set_full_wait`](Self::set_full_wait)).
+    ///
+    /// On error the batch comes back in [`SubmitError::batch`] unless its
+    /// SUBMIT already went out: still this worker's, its slots as filled,
+    /// to submit again or to let go with its request's
+    /// [`cancel`](Self::cancel).
     pub fn submit(
         &mut self,
         b: StagedSlots,
         keys: &[&str],
         lens: &[u32],
-    ) -> Result<(), AttachError> {
+    ) -> Result<(), SubmitError> {
+        if let Err(error) = self.check_batch(&b, keys, lens) {
+            return Err(SubmitError {
+                error,
+                batch: Some(b),
+            });
+        }
+        let pushed = self.push_batch(&b, keys, lens);
+        // Once per batch, after the SUBMIT (the KEYs rang only if the ring
+        // was full), and also after a batch cut short: a KEY already pushed
+        // may have taken the session's wake-up request.
+        let rung = doorbell(&mut self.sq, &mut self.sock);
+        if let Err(error) = pushed {
+            // The SUBMIT is not on the ring: the daemon still holds the
+            // batch for this worker, and the KEYs that went out are
+            // written again by the next try.
+            return Err(SubmitError {
+                error,
+                batch: Some(b),
+            });
+        }
+        self.held.remove(&(b.tag, b.id));
+        rung.map_err(|error| SubmitError { error, batch: None })
+    }
+
+    /// What [`submit`](Self::submit) checks before it pushes anything.
+    fn check_batch(&self, b: &StagedSlots, keys: &[&str], lens: &[u32]) -> Result<(), AttachError> {
         if !self.held.contains(&(b.tag, b.id)) {
             return Err(AttachError::Protocol("not this client's batch".into()));
         }
@@ -285,17 +349,16 @@ impl PrefillClient {
                 "keys, lens and slots disagree".into(),
             ));
         }
-        let pushed = self.push_batch(&b, keys, lens);
-        // Once per batch, after the SUBMIT (the KEYs rang only if the ring
-        // was full), and also after a batch cut short: a KEY already pushed
-        // may have taken the session's wake-up request.
-        doorbell(&mut self.sq, &mut self.sock)?;
-        pushed?;
-        self.held.remove(&(b.tag, b.id));
+        if let Some(i) = keys.iter().position(|k| k.is_empty() || k.len() > MAX_TEXT) {
+            return Err(AttachError::Protocol(format!(
+                "key {i} must be 1..={MAX_TEXT} bytes"
+            )));
+        }
         Ok(())
     }
 
-    /// Pushes the KEY entries of `b`, then its SUBMIT, without ringing.
+    /// Pushes the KEY entries of `b`, then its SUBMIT, without ringing
+    /// (the keys checked by [`check_batch`](Self::check_batch)).
     fn push_batch(
         &mut self,
         b: &StagedSlots,
@@ -304,7 +367,7 @@ impl PrefillClient {
     ) -> Result<(), AttachError> {
         for (i, (k, &len)) in keys.iter().zip(lens).enumerate() {
             let s = PrefillSubmit::with_text(OP_KEY, b.tag, b.id, i as u32, len, k)
-                .ok_or(AttachError::BadReqId)?;
+                .ok_or_else(|| AttachError::Protocol(format!("key {i} out of range")))?;
             self.push_waiting(s)?;
         }
         self.push_waiting(PrefillSubmit::submit(
