@@ -1250,6 +1250,90 @@ fn the_python_client_skips_a_delivery_that_crossed_its_release() {
     py.wait_success("the python decoder after it");
 }
 
+/// A thread writing requests `{prefix}-{i}` of `1 + i % 3` chunks (the
+/// last one 100 bytes) into a receiver, one at a time, each ready before
+/// the next (the buffer's slots, not the sender's pending area, bound what
+/// waits for the decoders), until stopped; dropping it stops and joins it,
+/// so it ends however the test does (a failed assertion included).
+struct Writer {
+    /// The requests written so far: `(req_id, chunks)`.
+    written: Arc<std::sync::Mutex<Vec<(String, usize)>>>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+impl Writer {
+    fn start(s: &Arc<Sender>, r: &Arc<Receiver>, prefix: &str) -> Self {
+        use std::sync::atomic::Ordering;
+        let written: Arc<std::sync::Mutex<Vec<(String, usize)>>> = Arc::default();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (s, r, w, halt, prefix) = (
+            Arc::clone(s),
+            Arc::clone(r),
+            Arc::clone(&written),
+            Arc::clone(&stop),
+            prefix.to_owned(),
+        );
+        let thread = thread::spawn(move || {
+            let mut i = 0;
+            // Relaxed: a stop flag; what was written is under the mutex.
+            while !halt.load(Ordering::Relaxed) {
+                let req = format!("{prefix}-{i}");
+                let n = 1 + i % 3;
+                let spec = TransferSpec::new(&req, r.endpoint(), n, true);
+                let keys: Vec<String> = (0..n).map(|k| format!("{req}/{k:03}")).collect();
+                let bufs: Vec<Vec<u8>> = (0..n).map(|k| chunk(&req, k, n, 100)).collect();
+                let chunks: Vec<&[u8]> = bufs.iter().map(Vec::as_slice).collect();
+                if s.store(&spec, &keys, &chunks).is_ok() {
+                    w.lock().unwrap().push((req.clone(), n));
+                    // Relaxed: as above.
+                    while !halt.load(Ordering::Relaxed)
+                        && r.wait_ready(&req, Instant::now() + Duration::from_millis(20))
+                            .is_err()
+                    {}
+                }
+                i += 1;
+            }
+        });
+        Self {
+            written,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    /// Requests written so far.
+    fn count(&self) -> usize {
+        self.written.lock().unwrap().len()
+    }
+
+    /// Asks the thread to stop (it ends once its current store returns).
+    fn stop(&self) {
+        // Relaxed: see the thread.
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn is_finished(&self) -> bool {
+        self.thread.as_ref().is_none_or(|t| t.is_finished())
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        self.stop();
+        if thread::panicking() {
+            // A test failing already: the thread ends by itself once its
+            // store returns, with nobody waiting for it.
+            return;
+        }
+        if let Some(t) = self.thread.take() {
+            // Bounded: its store waits at most the sender's timeouts, and
+            // its wait for readiness checks the flag every 20 ms.
+            assert!(t.join().is_ok(), "the writer thread panicked");
+        }
+    }
+}
+
 /// The Python decoder taking 3000 random steps against the receiver
 /// binary (`clients/python/decoder_fuzz.py`: subscriptions of written,
 /// taken and unknown requests, releases of deliveries and of waiting
@@ -1299,8 +1383,6 @@ fn random_steps_of_a_decoder_never_break_its_session() {
     use kvferry::attach::layout::{MAX_REQ_ID, OP_RELEASE, OP_SUBSCRIBE};
     use rand::rngs::SmallRng;
     use rand::{Rng, SeedableRng};
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::Mutex;
     if std::env::var(ROLE).is_ok() {
         return;
     }
@@ -1310,54 +1392,9 @@ fn random_steps_of_a_decoder_never_break_its_session() {
     let d = daemon(&r, &dir.sock(), |_| {});
     let s = Arc::new(sender(sender_cfg(8, None)));
     let prefix = format!("fz{}", std::process::id());
-    let written: Arc<Mutex<Vec<(String, usize)>>> = Arc::default();
-    let stop = Arc::new(AtomicBool::new(false));
-    /// Raises the writer's stop flag when dropped: the writer ends however
-    /// the test does (a failed assertion included).
-    struct StopWriter(Arc<AtomicBool>);
-    impl Drop for StopWriter {
-        fn drop(&mut self) {
-            // Relaxed: see the writer.
-            self.0.store(true, Ordering::Relaxed);
-        }
-    }
-    let stop_writer = StopWriter(Arc::clone(&stop));
-    let writer = {
-        let (s, r, written, stop, prefix) = (
-            Arc::clone(&s),
-            Arc::clone(&r),
-            Arc::clone(&written),
-            Arc::clone(&stop),
-            prefix.clone(),
-        );
-        thread::spawn(move || {
-            let mut i = 0;
-            // Relaxed: a stop flag; what was written is under the mutex.
-            while !stop.load(Ordering::Relaxed) {
-                let req = format!("{prefix}-{i}");
-                let n = 1 + i % 3;
-                let spec = TransferSpec::new(&req, r.endpoint(), n, true);
-                let keys: Vec<String> = (0..n).map(|k| format!("{req}/{k:03}")).collect();
-                let bufs: Vec<Vec<u8>> = (0..n).map(|k| chunk(&req, k, n, 100)).collect();
-                let chunks: Vec<&[u8]> = bufs.iter().map(Vec::as_slice).collect();
-                if s.store(&spec, &keys, &chunks).is_ok() {
-                    written.lock().unwrap().push((req.clone(), n));
-                    // One at a time, each ready before the next: the
-                    // buffer's 16 slots, not the sender's pending area,
-                    // bound what waits for the decoder.
-                    // Relaxed: as above.
-                    while !stop.load(Ordering::Relaxed)
-                        && r.wait_ready(&req, Instant::now() + Duration::from_millis(20))
-                            .is_err()
-                    {}
-                }
-                i += 1;
-            }
-        })
-    };
-    wait_for("the writer's first requests", || {
-        written.lock().unwrap().len() >= 4
-    });
+    let writer = Writer::start(&s, &r, &prefix);
+    let written = Arc::clone(&writer.written);
+    wait_for("the writer's first requests", || writer.count() >= 4);
     let mut c = connect(&dir.sock());
     let mut rng = SmallRng::seed_from_u64(process::fuzz_seed());
     let n_of = |req: &str| -> usize {
@@ -1506,7 +1543,7 @@ fn random_steps_of_a_decoder_never_break_its_session() {
     );
     drop(held);
     drop(c);
-    drop(stop_writer);
+    writer.stop();
     wait_for("the fuzzing decoder's session to end", || d.clients() == 0);
     assert_eq!(
         d.subscriptions(),
@@ -1563,6 +1600,219 @@ fn random_steps_of_a_decoder_never_break_its_session() {
         );
         thread::sleep(Duration::from_millis(5));
     }
-    writer.join().unwrap();
+    drop(writer);
     wait_for("the receive buffer to empty", || allocated(&r) == 0);
+}
+
+/// Decoder `w` of [`concurrent_random_decoders_never_share_nor_lose_a_delivery`]:
+/// `steps` random valid steps on one receiver daemon, racing the other
+/// decoders for the same requests: SUBSCRIBEs of written requests not
+/// delivered yet (often one another decoder holds) and of the next ones,
+/// a wildcard (decoder 0), releases now or later, UNSUBSCRIBEs of waiting
+/// tags, and now and then a detach with deliveries held and subscriptions
+/// waiting, then a fresh attachment. Every delivery is checked byte for
+/// byte and recorded in `delivered`, where it must be new. Returns its
+/// deliveries.
+fn random_decoder(
+    sock: &Path,
+    writer: &Writer,
+    delivered: &std::sync::Mutex<std::collections::HashSet<String>>,
+    w: u64,
+    steps: usize,
+) -> usize {
+    use rand::rngs::SmallRng;
+    use rand::{Rng, SeedableRng};
+    let mut rng = SmallRng::seed_from_u64(process::fuzz_seed() ^ (w << 32));
+    let n_of = |req: &str| -> usize {
+        let i: usize = req.rsplit('-').next().unwrap().parse().unwrap();
+        1 + i % 3
+    };
+    let mut c = connect(sock);
+    let mut waiting: Vec<u64> = Vec::new();
+    let mut held: Vec<kvferry::attach::Delivery> = Vec::new();
+    let mut wild: Option<u64> = None;
+    // Tags this decoder unsubscribed: a refusal of one may follow.
+    let mut let_go = std::collections::HashSet::new();
+    let mut ready = 0;
+    for step in 0..steps {
+        match rng.random_range(0..10) {
+            0..=3 => {
+                let written = writer.written.lock().unwrap().clone();
+                let pool: Vec<&String> = {
+                    let d = delivered.lock().unwrap();
+                    written
+                        .iter()
+                        .map(|(q, _)| q)
+                        .filter(|q| !d.contains(*q))
+                        .collect()
+                };
+                let prefix = written.first().map(|(q, _)| q.rsplit_once('-').unwrap().0);
+                let req = match (pool.is_empty(), prefix) {
+                    (false, _) if rng.random_bool(0.8) => {
+                        pool[rng.random_range(0..pool.len())].clone()
+                    }
+                    (_, Some(p)) => format!("{p}-{}", written.len() + rng.random_range(0..3)),
+                    (_, None) => continue,
+                };
+                if let Ok(tag) = c.subscribe(&req) {
+                    waiting.push(tag);
+                }
+            }
+            4 if w == 0 => match wild.take() {
+                Some(tag) => c.unsubscribe(tag).expect("unsubscribe of the wildcard"),
+                None => wild = Some(c.subscribe_all().expect("wildcard")),
+            },
+            5 | 6 if !held.is_empty() => {
+                let d = held.swap_remove(rng.random_range(0..held.len()));
+                c.release(d).expect("release of a held delivery");
+            }
+            7 if !waiting.is_empty() => {
+                let tag = waiting.swap_remove(rng.random_range(0..waiting.len()));
+                c.unsubscribe(tag).expect("unsubscribe of a waiting tag");
+                let_go.insert(tag);
+            }
+            8 if rng.random_bool(0.05) => {
+                // Gone with deliveries held and subscriptions waiting.
+                held.clear();
+                waiting.clear();
+                let_go.clear();
+                wild = None;
+                c = connect(sock);
+            }
+            _ => {}
+        }
+        loop {
+            match c.next_event(Instant::now() + Duration::from_micros(50)) {
+                Ok(Event::Ready(d)) => {
+                    verify(&c, &d, n_of(d.req_id()), 100);
+                    assert!(
+                        delivered.lock().unwrap().insert(d.req_id().to_owned()),
+                        "decoder {w}, step {step}: {} delivered twice",
+                        d.req_id()
+                    );
+                    ready += 1;
+                    waiting.retain(|t| *t != d.tag());
+                    held.push(d);
+                    if held.len() > 4 {
+                        let d = held.remove(0);
+                        c.release(d).expect("release");
+                    }
+                }
+                Ok(Event::Refused { tag, reason, .. }) => {
+                    // Another decoder's subscription, or its delivery (not
+                    // released yet); and the RELEASE of an unsubscribe
+                    // that crossed the refusal of its SUBSCRIBE.
+                    assert!(
+                        matches!(
+                            reason,
+                            Some(
+                                Refusal::AlreadySubscribed
+                                    | Refusal::TakeRefused
+                                    | Refusal::TooManyOutstanding
+                            )
+                        ) || (reason == Some(Refusal::UnknownTag) && let_go.remove(&tag)),
+                        "decoder {w}, step {step}: a valid step refused: {reason:?}"
+                    );
+                    waiting.retain(|t| *t != tag);
+                }
+                Ok(other) => panic!("decoder {w}, step {step}: unexpected {other:?}"),
+                Err(AttachError::Timeout) => break,
+                Err(e) => panic!("decoder {w}, step {step}: the client's check failed: {e}"),
+            }
+        }
+    }
+    ready
+}
+
+/// Three decoders attached to one receiver daemon race for the requests a
+/// sender keeps writing ([`random_decoder`]'s steps: SUBSCRIBEs of the same
+/// req_ids, a wildcard, releases, UNSUBSCRIBEs, detaches holding
+/// deliveries). No request is delivered twice, every delivery holds its
+/// own bytes, no session panics; once they are gone, one wildcard decoder
+/// gets every request left and the receive buffer ends empty: nothing a
+/// detached or unsubscribed decoder held stays allocated.
+/// `KVFERRY_FUZZ_SEED` picks another sequence.
+#[test]
+fn concurrent_random_decoders_never_share_nor_lose_a_delivery() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let panics_before = process::attach_session_panics();
+    let dir = TempDir::new("kvferry-attach");
+    let r = Arc::new(receiver(16));
+    let d = daemon(&r, &dir.sock(), |_| {});
+    let s = Arc::new(sender(sender_cfg(8, None)));
+    let writer = Writer::start(&s, &r, &format!("cd{}", std::process::id()));
+    wait_for("the writer's first requests", || writer.count() >= 4);
+    let delivered = std::sync::Mutex::new(std::collections::HashSet::new());
+    let sock = dir.sock();
+    let ready: Vec<usize> = thread::scope(|sc| {
+        let decoders: Vec<_> = (0..3)
+            .map(|w| {
+                let (sock, writer, delivered) = (&sock, &writer, &delivered);
+                sc.spawn(move || random_decoder(sock, writer, delivered, w, 1500))
+            })
+            .collect();
+        decoders
+            .into_iter()
+            .map(|h| h.join().expect("a decoder failed"))
+            .collect()
+    });
+    assert!(
+        ready.iter().all(|&n| n > 0),
+        "a decoder got nothing: {ready:?}"
+    );
+    wait_for("the decoders' sessions to end", || d.clients() == 0);
+    assert_eq!(
+        d.subscriptions(),
+        0,
+        "subscriptions left after the sessions ended"
+    );
+    assert_eq!(
+        process::attach_session_panics(),
+        panics_before,
+        "a session thread panicked"
+    );
+    // What they left goes to one more decoder, by req_id (a wildcard gets
+    // only requests that become ready while it stands); the writer ends
+    // once the buffer has room for its last request.
+    writer.stop();
+    let mut last = connect(&dir.sock());
+    let mut consumed = 0;
+    let end = deadline();
+    loop {
+        let left: Vec<(String, usize)> = {
+            let d = delivered.lock().unwrap();
+            let w = writer.written.lock().unwrap();
+            w.iter().filter(|(q, _)| !d.contains(q)).cloned().collect()
+        };
+        for (req, n) in left {
+            let tag = last.subscribe(&req).expect("subscribes");
+            match next(&mut last, "a request the decoders left") {
+                Event::Ready(dl) => {
+                    assert_eq!(dl.tag(), tag);
+                    verify(&last, &dl, n, 100);
+                    last.release(dl).unwrap();
+                }
+                // Consumed unseen: an UNSUBSCRIBE or a detach crossed the
+                // session's take of it.
+                Event::Refused {
+                    reason: Some(Refusal::TakeRefused),
+                    ..
+                } => consumed += 1,
+                other => panic!("{req}: expected READY, got {other:?}"),
+            }
+            delivered.lock().unwrap().insert(req);
+        }
+        if writer.is_finished() && writer.count() == delivered.lock().unwrap().len() {
+            break;
+        }
+        assert!(
+            Instant::now() < end,
+            "the writer never finished ({consumed} consumed unseen)"
+        );
+        thread::sleep(Duration::from_millis(5));
+    }
+    wait_for("the receive buffer to empty", || allocated(&r) == 0);
+    drop(writer);
 }
