@@ -681,7 +681,22 @@ const BIN: &str = env!("CARGO_BIN_EXE_kvferry");
 /// Starts the kvferry binary with `args`; waits for its `announce` line
 /// (and returns the rest of it) and its "attach on" line.
 fn spawn_binary(args: &[&str], role: &str, announce: &str) -> (ChildProc, String) {
-    let mut p = ChildProc::spawn(Command::new(BIN).args(args).stdin(Stdio::null()));
+    spawn_binary_with(args, role, announce, Stdio::inherit())
+}
+
+/// [`spawn_binary`] with the child's stderr going to `stderr`.
+fn spawn_binary_with(
+    args: &[&str],
+    role: &str,
+    announce: &str,
+    stderr: Stdio,
+) -> (ChildProc, String) {
+    let mut p = ChildProc::spawn(
+        Command::new(BIN)
+            .args(args)
+            .stdin(Stdio::null())
+            .stderr(stderr),
+    );
     let attach = format!("kvferry {role} attach on ");
     let found = p.after_prefixes(&[announce, &attach]).remove(0);
     (p, found)
@@ -690,7 +705,12 @@ fn spawn_binary(args: &[&str], role: &str, announce: &str) -> (ChildProc, String
 /// `kvferry receiver` (8 slots of [`CHUNK`] bytes, buffer at `shm`)
 /// serving attached decoders on `sock`; returns it with its endpoint.
 fn spawn_attach_receiver(sock: &Path, shm: &Path) -> (ChildProc, String) {
-    spawn_binary(
+    spawn_attach_receiver_with(sock, shm, Stdio::inherit())
+}
+
+/// [`spawn_attach_receiver`] with the receiver's stderr going to `stderr`.
+fn spawn_attach_receiver_with(sock: &Path, shm: &Path, stderr: Stdio) -> (ChildProc, String) {
+    spawn_binary_with(
         &[
             "receiver",
             "--listen",
@@ -706,6 +726,7 @@ fn spawn_attach_receiver(sock: &Path, shm: &Path) -> (ChildProc, String) {
         ],
         "receiver",
         "kvferry receiver listening on ",
+        stderr,
     )
 }
 
@@ -2192,4 +2213,58 @@ fn concurrent_random_workers_land_every_done_request_byte_for_byte() {
         panics_before,
         "a session thread panicked"
     );
+}
+
+/// The Python worker's random steps against the real binaries
+/// (`clients/python/prefill_fuzz.py`: BEGINs, partial STAGEs, fills and
+/// SUBMITs now or later, CANCELs at every point, some right behind a
+/// STAGE), writing into `kvferry sender --attach`, which writes into
+/// `kvferry receiver --attach`; a Python decoder in the same process
+/// checks every request that ends DONE byte for byte (the bytes depend on
+/// the request and the chunk, so a slot written for another is caught).
+/// Neither binary panics. `KVFERRY_FUZZ_SEED` picks another sequence.
+#[test]
+fn random_steps_of_the_python_worker_against_the_binaries() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let dir = TempDir::new("kvferry-prefill");
+    let (rsock, ssock) = (dir.0.join("recv.sock"), dir.0.join("send.sock"));
+    let (recv_log, send_log) = (dir.0.join("receiver.stderr"), dir.0.join("sender.stderr"));
+    let log = |p: &Path| Stdio::from(std::fs::File::create(p).expect("a stderr file"));
+    let (recv, endpoint) = spawn_attach_receiver_with(&rsock, &dir.0.join("buf"), log(&recv_log));
+    let mut send = ChildProc::spawn(
+        Command::new(BIN)
+            .args([
+                "sender",
+                "--connect",
+                &endpoint,
+                "--chunk-bytes",
+                &CHUNK.to_string(),
+            ])
+            .args(["--staging-slots", "8", "--attach-max-clients", "1"])
+            .arg("--attach")
+            .arg(&ssock)
+            .stdin(Stdio::null())
+            .stderr(log(&send_log)),
+    );
+    send.expect_line("kvferry sender attach on ");
+    let code = kvferry::attach::layout::error_number(ErrorCode::Cancelled).to_string();
+    let seed = process::fuzz_seed().to_string();
+    let mut py = python_client(
+        "prefill_fuzz.py",
+        &[
+            ssock.to_str().unwrap(),
+            rsock.to_str().unwrap(),
+            &unique("pyfz"),
+            "60",
+            &seed,
+            &code,
+        ],
+    );
+    py.expect_line("FUZZ:ok");
+    py.wait_success("the python worker's random steps");
+    drop((send, recv));
+    process::assert_no_panic_logged(&send_log, "the sender");
+    process::assert_no_panic_logged(&recv_log, "the receiver");
 }
