@@ -304,6 +304,47 @@ const DEFERRED_RETRY: Duration = Duration::from_millis(1);
 
 /// An attached decoder (see `docs/attach.md`). Not `Sync`: one thread
 /// drives it.
+///
+/// A decoder reads a request in place from a receiver daemon (here in
+/// the same process; usually `kvferry receiver --attach` or `kvferry
+/// node`) and gives its slots back:
+///
+/// ```
+/// use std::time::{Duration, Instant};
+/// use kvferry::attach::{DecoderClient, Event};
+///
+/// let deadline = Instant::now() + Duration::from_secs(20);
+/// # use std::sync::Arc;
+/// # use kvferry::attach::{AttachConfig, DecoderDaemon};
+/// # use kvferry::{Receiver, ReceiverConfig, RequestSpec, Sender, SenderConfig};
+/// # let receiver = Arc::new(Receiver::start(ReceiverConfig {
+/// #     listen: "tcp://127.0.0.1:0".into(),
+/// #     capacity_chunks: 8,
+/// #     chunk_bytes: 4096,
+/// #     ..Default::default()
+/// # })?);
+/// # let socket = std::env::temp_dir().join(format!("kvferry-doc-d{}.sock", std::process::id()));
+/// # let cfg = AttachConfig { keep_dumpable: true, ..AttachConfig::new(&socket) };
+/// # let daemon = DecoderDaemon::start(Arc::clone(&receiver), cfg)?;
+/// # let sender = Sender::new(SenderConfig { chunk_bytes: 4096, staging_slots: 4, ..Default::default() })?;
+/// # let req = sender.begin(RequestSpec::new("req-7", receiver.endpoint(), 2))?;
+/// # req.store(&["req-7/0", "req-7/1"], &[&[0u8; 4096][..], &[1u8; 100][..]])?;
+/// // `socket` is the path the daemon printed ("kvferry receiver attach on ...").
+/// let mut decoder = DecoderClient::connect(&socket, Duration::from_secs(5))?;
+/// let tag = decoder.subscribe("req-7")?;
+/// let Event::Ready(delivery) = decoder.next_event(deadline)? else {
+///     panic!("expected req-7");
+/// };
+/// assert_eq!(delivery.tag(), tag);
+/// for i in 0..delivery.chunks().len() {
+///     // In place, in the receive buffer (mapped read-only).
+///     // (Every chunk is full but the last, as LMCache sends them.)
+///     let bytes = decoder.chunk(&delivery, i).expect("a delivered chunk");
+///     assert!(bytes.iter().all(|&b| b == i as u8));
+/// }
+/// decoder.release(delivery)?; // the slots go back to the receiver
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct DecoderClient {
     sock: UnixStream,
     sq: Producer<DecoderSubmit>,

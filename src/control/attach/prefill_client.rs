@@ -106,6 +106,53 @@ pub enum PrefillEvent {
 
 /// An attached prefill worker (see `docs/attach.md`). Not `Sync`: one
 /// thread drives it.
+///
+/// A worker writes a two-chunk request in place through a sender daemon
+/// (here in the same process; usually `kvferry sender --attach` or
+/// `kvferry node`):
+///
+/// ```
+/// use std::time::{Duration, Instant};
+/// use kvferry::attach::{PrefillClient, PrefillEvent};
+///
+/// let deadline = Instant::now() + Duration::from_secs(20);
+/// # use std::sync::Arc;
+/// # use kvferry::attach::{AttachConfig, PrefillDaemon};
+/// # use kvferry::{Receiver, ReceiverConfig, Sender, SenderConfig};
+/// # let receiver = Receiver::start(ReceiverConfig {
+/// #     listen: "tcp://127.0.0.1:0".into(),
+/// #     capacity_chunks: 8,
+/// #     chunk_bytes: 4096,
+/// #     ..Default::default()
+/// # })?;
+/// # let sender = Arc::new(Sender::new(SenderConfig {
+/// #     chunk_bytes: 4096,
+/// #     staging_slots: 4,
+/// #     staging_shares: 1,
+/// #     ..Default::default()
+/// # })?);
+/// # let socket = std::env::temp_dir().join(format!("kvferry-doc-p{}.sock", std::process::id()));
+/// # let cfg = AttachConfig { keep_dumpable: true, ..AttachConfig::new(&socket) };
+/// # let daemon = PrefillDaemon::start(sender, vec![receiver.endpoint().into()], cfg)?;
+/// // `socket` is the path the daemon printed ("kvferry sender attach on ...").
+/// let mut worker = PrefillClient::connect(&socket, Duration::from_secs(5))?;
+/// let tag = worker.begin("req-7", 0, 2)?; // two chunks to the daemon's receiver 0
+/// worker.stage(tag, 2)?;
+/// let PrefillEvent::Staged(batch) = worker.next_event(deadline)? else {
+///     panic!("expected the staged slots");
+/// };
+/// for i in 0..batch.len() {
+///     // In place, in the sender's staging: e.g. the target of a
+///     // device-to-host copy.
+///     worker.slot_mut(&batch, i).expect("a held slot").fill(i as u8);
+/// }
+/// // Every chunk full but the last, as LMCache sends them.
+/// worker.submit(batch, &["req-7/0", "req-7/1"], &[4096, 100])?;
+/// assert!(matches!(worker.next_event(deadline)?, PrefillEvent::Done { tag: t } if t == tag));
+/// # receiver.wait_ready("req-7", deadline)?;
+/// # assert_eq!(receiver.get("req-7/1").unwrap().bytes(), &[1u8; 100][..]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct PrefillClient {
     sock: UnixStream,
     sq: Producer<PrefillSubmit>,
