@@ -306,15 +306,26 @@ fn bad_writes_are_typed_errors_and_send_nothing() {
             StoreError::KeyCountMismatch { keys: 2, chunks: 1 },
         ),
         (
-            vec![(&region, 0, 8), (&theirs, 0, 8)],
+            vec![(&region, 0, CHUNK as u32), (&theirs, 0, 8)],
             StoreError::ForeignRegion { index: 1 },
         ),
         (
-            vec![(&region, 0, 8), (&region, CHUNK, CHUNK as u32 + 1)],
+            vec![
+                (&region, 0, CHUNK as u32),
+                (&region, CHUNK, CHUNK as u32 + 1),
+            ],
             StoreError::ChunkTooLarge {
                 index: 1,
                 len: CHUNK as usize + 1,
                 max: CHUNK,
+            },
+        ),
+        (
+            vec![(&region, 0, 8), (&region, CHUNK, 8)],
+            StoreError::ShortChunk {
+                index: 0,
+                len: 8,
+                full: CHUNK,
             },
         ),
         (
@@ -327,7 +338,7 @@ fn bad_writes_are_typed_errors_and_send_nothing() {
             },
         ),
         (
-            vec![(&region, 0, 8), (&region, u64::MAX, 8)],
+            vec![(&region, 0, CHUNK as u32), (&region, u64::MAX, 8)],
             StoreError::OutsideRegion {
                 index: 1,
                 offset: u64::MAX,
@@ -342,7 +353,11 @@ fn bad_writes_are_typed_errors_and_send_nothing() {
     assert_eq!(s.staging_in_use(), 0);
     // Nothing was sent: the request still accepts its whole total.
     let h = req
-        .write(&two, &[(&region, 0, 8), (&region, CHUNK, 8)], deadline())
+        .write(
+            &two,
+            &[(&region, 0, CHUNK as u32), (&region, CHUNK, 8)],
+            deadline(),
+        )
         .unwrap();
     assert!(h.wait(deadline()));
     assert_eq!(req.wait(deadline()), RequestStatus::Completed);

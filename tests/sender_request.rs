@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common_sender::*;
-use kvferry::sender::{RequestSpec, RequestStatus, StoreError};
+use kvferry::sender::{RequestSpec, RequestStatus, SenderConfig, StoreError};
 
 /// Fills the staged slots with chunks `range` of `request` and submits them.
 fn stage_and_submit(
@@ -274,8 +274,18 @@ fn staged_batches_give_their_slots_back_on_drop_short_submit_and_error() {
         StoreError::EmptyBatchNotLast,
         "3 chunks still to come"
     );
+    let full = CHUNK as u32;
     assert_eq!(
-        err(4, &["a", "b", "c", "d"], &[1; 4]),
+        err(2, &["a", "b"], &[1, 1]),
+        StoreError::ShortChunk {
+            index: 0,
+            len: 1,
+            full: CHUNK
+        },
+        "only a batch's last chunk may be short"
+    );
+    assert_eq!(
+        err(4, &["a", "b", "c", "d"], &[full, full, full, 1]),
         StoreError::TooManyChunks {
             req_id: "sb-0".into(),
             chunks: 4,
@@ -466,4 +476,84 @@ fn many_caller_threads_submit_concurrently_and_every_byte_lands() {
         st.counter(kvferry::stats::Counter::Completed),
         THREADS * PER_THREAD + 1
     );
+}
+
+/// A chunk is whole unless it ends its batch, and never longer than one
+/// chunk of the request's geometry: the receiver takes every chunk of a
+/// batch but the last as whole, and sizes its slots by that geometry.
+/// Here the sender's staging slots (2 × `CHUNK`) are larger than the
+/// receiver's (`CHUNK`) and the request's geometry (`[CHUNK / 4]` of
+/// `float32`) fills exactly one receive slot. Before the check a chunk of
+/// a whole staging slot was written across two receive slots, over the
+/// neighbouring request's chunk, and a short first chunk was delivered
+/// whole, its tail the bytes of a request before it.
+#[test]
+fn a_chunk_is_whole_unless_last_and_never_longer_than_a_chunk_of_the_request() {
+    let r = receiver(5);
+    let s = sender(SenderConfig {
+        chunk_bytes: 2 * CHUNK,
+        ..sender_cfg(4, None)
+    });
+    let spec = |id: &str, n| RequestSpec {
+        shape: vec![CHUNK as i64 / 4],
+        dtype: "float32".into(),
+        ..RequestSpec::new(id, r.endpoint(), n)
+    };
+    let whole = vec![0xAAu8; CHUNK as usize];
+    let neighbour = s.begin(spec("nb-a", 3)).unwrap();
+    neighbour
+        .store(&["nb-a/0", "nb-a/1", "nb-a/2"], &[&whole[..]; 3])
+        .unwrap();
+    r.wait_ready("nb-a", deadline()).unwrap();
+    let mut held: Vec<_> = (0..3)
+        .map(|i| r.get(&format!("nb-a/{i}")).unwrap())
+        .collect();
+    // Its lowest slot read and given back: the next request's first
+    // chunk goes there, below the neighbour's others.
+    held.sort_by_key(|c| c.slot());
+    drop(held.remove(0));
+
+    let req = s.begin(spec("nb-b", 2)).unwrap();
+    let long = vec![0x55u8; 2 * CHUNK as usize];
+    let too_long = StoreError::ChunkTooLarge {
+        index: 0,
+        len: 2 * CHUNK as usize,
+        max: CHUNK,
+    };
+    assert_eq!(req.store(&["nb-b/0"], &[&long[..]]), Err(too_long.clone()));
+    let mut b = req.stage(1, deadline()).unwrap();
+    b.slot_mut(0).unwrap().fill(0x55);
+    assert_eq!(b.submit(&["nb-b/0"], &[2 * CHUNK as u32]), Err(too_long));
+    let short = StoreError::ShortChunk {
+        index: 0,
+        len: 100,
+        full: CHUNK,
+    };
+    let tail = [0x66u8; 100];
+    assert_eq!(
+        req.store(&["nb-b/0", "nb-b/1"], &[&tail[..], &tail[..]]),
+        Err(short.clone())
+    );
+    let b = req.stage(2, deadline()).unwrap();
+    assert_eq!(b.submit(&["nb-b/0", "nb-b/1"], &[100, 100]), Err(short));
+    assert_eq!(
+        s.staging_in_use(),
+        0,
+        "refused batches gave their slots back"
+    );
+
+    // Whole, then short last: lands, and the neighbour is intact.
+    let first = vec![0x77u8; CHUNK as usize];
+    req.store(&["nb-b/0", "nb-b/1"], &[&first[..], &tail[..]])
+        .unwrap();
+    assert_eq!(req.wait(deadline()), RequestStatus::Completed);
+    r.wait_ready("nb-b", deadline()).unwrap();
+    assert_eq!(r.get("nb-b/0").unwrap().bytes(), &first[..]);
+    for c in &held {
+        assert!(
+            c.bytes() == &whole[..],
+            "the neighbour's chunk in slot {} was written over",
+            c.slot()
+        );
+    }
 }

@@ -7,7 +7,7 @@
 //! (`store`, `unblock`) is still transcribed from src/control/sender/mod.rs;
 //! docs/model-check.md maps every function.
 
-use kvferry::sender::core::{AbortStep, Phase, ReplyStep, Rules as CoreRules};
+use kvferry::sender::core::{AbortStep, Phase, RemoteSlots, ReplyStep, Rules as CoreRules};
 
 use super::config::Cfg;
 use super::rx::{decode_seq, Wire};
@@ -284,9 +284,14 @@ fn on_batch_reply(cfg: &Cfg, st: &mut State, r: usize, b: usize, resp: &Reply) {
     let keys = cfg.reqs[r].batch_keys(b);
     let n = keys.len();
     let last = b + 1 == cfg.reqs[r].batches.len();
+    // Chunks of one byte: the model's slots hold any of them.
+    let slots = RemoteSlots {
+        capacity: cfg.capacity as u64,
+        bytes: 1,
+    };
     let reply = st.reqs[r]
         .p
-        .on_reply(b as u64, n, last, cfg.capacity as u64, &resp.to_response());
+        .on_reply(b as u64, &vec![1; n], last, slots, &resp.to_response());
     let (remote, dedup) = match reply.step {
         ReplyStep::Abort | ReplyStep::Release | ReplyStep::AllHeld => {
             return release(cfg, st, r, b)

@@ -18,6 +18,7 @@ use std::collections::VecDeque;
 
 use smallvec::SmallVec;
 
+pub use super::reply::RemoteSlots;
 use crate::protocol::{AllocResponse, ErrorCode};
 
 /// The terminal statuses the core produces.
@@ -402,18 +403,19 @@ impl<S: Status> Progress<S> {
         Some((id, first))
     }
 
-    /// The reply `resp` to batch `id` of `n` chunks (`is_last`: the
-    /// request's last batch), from a receiver of `capacity` slots.
+    /// The reply `resp` to batch `id` of chunks of `lens` bytes (`is_last`:
+    /// the request's last batch), from a receive buffer of `slots`.
     pub fn on_reply(
         &mut self,
         id: u64,
-        n: usize,
+        lens: &[u32],
         is_last: bool,
-        capacity: u64,
+        slots: RemoteSlots,
         resp: &AllocResponse,
     ) -> Reply {
+        let n = lens.len();
         self.awaiting_reply = self.awaiting_reply.saturating_sub(1);
-        let mapped = match super::reply::map_reply(n, capacity, resp) {
+        let mapped = match super::reply::map_reply(lens, slots, resp) {
             Ok(m) => m,
             Err((code, reason)) => {
                 tracing::debug!(code = code.as_str(), %reason, "batch refused; aborting the request");

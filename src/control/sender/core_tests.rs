@@ -8,6 +8,12 @@ type P = Progress<RequestStatus>;
 
 const CAP: u64 = 8;
 
+/// A receive buffer of [`CAP`] slots of 4096 bytes.
+const REMOTE: RemoteSlots = RemoteSlots {
+    capacity: CAP,
+    bytes: 4096,
+};
+
 fn ok(remote: &[i64], already: &[i64]) -> AllocResponse {
     AllocResponse::ok(remote.to_vec(), already.to_vec(), None)
 }
@@ -31,7 +37,13 @@ fn answered(ids: &[u64]) -> P {
     while p.next_to_send().is_some() {}
     for (k, &id) in ids.iter().enumerate() {
         let s = 2 * k as i64;
-        let r = p.on_reply(id, 2, k + 1 == ids.len(), CAP, &ok(&[s, s + 1], &[]));
+        let r = p.on_reply(
+            id,
+            &[1; 2],
+            k + 1 == ids.len(),
+            REMOTE,
+            &ok(&[s, s + 1], &[]),
+        );
         assert!(matches!(r.step, ReplyStep::Write { .. }));
     }
     p
@@ -55,7 +67,7 @@ fn an_unadmitted_request_sends_only_its_first_batch() {
     assert_eq!(p.awaiting_reply, 1);
     // The first is out: nothing more until admission.
     assert_eq!(p.sendable::<String>(Rules::KVFERRY, None, &me), 0);
-    let r = p.on_reply(1, 0, false, CAP, &ok(&[], &[]));
+    let r = p.on_reply(1, &[1; 0], false, REMOTE, &ok(&[], &[]));
     assert!(r.admitted);
     assert_eq!(p.state, Phase::Admitted);
     assert_eq!(p.sendable::<String>(Rules::KVFERRY, None, &me), 2);
@@ -92,7 +104,7 @@ fn a_one_request_receiver_serves_the_turn_holder_only() {
 #[test]
 fn a_refusal_aborts_a_live_request_and_releases_the_batch() {
     let mut p = sent(&[1]);
-    let r = p.on_reply(1, 2, true, CAP, &refused());
+    let r = p.on_reply(1, &[1; 2], true, REMOTE, &refused());
     assert_eq!(r.step, ReplyStep::Abort);
     assert!(!r.admitted);
     assert_eq!(p.awaiting_reply, 0);
@@ -104,14 +116,14 @@ fn a_refusal_aborts_a_live_request_and_releases_the_batch() {
         })
     ));
     // A second refusal for an aborting request only releases.
-    let r = p.on_reply(2, 2, true, CAP, &refused());
+    let r = p.on_reply(2, &[1; 2], true, REMOTE, &refused());
     assert_eq!(r.step, ReplyStep::Release);
 }
 
 #[test]
 fn a_reply_naming_a_slot_outside_the_buffer_is_a_bad_message() {
     let mut p = sent(&[1]);
-    let r = p.on_reply(1, 2, true, CAP, &ok(&[0, CAP as i64], &[]));
+    let r = p.on_reply(1, &[1; 2], true, REMOTE, &ok(&[0, CAP as i64], &[]));
     assert_eq!(r.step, ReplyStep::Abort);
     assert!(matches!(
         p.state,
@@ -127,7 +139,7 @@ fn a_reply_naming_a_slot_outside_the_buffer_is_a_bad_message() {
 fn a_reply_to_an_aborting_request_releases_without_admitting() {
     let mut p = sent(&[1]);
     assert!(p.abort_with(RequestStatus::Cancelled));
-    let r = p.on_reply(1, 2, true, CAP, &ok(&[0, 1], &[]));
+    let r = p.on_reply(1, &[1; 2], true, REMOTE, &ok(&[0, 1], &[]));
     assert_eq!(r.step, ReplyStep::Release);
     assert!(!r.admitted);
     assert!(p.unstaged.is_empty());
@@ -137,7 +149,7 @@ fn a_reply_to_an_aborting_request_releases_without_admitting() {
 #[test]
 fn dedup_chunks_count_as_completed_and_are_not_written() {
     let mut p = sent(&[1, 2]);
-    let r = p.on_reply(1, 3, false, CAP, &ok(&[5], &[0, 2]));
+    let r = p.on_reply(1, &[1; 3], false, REMOTE, &ok(&[5], &[0, 2]));
     assert!(r.admitted);
     assert_eq!(
         r.step,
@@ -150,7 +162,7 @@ fn dedup_chunks_count_as_completed_and_are_not_written() {
     assert_eq!(p.unstaged, [1]);
     // Every chunk held already: nothing to write, the batch is delivered.
     p.next_to_send();
-    let r = p.on_reply(2, 1, true, CAP, &ok(&[], &[0]));
+    let r = p.on_reply(2, &[1; 1], true, REMOTE, &ok(&[], &[0]));
     assert!(!r.admitted, "admission is reported once");
     assert_eq!(r.step, ReplyStep::AllHeld);
     assert!(p.last_replied);

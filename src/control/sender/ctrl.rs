@@ -19,6 +19,7 @@ use tracing::{debug, debug_span, warn};
 
 use kvferry_ring::spsc::Consumer;
 
+use super::reply::RemoteSlots;
 use crate::protocol::{
     decode, encode_into, AllocResponse, CancelNotif, ErrorCode, Message, ProxyFailed, ProxyNotif,
     TransferDone,
@@ -554,12 +555,18 @@ impl Ctrl {
             drop(t);
             return self.release_data(b.data, b.bytes);
         };
-        let capacity = self.peers[i]
-            .remote
-            .as_ref()
-            .map_or(0, |rb| rb.capacity_chunks);
+        let slots = self.peers[i].remote.as_ref().map_or(
+            RemoteSlots {
+                capacity: 0,
+                bytes: 0,
+            },
+            |rb| RemoteSlots {
+                capacity: rb.capacity_chunks,
+                bytes: rb.chunk_bytes,
+            },
+        );
         let n = b.keys.len();
-        let reply = r.p.on_reply(id, n, b.is_last, capacity, &resp);
+        let reply = r.p.on_reply(id, &b.lens, b.is_last, slots, &resp);
         if reply.admitted {
             r.c.signal.set_admitted();
             if let Some(sent) = r.first_sent_at {

@@ -71,15 +71,34 @@ pub enum StoreError {
         /// Slots staged.
         slots: usize,
     },
-    /// A chunk is larger than a staging slot.
-    #[error("chunk {index} is {len} bytes, larger than the {max}-byte staging slots")]
+    /// A chunk is larger than a staging slot or than one chunk of the
+    /// request's geometry (its `shape` and `dtype`), whichever is less:
+    /// the receiver holds no more than that of it.
+    #[error(
+        "chunk {index} is {len} bytes, more than the {max} bytes a chunk of the request holds"
+    )]
     ChunkTooLarge {
         /// Position in the batch.
         index: usize,
         /// Its length.
         len: usize,
-        /// The slot size.
+        /// The bound: the slot size, or less for a smaller geometry.
         max: u64,
+    },
+    /// A chunk other than its batch's last is shorter than one chunk of
+    /// the request's geometry. The receiver takes every chunk of a batch
+    /// but the last as whole (LMCache's rule: only the last one carries a
+    /// token count), so it would hand the decoder bytes nobody wrote.
+    #[error(
+        "chunk {index} is {len} bytes: every chunk of a batch but its last must be whole ({full} bytes)"
+    )]
+    ShortChunk {
+        /// Position in the batch.
+        index: usize,
+        /// Its length.
+        len: usize,
+        /// One whole chunk of the request.
+        full: u64,
     },
     /// A later `store` names another receiver than the request began with.
     #[error("request {req_id} goes to {begun}, not {given}")]

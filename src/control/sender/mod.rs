@@ -326,7 +326,7 @@ impl Shared {
             // The table lock, inside the name index's (the one place both
             // are held): only to insert.
             self.table.lock().insert(|key| {
-                let c = Arc::new(request::Common::new(key, spec));
+                let c = Arc::new(request::Common::new(key, spec, self.cfg.chunk_bytes));
                 common = Some(Arc::clone(&c));
                 Req::new(spec, self.cfg.chunk_bytes, c)
             });
@@ -380,8 +380,14 @@ impl Shared {
         }
     }
 
-    /// The checks of a copied batch that need no request state.
-    fn validate_batch(&self, n_keys: usize, chunks: &[&[u8]]) -> Result<(), StoreError> {
+    /// The checks of a copied batch of a request whose whole chunk is
+    /// `full` bytes ([`request::Common::full_chunk`]).
+    fn validate_batch(
+        &self,
+        full: Option<u64>,
+        n_keys: usize,
+        chunks: &[&[u8]],
+    ) -> Result<(), StoreError> {
         if n_keys != chunks.len() {
             return Err(StoreError::KeyCountMismatch {
                 keys: n_keys,
@@ -394,13 +400,39 @@ impl Shared {
                 slots: self.cfg.staging_slots,
             });
         }
-        for (index, c) in chunks.iter().enumerate() {
-            if c.len() as u64 > self.cfg.chunk_bytes {
+        self.check_lens(full, chunks.iter().map(|c| c.len() as u64))
+    }
+
+    /// The lengths of a batch's chunks, in order, for a request whose whole
+    /// chunk is `full` bytes (`None`: a geometry the receiver will refuse):
+    /// none longer than a staging slot or than `full`, and every one but
+    /// the last exactly `full`, since the receiver takes those as whole.
+    /// The one check of every path a batch takes (staged, copied,
+    /// registered).
+    fn check_lens(
+        &self,
+        full: Option<u64>,
+        lens: impl ExactSizeIterator<Item = u64>,
+    ) -> Result<(), StoreError> {
+        let max = full.map_or(self.cfg.chunk_bytes, |f| f.min(self.cfg.chunk_bytes));
+        let last = lens.len().saturating_sub(1);
+        for (index, len) in lens.enumerate() {
+            if len > max {
                 return Err(StoreError::ChunkTooLarge {
                     index,
-                    len: c.len(),
-                    max: self.cfg.chunk_bytes,
+                    len: len as usize,
+                    max,
                 });
+            }
+            match full {
+                Some(full) if index < last && len != full => {
+                    return Err(StoreError::ShortChunk {
+                        index,
+                        len: len as usize,
+                        full,
+                    })
+                }
+                _ => {}
             }
         }
         Ok(())
@@ -943,8 +975,9 @@ impl Sender {
     }
 
     /// Hands one batch of a request over by copying it, and returns without
-    /// waiting for the network. `keys[i]` names `chunks[i]`; the last chunk
-    /// may be short. The first batch of a `req_id` begins the request (see
+    /// waiting for the network. `keys[i]` names `chunks[i]`; every chunk is
+    /// whole but the last, which may be short (as
+    /// [`StagedBatch::submit`](crate::sender::StagedBatch::submit) says). The first batch of a `req_id` begins the request (see
     /// [`Sender::begin`]); later ones must agree with it on `receiver` and
     /// `total_chunks`.
     ///
@@ -1000,7 +1033,8 @@ impl Sender {
         if spec.total_chunks == 0 {
             return Err(StoreError::ZeroTotalChunks);
         }
-        self.shared.validate_batch(n_keys, chunks)?;
+        let full = request::full_chunk(&spec.request(), self.shared.cfg.chunk_bytes);
+        self.shared.validate_batch(full, n_keys, chunks)?;
         if chunks.len() > spec.total_chunks {
             // Checked here too (not only against the running count) so a
             // refused first batch does not leave the request registered.

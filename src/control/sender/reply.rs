@@ -22,14 +22,26 @@ pub(crate) struct Mapped {
     pub already_sent: SmallVec<[usize; 16]>,
 }
 
-/// Maps the reply to a batch of `n` chunks for a receiver of `capacity`
-/// slots, or says why it is refused (the receiver's code, or `BadMessage`
-/// for a reply no correct receiver sends).
+/// The receive buffer a batch goes to: its slot count and slot size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteSlots {
+    /// Slots in the buffer.
+    pub capacity: u64,
+    /// Bytes per slot.
+    pub bytes: u64,
+}
+
+/// Maps the reply to a batch of chunks of `lens` bytes for a receive
+/// buffer of `slots`, or says why it is refused (the receiver's code;
+/// `BadMessage` for a reply no correct receiver sends; `ChunkTooLarge` for
+/// a chunk longer than its receive slot, whose write would run into the
+/// next slot: a buffer configured smaller than the request's chunks).
 pub(crate) fn map_reply(
-    n: usize,
-    capacity: u64,
+    lens: &[u32],
+    slots: RemoteSlots,
     resp: &AllocResponse,
 ) -> Result<Mapped, (ErrorCode, String)> {
+    let (n, capacity) = (lens.len(), slots.capacity);
     let refused = || {
         let code = resp
             .code
@@ -54,6 +66,15 @@ pub(crate) fn map_reply(
                 "reply names slot {slot} outside the receiver's {capacity}"
             )));
         }
+        if u64::from(lens[pos]) > slots.bytes {
+            return Err((
+                ErrorCode::ChunkTooLarge,
+                format!(
+                    "chunk {pos} is {} bytes, more than the receiver's {}-byte slots",
+                    lens[pos], slots.bytes
+                ),
+            ));
+        }
         remote[pos] = slot;
     }
     Ok(Mapped {
@@ -70,10 +91,23 @@ mod tests {
         AllocResponse::ok(remote, already, None)
     }
 
+    /// `n` chunks of one byte.
+    fn lens(n: usize) -> Vec<u32> {
+        vec![1; n]
+    }
+
+    /// A receive buffer of `capacity` slots of 4096 bytes.
+    fn slots(capacity: u64) -> RemoteSlots {
+        RemoteSlots {
+            capacity,
+            bytes: 4096,
+        }
+    }
+
     #[test]
     fn lmcache_rule_skips_already_sent_keys() {
         // keys 0..4, chunks 1 and 3 already held: two slots, in key order.
-        let m = map_reply(4, 16, &ok(vec![7, 9], vec![3, 1])).unwrap();
+        let m = map_reply(&lens(4), slots(16), &ok(vec![7, 9], vec![3, 1])).unwrap();
         assert_eq!(m.remote, vec![7, -1, 9, -1]);
         assert_eq!(m.already_sent.as_slice(), &[1, 3]);
     }
@@ -83,27 +117,31 @@ mod tests {
         // The shape kvferry receivers sent before the interop rule: it fails
         // LMCache's count check, so it is refused, never misread.
         assert_eq!(
-            map_reply(3, 16, &ok(vec![4, 5, 6], vec![1])).unwrap_err().0,
+            map_reply(&lens(3), slots(16), &ok(vec![4, 5, 6], vec![1]))
+                .unwrap_err()
+                .0,
             ErrorCode::BadMessage
         );
-        let m = map_reply(2, 16, &ok(vec![0, 1], vec![])).unwrap();
+        let m = map_reply(&lens(2), slots(16), &ok(vec![0, 1], vec![])).unwrap();
         assert_eq!(m.remote, vec![0, 1]);
         assert!(m.already_sent.is_empty());
     }
 
     #[test]
     fn empty_batches_take_an_empty_answer() {
-        let m = map_reply(0, 16, &ok(vec![], vec![])).unwrap();
+        let m = map_reply(&lens(0), slots(16), &ok(vec![], vec![])).unwrap();
         assert!(m.remote.is_empty());
         assert_eq!(
-            map_reply(0, 16, &ok(vec![1, 2], vec![])).unwrap_err().0,
+            map_reply(&lens(0), slots(16), &ok(vec![1, 2], vec![]))
+                .unwrap_err()
+                .0,
             ErrorCode::BadMessage
         );
     }
 
     #[test]
     fn hostile_replies_are_refused_not_trusted() {
-        let bad = |r: AllocResponse, n| map_reply(n, 8, &r).unwrap_err().0;
+        let bad = |r: AllocResponse, n| map_reply(&lens(n), slots(8), &r).unwrap_err().0;
         assert_eq!(
             bad(ok(vec![8], vec![]), 1),
             ErrorCode::BadMessage,
@@ -137,9 +175,20 @@ mod tests {
     }
 
     #[test]
+    fn a_chunk_longer_than_its_receive_slot_is_refused_not_written() {
+        // Chunk 1 would run 1 byte into the slot after its own.
+        let (code, reason) =
+            map_reply(&[4096, 4097], slots(8), &ok(vec![2, 3], vec![])).unwrap_err();
+        assert_eq!(code, ErrorCode::ChunkTooLarge, "{reason}");
+        // A chunk the receiver already holds is not written: no bound.
+        let m = map_reply(&[4096, 9999], slots(8), &ok(vec![2], vec![1])).unwrap();
+        assert_eq!(m.remote, vec![2, -1]);
+    }
+
+    #[test]
     fn failures_keep_the_receivers_code() {
         let r = AllocResponse::failure(2, Some(3), ErrorCode::BufferTooSmall, "too big");
-        let (code, reason) = map_reply(2, 8, &r).unwrap_err();
+        let (code, reason) = map_reply(&lens(2), slots(8), &r).unwrap_err();
         assert_eq!(
             (code, reason.as_str()),
             (ErrorCode::BufferTooSmall, "too big")
@@ -153,7 +202,11 @@ mod tests {
                 code: Some(wire.into()),
                 ..AllocResponse::failure(1, None, ErrorCode::AllocationFailed, "no")
             };
-            assert_eq!(map_reply(1, 8, &r).unwrap_err().0, code, "{wire}");
+            assert_eq!(
+                map_reply(&lens(1), slots(8), &r).unwrap_err().0,
+                code,
+                "{wire}"
+            );
         }
     }
 }

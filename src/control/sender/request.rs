@@ -72,12 +72,27 @@ pub(crate) struct Common {
     pub signal: Signal,
     /// Fired by whoever stops the request: wakes its staging waiters.
     pub cancel: crate::cancel::CancelToken,
+    /// Bytes of one whole chunk of the request's geometry ([`full_chunk`]).
+    pub full_chunk: Option<u64>,
+}
+
+/// Bytes of one whole chunk of `spec`'s geometry: its `shape` of `dtype`,
+/// or a staging slot (`slot_bytes`) for the default byte shape (which the
+/// AllocRequests then carry as `[slot_bytes]`); `None` for a geometry the
+/// protocol cannot size (the receiver refuses it).
+pub(crate) fn full_chunk(spec: &RequestSpec, slot_bytes: u64) -> Option<u64> {
+    if spec.shape.is_empty() {
+        Some(slot_bytes)
+    } else {
+        crate::protocol::chunk_bytes_of(&spec.shape, &spec.dtype).ok()
+    }
 }
 
 impl Common {
-    pub fn new(key: ReqKey, spec: &RequestSpec) -> Self {
+    pub fn new(key: ReqKey, spec: &RequestSpec, slot_bytes: u64) -> Self {
         Self {
             key,
+            full_chunk: full_chunk(spec, slot_bytes),
             req_id: Arc::from(spec.req_id.as_str()),
             receiver: spec.receiver.clone(),
             total: spec.total_chunks,
@@ -268,13 +283,15 @@ impl Request {
         }
     }
 
-    /// Copies one batch (`keys[i]` names `chunks[i]`; the last chunk may be
-    /// short) and returns without waiting for the network: into staging if
+    /// Copies one batch (`keys[i]` names `chunks[i]`; every chunk whole
+    /// but the last, which may be short, as [`StagedBatch::submit`] says) and returns without waiting for the network: into staging if
     /// the request is admitted (waiting up to the sender's
     /// `staging_timeout` for slots), otherwise into the bounded pending area
     /// ([`StoreError::Backpressure`] at once if full).
     pub fn store(&self, keys: &[impl AsRef<str>], chunks: &[&[u8]]) -> Result<(), StoreError> {
-        self.h.shared.validate_batch(keys.len(), chunks)?;
+        self.h
+            .shared
+            .validate_batch(self.h.full_chunk, keys.len(), chunks)?;
         self.h.shared.store_copy(&self.h, keys, chunks, None, None)
     }
 
@@ -309,19 +326,15 @@ impl Request {
             });
         }
         let shared = &self.h.shared;
-        let max = shared.cfg.chunk_bytes;
+        shared.check_lens(
+            self.h.full_chunk,
+            chunks.iter().map(|&(_, _, len)| u64::from(len)),
+        )?;
         let mut regions: Vec<Arc<RegionEntry>> = Vec::new();
         for (index, &(region, offset, len)) in chunks.iter().enumerate() {
             let e = &region.entry;
             if !e.belongs_to(shared) {
                 return Err(StoreError::ForeignRegion { index });
-            }
-            if u64::from(len) > max {
-                return Err(StoreError::ChunkTooLarge {
-                    index,
-                    len: len as usize,
-                    max,
-                });
             }
             if offset
                 .checked_add(u64::from(len))
@@ -480,10 +493,15 @@ impl StagedBatch {
     }
 
     /// Hands the first `keys.len()` slots over: chunk `i` is named
-    /// `keys[i]` and is `lens[i]` bytes long (the start of slot `i`). Slots
-    /// past `keys.len()` go back at once. Returns without waiting for the
-    /// network. The batch is the request's last if it brings the request to
-    /// `total_chunks`; only a last batch may be empty.
+    /// `keys[i]` and is `lens[i]` bytes long (the start of slot `i`). Every
+    /// chunk but the last is whole (one chunk of the request's geometry: a
+    /// staging slot for the default byte shape;
+    /// [`StoreError::ShortChunk`]), and none is longer
+    /// ([`StoreError::ChunkTooLarge`]): the receiver takes every chunk of a
+    /// batch but its last as whole. Slots past `keys.len()` go back at
+    /// once. Returns without waiting for the network. The batch is the
+    /// request's last if it brings the request to `total_chunks`; only a
+    /// last batch may be empty.
     ///
     /// On error the slots go back and nothing is sent.
     pub fn submit(mut self, keys: &[impl AsRef<str>], lens: &[u32]) -> Result<(), StoreError> {
@@ -504,16 +522,7 @@ impl StagedBatch {
                     slots: set.len(),
                 });
             }
-            let max = shared.cfg.chunk_bytes;
-            if let Some((index, &len)) = lens.iter().enumerate().find(|(_, &l)| u64::from(l) > max)
-            {
-                return Err(StoreError::ChunkTooLarge {
-                    index,
-                    len: len as usize,
-                    max,
-                });
-            }
-            Ok(())
+            shared.check_lens(self.h.full_chunk, lens.iter().map(|&l| u64::from(l)))
         })();
         if let Err(e) = check {
             shared.slots.free(set);
