@@ -2268,3 +2268,40 @@ fn random_steps_of_the_python_worker_against_the_binaries() {
     process::assert_no_panic_logged(&send_log, "the sender");
     process::assert_no_panic_logged(&recv_log, "the receiver");
 }
+
+/// An attached worker's batch whose first chunk is short is refused
+/// (`SenderRefused`, the sender's `ShortChunk`) and its slots come back:
+/// the receiver would report that chunk whole, its tail bytes nobody
+/// wrote. The same request then lands with its first chunk whole.
+#[test]
+fn a_batch_with_a_short_chunk_before_its_last_is_refused() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let t = setup(8, 2);
+    let mut c = PrefillClient::connect(t.d.socket(), WAIT).unwrap();
+    let req = unique("short-first");
+    let tag = c.begin(&req, 0, 2).unwrap();
+    c.stage(tag, 2).unwrap();
+    let b = staged(&mut c, "the batch");
+    let keys = [key(&req, REQUEST, 0, 2), key(&req, REQUEST, 1, 2)];
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    c.submit(b, &keys, &[100, 100]).expect("submitted");
+    match next(&mut c, "the refusal") {
+        PrefillEvent::Refused { tag: t2, reason } => {
+            assert_eq!((t2, reason), (tag, Some(Refusal::SenderRefused)))
+        }
+        other => panic!("expected REFUSED, got {other:?}"),
+    }
+    wait_for("the refused batch's slots back", || {
+        t.s.staging_in_use() == 0
+    });
+    c.stage(tag, 2).unwrap();
+    let b = staged(&mut c, "the batch again");
+    fill_and_submit(&mut c, b, &req, 0, 2);
+    match next(&mut c, "DONE") {
+        PrefillEvent::Done { tag: t2 } => assert_eq!(t2, tag),
+        other => panic!("expected DONE, got {other:?}"),
+    }
+    verify_at_receiver(&t.r, &req, 2);
+}

@@ -977,7 +977,8 @@ impl Sender {
     /// Hands one batch of a request over by copying it, and returns without
     /// waiting for the network. `keys[i]` names `chunks[i]`; every chunk is
     /// whole but the last, which may be short (as
-    /// [`StagedBatch::submit`](crate::sender::StagedBatch::submit) says). The first batch of a `req_id` begins the request (see
+    /// [`StagedBatch::submit`](crate::sender::StagedBatch::submit) says).
+    /// The first batch of a `req_id` begins the request (see
     /// [`Sender::begin`]); later ones must agree with it on `receiver` and
     /// `total_chunks`.
     ///
