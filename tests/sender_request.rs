@@ -557,3 +557,66 @@ fn a_chunk_is_whole_unless_last_and_never_longer_than_a_chunk_of_the_request() {
         );
     }
 }
+
+/// The last chunk of a one-dimensional geometry is a whole number of
+/// tokens: the receiver makes it `last_chunk_toks` tokens' bytes. By
+/// default the sender counts the tokens it holds (its bytes over the
+/// element size); given a count, the chunk must be that many tokens.
+/// Before, the default was the chunk's bytes whatever the dtype: a
+/// 100-byte last chunk of `bfloat16` was reported as 100 tokens and 200
+/// bytes, half of them bytes nobody wrote.
+#[test]
+fn a_last_chunk_is_its_token_count_of_a_one_dimensional_shape() {
+    let r = receiver(8);
+    let s = sender(sender_cfg(4, None));
+    let bf16 = |id: &str| RequestSpec {
+        shape: vec![CHUNK as i64 / 2],
+        dtype: "bfloat16".into(),
+        ..RequestSpec::new(id, r.endpoint(), 2)
+    };
+    let whole = vec![1u8; CHUNK as usize];
+    let req = s.begin(bf16("tok-0")).unwrap();
+    assert_eq!(
+        req.store(&["tok-0/0", "tok-0/1"], &[&whole[..], &[2u8; 101][..]]),
+        Err(StoreError::LastChunkTokens {
+            len: 101,
+            tokens: None,
+            token_bytes: 2
+        }),
+        "half a token"
+    );
+    let mut b = req.stage(2, deadline()).unwrap();
+    b.set_last_chunk_toks(60);
+    assert_eq!(
+        b.submit(&["tok-0/0", "tok-0/1"], &[CHUNK as u32, 100]),
+        Err(StoreError::LastChunkTokens {
+            len: 100,
+            tokens: Some(60),
+            token_bytes: 2
+        }),
+        "60 tokens are 120 bytes"
+    );
+    req.store(&["tok-0/0", "tok-0/1"], &[&whole[..], &[2u8; 100][..]])
+        .unwrap();
+    assert_eq!(req.wait(deadline()), RequestStatus::Completed);
+    r.wait_ready("tok-0", deadline()).unwrap();
+    let last = r.get("tok-0/1").unwrap();
+    assert_eq!((last.len(), last.tokens()), (100, Some(50)));
+    assert_eq!(last.bytes(), &[2u8; 100][..]);
+    drop((last, r.get("tok-0/0")));
+    // The byte shape: a token is a byte.
+    let req = s.begin(RequestSpec::new("tok-1", r.endpoint(), 1)).unwrap();
+    let mut b = req.stage(1, deadline()).unwrap();
+    b.set_last_chunk_toks(CHUNK as i64);
+    assert_eq!(
+        b.submit(&["tok-1/0"], &[100]),
+        Err(StoreError::LastChunkTokens {
+            len: 100,
+            tokens: Some(CHUNK as i64),
+            token_bytes: 1
+        })
+    );
+    assert!(req.cancel());
+    wait_sender_empty(&s, "after the token checks");
+    wait_receiver_empty(&r, "after the token checks");
+}

@@ -559,7 +559,9 @@ class PrefillClient:
 
     def submit(self, tag, batch, keys, lens, last_chunk_toks=None):
         """last_chunk_toks: the token count of the last chunk
-        (AllocRequest.last_chunk_toks; None: its length in bytes)."""
+        (AllocRequest.last_chunk_toks; None: the tokens it holds, its bytes
+        over the element size of a one-dimensional shape, its bytes
+        otherwise)."""
         toks = NO_TOKENS if last_chunk_toks is None else last_chunk_toks
         if not 0 <= toks <= NO_TOKENS:
             raise ValueError("last_chunk_toks must be 0..%d" % (NO_TOKENS - 1))

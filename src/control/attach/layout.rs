@@ -262,8 +262,9 @@ pub struct PrefillSubmit {
     /// BEGIN: total chunks; STAGE: slots; KEY: chunk index; SUBMIT: chunks.
     pub b: u32,
     /// SUBMIT: the token count of the batch's last chunk
-    /// (`AllocRequest.last_chunk_toks`), [`NO_TOKENS`] for the default (its
-    /// length in bytes); otherwise 0.
+    /// (`AllocRequest.last_chunk_toks`), [`NO_TOKENS`] for the default
+    /// (the tokens the chunk holds: its bytes over the element size of a
+    /// one-dimensional shape, its bytes otherwise); otherwise 0.
     pub c: u32,
     /// Bytes of `text` used.
     pub text_len: u32,

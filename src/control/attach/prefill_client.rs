@@ -49,7 +49,9 @@ impl StagedSlots {
     }
 
     /// Sets the token count of the batch's last submitted chunk
-    /// (`AllocRequest.last_chunk_toks`; default: its length in bytes), as
+    /// (`AllocRequest.last_chunk_toks`; default: the tokens it holds, its
+    /// bytes over the element size of a one-dimensional shape, its bytes
+    /// otherwise), as
     /// `StagedBatch::set_last_chunk_toks` does in process. At most the
     /// largest dimension of the request's shape (the daemon refuses the
     /// SUBMIT otherwise, [`Refusal::BadTokens`]); `u32::MAX` means the

@@ -100,6 +100,23 @@ pub enum StoreError {
         /// One whole chunk of the request.
         full: u64,
     },
+    /// The last chunk of a batch of a one-dimensional geometry (`[tokens]`
+    /// of `dtype`; the default byte shape too) is not the `tokens` tokens
+    /// it was given, or (none given) not a whole number of tokens: the
+    /// receiver reports it as `last_chunk_toks` tokens' bytes, so it would
+    /// hand the decoder bytes nobody wrote, or cut it.
+    #[error(
+        "the last chunk is {len} bytes, not {} of {token_bytes}-byte tokens",
+        tokens.map_or("a whole number".to_owned(), |t| t.to_string())
+    )]
+    LastChunkTokens {
+        /// Its length.
+        len: usize,
+        /// The token count given (`set_last_chunk_toks`), if any.
+        tokens: Option<i64>,
+        /// Bytes per token: the shape's element size.
+        token_bytes: u64,
+    },
     /// A later `store` names another receiver than the request began with.
     #[error("request {req_id} goes to {begun}, not {given}")]
     ReceiverMismatch {

@@ -175,7 +175,8 @@ pub struct TransferSpec {
     pub shape: Vec<i64>,
     /// Element type with `shape` (default `"uint8"`).
     pub dtype: String,
-    /// Token count of the batch's last chunk (default: its byte length).
+    /// Token count of the batch's last chunk (default: the tokens it
+    /// holds, as `StagedBatch::set_last_chunk_toks` says).
     pub last_chunk_toks: Option<i64>,
 }
 
@@ -380,13 +381,14 @@ impl Shared {
         }
     }
 
-    /// The checks of a copied batch of a request whose whole chunk is
-    /// `full` bytes ([`request::Common::full_chunk`]).
+    /// The checks of a copied batch of a request of geometry `g`, its last
+    /// chunk `toks` tokens if given.
     fn validate_batch(
         &self,
-        full: Option<u64>,
+        g: request::Geometry,
         n_keys: usize,
         chunks: &[&[u8]],
+        toks: Option<i64>,
     ) -> Result<(), StoreError> {
         if n_keys != chunks.len() {
             return Err(StoreError::KeyCountMismatch {
@@ -400,20 +402,23 @@ impl Shared {
                 slots: self.cfg.staging_slots,
             });
         }
-        self.check_lens(full, chunks.iter().map(|c| c.len() as u64))
+        self.check_lens(g, chunks.iter().map(|c| c.len() as u64), toks)
     }
 
-    /// The lengths of a batch's chunks, in order, for a request whose whole
-    /// chunk is `full` bytes (`None`: a geometry the receiver will refuse):
-    /// none longer than a staging slot or than `full`, and every one but
-    /// the last exactly `full`, since the receiver takes those as whole.
-    /// The one check of every path a batch takes (staged, copied,
-    /// registered).
+    /// The lengths of a batch's chunks, in order, for a request of geometry
+    /// `g`, its last chunk `toks` tokens if given: none longer than a
+    /// staging slot or than a whole chunk, every one but the last whole
+    /// (the receiver takes those as whole), and for a one-dimensional shape
+    /// the last exactly `toks` tokens, or a whole number of them (the
+    /// receiver sizes it so). The one check of every path a batch takes
+    /// (staged, copied, registered).
     fn check_lens(
         &self,
-        full: Option<u64>,
+        g: request::Geometry,
         lens: impl ExactSizeIterator<Item = u64>,
+        toks: Option<i64>,
     ) -> Result<(), StoreError> {
+        let full = g.full;
         let max = full.map_or(self.cfg.chunk_bytes, |f| f.min(self.cfg.chunk_bytes));
         let last = lens.len().saturating_sub(1);
         for (index, len) in lens.enumerate() {
@@ -432,10 +437,32 @@ impl Shared {
                         full,
                     })
                 }
+                _ if index == last => Self::check_tokens(g, len, toks)?,
                 _ => {}
             }
         }
         Ok(())
+    }
+
+    /// A batch's last chunk of `len` bytes and `toks` tokens (default: as
+    /// many as `len` holds) against a one-dimensional geometry `g`.
+    fn check_tokens(g: request::Geometry, len: u64, toks: Option<i64>) -> Result<(), StoreError> {
+        let Some(unit) = g.token_bytes.filter(|&u| u > 0) else {
+            return Ok(());
+        };
+        let fits = match toks {
+            Some(t) => u64::try_from(t).is_ok_and(|t| t.checked_mul(unit) == Some(len)),
+            None => len % unit == 0,
+        };
+        if fits {
+            Ok(())
+        } else {
+            Err(StoreError::LastChunkTokens {
+                len: len as usize,
+                tokens: toks,
+                token_bytes: unit,
+            })
+        }
     }
 
     /// Reserves `n` chunks of the request's count (so concurrent batches
@@ -483,7 +510,11 @@ impl Shared {
         last_chunk_toks: Option<i64>,
     ) -> Result<(), StoreError> {
         let n = lens.len();
-        let toks = last_chunk_toks.unwrap_or_else(|| lens.last().map_or(0, |&l| i64::from(l)));
+        // The default: the whole tokens the last chunk holds (its bytes for
+        // the byte shape; `check_lens` refused a partial token).
+        let unit = h.geometry.token_bytes.filter(|&u| u > 0).unwrap_or(1);
+        let toks = last_chunk_toks
+            .unwrap_or_else(|| lens.last().map_or(0, |&l| (u64::from(l) / unit) as i64));
         // A request that stopped since the reservation (cancelled, failed,
         // closed) takes no more batches. Read without the table lock: every
         // abort fires the request's cancel token (`Req::aborted`) under it,
@@ -1034,8 +1065,9 @@ impl Sender {
         if spec.total_chunks == 0 {
             return Err(StoreError::ZeroTotalChunks);
         }
-        let full = request::full_chunk(&spec.request(), self.shared.cfg.chunk_bytes);
-        self.shared.validate_batch(full, n_keys, chunks)?;
+        let g = request::Geometry::of(&spec.request(), self.shared.cfg.chunk_bytes);
+        self.shared
+            .validate_batch(g, n_keys, chunks, spec.last_chunk_toks)?;
         if chunks.len() > spec.total_chunks {
             // Checked here too (not only against the running count) so a
             // refused first batch does not leave the request registered.

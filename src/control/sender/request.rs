@@ -72,19 +72,45 @@ pub(crate) struct Common {
     pub signal: Signal,
     /// Fired by whoever stops the request: wakes its staging waiters.
     pub cancel: crate::cancel::CancelToken,
-    /// Bytes of one whole chunk of the request's geometry ([`full_chunk`]).
-    pub full_chunk: Option<u64>,
+    /// The request's chunk geometry, as its batches are checked against it.
+    pub geometry: Geometry,
 }
 
-/// Bytes of one whole chunk of `spec`'s geometry: its `shape` of `dtype`,
-/// or a staging slot (`slot_bytes`) for the default byte shape (which the
-/// AllocRequests then carry as `[slot_bytes]`); `None` for a geometry the
-/// protocol cannot size (the receiver refuses it).
-pub(crate) fn full_chunk(spec: &RequestSpec, slot_bytes: u64) -> Option<u64> {
-    if spec.shape.is_empty() {
-        Some(slot_bytes)
-    } else {
-        crate::protocol::chunk_bytes_of(&spec.shape, &spec.dtype).ok()
+/// A request's chunk geometry as the sender checks its batches' lengths
+/// against it (`Shared::check_lens`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Geometry {
+    /// Bytes of one whole chunk: its `shape` of `dtype`, or a staging slot
+    /// for the default byte shape (which the AllocRequests then carry as
+    /// `[slot_bytes]`); `None` for a geometry the protocol cannot size
+    /// (the receiver refuses it).
+    pub full: Option<u64>,
+    /// Bytes per token of a one-dimensional shape (`[tokens]`; 1 for the
+    /// byte shape): the receiver makes a batch's last chunk
+    /// `last_chunk_toks` of them. `None` for more dimensions, whose token
+    /// axis depends on `fmt` (the receiver reports their last chunk
+    /// whole).
+    pub token_bytes: Option<u64>,
+}
+
+impl Geometry {
+    /// The geometry of `spec` on a sender of `slot_bytes` staging slots.
+    pub(crate) fn of(spec: &RequestSpec, slot_bytes: u64) -> Self {
+        match spec.shape.as_slice() {
+            [] => Self {
+                full: Some(slot_bytes),
+                token_bytes: Some(1),
+            },
+            shape => {
+                let full = crate::protocol::chunk_bytes_of(shape, &spec.dtype).ok();
+                let token_bytes = match shape {
+                    // `chunk_bytes_of` checked the dimension is positive.
+                    [tokens] => full.map(|f| f / *tokens as u64),
+                    _ => None,
+                };
+                Self { full, token_bytes }
+            }
+        }
     }
 }
 
@@ -92,7 +118,7 @@ impl Common {
     pub fn new(key: ReqKey, spec: &RequestSpec, slot_bytes: u64) -> Self {
         Self {
             key,
-            full_chunk: full_chunk(spec, slot_bytes),
+            geometry: Geometry::of(spec, slot_bytes),
             req_id: Arc::from(spec.req_id.as_str()),
             receiver: spec.receiver.clone(),
             total: spec.total_chunks,
@@ -291,7 +317,7 @@ impl Request {
     pub fn store(&self, keys: &[impl AsRef<str>], chunks: &[&[u8]]) -> Result<(), StoreError> {
         self.h
             .shared
-            .validate_batch(self.h.full_chunk, keys.len(), chunks)?;
+            .validate_batch(self.h.geometry, keys.len(), chunks, None)?;
         self.h.shared.store_copy(&self.h, keys, chunks, None, None)
     }
 
@@ -327,8 +353,9 @@ impl Request {
         }
         let shared = &self.h.shared;
         shared.check_lens(
-            self.h.full_chunk,
+            self.h.geometry,
             chunks.iter().map(|&(_, _, len)| u64::from(len)),
+            None,
         )?;
         let mut regions: Vec<Arc<RegionEntry>> = Vec::new();
         for (index, &(region, offset, len)) in chunks.iter().enumerate() {
@@ -486,8 +513,12 @@ impl StagedBatch {
         Some(unsafe { std::slice::from_raw_parts_mut(p, len) })
     }
 
-    /// Sets the token count of the batch's last chunk (default: its length
-    /// in bytes).
+    /// Sets the token count of the batch's last chunk (default: the
+    /// tokens it holds: its bytes over the element size of a
+    /// one-dimensional shape, its bytes otherwise). For a one-dimensional
+    /// shape the receiver makes the chunk that many tokens' bytes, so
+    /// [`submit`](Self::submit) refuses a chunk of another length
+    /// ([`StoreError::LastChunkTokens`]).
     pub fn set_last_chunk_toks(&mut self, toks: i64) {
         self.last_chunk_toks = Some(toks);
     }
@@ -522,7 +553,11 @@ impl StagedBatch {
                     slots: set.len(),
                 });
             }
-            shared.check_lens(self.h.full_chunk, lens.iter().map(|&l| u64::from(l)))
+            shared.check_lens(
+                self.h.geometry,
+                lens.iter().map(|&l| u64::from(l)),
+                self.last_chunk_toks,
+            )
         })();
         if let Err(e) = check {
             shared.slots.free(set);
