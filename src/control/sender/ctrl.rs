@@ -555,16 +555,13 @@ impl Ctrl {
             drop(t);
             return self.release_data(b.data, b.bytes);
         };
-        let slots = self.peers[i].remote.as_ref().map_or(
-            RemoteSlots {
-                capacity: 0,
-                bytes: 0,
-            },
-            |rb| RemoteSlots {
+        let slots = self.peers[i]
+            .remote
+            .as_ref()
+            .map_or(RemoteSlots::default(), |rb| RemoteSlots {
                 capacity: rb.capacity_chunks,
                 bytes: rb.chunk_bytes,
-            },
-        );
+            });
         let n = b.keys.len();
         let reply = r.p.on_reply(id, &b.lens, b.is_last, slots, &resp);
         if reply.admitted {

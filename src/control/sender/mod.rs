@@ -44,6 +44,7 @@ mod wire;
 #[cfg(test)]
 mod handle_tests;
 
+use std::num::NonZeroU64;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -447,7 +448,7 @@ impl Shared {
     /// A batch's last chunk of `len` bytes and `toks` tokens (default: as
     /// many as `len` holds) against a one-dimensional geometry `g`.
     fn check_tokens(g: request::Geometry, len: u64, toks: Option<i64>) -> Result<(), StoreError> {
-        let Some(unit) = g.token_bytes.filter(|&u| u > 0) else {
+        let Some(unit) = g.token_bytes.map(NonZeroU64::get) else {
             return Ok(());
         };
         let fits = match toks {
@@ -512,7 +513,7 @@ impl Shared {
         let n = lens.len();
         // The default: the whole tokens the last chunk holds (its bytes for
         // the byte shape; `check_lens` refused a partial token).
-        let unit = h.geometry.token_bytes.filter(|&u| u > 0).unwrap_or(1);
+        let unit = h.geometry.token_bytes.map_or(1, NonZeroU64::get);
         let toks = last_chunk_toks
             .unwrap_or_else(|| lens.last().map_or(0, |&l| (u64::from(l) / unit) as i64));
         // A request that stopped since the reservation (cancelled, failed,
@@ -1065,7 +1066,7 @@ impl Sender {
         if spec.total_chunks == 0 {
             return Err(StoreError::ZeroTotalChunks);
         }
-        let g = request::Geometry::of(&spec.request(), self.shared.cfg.chunk_bytes);
+        let g = request::Geometry::of(&spec.shape, &spec.dtype, self.shared.cfg.chunk_bytes);
         self.shared
             .validate_batch(g, n_keys, chunks, spec.last_chunk_toks)?;
         if chunks.len() > spec.total_chunks {

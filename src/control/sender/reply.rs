@@ -22,8 +22,9 @@ pub(crate) struct Mapped {
     pub already_sent: SmallVec<[usize; 16]>,
 }
 
-/// The receive buffer a batch goes to: its slot count and slot size.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The receive buffer a batch goes to: its slot count and slot size
+/// (none of either by default: a receiver whose buffer is not known).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RemoteSlots {
     /// Slots in the buffer.
     pub capacity: u64,

@@ -3,6 +3,7 @@
 //! slots of an admitted request, filled in place and then submitted).
 
 use std::io;
+use std::num::NonZeroU64;
 use std::os::fd::BorrowedFd;
 use std::sync::Arc;
 use std::time::Instant;
@@ -90,27 +91,27 @@ pub(crate) struct Geometry {
     /// `last_chunk_toks` of them. `None` for more dimensions, whose token
     /// axis depends on `fmt` (the receiver reports their last chunk
     /// whole).
-    pub token_bytes: Option<u64>,
+    pub token_bytes: Option<NonZeroU64>,
 }
 
 impl Geometry {
-    /// The geometry of `spec` on a sender of `slot_bytes` staging slots.
-    pub(crate) fn of(spec: &RequestSpec, slot_bytes: u64) -> Self {
-        match spec.shape.as_slice() {
-            [] => Self {
+    /// The geometry of chunks of `shape` of `dtype` (a request's; an empty
+    /// shape is the byte shape) on a sender of `slot_bytes` staging slots.
+    pub(crate) fn of(shape: &[i64], dtype: &str, slot_bytes: u64) -> Self {
+        if shape.is_empty() {
+            return Self {
                 full: Some(slot_bytes),
-                token_bytes: Some(1),
-            },
-            shape => {
-                let full = crate::protocol::chunk_bytes_of(shape, &spec.dtype).ok();
-                let token_bytes = match shape {
-                    // `chunk_bytes_of` checked the dimension is positive.
-                    [tokens] => full.map(|f| f / *tokens as u64),
-                    _ => None,
-                };
-                Self { full, token_bytes }
-            }
+                token_bytes: Some(NonZeroU64::MIN),
+            };
         }
+        let full = crate::protocol::chunk_bytes_of(shape, dtype).ok();
+        let token_bytes = match shape {
+            // `chunk_bytes_of` checked the dimension is positive, and a
+            // whole chunk is `tokens` elements of at least one byte.
+            [tokens] => full.and_then(|f| NonZeroU64::new(f / *tokens as u64)),
+            _ => None,
+        };
+        Self { full, token_bytes }
     }
 }
 
@@ -118,7 +119,7 @@ impl Common {
     pub fn new(key: ReqKey, spec: &RequestSpec, slot_bytes: u64) -> Self {
         Self {
             key,
-            geometry: Geometry::of(spec, slot_bytes),
+            geometry: Geometry::of(&spec.shape, &spec.dtype, slot_bytes),
             req_id: Arc::from(spec.req_id.as_str()),
             receiver: spec.receiver.clone(),
             total: spec.total_chunks,
