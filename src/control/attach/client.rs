@@ -530,12 +530,10 @@ impl DecoderClient {
             _ => return Err(AttachError::Protocol("not this client's delivery".into())),
         }
         self.tags.remove(&d.tag);
-        if self.deferred.is_empty() && self.sq.push(DecoderSubmit::release(d.tag)).is_ok() {
-            return doorbell(&mut self.sq, &mut self.sock);
-        }
+        // Behind any release still waiting, and out at once if there is
+        // room (the queue reuses its buffer: nothing allocated per release).
         self.deferred.push_back(d.tag);
-        self.flush_deferred()?;
-        Ok(())
+        self.flush_deferred().map(drop)
     }
 
     /// The bytes of chunk `i` of `d`, in place (read-only mapping). `None`
