@@ -11,7 +11,7 @@ mod common_sender;
 #[path = "common/process.rs"]
 mod process;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -1256,6 +1256,8 @@ fn the_python_client_skips_a_delivery_that_crossed_its_release() {
 /// waits for the decoders), until stopped; dropping it stops and joins it,
 /// so it ends however the test does (a failed assertion included).
 struct Writer {
+    /// Its requests are `{prefix}-{i}`.
+    prefix: String,
     /// The requests written so far: `(req_id, chunks)`.
     written: Arc<std::sync::Mutex<Vec<(String, usize)>>>,
     stop: Arc<std::sync::atomic::AtomicBool>,
@@ -1267,7 +1269,7 @@ impl Writer {
         use std::sync::atomic::Ordering;
         let written: Arc<std::sync::Mutex<Vec<(String, usize)>>> = Arc::default();
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let (s, r, w, halt, prefix) = (
+        let (s, r, w, halt, pre) = (
             Arc::clone(s),
             Arc::clone(r),
             Arc::clone(&written),
@@ -1278,7 +1280,7 @@ impl Writer {
             let mut i = 0;
             // Relaxed: a stop flag; what was written is under the mutex.
             while !halt.load(Ordering::Relaxed) {
-                let req = format!("{prefix}-{i}");
+                let req = format!("{pre}-{i}");
                 let n = 1 + i % 3;
                 let spec = TransferSpec::new(&req, r.endpoint(), n, true);
                 let keys: Vec<String> = (0..n).map(|k| format!("{req}/{k:03}")).collect();
@@ -1296,10 +1298,16 @@ impl Writer {
             }
         });
         Self {
+            prefix: prefix.to_owned(),
             written,
             stop,
             thread: Some(thread),
         }
+    }
+
+    /// The id of its request number `i`.
+    fn id(&self, i: usize) -> String {
+        format!("{}-{i}", self.prefix)
     }
 
     /// Requests written so far.
@@ -1332,6 +1340,78 @@ impl Drop for Writer {
             assert!(t.join().is_ok(), "the writer thread panicked");
         }
     }
+}
+
+impl Writer {
+    /// Stops the writer and hands every request it wrote that is not in
+    /// `taken` to a new decoder on `sock`, by req_id (a wildcard gets only
+    /// requests that become ready while it stands), until the writer has
+    /// ended (its last store waits for room in the buffer): each is
+    /// delivered and checked byte for byte, or refused as consumed
+    /// (`TakeRefused`), which only a request `may_be_consumed` allows.
+    /// Each goes into `taken`.
+    fn deliver_the_rest(
+        &self,
+        sock: &Path,
+        taken: &mut HashSet<String>,
+        may_be_consumed: impl Fn(&str) -> bool,
+    ) {
+        self.stop();
+        let mut c = connect(sock);
+        let end = deadline();
+        loop {
+            let left: Vec<(String, usize)> = {
+                let w = self.written.lock().unwrap();
+                w.iter()
+                    .filter(|(q, _)| !taken.contains(q))
+                    .cloned()
+                    .collect()
+            };
+            for (req, n) in left {
+                let tag = c.subscribe(&req).expect("subscribes");
+                match next(&mut c, "a request the decoders left") {
+                    Event::Ready(dl) => {
+                        assert_eq!(dl.tag(), tag);
+                        verify(&c, &dl, n, 100);
+                        c.release(dl).unwrap();
+                    }
+                    Event::Refused {
+                        reason: Some(Refusal::TakeRefused),
+                        ..
+                    } if may_be_consumed(&req) => {}
+                    other => panic!("{req}: expected READY, got {other:?}"),
+                }
+                taken.insert(req);
+            }
+            if self.is_finished() && self.count() == taken.len() {
+                return;
+            }
+            assert!(
+                Instant::now() < end,
+                "the writer never finished ({} of {} requests taken)",
+                taken.len(),
+                self.count()
+            );
+            thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+/// Checks that every session of `d` ended (`who` decoders' detached), with
+/// no subscription left and no session thread panicking since the count
+/// was `panics_before`.
+fn sessions_ended_clean(d: &DecoderDaemon, panics_before: usize, who: &str) {
+    wait_for(&format!("{who} sessions to end"), || d.clients() == 0);
+    assert_eq!(
+        d.subscriptions(),
+        0,
+        "subscriptions left after {who} sessions ended"
+    );
+    assert_eq!(
+        process::attach_session_panics(),
+        panics_before,
+        "a session thread panicked"
+    );
 }
 
 /// The Python decoder taking 3000 random steps against the receiver
@@ -1403,11 +1483,11 @@ fn random_steps_of_a_decoder_never_break_its_session() {
     };
     let mut waiting: Vec<u64> = Vec::new();
     let mut held: Vec<kvferry::attach::Delivery> = Vec::new();
-    let mut taken: HashMap<String, ()> = HashMap::new();
+    let mut taken: HashSet<String> = HashSet::new();
     // Every req_id it subscribed to: one it unsubscribed once the session
     // had taken it (READY not posted yet) is released unseen, as docs/
     // attach.md says of a RELEASE racing its delivery.
-    let mut subscribed: HashMap<String, ()> = HashMap::new();
+    let mut subscribed: HashSet<String> = HashSet::new();
     let mut wild: Option<u64> = None;
     let mut raw_tag = 1u64 << 40;
     let mut backlog = std::collections::VecDeque::new();
@@ -1423,7 +1503,7 @@ fn random_steps_of_a_decoder_never_break_its_session() {
                             .lock()
                             .unwrap()
                             .iter()
-                            .filter(|(q, _)| !taken.contains_key(q))
+                            .filter(|(q, _)| !taken.contains(q))
                             .map(|(q, _)| q.clone())
                             .collect();
                         if pool.is_empty() {
@@ -1436,7 +1516,7 @@ fn random_steps_of_a_decoder_never_break_its_session() {
                     3 => format!("{prefix}-{}", w + rng.random_range(0..3)),
                     // Taken already, or never written: waits for nothing.
                     4 => taken
-                        .keys()
+                        .iter()
                         .next()
                         .cloned()
                         .unwrap_or_else(|| format!("{prefix}-x")),
@@ -1444,7 +1524,7 @@ fn random_steps_of_a_decoder_never_break_its_session() {
                 };
                 if let Ok(tag) = c.subscribe(&req) {
                     waiting.push(tag);
-                    subscribed.insert(req, ());
+                    subscribed.insert(req);
                 }
             }
             4 if wild.is_none() && rng.random_bool(0.2) => {
@@ -1518,7 +1598,7 @@ fn random_steps_of_a_decoder_never_break_its_session() {
                     ready += 1;
                     let n = n_of(dl.req_id());
                     verify(&c, &dl, n, 100);
-                    taken.insert(dl.req_id().to_owned(), ());
+                    taken.insert(dl.req_id().to_owned());
                     waiting.retain(|t| *t != dl.tag());
                     held.push(dl);
                     if held.len() > 6 {
@@ -1544,63 +1624,10 @@ fn random_steps_of_a_decoder_never_break_its_session() {
     drop(held);
     drop(c);
     writer.stop();
-    wait_for("the fuzzing decoder's session to end", || d.clients() == 0);
-    assert_eq!(
-        d.subscriptions(),
-        0,
-        "subscriptions left after the session ended"
-    );
-    assert_eq!(
-        process::attach_session_panics(),
-        panics_before,
-        "a session thread panicked"
-    );
-    // Whatever it did not take goes whole to the next decoder; the writer
-    // ends once the buffer has room for its last request.
-    let mut next_decoder = connect(&dir.sock());
-    let mut consumed = 0;
-    let end = deadline();
-    loop {
-        let left: Vec<(String, usize)> = written
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|(req, _)| !taken.contains_key(req))
-            .cloned()
-            .collect();
-        for (req, n) in left {
-            let tag = next_decoder.subscribe(&req).expect("subscribes");
-            match next(&mut next_decoder, "a request the fuzzing decoder left") {
-                Event::Ready(dl) => {
-                    assert_eq!(dl.tag(), tag);
-                    verify(&next_decoder, &dl, n, 100);
-                    next_decoder.release(dl).unwrap();
-                }
-                Event::Refused {
-                    reason: Some(Refusal::TakeRefused),
-                    ..
-                } if subscribed.contains_key(&req) => {}
-                other => panic!("{req}: expected READY, got {other:?}"),
-            }
-            taken.insert(req, ());
-            consumed += 1;
-        }
-        if writer.is_finished()
-            && written
-                .lock()
-                .unwrap()
-                .iter()
-                .all(|(q, _)| taken.contains_key(q))
-        {
-            break;
-        }
-        assert!(
-            Instant::now() < end,
-            "the writer never finished ({consumed} consumed)"
-        );
-        thread::sleep(Duration::from_millis(5));
-    }
-    drop(writer);
+    sessions_ended_clean(&d, panics_before, "the fuzzing decoder's");
+    // A request consumed unseen must be one it subscribed to: one it
+    // unsubscribed once the session had taken it.
+    writer.deliver_the_rest(&dir.sock(), &mut taken, |req| subscribed.contains(req));
     wait_for("the receive buffer to empty", || allocated(&r) == 0);
 }
 
@@ -1616,7 +1643,7 @@ fn random_steps_of_a_decoder_never_break_its_session() {
 fn random_decoder(
     sock: &Path,
     writer: &Writer,
-    delivered: &std::sync::Mutex<std::collections::HashSet<String>>,
+    delivered: &std::sync::Mutex<HashSet<String>>,
     w: u64,
     steps: usize,
 ) -> usize {
@@ -1637,22 +1664,22 @@ fn random_decoder(
     for step in 0..steps {
         match rng.random_range(0..10) {
             0..=3 => {
-                let written = writer.written.lock().unwrap().clone();
-                let pool: Vec<&String> = {
+                // Written and not delivered yet, or one of the next ones.
+                let (pool, count) = {
+                    let w = writer.written.lock().unwrap();
                     let d = delivered.lock().unwrap();
-                    written
+                    let pool: Vec<String> = w
                         .iter()
                         .map(|(q, _)| q)
                         .filter(|q| !d.contains(*q))
-                        .collect()
+                        .cloned()
+                        .collect();
+                    (pool, w.len())
                 };
-                let prefix = written.first().map(|(q, _)| q.rsplit_once('-').unwrap().0);
-                let req = match (pool.is_empty(), prefix) {
-                    (false, _) if rng.random_bool(0.8) => {
-                        pool[rng.random_range(0..pool.len())].clone()
-                    }
-                    (_, Some(p)) => format!("{p}-{}", written.len() + rng.random_range(0..3)),
-                    (_, None) => continue,
+                let req = if !pool.is_empty() && rng.random_bool(0.8) {
+                    pool[rng.random_range(0..pool.len())].clone()
+                } else {
+                    writer.id(count + rng.random_range(0..3))
                 };
                 if let Ok(tag) = c.subscribe(&req) {
                     waiting.push(tag);
@@ -1728,9 +1755,10 @@ fn random_decoder(
 /// sender keeps writing ([`random_decoder`]'s steps: SUBSCRIBEs of the same
 /// req_ids, a wildcard, releases, UNSUBSCRIBEs, detaches holding
 /// deliveries). No request is delivered twice, every delivery holds its
-/// own bytes, no session panics; once they are gone, one wildcard decoder
-/// gets every request left and the receive buffer ends empty: nothing a
-/// detached or unsubscribed decoder held stays allocated.
+/// own bytes, no session panics; once they are gone, one more decoder gets
+/// every request left (or finds it consumed unseen) and the receive buffer
+/// ends empty: nothing a detached or unsubscribed decoder held stays
+/// allocated.
 /// `KVFERRY_FUZZ_SEED` picks another sequence.
 #[test]
 fn concurrent_random_decoders_never_share_nor_lose_a_delivery() {
@@ -1744,75 +1772,22 @@ fn concurrent_random_decoders_never_share_nor_lose_a_delivery() {
     let s = Arc::new(sender(sender_cfg(8, None)));
     let writer = Writer::start(&s, &r, &format!("cd{}", std::process::id()));
     wait_for("the writer's first requests", || writer.count() >= 4);
-    let delivered = std::sync::Mutex::new(std::collections::HashSet::new());
-    let sock = dir.sock();
-    let ready: Vec<usize> = thread::scope(|sc| {
-        let decoders: Vec<_> = (0..3)
-            .map(|w| {
-                let (sock, writer, delivered) = (&sock, &writer, &delivered);
-                sc.spawn(move || random_decoder(sock, writer, delivered, w, 1500))
-            })
-            .collect();
-        decoders
-            .into_iter()
-            .map(|h| h.join().expect("a decoder failed"))
-            .collect()
-    });
+    let writer = Arc::new(writer);
+    let delivered = Arc::new(std::sync::Mutex::new(HashSet::new()));
+    let ready = {
+        let (sock, writer, delivered) = (dir.sock(), Arc::clone(&writer), Arc::clone(&delivered));
+        process::on_threads(3, "random decoder", WAIT * 4, move |w| {
+            random_decoder(&sock, &writer, &delivered, w, 1500)
+        })
+    };
     assert!(
         ready.iter().all(|&n| n > 0),
         "a decoder got nothing: {ready:?}"
     );
-    wait_for("the decoders' sessions to end", || d.clients() == 0);
-    assert_eq!(
-        d.subscriptions(),
-        0,
-        "subscriptions left after the sessions ended"
-    );
-    assert_eq!(
-        process::attach_session_panics(),
-        panics_before,
-        "a session thread panicked"
-    );
-    // What they left goes to one more decoder, by req_id (a wildcard gets
-    // only requests that become ready while it stands); the writer ends
-    // once the buffer has room for its last request.
+    sessions_ended_clean(&d, panics_before, "the decoders'");
+    // Consumed unseen: an UNSUBSCRIBE or a detach crossed the session's take.
     writer.stop();
-    let mut last = connect(&dir.sock());
-    let mut consumed = 0;
-    let end = deadline();
-    loop {
-        let left: Vec<(String, usize)> = {
-            let d = delivered.lock().unwrap();
-            let w = writer.written.lock().unwrap();
-            w.iter().filter(|(q, _)| !d.contains(q)).cloned().collect()
-        };
-        for (req, n) in left {
-            let tag = last.subscribe(&req).expect("subscribes");
-            match next(&mut last, "a request the decoders left") {
-                Event::Ready(dl) => {
-                    assert_eq!(dl.tag(), tag);
-                    verify(&last, &dl, n, 100);
-                    last.release(dl).unwrap();
-                }
-                // Consumed unseen: an UNSUBSCRIBE or a detach crossed the
-                // session's take of it.
-                Event::Refused {
-                    reason: Some(Refusal::TakeRefused),
-                    ..
-                } => consumed += 1,
-                other => panic!("{req}: expected READY, got {other:?}"),
-            }
-            delivered.lock().unwrap().insert(req);
-        }
-        if writer.is_finished() && writer.count() == delivered.lock().unwrap().len() {
-            break;
-        }
-        assert!(
-            Instant::now() < end,
-            "the writer never finished ({consumed} consumed unseen)"
-        );
-        thread::sleep(Duration::from_millis(5));
-    }
+    let mut delivered = std::mem::take(&mut *delivered.lock().unwrap());
+    writer.deliver_the_rest(&dir.sock(), &mut delivered, |_| true);
     wait_for("the receive buffer to empty", || allocated(&r) == 0);
-    drop(writer);
 }

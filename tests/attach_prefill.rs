@@ -100,17 +100,30 @@ fn staged(c: &mut PrefillClient, what: &str) -> StagedSlots {
     }
 }
 
-/// Fills `b` with chunks `first..first + b.len()` of `req_id` and submits.
-fn fill_and_submit(c: &mut PrefillClient, b: StagedSlots, req_id: &str, first: usize, n: usize) {
+/// Fills `b` with chunks `first..first + b.len()` of `req_id` (of `n`);
+/// returns their keys and lengths.
+fn fill(
+    c: &mut PrefillClient,
+    b: &StagedSlots,
+    req_id: &str,
+    first: usize,
+    n: usize,
+) -> (Vec<String>, Vec<u32>) {
     let mut keys = Vec::new();
     let mut lens = Vec::new();
     for j in 0..b.len() {
         let i = first + j;
         let data = chunk(req_id, i, n);
-        c.slot_mut(&b, j).expect("held slot")[..data.len()].copy_from_slice(&data);
+        c.slot_mut(b, j).expect("held slot")[..data.len()].copy_from_slice(&data);
         keys.push(key(req_id, REQUEST, i as u32, n as u32));
         lens.push(data.len() as u32);
     }
+    (keys, lens)
+}
+
+/// [`fill`]s `b` and submits it.
+fn fill_and_submit(c: &mut PrefillClient, b: StagedSlots, req_id: &str, first: usize, n: usize) {
+    let (keys, lens) = fill(c, &b, req_id, first, n);
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
     c.submit(b, &keys, &lens).expect("submitted");
 }
@@ -1709,14 +1722,7 @@ fn a_submit_that_cannot_go_out_gives_the_batch_back_to_submit_again() {
     let tag = c.begin(&req, 0, 2).unwrap();
     c.stage(tag, 2).unwrap();
     let b = staged(&mut c, "the batch");
-    let mut keys = Vec::new();
-    let mut lens = Vec::new();
-    for i in 0..2 {
-        let data = chunk(&req, i, 2);
-        c.slot_mut(&b, i).unwrap()[..data.len()].copy_from_slice(&data);
-        keys.push(key(&req, REQUEST, i as u32, 2));
-        lens.push(data.len() as u32);
-    }
+    let (keys, lens) = fill(&mut c, &b, &req, 0, 2);
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
     let back = |r: Result<(), SubmitError>, what: &str| match r {
         Err(SubmitError {
@@ -2085,18 +2091,9 @@ fn random_worker(r: &Receiver, sock: &Path, w: u64, requests: usize) -> Ends {
                 let l = live
                     .get_mut(&b.tag())
                     .expect("a held batch's request is live");
-                let (first, n) = (l.written, l.n);
-                let mut keys = Vec::new();
-                let mut lens = Vec::new();
-                for j in 0..b.len() {
-                    let data = chunk(&l.req, first + j, n);
-                    c.slot_mut(&b, j).expect("held slot")[..data.len()].copy_from_slice(&data);
-                    keys.push(key(&l.req, REQUEST, (first + j) as u32, n as u32));
-                    lens.push(data.len() as u32);
-                }
+                let first = l.written;
                 l.written += b.len();
-                let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-                c.submit(b, &keys, &lens).expect("submit");
+                fill_and_submit(&mut c, b, &l.req, first, l.n);
             }
             8 if !tags.is_empty() && rng.random_bool(if winding_down { 0.05 } else { 0.3 }) => {
                 let tag = pick(&mut rng);
@@ -2189,18 +2186,9 @@ fn concurrent_random_workers_land_every_done_request_byte_for_byte() {
     }
     let panics_before = process::attach_session_panics();
     let t = setup(12, 3);
-    let sock = t.d.socket().to_owned();
-    let ends: Vec<Ends> = thread::scope(|s| {
-        let workers: Vec<_> = (0..3)
-            .map(|w| {
-                let (r, sock) = (&t.r, &sock);
-                s.spawn(move || random_worker(r, sock, w, 60))
-            })
-            .collect();
-        workers
-            .into_iter()
-            .map(|h| h.join().expect("a worker failed"))
-            .collect()
+    let (r, sock) = (Arc::clone(&t.r), t.d.socket().to_owned());
+    let ends = process::on_threads(3, "random worker", WAIT * 4, move |w| {
+        random_worker(&r, &sock, w, 60)
     });
     let done: usize = ends.iter().map(|e| e.done + e.done_despite_cancel).sum();
     let cancelled: usize = ends.iter().map(|e| e.cancelled).sum();

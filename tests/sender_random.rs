@@ -15,11 +15,11 @@ mod common_sender;
 mod process;
 
 use std::net::SocketAddr;
-use std::thread;
+use std::sync::Arc;
 
 use common_sender::{
     chunk_id, consume, deadline, key, payloads, receiver_cfg, sender, sender_cfg,
-    wait_receiver_empty, wait_sender_empty,
+    wait_receiver_empty, wait_sender_empty, WAIT,
 };
 use kvferry::receiver::{Receiver, ReceiverConfig};
 use kvferry::sender::{RequestSpec, RequestStatus, Sender, SenderConfig};
@@ -136,18 +136,13 @@ fn random_requests(s: &Sender, r: &Receiver, w: u64) -> Ends {
 /// receiver of 16 slots (three requests of 8 do not fit: admissions wait),
 /// then checks that both ends hold nothing.
 fn run(s: Sender, r: Receiver) {
-    let ends: Vec<Ends> = thread::scope(|sc| {
-        let threads: Vec<_> = (0..THREADS)
-            .map(|w| {
-                let (s, r) = (&s, &r);
-                sc.spawn(move || random_requests(s, r, w))
-            })
-            .collect();
-        threads
-            .into_iter()
-            .map(|h| h.join().expect("a request thread failed"))
-            .collect()
-    });
+    let (s, r) = (Arc::new(s), Arc::new(r));
+    let ends = {
+        let (s, r) = (Arc::clone(&s), Arc::clone(&r));
+        process::on_threads(THREADS, "request thread", WAIT * 4, move |w| {
+            random_requests(&s, &r, w)
+        })
+    };
     let completed: u64 = ends.iter().map(|e| e.completed).sum();
     let cancelled: u64 = ends.iter().map(|e| e.cancelled).sum();
     assert!(

@@ -9,9 +9,9 @@ return the request's FAILED with CANCELLED_CODE. Prints "PREFILL:ok".
 """
 
 import sys
-import time
 
 import kvferry_attach
+from waiting import wait_until
 
 
 def main():
@@ -19,11 +19,7 @@ def main():
     c = kvferry_attach.PrefillClient(sock)
     tag = c.begin(req_id, 0, 4)
     c.stage(tag, 2)
-    end = time.monotonic() + 30.0
-    while not c.cq.available():
-        if time.monotonic() > end:
-            sys.exit("the STAGED never came")
-        time.sleep(0.001)
+    wait_until(c.cq.available, "the STAGED")
     c.cancel(tag)
     ev = c.next_event(timeout=30.0)
     if ev != ("failed", tag, cancelled):

@@ -18,6 +18,7 @@ import time
 
 import kvferry_attach
 import resident
+from waiting import wait_until
 
 PERIOD = bytes(range(256)) * 2
 
@@ -45,11 +46,7 @@ def main():
         tag = c.subscribe(req_id)
     print("ATTACH:subscribed", flush=True)
     if mode == "crossed":
-        end = time.monotonic() + 30.0
-        while not c.cq.available():
-            if time.monotonic() > end:
-                sys.exit("the READY never came")
-            time.sleep(0.001)
+        wait_until(c.cq.available, "the READY")
         c.release(tag)
         c.release(0xFEED)
         ev = c.next_event(timeout=30.0)

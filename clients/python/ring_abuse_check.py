@@ -21,6 +21,7 @@ import sys
 import time
 
 import kvferry_attach as ka
+from waiting import wait_until
 
 UNKNOWN_TAG = 6  # Refusal::UnknownTag
 MASK = (1 << 64) - 1
@@ -39,14 +40,6 @@ def expect_quiet(c, what):
     if c.cq.tail.value != tail:
         sys.exit("%s: the session posted %d completions"
                  % (what, (c.cq.tail.value - tail) & MASK))
-
-
-def wait_until(cond, what):
-    end = time.monotonic() + WAIT
-    while not cond():
-        if time.monotonic() > end:
-            sys.exit("timed out waiting for " + what)
-        time.sleep(0.001)
 
 
 def main():

@@ -175,6 +175,36 @@ impl<T> Spawned<T> {
     }
 }
 
+/// Runs `f(i)` for every `i` in `0..n` at once, each on a thread called
+/// `what-i`, and returns their values in order. Fails the test naming
+/// `what` if one panicked or has not finished `limit` after the start
+/// (then it is left running, detached: the test fails rather than hangs).
+pub fn on_threads<T: Send + 'static>(
+    n: u64,
+    what: &'static str,
+    limit: Duration,
+    f: impl Fn(u64) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let end = Instant::now() + limit;
+    let f = std::sync::Arc::new(f);
+    let handles: Vec<_> = (0..n)
+        .map(|i| {
+            let f = std::sync::Arc::clone(&f);
+            thread::Builder::new()
+                .name(format!("{what}-{i}"))
+                .spawn(move || f(i))
+                .expect("spawn a test thread")
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| {
+            let left = end.saturating_duration_since(Instant::now());
+            kvferry::threads::join_within(h, left, what).unwrap_or_else(|e| panic!("{e}"))
+        })
+        .collect()
+}
+
 /// A fresh directory `<tmp>/<prefix>-<pid>-<n>`, removed (with its
 /// contents) on drop.
 pub struct TempDir(pub PathBuf);
