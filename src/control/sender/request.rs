@@ -311,9 +311,10 @@ impl Request {
     }
 
     /// Copies one batch (`keys[i]` names `chunks[i]`; every chunk whole
-    /// but the last, which may be short, as [`StagedBatch::submit`] says) and returns without waiting for the network: into staging if
-    /// the request is admitted (waiting up to the sender's
-    /// `staging_timeout` for slots), otherwise into the bounded pending area
+    /// but the last, which may be short, as [`StagedBatch::submit`] says)
+    /// and returns without waiting for the network: into staging if the
+    /// request is admitted (waiting up to the sender's `staging_timeout`
+    /// for slots), otherwise into the bounded pending area
     /// ([`StoreError::Backpressure`] at once if full).
     pub fn store(&self, keys: &[impl AsRef<str>], chunks: &[&[u8]]) -> Result<(), StoreError> {
         self.h
