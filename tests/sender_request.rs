@@ -620,3 +620,83 @@ fn a_last_chunk_is_its_token_count_of_a_one_dimensional_shape() {
     wait_sender_empty(&s, "after the token checks");
     wait_receiver_empty(&r, "after the token checks");
 }
+
+/// A later `Sender::store` of a request names the geometry it began with:
+/// the request's AllocRequests carry that one (fmt, shape, dtype), and its
+/// chunks are checked against it. Before, a later batch was checked
+/// against its own spec's geometry and sent under the request's: a
+/// `bfloat16` request's last batch given as bytes passed with a 101-byte
+/// chunk, which the receiver then cut to 50 tokens (100 bytes).
+#[test]
+fn a_later_store_names_the_geometry_its_request_began_with() {
+    use kvferry::sender::TransferSpec;
+    let r = receiver(8);
+    let s = sender(sender_cfg(4, None));
+    let bf16 = |is_last| TransferSpec {
+        shape: vec![CHUNK as i64 / 2],
+        dtype: "bfloat16".into(),
+        ..TransferSpec::new("geo-0", r.endpoint(), 2, is_last)
+    };
+    let whole = vec![1u8; CHUNK as usize];
+    s.store(&bf16(false), &["geo-0/0"], &[&whole[..]]).unwrap();
+    let tail = [2u8; 101];
+    let mismatch = |given: &str| StoreError::GeometryMismatch {
+        req_id: "geo-0".into(),
+        begun: format!("fmt 0, shape [{}], dtype bfloat16", CHUNK / 2),
+        given: given.into(),
+    };
+    assert_eq!(
+        s.store(
+            &TransferSpec::new("geo-0", r.endpoint(), 2, true),
+            &["geo-0/1"],
+            &[&tail[..]]
+        ),
+        Err(mismatch(&format!("fmt 0, shape [{CHUNK}], dtype uint8"))),
+        "the byte shape"
+    );
+    for (spec, given) in [
+        (
+            TransferSpec {
+                fmt: 1,
+                ..bf16(true)
+            },
+            format!("fmt 1, shape [{}], dtype bfloat16", CHUNK / 2),
+        ),
+        (
+            TransferSpec {
+                dtype: "float16".into(),
+                ..bf16(true)
+            },
+            format!("fmt 0, shape [{}], dtype float16", CHUNK / 2),
+        ),
+        (
+            TransferSpec {
+                shape: vec![2, CHUNK as i64 / 4],
+                ..bf16(true)
+            },
+            format!("fmt 0, shape [2, {}], dtype bfloat16", CHUNK / 4),
+        ),
+    ] {
+        assert_eq!(
+            s.store(&spec, &["geo-0/1"], &[&tail[..100]]),
+            Err(mismatch(&given))
+        );
+    }
+    // The request's own geometry: its tail is whole tokens.
+    assert_eq!(
+        s.store(&bf16(true), &["geo-0/1"], &[&tail[..]]),
+        Err(StoreError::LastChunkTokens {
+            len: 101,
+            tokens: None,
+            token_bytes: 2
+        })
+    );
+    s.store(&bf16(true), &["geo-0/1"], &[&tail[..100]]).unwrap();
+    assert_eq!(terminal(&s, "geo-0"), RequestStatus::Completed);
+    r.wait_ready("geo-0", deadline()).unwrap();
+    let last = r.get("geo-0/1").unwrap();
+    assert_eq!((last.bytes(), last.tokens()), (&tail[..100], Some(50)));
+    drop((last, r.get("geo-0/0")));
+    wait_sender_empty(&s, "after the geometry checks");
+    wait_receiver_empty(&r, "after the geometry checks");
+}

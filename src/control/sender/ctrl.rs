@@ -767,9 +767,9 @@ impl Ctrl {
         self.buf.clear();
         AllocRequestRef {
             keys: &b.keys,
-            fmt: r.fmt,
-            shape: &r.shape,
-            dtype: &r.dtype,
+            fmt: r.c.format.fmt,
+            shape: &r.c.format.shape,
+            dtype: &r.c.format.dtype,
             last_chunk_toks: b.last_chunk_toks,
             req_id: &r.c.req_id,
             is_last_batch: b.is_last,

@@ -138,6 +138,18 @@ pub enum StoreError {
         /// The total this call declares.
         given: usize,
     },
+    /// A later `store` names another chunk format (`fmt`, `shape` or
+    /// `dtype`) than the request began with: its AllocRequests carry the
+    /// first, and its chunks are sized by it.
+    #[error("request {req_id} began with {begun}, this batch says {given}")]
+    GeometryMismatch {
+        /// The request.
+        req_id: String,
+        /// The format it began with (the byte shape as `[slot_bytes]`).
+        begun: String,
+        /// The format this call names.
+        given: String,
+    },
     /// The request's last batch was already stored.
     #[error("request {req_id} already stored its last batch")]
     AfterLastBatch {

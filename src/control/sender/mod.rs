@@ -330,7 +330,7 @@ impl Shared {
             self.table.lock().insert(|key| {
                 let c = Arc::new(request::Common::new(key, spec, self.cfg.chunk_bytes));
                 common = Some(Arc::clone(&c));
-                Req::new(spec, self.cfg.chunk_bytes, c)
+                Req::new(c)
             });
             // `None` cannot happen: `insert` calls its closure.
             let Some(c) = common else {
@@ -1011,8 +1011,8 @@ impl Sender {
     /// whole but the last, which may be short (as
     /// [`StagedBatch::submit`](crate::sender::StagedBatch::submit) says).
     /// The first batch of a `req_id` begins the request (see
-    /// [`Sender::begin`]); later ones must agree with it on `receiver` and
-    /// `total_chunks`.
+    /// [`Sender::begin`]); later ones must agree with it on `receiver`,
+    /// `total_chunks` and the chunk format (`fmt`, `shape`, `dtype`).
     ///
     /// If the receiver already admitted the request, the batch takes staging
     /// slots (all-or-nothing; this may block up to `staging_timeout`, and it
@@ -1043,6 +1043,21 @@ impl Sender {
                 req_id: spec.req_id.clone(),
                 begun: r.total,
                 given: spec.total_chunks,
+            });
+        }
+        // So the batch was checked against the request's geometry (its
+        // spec's, in `validate`), which its AllocRequest carries.
+        let given = request::Format::of(
+            spec.fmt,
+            &spec.shape,
+            &spec.dtype,
+            self.shared.cfg.chunk_bytes,
+        );
+        if r.format != given {
+            return Err(StoreError::GeometryMismatch {
+                req_id: spec.req_id.clone(),
+                begun: r.format.to_string(),
+                given: given.to_string(),
             });
         }
         self.shared.store_copy(

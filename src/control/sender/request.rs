@@ -75,6 +75,44 @@ pub(crate) struct Common {
     pub cancel: crate::cancel::CancelToken,
     /// The request's chunk geometry, as its batches are checked against it.
     pub geometry: Geometry,
+    /// Its chunk format, as its AllocRequests carry it.
+    pub format: Format,
+}
+
+/// A request's chunk format as its AllocRequests carry it: the caller's
+/// `fmt`, `shape` and `dtype`, the byte shape (`[]`) as `[slot_bytes]`.
+/// Every batch of a request names the one it began with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Format {
+    pub fmt: i64,
+    pub shape: Vec<i64>,
+    pub dtype: String,
+}
+
+impl Format {
+    /// The format of a request of `fmt`, `shape` and `dtype` on a sender
+    /// of `slot_bytes` staging slots.
+    pub(crate) fn of(fmt: i64, shape: &[i64], dtype: &str, slot_bytes: u64) -> Self {
+        Self {
+            fmt,
+            shape: if shape.is_empty() {
+                vec![slot_bytes as i64]
+            } else {
+                shape.to_vec()
+            },
+            dtype: dtype.to_owned(),
+        }
+    }
+}
+
+impl std::fmt::Display for Format {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "fmt {}, shape {:?}, dtype {}",
+            self.fmt, self.shape, self.dtype
+        )
+    }
 }
 
 /// A request's chunk geometry as the sender checks its batches' lengths
@@ -120,6 +158,7 @@ impl Common {
         Self {
             key,
             geometry: Geometry::of(&spec.shape, &spec.dtype, slot_bytes),
+            format: Format::of(spec.fmt, &spec.shape, &spec.dtype, slot_bytes),
             req_id: Arc::from(spec.req_id.as_str()),
             receiver: spec.receiver.clone(),
             total: spec.total_chunks,

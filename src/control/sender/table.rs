@@ -25,7 +25,7 @@ use super::keys::KeyList;
 use super::registered::WriteLease;
 use super::request::Common;
 use super::slab::{Key, Slab};
-use super::{RequestSpec, RequestStatus};
+use super::RequestStatus;
 
 /// Where a batch's bytes are.
 #[derive(Debug)]
@@ -83,10 +83,6 @@ pub(crate) struct Req {
     /// Creation order (first `store`): the ctrl thread serves older
     /// requests first, so first batches leave in store order.
     pub order: u64,
-    /// Chunk geometry of the request's batches (from its `RequestSpec`).
-    pub fmt: i64,
-    pub shape: Vec<i64>,
-    pub dtype: String,
     /// The protocol state (decisions in `core.rs`).
     pub p: Progress<RequestStatus>,
     /// Every key named in an AllocRequest (for CancelNotif).
@@ -97,20 +93,13 @@ pub(crate) struct Req {
 }
 
 impl Req {
-    pub fn new(spec: &RequestSpec, chunk_bytes: u64, c: Arc<Common>) -> Self {
+    pub fn new(c: Arc<Common>) -> Self {
         Self {
             c,
             // Relaxed: one RMW chain is totally ordered on its own, and
             // requests are created under the table lock, so the numbers
             // follow creation order; nothing else is published through it.
             order: NEXT_ORDER.fetch_add(1, Ordering::Relaxed),
-            fmt: spec.fmt,
-            shape: if spec.shape.is_empty() {
-                vec![chunk_bytes as i64]
-            } else {
-                spec.shape.clone()
-            },
-            dtype: spec.dtype.clone(),
             p: Progress::default(),
             keys_sent: KeyList::default(),
             first_sent_at: None,
