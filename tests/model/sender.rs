@@ -4,8 +4,8 @@
 //! them on the model's state as ctrl.rs and poll.rs do on the engine's
 //! (staging and pending-area accounting, the peer's send queue, the wire).
 //! The LMCache-mode send queue is the core's `InOrder` too. The caller side
-//! (`store`, `unblock`) is still transcribed from src/control/sender/mod.rs;
-//! docs/model-check.md maps every function.
+//! (`store`, `unblock`) is still transcribed from src/control/sender/mod.rs
+//! (`begin`) and batch.rs; docs/model-check.md maps every function.
 
 use kvferry::sender::core::{AbortStep, Phase, RemoteSlots, ReplyStep, Rules as CoreRules};
 

@@ -1,0 +1,94 @@
+//! The batch-length rules: the checks a batch passes before its chunks are
+//! reserved (key count, batch size, each chunk's length and the last
+//! chunk's tokens), the same for every path a batch takes (a method group
+//! of `Shared`).
+
+use std::num::NonZeroU64;
+
+use super::{request, Shared, StoreError};
+
+impl Shared {
+    /// The checks of a copied batch of a request of geometry `g`, its last
+    /// chunk `toks` tokens if given.
+    pub(super) fn validate_batch(
+        &self,
+        g: request::Geometry,
+        n_keys: usize,
+        chunks: &[&[u8]],
+        toks: Option<i64>,
+    ) -> Result<(), StoreError> {
+        if n_keys != chunks.len() {
+            return Err(StoreError::KeyCountMismatch {
+                keys: n_keys,
+                chunks: chunks.len(),
+            });
+        }
+        if chunks.len() > self.cfg.staging_slots {
+            return Err(StoreError::BatchTooLarge {
+                chunks: chunks.len(),
+                slots: self.cfg.staging_slots,
+            });
+        }
+        self.check_lens(g, chunks.iter().map(|c| c.len() as u64), toks)
+    }
+
+    /// The lengths of a batch's chunks, in order, for a request of geometry
+    /// `g`, its last chunk `toks` tokens if given: none longer than a
+    /// staging slot or than a whole chunk, every one but the last whole
+    /// (the receiver takes those as whole), and for a one-dimensional shape
+    /// the last exactly `toks` tokens, or a whole number of them (the
+    /// receiver sizes it so). The one check of every path a batch takes
+    /// (staged, copied, registered).
+    pub(super) fn check_lens(
+        &self,
+        g: request::Geometry,
+        lens: impl ExactSizeIterator<Item = u64>,
+        toks: Option<i64>,
+    ) -> Result<(), StoreError> {
+        let full = g.full;
+        let max = full.map_or(self.cfg.chunk_bytes, |f| f.min(self.cfg.chunk_bytes));
+        let last = lens.len().saturating_sub(1);
+        for (index, len) in lens.enumerate() {
+            if len > max {
+                return Err(StoreError::ChunkTooLarge {
+                    index,
+                    len: len as usize,
+                    max,
+                });
+            }
+            match full {
+                Some(full) if index < last && len != full => {
+                    return Err(StoreError::ShortChunk {
+                        index,
+                        len: len as usize,
+                        full,
+                    })
+                }
+                _ if index == last => Self::check_tokens(g, len, toks)?,
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// A batch's last chunk of `len` bytes and `toks` tokens (default: as
+    /// many as `len` holds) against a one-dimensional geometry `g`.
+    fn check_tokens(g: request::Geometry, len: u64, toks: Option<i64>) -> Result<(), StoreError> {
+        let Some(unit) = g.token_bytes.map(NonZeroU64::get) else {
+            return Ok(());
+        };
+        let fits = match toks {
+            Some(t) => u64::try_from(t).is_ok_and(|t| t.checked_mul(unit) == Some(len)),
+            None => len % unit == 0,
+        };
+        if fits {
+            Ok(())
+        } else {
+            Err(StoreError::LastChunkTokens {
+                len: len as usize,
+                tokens: toks,
+                token_bytes: unit,
+            })
+        }
+    }
+}
