@@ -141,6 +141,7 @@ fn bad_arguments_exit_2_with_a_message() {
     for (args, needle) in [
         (&["--capacity-chunks", "0"][..], "capacity-chunks"),
         (&["--chunk-bytes", "abc"][..], "chunk-bytes"),
+        (&["--chunk-bytes", "4294967296"][..], "chunk-bytes"),
         (&["--lease-ms", "-1"][..], "-1"),
         (&["--metrics", "not-an-address"][..], "metrics"),
         (&["--no-such-flag"][..], "no-such-flag"),

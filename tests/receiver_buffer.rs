@@ -186,6 +186,13 @@ fn buffers_that_do_not_fit_are_typed_errors() {
         Receiver::start_with_buffer(receiver_cfg(), no_plane),
         Err(ReceiverError::Config(m)) if m.contains("no shm data plane")
     ));
+    // A slot of 4 GiB: a chunk's length is 32 bits wherever it travels.
+    for chunk_bytes in [0, 1 << 32] {
+        assert!(matches!(
+            Receiver::start(ReceiverConfig { chunk_bytes, ..receiver_cfg() }),
+            Err(ReceiverError::Config(m)) if m.contains("chunk_bytes must be in 1..=4294967295")
+        ));
+    }
     // A file one byte short of header + slots.
     let file = memfd(DATA_OFFSET + SLOTS as u64 * CHUNK - 1);
     assert!(matches!(

@@ -43,8 +43,8 @@ pub struct ReceiverArgs {
     /// Slots in the receive buffer.
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     pub capacity_chunks: u32,
-    /// Bytes per slot (the largest chunk accepted).
-    #[arg(long, default_value_t = 262_144, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Bytes per slot (the largest chunk accepted; below 4 GiB).
+    #[arg(long, default_value_t = 262_144, value_parser = clap::value_parser!(u64).range(1..=u64::from(u32::MAX)))]
     pub chunk_bytes: u64,
     /// How long a request may wait for admission, in milliseconds.
     #[arg(long, default_value_t = 60_000, value_parser = clap::value_parser!(u64).range(1..))]

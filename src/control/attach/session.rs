@@ -595,8 +595,8 @@ impl Session {
                     a: c.slot(),
                     b: i as u32,
                     // A slot holds at most chunk_bytes, which the receiver
-                    // keeps far below 4 GiB per chunk (lens are u32 on the
-                    // wire).
+                    // refuses at 4 GiB or more (`Receiver::start`), so the
+                    // length always fits.
                     len: u32::try_from(c.len()).unwrap_or(u32::MAX),
                     tokens: c.tokens().unwrap_or(NO_TOKENS),
                 });

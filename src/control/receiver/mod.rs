@@ -64,7 +64,7 @@ pub struct ReceiverConfig {
     pub receiver_id: String,
     /// Slots in the receive buffer.
     pub capacity_chunks: usize,
-    /// Bytes per slot (the largest chunk accepted).
+    /// Bytes per slot (the largest chunk accepted), below 4 GiB.
     pub chunk_bytes: u64,
     /// How long a request may wait for admission (default 60 s).
     pub admission_timeout: Duration,
@@ -372,8 +372,14 @@ impl Receiver {
                 cfg.capacity_chunks
             )));
         }
-        if cfg.chunk_bytes == 0 {
-            return Err(ReceiverError::Config("chunk_bytes must be positive".into()));
+        // A chunk's length is 32 bits wherever it travels (the sender's
+        // `lens`, the TCP data plane's header, the attach rings' CHUNK).
+        if cfg.chunk_bytes == 0 || cfg.chunk_bytes > u64::from(u32::MAX) {
+            return Err(ReceiverError::Config(format!(
+                "chunk_bytes must be in 1..={}, got {}",
+                u32::MAX,
+                cfg.chunk_bytes
+            )));
         }
         cfg.tcp_data_limits
             .validate()
