@@ -310,8 +310,10 @@ fn dedup_pins_keys_and_reports_already_sent() {
     let r = start(config(8));
     let a = Client::connect(r.endpoint(), "dedup-a");
     let b = Client::connect(r.endpoint(), "dedup-b");
+    // y is a whole chunk in both batches (not a batch's last, which is
+    // `last_chunk_toks` long): only a copy of the asking length is pinned.
     let ra = a.call(
-        &alloc("A", &["x".into(), "y".into()], 2, true, None),
+        &alloc("A", &["y".into(), "x".into()], 2, true, None),
         "A's batch",
     );
     let sa = assert_ok(&ra, 2);

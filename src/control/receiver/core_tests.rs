@@ -362,6 +362,60 @@ fn dedup_only_against_written_keys() {
     assert_eq!(c.stats().slots_in_use, 0);
 }
 
+/// A batch of `keys` of request `req` whose last chunk is `toks` tokens of
+/// `[512]` of `bfloat16` (1024-byte chunks).
+fn bf16_batch(req: &str, keys: &[&str], total: i64, toks: i64) -> Message {
+    Message::AllocRequest(AllocRequest {
+        shape: vec![512],
+        dtype: "bfloat16".into(),
+        last_chunk_toks: toks,
+        ..match batch(req, keys, total, true, None) {
+            Message::AllocRequest(r) => r,
+            _ => unreachable!(),
+        }
+    })
+}
+
+/// Dedup only against a copy of the same length: a request that asks for
+/// a key as a chunk of another length than the written copy (here a whole
+/// chunk, where the copy is a 50-token last chunk, and a 20-token one)
+/// writes its own copy; its decoder reads the chunk as its own batch sized
+/// it, so a pin would hand it bytes past the copy's or cut them. Before,
+/// the pin matched on the key alone. The same for anonymous allocations.
+#[test]
+fn dedup_only_against_a_copy_of_the_same_length() {
+    let t0 = Instant::now();
+    let mut c = ReceiverCore::new(cfg(10), t0);
+    let mut out = Vec::new();
+    // LMCache peers: ready at allocation.
+    c.handle(P, bf16_batch("A", &["k"], 1, 50), t0, &mut out);
+    let ra = one_reply(&mut out);
+    c.handle(Q, bf16_batch("B", &["k", "x"], 2, 512), t0, &mut out);
+    let rb = one_reply(&mut out);
+    assert!(rb.already_sent_indexes.is_empty(), "whole, not 50 tokens");
+    c.handle(Q, bf16_batch("C", &["k"], 1, 20), t0, &mut out);
+    let rc = one_reply(&mut out);
+    assert!(rc.already_sent_indexes.is_empty(), "20 tokens, not 50");
+    c.handle(Q, bf16_batch("D", &["k"], 1, 50), t0, &mut out);
+    let rd = one_reply(&mut out);
+    assert_eq!(rd.already_sent_indexes, vec![0], "50 tokens: A's copy");
+    assert_lmcache_accepts(1, &rd);
+    // Anonymous: each key against the copy of its own length.
+    c.handle(Q, bf16_batch("", &["k", "y"], 0, 20), t0, &mut out);
+    let rn = one_reply(&mut out);
+    assert_eq!(rn.already_sent_indexes, vec![0], "k whole: B's copy");
+    c.handle(Q, bf16_batch("", &["k"], 0, 30), t0, &mut out);
+    let rn2 = one_reply(&mut out);
+    assert!(rn2.already_sent_indexes.is_empty(), "no 30-token copy");
+    let slots: std::collections::HashSet<i64> = [&ra, &rb, &rc, &rn, &rn2]
+        .iter()
+        .flat_map(|r| r.remote_indexes.iter().copied())
+        .collect();
+    // k four times (50 and 20 tokens, whole, 30 tokens), x and y.
+    assert_eq!(slots.len(), 6, "six copies, each in its own slot");
+    assert_eq!(c.stats().slots_in_use, 6);
+}
+
 /// Anonymous allocations follow the same rule.
 #[test]
 fn anonymous_batches_do_not_pin_a_key_being_written() {

@@ -34,8 +34,9 @@ pub struct KeyEntry {
     pub ready: bool,
     /// Token count of this chunk (short last chunk) if known.
     pub tokens: Option<u32>,
-    /// Length of the chunk in bytes, if known (see [`KeyTable::set_len`]).
-    pub len: Option<u64>,
+    /// Length of the chunk in bytes, as the request that allocated the
+    /// copy sized it.
+    pub len: u64,
     /// Generation: distinguishes this copy from every other copy of the same
     /// key, earlier or concurrent, so a holder only ever touches its own.
     pub gen: u64,
@@ -65,8 +66,8 @@ pub struct Borrowed {
     pub slot: u32,
     /// Token count of the chunk if known.
     pub tokens: Option<u32>,
-    /// Length of the chunk in bytes, if known.
-    pub len: Option<u64>,
+    /// Length of the chunk in bytes.
+    pub len: u64,
     /// Generation of the copy (pass it back to end the borrow).
     pub gen: u64,
 }
@@ -126,17 +127,25 @@ impl KeyTable {
         self.map.get(key)?.iter().find(|e| e.gen == gen)
     }
 
-    /// True if a request asking for `key` now would be answered "already
-    /// sent" ([`KeyTable::pin`] would succeed).
-    pub fn pinnable(&self, key: &str) -> bool {
+    /// True if a request asking for `key` as a chunk of `len` bytes now
+    /// would be answered "already sent" ([`KeyTable::pin`] would succeed).
+    pub fn pinnable(&self, key: &str, len: u64) -> bool {
         self.map
             .get(key)
-            .is_some_and(|v| v.iter().any(KeyEntry::pinnable))
+            .is_some_and(|v| v.iter().any(|e| e.pinnable() && e.len == len))
     }
 
-    /// Inserts a freshly allocated copy of `key` with one reference, next to
-    /// any copies already held; returns its generation.
-    pub fn insert_new(&mut self, key: &str, slot: u32, ready: bool, tokens: Option<u32>) -> u64 {
+    /// Inserts a freshly allocated copy of `key`, a chunk of `len` bytes,
+    /// with one reference, next to any copies already held; returns its
+    /// generation.
+    pub fn insert_new(
+        &mut self,
+        key: &str,
+        slot: u32,
+        ready: bool,
+        tokens: Option<u32>,
+        len: u64,
+    ) -> u64 {
         self.next_gen += 1;
         let gen = self.next_gen;
         self.map.entry(key.to_owned()).or_default().push(KeyEntry {
@@ -145,7 +154,7 @@ impl KeyTable {
             borrowed: 0,
             ready,
             tokens,
-            len: None,
+            len,
             gen,
             detached: false,
             quarantined: false,
@@ -155,19 +164,19 @@ impl KeyTable {
         gen
     }
 
-    /// Records the byte length of the copy of generation `gen` (its
-    /// writer's chunk, computed from the batch that allocated it).
-    pub fn set_len(&mut self, key: &str, gen: u64, len: u64) {
-        if let Some(e) = self.entry_mut(key, gen) {
-            e.len = Some(len);
-        }
-    }
-
-    /// Adds one reference to the oldest *ready* copy of `key` (dedup pin).
-    /// A copy still being written is never pinned: its bytes are not known
-    /// to be in place. Returns its slot and generation.
-    pub fn pin(&mut self, key: &str) -> Option<(u32, u64)> {
-        let e = self.map.get_mut(key)?.iter_mut().find(|e| e.pinnable())?;
+    /// Adds one reference to the oldest *ready* copy of `key` that is a
+    /// chunk of `len` bytes (dedup pin). A copy still being written is never
+    /// pinned: its bytes are not known to be in place. Nor is a copy of
+    /// another length: the asking request's decoder reads the chunk as
+    /// `len` bytes, so it would read past the copy's bytes or fall short of
+    /// them (the asking request then writes its own copy). Returns the
+    /// copy's slot and generation.
+    pub fn pin(&mut self, key: &str, len: u64) -> Option<(u32, u64)> {
+        let e = self
+            .map
+            .get_mut(key)?
+            .iter_mut()
+            .find(|e| e.pinnable() && e.len == len)?;
         e.refs = e.refs.saturating_add(1);
         Some((e.slot, e.gen))
     }
@@ -343,11 +352,14 @@ impl KeyTable {
 mod tests {
     use super::*;
 
+    /// The length of every chunk of these tests.
+    const LEN: u64 = 100;
+
     fn b(slot: u32, gen: u64) -> Option<Borrowed> {
         Some(Borrowed {
             slot,
             tokens: None,
-            len: None,
+            len: LEN,
             gen,
         })
     }
@@ -355,10 +367,10 @@ mod tests {
     #[test]
     fn refcounts_borrow_and_free() {
         let mut t = KeyTable::default();
-        let g = t.insert_new("a", 7, false, None);
+        let g = t.insert_new("a", 7, false, None, LEN);
         assert_eq!(t.borrow("a"), None, "not ready yet");
         t.mark_ready("a", g);
-        assert_eq!(t.pin("a"), Some((7, g)));
+        assert_eq!(t.pin("a", LEN), Some((7, g)));
         assert_eq!(t.borrow("a"), b(7, g));
         assert_eq!(t.borrow("a"), b(7, g));
         assert_eq!(t.borrow("a"), None, "both references claimed");
@@ -377,9 +389,9 @@ mod tests {
     #[test]
     fn generations_keep_stale_holders_off_new_entries() {
         let mut t = KeyTable::default();
-        let g1 = t.insert_new("k", 1, true, None);
+        let g1 = t.insert_new("k", 1, true, None, LEN);
         assert_eq!(t.evict("k", g1, false), Unref::Freed(1));
-        let g2 = t.insert_new("k", 2, true, None);
+        let g2 = t.insert_new("k", 2, true, None, LEN);
         assert_ne!(g1, g2);
         assert_eq!(t.unref_gen("k", g1), Unref::NotHeld);
         assert_eq!(t.evict("k", g1, false), Unref::NotHeld);
@@ -389,15 +401,15 @@ mod tests {
     #[test]
     fn a_copy_being_written_is_never_pinned() {
         let mut t = KeyTable::default();
-        let g1 = t.insert_new("k", 1, false, None);
-        assert!(!t.pinnable("k"));
-        assert_eq!(t.pin("k"), None, "unready: no dedup");
+        let g1 = t.insert_new("k", 1, false, None, LEN);
+        assert!(!t.pinnable("k", LEN));
+        assert_eq!(t.pin("k", LEN), None, "unready: no dedup");
         // The second writer gets its own copy, in its own slot.
-        let g2 = t.insert_new("k", 2, false, None);
+        let g2 = t.insert_new("k", 2, false, None, LEN);
         assert_ne!(g1, g2);
         assert_eq!(t.len(), 2);
         t.mark_ready("k", g2);
-        assert_eq!(t.pin("k"), Some((2, g2)), "the written copy is pinned");
+        assert_eq!(t.pin("k", LEN), Some((2, g2)), "the written copy is pinned");
         assert_eq!(t.get("k").map(|e| e.gen), Some(g2), "readers see it");
         assert_eq!(t.get_gen("k", g1).map(|e| e.ready), Some(false));
         // Each copy is released on its own.
@@ -410,8 +422,8 @@ mod tests {
     #[test]
     fn borrows_end_on_the_copy_they_claimed() {
         let mut t = KeyTable::default();
-        let g1 = t.insert_new("k", 1, true, None);
-        let g2 = t.insert_new("k", 2, true, None);
+        let g1 = t.insert_new("k", 1, true, None, LEN);
+        let g2 = t.insert_new("k", 2, true, None, LEN);
         assert_eq!(t.borrow("k"), b(1, g1), "oldest ready copy first");
         assert_eq!(t.borrow("k"), b(2, g2), "then the next with a reference");
         assert_eq!(t.borrow("k"), None);
@@ -424,10 +436,13 @@ mod tests {
     fn an_evicted_copy_keeps_its_slot_while_others_hold_it() {
         let mut t = KeyTable::default();
         // Ready at allocation (LMCache semantics), pinned by another request.
-        let g = t.insert_new("k", 3, true, None);
-        assert_eq!(t.pin("k"), Some((3, g)));
+        let g = t.insert_new("k", 3, true, None, LEN);
+        assert_eq!(t.pin("k", LEN), Some((3, g)));
         assert_eq!(t.evict("k", g, false), Unref::Held, "the pin holds it");
-        assert!(!t.pinnable("k") && t.pin("k").is_none(), "detached");
+        assert!(
+            !t.pinnable("k", LEN) && t.pin("k", LEN).is_none(),
+            "detached"
+        );
         assert_eq!(t.borrow("k"), None, "its bytes are not whole");
         assert!(t.get("k").is_none());
         assert_eq!((t.len(), t.copies()), (0, 1), "the slot is still held");
@@ -438,8 +453,8 @@ mod tests {
     #[test]
     fn quarantine_outlives_references_and_decoders_cannot_end_it() {
         let mut t = KeyTable::default();
-        let g = t.insert_new("k", 4, true, None);
-        t.pin("k");
+        let g = t.insert_new("k", 4, true, None, LEN);
+        t.pin("k", LEN);
         assert_eq!(t.evict("k", g, true), Unref::Held);
         assert_eq!(t.unref_gen("k", g), Unref::Held, "quarantined");
         assert_eq!(t.unref("k"), Unref::NotHeld, "no reference left to drop");
@@ -447,8 +462,8 @@ mod tests {
         assert_eq!(t.unquarantine("k", g), Unref::Freed(4));
         assert_eq!(t.unquarantine("k", g), Unref::NotHeld);
         // Quarantine ends first, the pin last.
-        let g = t.insert_new("k", 5, true, None);
-        t.pin("k");
+        let g = t.insert_new("k", 5, true, None, LEN);
+        t.pin("k", LEN);
         assert_eq!(t.evict("k", g, true), Unref::Held);
         assert_eq!(t.unquarantine("k", g), Unref::Held, "still pinned");
         assert_eq!(t.unref_gen("k", g), Unref::Freed(5));
@@ -458,8 +473,8 @@ mod tests {
     #[test]
     fn decoder_remove_prefers_the_readable_copy() {
         let mut t = KeyTable::default();
-        let g1 = t.insert_new("k", 1, false, None);
-        let g2 = t.insert_new("k", 2, true, None);
+        let g1 = t.insert_new("k", 1, false, None, LEN);
+        let g2 = t.insert_new("k", 2, true, None, LEN);
         assert_eq!(t.unref("k"), Unref::Freed(2));
         assert!(t.get_gen("k", g2).is_none());
         assert_eq!(t.get("k").map(|e| e.gen), Some(g1), "unready copy left");

@@ -693,7 +693,7 @@ impl Receiver {
             key: key.to_owned(),
             gen: b.gen,
             slot: b.slot,
-            len: b.len.unwrap_or(self.shared.region.chunk_bytes()),
+            len: b.len,
             tokens: b.tokens,
         })
     }
@@ -846,7 +846,7 @@ impl ChunkRef {
 
     /// The chunk's length in bytes: what its batch declared (a full chunk
     /// of its shape, or a one-dimensional shape's short last chunk of
-    /// `last_chunk_toks`); a whole slot for a copy of unknown length.
+    /// `last_chunk_toks`).
     pub fn len(&self) -> usize {
         self.bytes().len()
     }

@@ -246,7 +246,7 @@ impl ReceiverCore {
             // Dedup only against a written copy (`pin` skips copies still
             // being written): "already sent" then means the bytes are in
             // place, so the sender may count the chunk complete at once.
-            if let Some((_slot, gen)) = self.keys.pin(key) {
+            if let Some((_slot, gen)) = self.keys.pin(key, len) {
                 // The chunk needs no slot, so its share of the reservation
                 // goes back at once (allocate it, then free it).
                 if reservation.allocate(1).is_ok() {
@@ -285,8 +285,7 @@ impl ReceiverCore {
             }
             // A new key, or one whose copies are all still being written:
             // this request writes its own copy (its reservation counts it).
-            let gen = self.keys.insert_new(key, slot, !r.extended, tokens);
-            self.keys.set_len(key, gen, len);
+            let gen = self.keys.insert_new(key, slot, !r.extended, tokens, len);
             r.held.push(Held {
                 key: key.clone(),
                 gen,

@@ -49,11 +49,15 @@ impl ReceiverCore {
         if let Err(msg) = self.peer_state(peer, now) {
             return self.fail_reply(peer, n, req.seq, ErrorCode::Overloaded, msg, out);
         }
+        let full = req.chunk_bytes().unwrap_or(0);
+        let n_keys = req.keys.len();
+        let len_of = |i: usize| chunk_len(&req, full, i + 1 == n_keys);
         let fresh: HashSet<&str> = req
             .keys
             .iter()
-            .map(String::as_str)
-            .filter(|k| !self.keys.pinnable(k))
+            .enumerate()
+            .filter(|&(i, k)| !self.keys.pinnable(k, len_of(i)))
+            .map(|(_, k)| k.as_str())
             .collect();
         let busy = !self.queue.is_empty();
         let reservation = if busy {
@@ -74,9 +78,9 @@ impl ReceiverCore {
         let mut remote = Vec::with_capacity(n);
         let mut already = Vec::new();
         let mut held = Vec::with_capacity(n);
-        let full = req.chunk_bytes().unwrap_or(0);
         for (i, key) in req.keys.iter().enumerate() {
-            if let Some((_, gen)) = self.keys.pin(key) {
+            let len = len_of(i);
+            if let Some((_, gen)) = self.keys.pin(key, len) {
                 // Written already: no slot to write (see `process_batch`).
                 already.push(i as i64);
                 held.push((key.clone(), gen, false));
@@ -99,9 +103,7 @@ impl ReceiverCore {
             };
             let tokens =
                 (i + 1 == n).then(|| req.last_chunk_toks.clamp(0, i64::from(u32::MAX)) as u32);
-            let gen = self.keys.insert_new(key, slot, true, tokens);
-            self.keys
-                .set_len(key, gen, chunk_len(&req, full, i + 1 == n));
+            let gen = self.keys.insert_new(key, slot, true, tokens, len);
             held.push((key.clone(), gen, true));
             remote.push(i64::from(slot));
         }
