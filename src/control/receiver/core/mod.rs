@@ -21,9 +21,10 @@
 //!   `already_sent_indexes` (and pinned, ref count up) only when a copy of it
 //!   is `ready` — its writer's `TransferDone` arrived (kvferry peers), or at
 //!   allocation (LMCache peers and anonymous allocations, LMCache's own
-//!   semantics). A key held but still being written gets a fresh slot: the
-//!   new request writes its own, independent copy (its reservation already
-//!   counts the chunk).
+//!   semantics), and of the asking length. A key held but still being
+//!   written, or only at another length, gets a fresh slot: the new request
+//!   writes its own, independent copy (its reservation already counts the
+//!   chunk).
 //! - A slot is never freed while a reference holds it: a failed writer's copy
 //!   is detached (nobody new pins or reads it) and its slot freed with the
 //!   last reference (and, if the writer's writes may still land, after the
