@@ -77,6 +77,7 @@ fn run_prints_a_json_report_with_the_documented_fields() {
     }
     assert_eq!(v["completed"], 60);
     assert_eq!(v["deadlock"], false);
+    assert_eq!(v["result"], "OK", "the table's verdict");
     assert_eq!(
         v["sender_path"], "in-place",
         "the zero-copy path is the default"
@@ -287,6 +288,9 @@ fn sender_addresses_a_receiver_without_hello_through_a_static_buffer() {
         all.contains("did not answer Hello") && all.contains("--static-buffer"),
         "the failure says what is missing:\n{all}"
     );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("a JSON report ({e}):\n{all}"));
+    assert_eq!(v["result"], "FAILED", "the verdict of a failed run");
 
     let spec = format!("{ep}={}", receiver.shm_path().display());
     let mut args = vec!["sender", "--connect", &ep, "--static-buffer", &spec];

@@ -129,7 +129,7 @@ pub fn finish(result: Result<runner::RunReport, RunError>, json: bool) -> ExitCo
         Err(e) => return super::runtime_error(e),
     };
     if json {
-        match serde_json::to_string_pretty(&report) {
+        match report.to_json() {
             Ok(s) => super::say!("{s}"),
             Err(e) => return super::runtime_error(format!("cannot encode the report: {e}")),
         }

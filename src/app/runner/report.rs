@@ -114,6 +114,31 @@ impl RunReport {
             && self.completed + self.aborted + self.failed == self.config.requests as u64
     }
 
+    /// The verdict the table's last line and the JSON's `result` give:
+    /// `"OK"` if [`success`](Self::success), else `"FAILED"`.
+    pub fn verdict(&self) -> &'static str {
+        if self.success() {
+            "OK"
+        } else {
+            "FAILED"
+        }
+    }
+
+    /// The report as one pretty-printed JSON object: `result` (the
+    /// [`verdict`](Self::verdict)) first, then every field.
+    pub fn to_json(&self) -> serde_json::Result<String> {
+        #[derive(Serialize)]
+        struct WithVerdict<'a> {
+            result: &'static str,
+            #[serde(flatten)]
+            report: &'a RunReport,
+        }
+        serde_json::to_string_pretty(&WithVerdict {
+            result: self.verdict(),
+            report: self,
+        })
+    }
+
     /// The readable table.
     pub fn render(&self) -> String {
         let mut s = String::new();
@@ -233,11 +258,7 @@ impl RunReport {
                 let _ = writeln!(s, "    {line}");
             }
         }
-        let _ = writeln!(
-            s,
-            "  result       {}",
-            if self.success() { "OK" } else { "FAILED" }
-        );
+        let _ = writeln!(s, "  result       {}", self.verdict());
         s
     }
 }
