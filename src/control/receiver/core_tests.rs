@@ -414,6 +414,14 @@ fn dedup_only_against_a_copy_of_the_same_length() {
     // k four times (50 and 20 tokens, whole, 30 tokens), x and y.
     assert_eq!(slots.len(), 6, "six copies, each in its own slot");
     assert_eq!(c.stats().slots_in_use, 6);
+    // One anonymous batch naming a new key at two lengths: two copies,
+    // both reserved (not a failed second slot).
+    c.handle(Q, bf16_batch("", &["j", "j"], 0, 10), t0, &mut out);
+    let rj = one_reply(&mut out);
+    assert!(rj.already_sent_indexes.is_empty(), "{rj:?}");
+    assert_eq!(rj.remote_indexes.len(), 2, "{rj:?}");
+    assert!(rj.remote_indexes.iter().all(|&s| s >= 0), "{rj:?}");
+    assert_eq!(c.stats().slots_in_use, 8);
 }
 
 /// Anonymous allocations follow the same rule.

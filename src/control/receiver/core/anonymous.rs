@@ -52,12 +52,14 @@ impl ReceiverCore {
         let full = req.chunk_bytes().unwrap_or(0);
         let n_keys = req.keys.len();
         let len_of = |i: usize| chunk_len(&req, full, i + 1 == n_keys);
-        let fresh: HashSet<&str> = req
+        // The copies to write: a key named twice at one length is written
+        // once (the second pins the first), at two lengths twice.
+        let fresh: HashSet<(&str, u64)> = req
             .keys
             .iter()
             .enumerate()
-            .filter(|&(i, k)| !self.keys.pinnable(k, len_of(i)))
-            .map(|(_, k)| k.as_str())
+            .map(|(i, k)| (k.as_str(), len_of(i)))
+            .filter(|&(k, len)| !self.keys.pinnable(k, len))
             .collect();
         let busy = !self.queue.is_empty();
         let reservation = if busy {
