@@ -700,3 +700,24 @@ fn a_later_store_names_the_geometry_its_request_began_with() {
     wait_sender_empty(&s, "after the geometry checks");
     wait_receiver_empty(&r, "after the geometry checks");
 }
+
+/// A request larger than any receiver takes fails at once with the
+/// receiver's reason, its count as given: a `total_chunks` past `i64`
+/// goes on the wire saturated, where it once wrapped to -1.
+#[test]
+fn a_request_of_more_chunks_than_the_wire_holds_fails_saying_so() {
+    let r = receiver(8);
+    let s = sender(sender_cfg(4, None));
+    let req = s
+        .begin(RequestSpec::new("huge", r.endpoint(), usize::MAX))
+        .unwrap();
+    match req.wait(deadline()) {
+        RequestStatus::Failed { reason, .. } => assert!(
+            reason.contains(&i64::MAX.to_string()),
+            "the reason names the count: {reason}"
+        ),
+        other => panic!("expected a failure, got {other:?}"),
+    }
+    wait_sender_empty(&s, "after the huge request");
+    wait_receiver_empty(&r, "after the huge request");
+}

@@ -773,7 +773,8 @@ impl Ctrl {
             last_chunk_toks: b.last_chunk_toks,
             req_id: &r.c.req_id,
             is_last_batch: b.is_last,
-            total_chunks: r.c.total as i64,
+            // Saturating: a count past i64 reads as one, not as a negative.
+            total_chunks: i64::try_from(r.c.total).unwrap_or(i64::MAX),
             seq,
         }
         .encode_into(&mut self.buf);
