@@ -721,3 +721,75 @@ fn a_request_of_more_chunks_than_the_wire_holds_fails_saying_so() {
     wait_sender_empty(&s, "after the huge request");
     wait_receiver_empty(&r, "after the huge request");
 }
+
+/// A geometry the receiver can never take is refused at `begin`, before
+/// anything is sent, with the same rule an attached worker's BEGIN meets:
+/// a shape and dtype that make a chunk size, a chunk no larger than a
+/// staging slot (the byte shape of a two-byte dtype is two slots). Before,
+/// such a request was admitted and failed at its first batch, or (the
+/// byte shape of `bfloat16` against a receiver of larger slots) sized its
+/// last chunk twice what was written.
+#[test]
+fn a_geometry_no_receiver_takes_is_refused_at_begin() {
+    use kvferry::protocol::ProtocolError;
+    use kvferry::sender::{ShapeError, TransferSpec};
+    let r = receiver(8);
+    let s = sender(sender_cfg(4, None));
+    let too_large = |bytes| ShapeError::TooLarge { bytes, max: CHUNK };
+    for (i, (shape, dtype, error)) in [
+        (
+            vec![16],
+            "int4",
+            ShapeError::Chunk(ProtocolError::UnknownDtype("int4".into())),
+        ),
+        (
+            vec![4, 0],
+            "uint8",
+            ShapeError::Chunk(ProtocolError::NonPositiveDim { index: 1, value: 0 }),
+        ),
+        (
+            vec![i64::MAX, 4],
+            "float32",
+            ShapeError::Chunk(ProtocolError::ChunkBytesOverflow),
+        ),
+        (vec![CHUNK as i64 + 1], "uint8", too_large(CHUNK + 1)),
+        (vec![], "bfloat16", too_large(2 * CHUNK)),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let id = format!("shape-{i}");
+        let spec = RequestSpec {
+            shape: shape.clone(),
+            dtype: dtype.into(),
+            ..RequestSpec::new(&id, r.endpoint(), 2)
+        };
+        let want = Err(StoreError::BadGeometry(error));
+        assert_eq!(s.begin(spec).map(|_| ()), want, "{shape:?} of {dtype}");
+        let spec = TransferSpec {
+            shape: shape.clone(),
+            dtype: dtype.into(),
+            ..TransferSpec::new(&id, r.endpoint(), 1, true)
+        };
+        assert_eq!(
+            s.store(&spec, &[format!("{id}/0")], &[&[0u8; 16][..]]),
+            want,
+            "Sender::store, {shape:?} of {dtype}"
+        );
+        assert_eq!(s.status(&id), None, "{id}: nothing registered");
+    }
+    // The widest that fits: a whole slot of float32.
+    let spec = RequestSpec {
+        shape: vec![CHUNK as i64 / 4],
+        dtype: "float32".into(),
+        ..RequestSpec::new("shape-ok", r.endpoint(), 1)
+    };
+    let req = s.begin(spec).unwrap();
+    req.store(&["shape-ok/0"], &[&[7u8; CHUNK as usize][..]])
+        .unwrap();
+    assert_eq!(req.wait(deadline()), RequestStatus::Completed);
+    r.wait_ready("shape-ok", deadline()).unwrap();
+    drop(r.get("shape-ok/0").unwrap());
+    wait_sender_empty(&s, "after the geometry refusals");
+    wait_receiver_empty(&r, "after the geometry refusals");
+}

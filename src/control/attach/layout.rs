@@ -4,7 +4,8 @@
 
 use kvferry_ring::Plain;
 
-use crate::protocol::{chunk_bytes_of, ErrorCode, ProtocolError};
+use crate::protocol::{ErrorCode, ProtocolError};
+use crate::sender::ShapeError;
 
 /// Attach protocol version, carried in the hello; bumped on any change of
 /// an entry layout, the hello or a code's meaning.
@@ -465,22 +466,13 @@ impl BeginGeometry {
             return Err(GeometryError::NegativeFmt(self.fmt));
         }
         let shape = &self.shape[..ndims];
-        // The sender's default shape, as the request will carry it.
-        let default = [i64::try_from(chunk_bytes).unwrap_or(i64::MAX)];
-        let effective = if shape.is_empty() {
-            &default[..]
-        } else {
-            shape
-        };
-        let bytes = chunk_bytes_of(effective, dtype).map_err(GeometryError::Chunk)?;
-        if bytes > chunk_bytes {
-            return Err(GeometryError::TooLarge {
-                bytes,
-                max: chunk_bytes,
-            });
-        }
-        // Every dimension is at least 1 (checked by `chunk_bytes_of`).
-        let max_tokens = effective.iter().map(|&d| d as u64).max().unwrap_or(0);
+        let bytes = crate::sender::full_chunk(shape, dtype, chunk_bytes).map_err(|e| match e {
+            ShapeError::Chunk(e) => GeometryError::Chunk(e),
+            ShapeError::TooLarge { bytes, max } => GeometryError::TooLarge { bytes, max },
+        })?;
+        // Every dimension is at least 1 (checked by `full_chunk`); the
+        // byte shape is `[chunk_bytes]`, whose bytes are its tokens.
+        let max_tokens = shape.iter().map(|&d| d as u64).max().unwrap_or(bytes);
         Ok(CheckedGeometry {
             fmt: self.fmt,
             shape,

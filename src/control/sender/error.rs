@@ -138,6 +138,10 @@ pub enum StoreError {
         /// The total this call declares.
         given: usize,
     },
+    /// The request's `shape` and `dtype` cannot be sent: they make no
+    /// chunk size, or a chunk larger than a staging slot.
+    #[error("request geometry: {0}")]
+    BadGeometry(super::ShapeError),
     /// A later `store` names another chunk format (`fmt`, `shape` or
     /// `dtype`) than the request began with: its AllocRequests carry the
     /// first, and its chunks are sized by it.

@@ -68,8 +68,9 @@ pub use self::error::{SenderError, StoreError};
 pub use self::handle::Sender;
 use self::keys::KeyList;
 pub use self::registered::{MemoryRegion, RegisterError, WriteError, WriteHandle};
+pub(crate) use self::request::full_chunk;
 use self::request::Handle;
-pub use self::request::{Request, RequestSpec, StagedBatch};
+pub use self::request::{Request, RequestSpec, ShapeError, StagedBatch};
 pub use self::share::{ShareError, StagingShare, MAX_SHARES};
 use self::table::{BatchData, Req, Table};
 
@@ -132,6 +133,8 @@ impl Shared {
         if spec.total_chunks == 0 {
             return Err(StoreError::ZeroTotalChunks);
         }
+        request::full_chunk(&spec.shape, &spec.dtype, self.cfg.chunk_bytes)
+            .map_err(StoreError::BadGeometry)?;
         // This handle's own end of the submission ring (cloned outside the
         // table lock; only `begin` takes the prototype's lock).
         let outbox = submit::Outbox::new(self.submit.lock().clone());

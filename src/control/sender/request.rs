@@ -29,7 +29,8 @@ pub struct RequestSpec {
     pub total_chunks: usize,
     /// KV memory format code, passed through.
     pub fmt: i64,
-    /// Shape of one full chunk (empty: `[chunk_bytes]` of `uint8`).
+    /// Shape of one full chunk (empty: `[chunk_bytes]` of `uint8`); a full
+    /// chunk fits a staging slot.
     pub shape: Vec<i64>,
     /// Element type with `shape` (default `"uint8"`).
     pub dtype: String,
@@ -113,6 +114,46 @@ impl std::fmt::Display for Format {
             self.fmt, self.shape, self.dtype
         )
     }
+}
+
+/// Why a request's `shape` and `dtype` cannot be sent.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ShapeError {
+    /// They make no chunk size: an unknown dtype, a dimension below 1, an
+    /// overflow (the receiver refuses the request).
+    #[error("{0}")]
+    Chunk(crate::protocol::ProtocolError),
+    /// A full chunk is larger than the sender's staging slots (the byte
+    /// shape of a dtype wider than a byte is too: `[slot_bytes]` of it).
+    #[error("a chunk of this shape is {bytes} bytes, larger than the {max}-byte slots")]
+    TooLarge {
+        /// Bytes of one full chunk.
+        bytes: u64,
+        /// The sender's `chunk_bytes`.
+        max: u64,
+    },
+}
+
+/// Bytes of one full chunk of `shape` of `dtype` (an empty shape is the
+/// byte shape, which requests carry as `[slot_bytes]`) on a sender of
+/// `slot_bytes` staging slots, if it can send them: the one check of a
+/// request's geometry before anything of it is sent, in process
+/// (`Sender::begin`) and attached (`BeginGeometry::check`).
+pub(crate) fn full_chunk(shape: &[i64], dtype: &str, slot_bytes: u64) -> Result<u64, ShapeError> {
+    let default = [i64::try_from(slot_bytes).unwrap_or(i64::MAX)];
+    let shape = if shape.is_empty() {
+        &default[..]
+    } else {
+        shape
+    };
+    let bytes = crate::protocol::chunk_bytes_of(shape, dtype).map_err(ShapeError::Chunk)?;
+    if bytes > slot_bytes {
+        return Err(ShapeError::TooLarge {
+            bytes,
+            max: slot_bytes,
+        });
+    }
+    Ok(bytes)
 }
 
 /// A request's chunk geometry as the sender checks its batches' lengths
