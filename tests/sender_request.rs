@@ -793,3 +793,48 @@ fn a_geometry_no_receiver_takes_is_refused_at_begin() {
     wait_sender_empty(&s, "after the geometry refusals");
     wait_receiver_empty(&r, "after the geometry refusals");
 }
+
+/// A last chunk's token count is one the wire and the decoder carry,
+/// whatever the shape: in `0..=u32::MAX`. Before, a multi-dimensional
+/// request (whose token axis the sender does not size) sent a negative
+/// count, and its batch failed at the receiver as a bad message.
+#[test]
+fn a_token_count_outside_32_bits_is_refused_on_every_shape() {
+    use kvferry::sender::TransferSpec;
+    let r = receiver(8);
+    let s = sender(sender_cfg(4, None));
+    let spec = |id: &str| RequestSpec {
+        shape: vec![2, 16, 32],
+        dtype: "bfloat16".into(),
+        ..RequestSpec::new(id, r.endpoint(), 1)
+    };
+    let req = s.begin(spec("toks-md")).unwrap();
+    for tokens in [-1, i64::from(u32::MAX) + 1] {
+        let mut b = req.stage(1, deadline()).unwrap();
+        b.set_last_chunk_toks(tokens);
+        assert_eq!(
+            b.submit(&["toks-md/0"], &[100]),
+            Err(StoreError::TokensOutOfRange { tokens })
+        );
+    }
+    let mut b = req.stage(1, deadline()).unwrap();
+    b.set_last_chunk_toks(i64::from(u32::MAX));
+    b.submit(&["toks-md/0"], &[100]).unwrap();
+    assert_eq!(req.wait(deadline()), RequestStatus::Completed);
+    r.wait_ready("toks-md", deadline()).unwrap();
+    let c = r.get("toks-md/0").unwrap();
+    assert_eq!(c.tokens(), Some(u32::MAX), "the count as given");
+    drop(c);
+    // The copying path of a one-dimensional request, and the legacy store.
+    let t = TransferSpec {
+        last_chunk_toks: Some(-3),
+        ..TransferSpec::new("toks-1d", r.endpoint(), 1, true)
+    };
+    assert_eq!(
+        s.store(&t, &["toks-1d/0"], &[&[1u8; 10][..]]),
+        Err(StoreError::TokensOutOfRange { tokens: -3 })
+    );
+    assert_eq!(s.status("toks-1d"), None, "nothing registered");
+    wait_sender_empty(&s, "after the token counts");
+    wait_receiver_empty(&r, "after the token counts");
+}

@@ -117,6 +117,15 @@ pub enum StoreError {
         /// Bytes per token: the shape's element size.
         token_bytes: u64,
     },
+    /// A token count given for a batch's last chunk
+    /// (`StagedBatch::set_last_chunk_toks`, `TransferSpec::last_chunk_toks`)
+    /// outside `0..=u32::MAX`: the receiver refuses a negative one, and a
+    /// decoder reads counts as 32 bits.
+    #[error("a last chunk of {tokens} tokens: the count must be in 0..=4294967295")]
+    TokensOutOfRange {
+        /// The count given.
+        tokens: i64,
+    },
     /// A later `store` names another receiver than the request began with.
     #[error("request {req_id} goes to {begun}, not {given}")]
     ReceiverMismatch {

@@ -37,14 +37,21 @@ impl Shared {
     /// staging slot or than a whole chunk, every one but the last whole
     /// (the receiver takes those as whole), and for a one-dimensional shape
     /// the last exactly `toks` tokens, or a whole number of them (the
-    /// receiver sizes it so). The one check of every path a batch takes
-    /// (staged, copied, registered).
+    /// receiver sizes it so); `toks` in `0..=u32::MAX` whatever the shape.
+    /// The one check of every path a batch takes (staged, copied,
+    /// registered).
     pub(super) fn check_lens(
         &self,
         g: request::Geometry,
         lens: impl ExactSizeIterator<Item = u64>,
         toks: Option<i64>,
     ) -> Result<(), StoreError> {
+        // A count the wire and the decoder's 32-bit token field carry, for
+        // every geometry (the receiver refuses a negative one as a bad
+        // message, and reads one past u32 as u32::MAX).
+        if let Some(t) = toks.filter(|&t| u32::try_from(t).is_err()) {
+            return Err(StoreError::TokensOutOfRange { tokens: t });
+        }
         let full = g.full;
         let max = full.map_or(self.cfg.chunk_bytes, |f| f.min(self.cfg.chunk_bytes));
         let last = lens.len().saturating_sub(1);

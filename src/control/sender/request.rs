@@ -600,7 +600,8 @@ impl StagedBatch {
     /// one-dimensional shape, its bytes otherwise). For a one-dimensional
     /// shape the receiver makes the chunk that many tokens' bytes, so
     /// [`submit`](Self::submit) refuses a chunk of another length
-    /// ([`StoreError::LastChunkTokens`]).
+    /// ([`StoreError::LastChunkTokens`]); on any shape it refuses a count
+    /// outside `0..=u32::MAX` ([`StoreError::TokensOutOfRange`]).
     pub fn set_last_chunk_toks(&mut self, toks: i64) {
         self.last_chunk_toks = Some(toks);
     }
