@@ -37,6 +37,11 @@ struct Running {
 /// Starts the receiver; `None` if it exited before announcing itself (e.g.
 /// the metrics port was taken meanwhile).
 fn spawn_receiver() -> Option<Running> {
+    spawn_receiver_with(&[])
+}
+
+/// [`spawn_receiver`] with `extra` arguments.
+fn spawn_receiver_with(extra: &[&str]) -> Option<Running> {
     let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
     let mut child = Command::new(BIN)
         .args([
@@ -50,6 +55,7 @@ fn spawn_receiver() -> Option<Running> {
             "--metrics",
             &metrics.to_string(),
         ])
+        .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -123,6 +129,35 @@ fn receiver_serves_scrapes_and_exits_cleanly_on_sigterm() {
         "buffer file {} removed on exit",
         shm.display()
     );
+}
+
+/// A complete request no decoder takes is released after
+/// `--unconsumed-expiry-ms` (default 120 s; a daemon whose decoder never
+/// comes must not hold its buffer for good), counted as
+/// `unconsumed_expired`.
+#[test]
+fn a_request_no_decoder_takes_is_released_after_the_unconsumed_expiry() {
+    let args = ["--unconsumed-expiry-ms", "200"];
+    let Running {
+        mut child,
+        endpoint,
+        metrics,
+    } = spawn_receiver_with(&args)
+        .or_else(|| spawn_receiver_with(&args))
+        .expect("receiver starts (two attempts)");
+    let c = Client::connect(&endpoint, "cli-expiry");
+    c.hello();
+    let rep = c.call(&alloc("exp-1", &keys("k", 3), 3, true, Some(1)), "exp-1");
+    assert_ok(&rep, 3);
+    c.send(&transfer_done("exp-1"));
+    let m = |name: &str| metric(&scrape(metrics), name).unwrap_or(-1.0);
+    wait_until("the unconsumed request released", || {
+        m("kvferry_receiver_requests_total{outcome=\"unconsumed_expired\"}") == 1.0
+    });
+    assert_eq!(m("kvferry_receiver_allocated_chunks"), 0.0);
+    assert!(sigterm(&child), "kill(SIGTERM)");
+    let st = wait_exit(&mut child, "after SIGTERM");
+    assert_eq!(st.code(), Some(0), "exit status {st}");
 }
 
 #[test]

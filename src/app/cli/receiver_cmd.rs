@@ -78,6 +78,14 @@ pub struct ReceiverArgs {
     /// sender takes to write a batch (a slot may be reused after it).
     #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub consume_grace_ms: u64,
+    /// Release a complete request's chunks that no decoder took, subscribed
+    /// to or read by key this long after its TransferDone, in
+    /// milliseconds (a decoder that never comes, or a request completed
+    /// while no attached wildcard stood, must not hold the buffer for
+    /// good); 0 keeps them until consumed. LMCache senders' requests, read
+    /// by key, are not affected.
+    #[arg(long, default_value_t = 120_000)]
+    pub unconsumed_expiry_ms: u64,
     /// Also offer the TCP data plane: bind its listener here (e.g.
     /// `10.0.0.2:7401`; port 0 picks one).
     #[arg(long)]
@@ -247,6 +255,8 @@ impl Served {
             pin_cpu: a.pin_cpu,
             auto_consume: a.consume,
             consume_grace: Duration::from_millis(a.consume_grace_ms),
+            unconsumed_expiry: (a.unconsumed_expiry_ms > 0)
+                .then(|| Duration::from_millis(a.unconsumed_expiry_ms)),
             tcp_data: a.tcp_data,
             tcp_data_advertise: a.tcp_advertise,
             tcp_data_limits: TcpDataLimits {
