@@ -725,7 +725,8 @@ fn a_request_of_more_chunks_than_the_wire_holds_fails_saying_so() {
 /// A geometry the receiver can never take is refused at `begin`, before
 /// anything is sent, with the same rule an attached worker's BEGIN meets:
 /// a shape and dtype that make a chunk size, a chunk no larger than a
-/// staging slot (the byte shape of a two-byte dtype is two slots). Before,
+/// staging slot (the byte shape of a two-byte dtype is two slots), a
+/// format code of at least 0. Before,
 /// such a request was admitted and failed at its first batch, or (the
 /// byte shape of `bfloat16` against a receiver of larger slots) sized its
 /// last chunk twice what was written.
@@ -754,12 +755,19 @@ fn a_geometry_no_receiver_takes_is_refused_at_begin() {
         ),
         (vec![CHUNK as i64 + 1], "uint8", too_large(CHUNK + 1)),
         (vec![], "bfloat16", too_large(2 * CHUNK)),
+        (vec![16], "uint8", ShapeError::NegativeFmt(-1)),
     ]
     .into_iter()
     .enumerate()
     {
         let id = format!("shape-{i}");
+        let fmt = if matches!(error, ShapeError::NegativeFmt(_)) {
+            -1
+        } else {
+            0
+        };
         let spec = RequestSpec {
+            fmt,
             shape: shape.clone(),
             dtype: dtype.into(),
             ..RequestSpec::new(&id, r.endpoint(), 2)
@@ -767,6 +775,7 @@ fn a_geometry_no_receiver_takes_is_refused_at_begin() {
         let want = Err(StoreError::BadGeometry(error));
         assert_eq!(s.begin(spec).map(|_| ()), want, "{shape:?} of {dtype}");
         let spec = TransferSpec {
+            fmt,
             shape: shape.clone(),
             dtype: dtype.into(),
             ..TransferSpec::new(&id, r.endpoint(), 1, true)

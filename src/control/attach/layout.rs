@@ -462,14 +462,14 @@ impl BeginGeometry {
             Ok(d) => d,
             Err(_) => return Err(GeometryError::DtypeNotUtf8),
         };
-        if self.fmt < 0 {
-            return Err(GeometryError::NegativeFmt(self.fmt));
-        }
         let shape = &self.shape[..ndims];
-        let bytes = crate::sender::full_chunk(shape, dtype, chunk_bytes).map_err(|e| match e {
-            ShapeError::Chunk(e) => GeometryError::Chunk(e),
-            ShapeError::TooLarge { bytes, max } => GeometryError::TooLarge { bytes, max },
-        })?;
+        let bytes = crate::sender::full_chunk(self.fmt, shape, dtype, chunk_bytes).map_err(
+            |e| match e {
+                ShapeError::NegativeFmt(f) => GeometryError::NegativeFmt(f),
+                ShapeError::Chunk(e) => GeometryError::Chunk(e),
+                ShapeError::TooLarge { bytes, max } => GeometryError::TooLarge { bytes, max },
+            },
+        )?;
         // Every dimension is at least 1 (checked by `full_chunk`); the
         // byte shape is `[chunk_bytes]`, whose bytes are its tokens.
         let max_tokens = shape.iter().map(|&d| d as u64).max().unwrap_or(bytes);

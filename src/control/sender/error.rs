@@ -147,8 +147,8 @@ pub enum StoreError {
         /// The total this call declares.
         given: usize,
     },
-    /// The request's `shape` and `dtype` cannot be sent: they make no
-    /// chunk size, or a chunk larger than a staging slot.
+    /// The request's `fmt`, `shape` and `dtype` cannot be sent: a negative
+    /// `fmt`, no chunk size, or a chunk larger than a staging slot.
     #[error("request geometry: {0}")]
     BadGeometry(super::ShapeError),
     /// A later `store` names another chunk format (`fmt`, `shape` or

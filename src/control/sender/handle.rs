@@ -201,8 +201,9 @@ impl Sender {
     /// which LMCache receivers also admit and answer with `[]`), so its
     /// batches never wait for admission as copies. Errors:
     /// [`StoreError::EmptyReqId`], [`StoreError::ZeroTotalChunks`],
-    /// [`StoreError::BadGeometry`] (a `shape` and `dtype` that make no
-    /// chunk size, or a chunk larger than a staging slot),
+    /// [`StoreError::BadGeometry`] (a negative `fmt`, a `shape` and
+    /// `dtype` that make no chunk size, or a chunk larger than a staging
+    /// slot),
     /// [`StoreError::DuplicateRequest`], [`StoreError::RequestEnded`] (the
     /// id was used by a request that ended), [`StoreError::Closed`].
     pub fn begin(&self, spec: RequestSpec) -> Result<Request, StoreError> {

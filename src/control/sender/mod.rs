@@ -133,7 +133,7 @@ impl Shared {
         if spec.total_chunks == 0 {
             return Err(StoreError::ZeroTotalChunks);
         }
-        request::full_chunk(&spec.shape, &spec.dtype, self.cfg.chunk_bytes)
+        request::full_chunk(spec.fmt, &spec.shape, &spec.dtype, self.cfg.chunk_bytes)
             .map_err(StoreError::BadGeometry)?;
         // This handle's own end of the submission ring (cloned outside the
         // table lock; only `begin` takes the prototype's lock).

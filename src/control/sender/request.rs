@@ -27,7 +27,7 @@ pub struct RequestSpec {
     pub receiver: String,
     /// Chunks in the whole request.
     pub total_chunks: usize,
-    /// KV memory format code, passed through.
+    /// KV memory format code (at least 0), passed through.
     pub fmt: i64,
     /// Shape of one full chunk (empty: `[chunk_bytes]` of `uint8`); a full
     /// chunk fits a staging slot.
@@ -116,9 +116,13 @@ impl std::fmt::Display for Format {
     }
 }
 
-/// Why a request's `shape` and `dtype` cannot be sent.
+/// Why a request's `fmt`, `shape` and `dtype` cannot be sent.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ShapeError {
+    /// A negative `fmt` (a format code is an index: LMCache's receiver
+    /// reads it as one).
+    #[error("negative fmt {0}")]
+    NegativeFmt(i64),
     /// They make no chunk size: an unknown dtype, a dimension below 1, an
     /// overflow (the receiver refuses the request).
     #[error("{0}")]
@@ -135,11 +139,19 @@ pub enum ShapeError {
 }
 
 /// Bytes of one full chunk of `shape` of `dtype` (an empty shape is the
-/// byte shape, which requests carry as `[slot_bytes]`) on a sender of
-/// `slot_bytes` staging slots, if it can send them: the one check of a
-/// request's geometry before anything of it is sent, in process
-/// (`Sender::begin`) and attached (`BeginGeometry::check`).
-pub(crate) fn full_chunk(shape: &[i64], dtype: &str, slot_bytes: u64) -> Result<u64, ShapeError> {
+/// byte shape, which requests carry as `[slot_bytes]`) in format `fmt` on
+/// a sender of `slot_bytes` staging slots, if it can send them: the one
+/// check of a request's geometry before anything of it is sent, in
+/// process (`Sender::begin`) and attached (`BeginGeometry::check`).
+pub(crate) fn full_chunk(
+    fmt: i64,
+    shape: &[i64],
+    dtype: &str,
+    slot_bytes: u64,
+) -> Result<u64, ShapeError> {
+    if fmt < 0 {
+        return Err(ShapeError::NegativeFmt(fmt));
+    }
     let default = [i64::try_from(slot_bytes).unwrap_or(i64::MAX)];
     let shape = if shape.is_empty() {
         &default[..]
