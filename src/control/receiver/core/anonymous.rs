@@ -50,8 +50,7 @@ impl ReceiverCore {
             return self.fail_reply(peer, n, req.seq, ErrorCode::Overloaded, msg, out);
         }
         let full = req.chunk_bytes().unwrap_or(0);
-        let n_keys = req.keys.len();
-        let len_of = |i: usize| chunk_len(&req, full, i + 1 == n_keys);
+        let len_of = |i: usize| chunk_len(&req, full, i + 1 == n);
         // The copies to write: a key named twice at one length is written
         // once (the second pins the first), at two lengths twice.
         let fresh: HashSet<(&str, u64)> = req
