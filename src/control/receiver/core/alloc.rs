@@ -123,6 +123,7 @@ impl ReceiverCore {
         };
         let req_id = req.req_id.clone();
         let key = (peer.to_vec(), req_id.clone());
+        let lease = now + self.cfg.lease;
         match self
             .queue
             .admit_or_park(&self.ledger, key.clone(), total, deadline)
@@ -130,19 +131,9 @@ impl ReceiverCore {
             Ok(Some(reservation)) => {
                 self.bump_request("admitted");
                 self.admission_waits.push(Duration::ZERO);
-                self.requests.insert(
-                    peer,
-                    &req_id,
-                    Request {
-                        peer: peer.to_vec(),
-                        extended,
-                        total,
-                        seen: 0,
-                        held: Vec::new(),
-                        lease_deadline: now + self.cfg.lease,
-                        phase: Phase::Admitted { reservation },
-                    },
-                );
+                let phase = Phase::Admitted { reservation };
+                let r = Request::new(peer, extended, total, lease, phase);
+                self.requests.insert(peer, &req_id, r);
                 self.note_admitted();
                 self.process_batch(peer, req, now, out);
             }
@@ -166,23 +157,13 @@ impl ReceiverCore {
                 self.charge_parked(peer, charge as isize);
                 let mut backlog = VecDeque::new();
                 backlog.push_back(req);
-                self.requests.insert(
-                    peer,
-                    &req_id,
-                    Request {
-                        peer: peer.to_vec(),
-                        extended,
-                        total,
-                        seen: 0,
-                        held: Vec::new(),
-                        lease_deadline: now + self.cfg.lease,
-                        phase: Phase::Parked {
-                            backlog,
-                            since: now,
-                            charge,
-                        },
-                    },
-                );
+                let phase = Phase::Parked {
+                    backlog,
+                    since: now,
+                    charge,
+                };
+                let r = Request::new(peer, extended, total, lease, phase);
+                self.requests.insert(peer, &req_id, r);
             }
             Err(e) => {
                 self.bump_request("rejected");

@@ -146,6 +146,28 @@ struct Request {
     phase: Phase,
 }
 
+impl Request {
+    /// A request of `peer` for `total` chunks, nothing seen or held yet,
+    /// its lease running from now, in `phase`.
+    fn new(
+        peer: &[u8],
+        extended: bool,
+        total: usize,
+        lease_deadline: Instant,
+        phase: Phase,
+    ) -> Self {
+        Self {
+            peer: peer.to_vec(),
+            extended,
+            total,
+            seen: 0,
+            held: Vec::new(),
+            lease_deadline,
+            phase,
+        }
+    }
+}
+
 /// A request that failed or was cancelled: later messages for it get its
 /// error, and its quarantined slots wait for the fence.
 #[derive(Debug)]
