@@ -170,6 +170,8 @@ fn bad_options_exit_2_with_a_message() {
         (vec!["run", "--batch", "0"], "--batch"),
         (vec!["run", "--chunks", "9..3"], "chunk range"),
         (vec!["run", "--abort-rate", "1.5"], "--abort-rate"),
+        (vec!["run", "--chunk-bytes", "8"], "--chunk-bytes"),
+        (vec!["run", "--chunk-bytes", "4294967296"], "--chunk-bytes"),
         (vec!["run", "--transport", "udp"], "--transport"),
         (
             vec!["run", "--transport", "rdma", "--requests", "1"],

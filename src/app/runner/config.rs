@@ -168,10 +168,13 @@ impl RunConfig {
         pos(self.staging_slots, "staging-slots")?;
         pos(self.capacity_chunks, "capacity-chunks")?;
         pos(self.concurrency, "concurrency")?;
-        if self.chunk_bytes < super::payload::HEADER as u64 {
+        if self.chunk_bytes < super::payload::HEADER as u64
+            || self.chunk_bytes > u64::from(u32::MAX)
+        {
             return Err(format!(
-                "--chunk-bytes must be at least {}",
-                super::payload::HEADER
+                "--chunk-bytes must be in {}..={} (a chunk's length is 32 bits)",
+                super::payload::HEADER,
+                u32::MAX
             ));
         }
         if self
