@@ -264,13 +264,9 @@ impl Sender {
         }
         // So the batch was checked against the request's geometry (its
         // spec's, in `validate`), which its AllocRequest carries.
-        let given = request::Format::of(
-            spec.fmt,
-            &spec.shape,
-            &spec.dtype,
-            self.shared.cfg.chunk_bytes,
-        );
-        if r.format != given {
+        let slot_bytes = self.shared.cfg.chunk_bytes;
+        if !r.format.is(spec.fmt, &spec.shape, &spec.dtype, slot_bytes) {
+            let given = request::Format::of(spec.fmt, &spec.shape, &spec.dtype, slot_bytes);
             return Err(StoreError::GeometryMismatch {
                 req_id: spec.req_id.clone(),
                 begun: r.format.to_string(),
@@ -298,7 +294,9 @@ impl Sender {
         if spec.total_chunks == 0 {
             return Err(StoreError::ZeroTotalChunks);
         }
-        let g = request::Geometry::of(&spec.shape, &spec.dtype, self.shared.cfg.chunk_bytes);
+        let slot_bytes = self.shared.cfg.chunk_bytes;
+        let g = request::Geometry::of(spec.fmt, &spec.shape, &spec.dtype, slot_bytes)
+            .map_err(StoreError::BadGeometry)?;
         self.shared
             .validate_batch(g, n_keys, chunks, spec.last_chunk_toks)?;
         if chunks.len() > spec.total_chunks {

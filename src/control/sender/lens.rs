@@ -29,19 +29,18 @@ impl Shared {
                 slots: self.cfg.staging_slots,
             });
         }
-        self.check_lens(g, chunks.iter().map(|c| c.len() as u64), toks)
+        Self::check_lens(g, chunks.iter().map(|c| c.len() as u64), toks)
     }
 
     /// The lengths of a batch's chunks, in order, for a request of geometry
-    /// `g`, its last chunk `toks` tokens if given: none longer than a
-    /// staging slot or than a whole chunk, every one but the last whole
+    /// `g`, its last chunk `toks` tokens if given: none longer than a whole
+    /// chunk (which a staging slot holds), every one but the last whole
     /// (the receiver takes those as whole), and for a one-dimensional shape
     /// the last exactly `toks` tokens, or a whole number of them (the
     /// receiver sizes it so); `toks` in `0..=u32::MAX` whatever the shape.
     /// The one check of every path a batch takes (staged, copied,
     /// registered).
     pub(super) fn check_lens(
-        &self,
         g: request::Geometry,
         lens: impl ExactSizeIterator<Item = u64>,
         toks: Option<i64>,
@@ -53,26 +52,24 @@ impl Shared {
             return Err(StoreError::TokensOutOfRange { tokens: t });
         }
         let full = g.full;
-        let max = full.map_or(self.cfg.chunk_bytes, |f| f.min(self.cfg.chunk_bytes));
         let last = lens.len().saturating_sub(1);
         for (index, len) in lens.enumerate() {
-            if len > max {
+            if len > full {
                 return Err(StoreError::ChunkTooLarge {
                     index,
                     len: len as usize,
-                    max,
+                    max: full,
                 });
             }
-            match full {
-                Some(full) if index < last && len != full => {
-                    return Err(StoreError::ShortChunk {
-                        index,
-                        len: len as usize,
-                        full,
-                    })
-                }
-                _ if index == last => Self::check_tokens(g, len, toks)?,
-                _ => {}
+            if index < last && len != full {
+                return Err(StoreError::ShortChunk {
+                    index,
+                    len: len as usize,
+                    full,
+                });
+            }
+            if index == last {
+                Self::check_tokens(g, len, toks)?;
             }
         }
         Ok(())

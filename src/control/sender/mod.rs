@@ -133,7 +133,8 @@ impl Shared {
         if spec.total_chunks == 0 {
             return Err(StoreError::ZeroTotalChunks);
         }
-        request::full_chunk(spec.fmt, &spec.shape, &spec.dtype, self.cfg.chunk_bytes)
+        let slot_bytes = self.cfg.chunk_bytes;
+        let geometry = request::Geometry::of(spec.fmt, &spec.shape, &spec.dtype, slot_bytes)
             .map_err(StoreError::BadGeometry)?;
         // This handle's own end of the submission ring (cloned outside the
         // table lock; only `begin` takes the prototype's lock).
@@ -162,7 +163,7 @@ impl Shared {
             // The table lock, inside the name index's (the one place both
             // are held): only to insert.
             self.table.lock().insert(|key| {
-                let c = Arc::new(request::Common::new(key, spec, self.cfg.chunk_bytes));
+                let c = Arc::new(request::Common::new(key, spec, geometry, slot_bytes));
                 common = Some(Arc::clone(&c));
                 Req::new(c)
             });

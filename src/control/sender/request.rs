@@ -96,14 +96,25 @@ impl Format {
     pub(crate) fn of(fmt: i64, shape: &[i64], dtype: &str, slot_bytes: u64) -> Self {
         Self {
             fmt,
-            shape: if shape.is_empty() {
-                vec![slot_bytes as i64]
-            } else {
-                shape.to_vec()
-            },
+            shape: on_the_wire(shape, slot_bytes, <[i64]>::to_vec),
             dtype: dtype.to_owned(),
         }
     }
+
+    /// True if a batch naming `fmt`, `shape` and `dtype` names this format
+    /// (compared in place: nothing allocated per batch).
+    pub(crate) fn is(&self, fmt: i64, shape: &[i64], dtype: &str, slot_bytes: u64) -> bool {
+        self.fmt == fmt
+            && self.dtype == dtype
+            && on_the_wire(shape, slot_bytes, |s| self.shape == s)
+    }
+}
+
+/// `f` of `shape` as a request carries it: the byte shape (`[]`) as
+/// `[slot_bytes]`.
+fn on_the_wire<T>(shape: &[i64], slot_bytes: u64, f: impl FnOnce(&[i64]) -> T) -> T {
+    let bytes = [i64::try_from(slot_bytes).unwrap_or(i64::MAX)];
+    f(if shape.is_empty() { &bytes } else { shape })
 }
 
 impl std::fmt::Display for Format {
@@ -152,13 +163,10 @@ pub(crate) fn full_chunk(
     if fmt < 0 {
         return Err(ShapeError::NegativeFmt(fmt));
     }
-    let default = [i64::try_from(slot_bytes).unwrap_or(i64::MAX)];
-    let shape = if shape.is_empty() {
-        &default[..]
-    } else {
-        shape
-    };
-    let bytes = crate::protocol::chunk_bytes_of(shape, dtype).map_err(ShapeError::Chunk)?;
+    let bytes = on_the_wire(shape, slot_bytes, |s| {
+        crate::protocol::chunk_bytes_of(s, dtype)
+    })
+    .map_err(ShapeError::Chunk)?;
     if bytes > slot_bytes {
         return Err(ShapeError::TooLarge {
             bytes,
@@ -174,9 +182,8 @@ pub(crate) fn full_chunk(
 pub(crate) struct Geometry {
     /// Bytes of one whole chunk: its `shape` of `dtype`, or a staging slot
     /// for the default byte shape (which the AllocRequests then carry as
-    /// `[slot_bytes]`); `None` for a geometry the protocol cannot size
-    /// (the receiver refuses it).
-    pub full: Option<u64>,
+    /// `[slot_bytes]`); never more than a staging slot.
+    pub full: u64,
     /// Bytes per token of a one-dimensional shape (`[tokens]`; 1 for the
     /// byte shape): the receiver makes a batch's last chunk
     /// `last_chunk_toks` of them. `None` for more dimensions, whose token
@@ -186,31 +193,35 @@ pub(crate) struct Geometry {
 }
 
 impl Geometry {
-    /// The geometry of chunks of `shape` of `dtype` (a request's; an empty
-    /// shape is the byte shape) on a sender of `slot_bytes` staging slots.
-    pub(crate) fn of(shape: &[i64], dtype: &str, slot_bytes: u64) -> Self {
-        if shape.is_empty() {
-            return Self {
-                full: Some(slot_bytes),
-                token_bytes: Some(NonZeroU64::MIN),
-            };
-        }
-        let full = crate::protocol::chunk_bytes_of(shape, dtype).ok();
+    /// The geometry of a request of `fmt`, `shape` and `dtype` on a sender
+    /// of `slot_bytes` staging slots, if it can send it ([`full_chunk`]).
+    pub(crate) fn of(
+        fmt: i64,
+        shape: &[i64],
+        dtype: &str,
+        slot_bytes: u64,
+    ) -> Result<Self, ShapeError> {
+        let full = full_chunk(fmt, shape, dtype, slot_bytes)?;
         let token_bytes = match shape {
-            // `chunk_bytes_of` checked the dimension is positive, and a
-            // whole chunk is `tokens` elements of at least one byte.
-            [tokens] => full.and_then(|f| NonZeroU64::new(f / *tokens as u64)),
+            // `[slot_bytes]` of a one-byte dtype (`full_chunk` refused a
+            // wider one: two slots).
+            [] => Some(NonZeroU64::MIN),
+            // `full_chunk` checked the dimension is positive, and a whole
+            // chunk is `tokens` elements of at least one byte.
+            [tokens] => NonZeroU64::new(full / *tokens as u64),
             _ => None,
         };
-        Self { full, token_bytes }
+        Ok(Self { full, token_bytes })
     }
 }
 
 impl Common {
-    pub fn new(key: ReqKey, spec: &RequestSpec, slot_bytes: u64) -> Self {
+    /// A request of `spec`, whose `geometry` (`Geometry::of` its `spec`)
+    /// the sender checked.
+    pub fn new(key: ReqKey, spec: &RequestSpec, geometry: Geometry, slot_bytes: u64) -> Self {
         Self {
             key,
-            geometry: Geometry::of(&spec.shape, &spec.dtype, slot_bytes),
+            geometry,
             format: Format::of(spec.fmt, &spec.shape, &spec.dtype, slot_bytes),
             req_id: Arc::from(spec.req_id.as_str()),
             receiver: spec.receiver.clone(),
@@ -446,7 +457,7 @@ impl Request {
             });
         }
         let shared = &self.h.shared;
-        shared.check_lens(
+        Shared::check_lens(
             self.h.geometry,
             chunks.iter().map(|&(_, _, len)| u64::from(len)),
             None,
@@ -648,7 +659,7 @@ impl StagedBatch {
                     slots: set.len(),
                 });
             }
-            shared.check_lens(
+            Shared::check_lens(
                 self.h.geometry,
                 lens.iter().map(|&l| u64::from(l)),
                 self.last_chunk_toks,
