@@ -23,14 +23,12 @@ mod common_sender;
 #[path = "common/process.rs"]
 mod process;
 
-use std::net::SocketAddr;
-
 use common_sender::{
-    deadline, receiver_cfg, sender, sender_cfg, wait_for, wait_receiver_empty, wait_sender_empty,
-    CHUNK,
+    deadline, receiver_cfg, sender, sender_cfg, tcp_pair, wait_for, wait_receiver_empty,
+    wait_sender_empty, CHUNK,
 };
-use kvferry::receiver::{Receiver, ReceiverConfig};
-use kvferry::sender::{Request, RequestSpec, RequestStatus, Sender, SenderConfig, StoreError};
+use kvferry::receiver::Receiver;
+use kvferry::sender::{Request, RequestSpec, RequestStatus, Sender, StoreError};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -400,14 +398,6 @@ fn random_geometries_over_shm_read_as_the_receiver_sizes_them() {
 
 #[test]
 fn random_geometries_over_tcp_read_as_the_receiver_sizes_them() {
-    let r = Receiver::start(ReceiverConfig {
-        tcp_data: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
-        ..receiver_cfg(8)
-    })
-    .expect("receiver starts");
-    let s = sender(SenderConfig {
-        transport: "tcp".into(),
-        ..sender_cfg(4, None)
-    });
+    let (r, s) = tcp_pair(8, 4);
     run(s, r, 2);
 }

@@ -14,15 +14,14 @@ mod common_sender;
 #[path = "common/process.rs"]
 mod process;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use common_sender::{
-    chunk_id, consume, deadline, key, payloads, receiver_cfg, sender, sender_cfg,
+    chunk_id, consume, deadline, key, payloads, receiver_cfg, sender, sender_cfg, tcp_pair,
     wait_receiver_empty, wait_sender_empty, WAIT,
 };
-use kvferry::receiver::{Receiver, ReceiverConfig};
-use kvferry::sender::{RequestSpec, RequestStatus, Sender, SenderConfig};
+use kvferry::receiver::Receiver;
+use kvferry::sender::{RequestSpec, RequestStatus, Sender};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -162,14 +161,6 @@ fn random_concurrent_requests_over_shm_land_each_completed_one_byte_for_byte() {
 
 #[test]
 fn random_concurrent_requests_over_tcp_land_each_completed_one_byte_for_byte() {
-    let r = Receiver::start(ReceiverConfig {
-        tcp_data: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
-        ..receiver_cfg(16)
-    })
-    .expect("receiver starts");
-    let s = sender(SenderConfig {
-        transport: "tcp".into(),
-        ..sender_cfg(8, None)
-    });
+    let (r, s) = tcp_pair(16, 8);
     run(s, r);
 }

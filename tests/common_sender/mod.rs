@@ -64,6 +64,22 @@ pub fn receiver(capacity: usize) -> Receiver {
     Receiver::start(receiver_cfg(capacity)).expect("receiver starts")
 }
 
+/// Starts a receiver with `capacity` slots that also offers the TCP data
+/// plane on loopback, and a sender of `staging` slots writing to it over
+/// TCP.
+pub fn tcp_pair(capacity: usize, staging: usize) -> (Receiver, Sender) {
+    let r = Receiver::start(ReceiverConfig {
+        tcp_data: Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0))),
+        ..receiver_cfg(capacity)
+    })
+    .expect("receiver starts");
+    let s = sender(SenderConfig {
+        transport: "tcp".into(),
+        ..sender_cfg(staging, None)
+    });
+    (r, s)
+}
+
 /// A sender configuration with `staging` slots of [`CHUNK`] bytes,
 /// notifying `proxy` if given.
 pub fn sender_cfg(staging: usize, proxy: Option<&ProxyListener>) -> SenderConfig {
