@@ -18,15 +18,13 @@ import time
 
 import kvferry_attach
 import resident
+from pattern import pattern
 from waiting import wait_until
 
-PERIOD = bytes(range(256)) * 2
 
 
 def expected(i, length):
-    start = (i * 31) & 0xFF
-    reps = length // 256 + 2
-    return (PERIOD[start:256] + PERIOD[:start]) * reps
+    return pattern(i * 31, length)
 
 
 def main():
@@ -70,7 +68,7 @@ def main():
         want_len = last if i + 1 == n else c.chunk_bytes
         if len(data) != want_len:
             sys.exit("chunk %d: %d bytes, expected %d" % (i, len(data), want_len))
-        if data != expected(i, want_len)[:want_len]:
+        if data != expected(i, want_len):
             sys.exit("chunk %d differs" % i)
     if last_tokens is not None and chunks[-1][2] != last_tokens:
         sys.exit("last chunk: %r tokens, expected %d" % (chunks[-1][2], last_tokens))

@@ -17,14 +17,12 @@ import sys
 
 import kvferry_attach
 import resident
+from pattern import pattern
 
-PERIOD = bytes(range(256)) * 2
 
 
-def pattern(i, length):
-    start = (i * 31) & 0xFF
-    reps = length // 256 + 2
-    return ((PERIOD[start:256] + PERIOD[:start]) * reps)[:length]
+def chunk_bytes(i, length):
+    return pattern(i * 31, length)
 
 
 def staged(c, tag, batch, n):
@@ -62,7 +60,7 @@ def main():
     lens = []
     for i, slot in enumerate(staged(c, tag, batch, n)):
         length = last if i + 1 == n else c.chunk_bytes
-        c.slot(slot)[:length] = pattern(i, length)  # in place, no staging copy
+        c.slot(slot)[:length] = chunk_bytes(i, length)  # in place, no staging copy
         lens.append(length)
     c.submit(tag, batch, keys, lens, last_chunk_toks=toks)
     ev = c.next_event(timeout=30.0)

@@ -22,15 +22,13 @@ import sys
 import time
 
 import kvferry_attach as ka
+from pattern import pattern
 
 UNKNOWN_TAG = 6
-PERIOD = bytes(range(256)) * 2
 
 
-def pattern(q, i, length):
-    start = (q * 7 + i * 31) & 0xFF
-    reps = length // 256 + 2
-    return ((PERIOD[start:256] + PERIOD[:start]) * reps)[:length]
+def chunk_bytes(q, i, length):
+    return pattern(q * 7 + i * 31, length)
 
 
 def chunk_len(q, i, n, chunk_bytes):
@@ -74,7 +72,7 @@ def main():
         if len(chunks) != l.n:
             sys.exit("%s: %d chunks, expected %d" % (rid, len(chunks), l.n))
         for i, desc in enumerate(chunks):
-            want = pattern(l.q, i, chunk_len(l.q, i, l.n, cb))
+            want = chunk_bytes(l.q, i, chunk_len(l.q, i, l.n, cb))
             if bytes(d.chunk(desc)) != want:
                 sys.exit("%s: chunk %d differs at the receiver" % (rid, i))
         d.release(tag)
@@ -134,7 +132,7 @@ def main():
             keys, lens = [], []
             for j, s in enumerate(slots):
                 i = l.written + j
-                data = pattern(l.q, i, chunk_len(l.q, i, l.n, cb))
+                data = chunk_bytes(l.q, i, chunk_len(l.q, i, l.n, cb))
                 w.slot(s)[:len(data)] = data
                 keys.append("%s/%03d" % (req_id(l.q), i))
                 lens.append(len(data))
