@@ -48,7 +48,13 @@
 //!    decoder started elsewhere). Before them, one line says where the
 //!    scheduler puts a thread it wakes ([`wake_placement`]), which decides
 //!    `free`: on the project's VM nearly always on the waker's CPU, so
-//!    every hand-off there is a context switch on one CPU.
+//!    every hand-off there is a context switch on one CPU. All of this
+//!    runs twice: with the daemon's default session (it lingers up to
+//!    250 µs after its last work, then sleeps) and with a session that
+//!    polls for [`RTT_POLL_IDLE`] after its last work
+//!    ([`AttachConfig::poll_idle`], io_uring's `sq_thread_idle`), which a
+//!    round then finds awake; the polling session runs, yielding, through
+//!    the baselines' rounds too.
 //!    Then the prefill worker's round trip ([`prefill_rtt`]): a
 //!    one-chunk request from BEGIN to DONE through a [`PrefillDaemon`]
 //!    against the same request written in process by an identical sender,
@@ -258,12 +264,17 @@ struct Attached {
 }
 
 impl Attached {
-    fn new(rig: &Rig) -> Self {
+    /// Its session polls for `poll_idle` after its last work
+    /// ([`AttachConfig::poll_idle`]; zero: the default, the linger only).
+    fn new(rig: &Rig, poll_idle: Duration) -> Self {
         let dir = std::env::temp_dir().join(unique("kvferry-attach-bench"));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let daemon = DecoderDaemon::start(
             Arc::clone(&rig.receiver),
-            AttachConfig::new(dir.join("attach.sock")),
+            AttachConfig {
+                poll_idle,
+                ..AttachConfig::new(dir.join("attach.sock"))
+            },
         )
         .expect("daemon starts");
         let client = DecoderClient::connect(daemon.socket(), WAIT).expect("attaches");
@@ -283,7 +294,7 @@ impl Drop for Attached {
 
 fn rtt(c: &mut Criterion) {
     let rig = Rig::new();
-    let mut attached = Attached::new(&rig);
+    let mut attached = Attached::new(&rig, Duration::ZERO);
     let client = &mut attached.client;
 
     let mut group = c.benchmark_group("attach_rtt");
@@ -788,15 +799,25 @@ impl RttRounds {
     }
 }
 
+/// The poll idle of [`rtt_interleaved`]'s second pass: longer than the
+/// untimed fill between two timed rounds (a few ms), so its session is
+/// never asleep when a round starts.
+const RTT_POLL_IDLE: Duration = Duration::from_millis(20);
+
 /// Bench 1 again, its paths alternating round by round, then the rings'
 /// floor, in both placements of the client's and the session's threads
-/// (rounds alternating; module docs).
-fn rtt_interleaved() {
+/// (rounds alternating; module docs). The session polls for `poll_idle`
+/// after its last work (zero: the daemon's default); a polling session
+/// also runs, yielding, through the baselines' rounds, which they pay for.
+fn rtt_interleaved(poll_idle: Duration) {
     let rig = Rig::new();
-    let mut attached = Attached::new(&rig);
+    let mut attached = Attached::new(&rig, poll_idle);
     let session = session_thread();
     let fresh = fresh_rounds(&rig, &mut attached.client, session);
-    wake_placement();
+    if poll_idle.is_zero() {
+        // Not beside a polling session, which would take the CPUs.
+        wake_placement();
+    }
     let ticks = cpu_ticks();
     let mut runs: Vec<(Placement, RttRounds)> = [Placement::Free, Placement::CopyApart]
         .into_iter()
@@ -810,10 +831,18 @@ fn rtt_interleaved() {
         }
     }
     place_rtt(Placement::Free, session);
+    let session_mode = if poll_idle.is_zero() {
+        "the session lingering, then asleep (the default)".to_owned()
+    } else {
+        format!(
+            "the session polling for {} ms after its last work (`--attach-poll-idle-us`)",
+            poll_idle.as_millis()
+        )
+    };
     println!(
         "\nattach_rtt interleaved ({RTT_PAIRS} rounds of {RTT_ROUND} requests per path and \
-         placement, {}); `free`: the scheduler's choice, `apart`: the session alone on the \
-         last CPU, the client on the others:",
+         placement, {}; {session_mode}); `free`: the scheduler's choice, `apart`: the session \
+         alone on the last CPU, the client on the others:",
         steal_since(&ticks)
     );
     println!("{fresh}");
@@ -1392,7 +1421,8 @@ fn main() {
     // Only under `cargo bench` (criterion's harness gets `--bench`), not in
     // `cargo test --benches` smoke runs.
     if std::env::args().any(|a| a == "--bench") {
-        rtt_interleaved();
+        rtt_interleaved(Duration::ZERO);
+        rtt_interleaved(RTT_POLL_IDLE);
         prefill_rtt();
         e2e();
     }

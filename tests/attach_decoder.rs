@@ -25,7 +25,9 @@ use kvferry::attach::{AttachConfig, AttachError, DecoderClient, DecoderDaemon, E
 use kvferry::protocol::ErrorCode;
 use kvferry::receiver::Receiver;
 use kvferry::sender::{RequestSpec, Sender, TransferSpec};
-use process::{rerun_alone, sigterm, thread_faults, wait_exit, ChildProc, TempDir};
+use process::{
+    attach_session_states, rerun_alone, sigterm, thread_faults, wait_exit, ChildProc, TempDir,
+};
 
 const ROLE: &str = "KVFERRY_ATTACH_ROLE";
 const SOCK: &str = "KVFERRY_ATTACH_SOCK";
@@ -636,6 +638,37 @@ fn the_receiver_binary_serves_attached_decoders_and_survives_a_killed_one() {
     let st = wait_exit(&mut recv.child, "kvferry receiver after SIGTERM");
     assert!(st.success(), "receiver exit {st}");
     assert!(!dir.sock().exists(), "the socket is removed at exit");
+}
+
+/// `--attach-poll-idle-us` reaches the sessions: well after its client's
+/// last round trip (and past any linger), the session of a receiver
+/// started with a long poll idle is still polling (running or runnable,
+/// `R`, at every look), where one started without it sleeps (`S`).
+#[test]
+fn the_receiver_binarys_sessions_poll_through_their_attach_poll_idle() {
+    for (extra, polls) in [
+        (&[][..], false),
+        (&["--attach-poll-idle-us", "10000000"][..], true),
+    ] {
+        let dir = TempDir::new("kvferry-attach");
+        let shm = dir.0.join("buf");
+        let (recv, _) = spawn_receiver_binary_with(&dir.sock(), &shm, extra, Stdio::inherit());
+        let mut c = connect(&dir.sock());
+        refused_round_trips(&mut c, 4);
+        // Far past the longest linger (250 µs).
+        thread::sleep(Duration::from_millis(50));
+        let states: Vec<Vec<char>> = (0..10)
+            .map(|_| {
+                thread::sleep(Duration::from_millis(5));
+                attach_session_states(recv.child.id())
+            })
+            .collect();
+        let want = if polls { 'R' } else { 'S' };
+        assert!(
+            states.iter().all(|s| s == &[want]),
+            "with {extra:?} the one session's state should read {want} at every look: {states:?}"
+        );
+    }
 }
 
 /// The pattern `clients/python/decoder_check.py` checks: byte `j` of chunk

@@ -179,6 +179,10 @@ fn bad_arguments_exit_2_with_a_message() {
         (&["--chunk-bytes", "4294967296"][..], "chunk-bytes"),
         (&["--lease-ms", "-1"][..], "-1"),
         (&["--metrics", "not-an-address"][..], "metrics"),
+        (
+            &["--attach-poll-idle-us", "10000001"][..],
+            "attach-poll-idle-us",
+        ),
         (&["--no-such-flag"][..], "no-such-flag"),
     ] {
         let (st, err) = status_and_stderr(

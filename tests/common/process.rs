@@ -111,6 +111,26 @@ pub fn attach_sessions(pid: u32) -> usize {
         .unwrap_or(0)
 }
 
+/// The scheduler states (`R` running or runnable, `S` asleep, ...; field
+/// 3 of `/proc/<pid>/task/<tid>/stat`) of the attach session threads that
+/// process `pid` runs now.
+pub fn attach_session_states(pid: u32) -> Vec<char> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .filter_map(Result::ok)
+        .filter(|t| {
+            std::fs::read_to_string(t.path().join("comm"))
+                .is_ok_and(|c| is_attach_session(c.trim()))
+        })
+        .filter_map(|t| {
+            let stat = std::fs::read_to_string(t.path().join("stat")).ok()?;
+            stat[stat.rfind(')')? + 1..].trim_start().chars().next()
+        })
+        .collect()
+}
+
 /// Panics of attach session threads in this test process so far, counted
 /// by a panic hook installed on the first call (it chains to the hook it
 /// replaces). Compare the counts before and after the sessions of a test.

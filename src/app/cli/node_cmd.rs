@@ -13,6 +13,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::Args;
 
@@ -32,8 +33,9 @@ pub struct NodeArgs {
     /// where senders of other processes and hosts (kvferry's or LMCache's)
     /// reach this node's receiver; `--chunk-bytes` sizes the staging slots
     /// too; `--cpus` confines both roles; `--attach-max-clients`,
-    /// `--attach-max-outstanding` and `--attach-keep-dumpable` apply to
-    /// both sockets; `--metrics` serves both roles' metrics.
+    /// `--attach-max-outstanding`, `--attach-keep-dumpable` and
+    /// `--attach-poll-idle-us` apply to both sockets; `--metrics` serves
+    /// both roles' metrics.
     #[command(flatten)]
     pub receiver: ReceiverArgs,
     /// Serve attached prefill workers on this Unix socket (as `kvferry
@@ -108,6 +110,7 @@ pub fn run(a: NodeArgs) -> ExitCode {
     let chunk_bytes = r.chunk_bytes;
     let (max_clients, max_outstanding) = (r.attach_max_clients, r.attach_max_outstanding);
     let keep_dumpable = r.attach_keep_dumpable;
+    let poll_idle = Duration::from_micros(r.attach_poll_idle_us.into());
     let metrics = r.metrics;
     let inproc = inproc_endpoint();
     let receiver = match Served::start(a.receiver, vec![inproc.clone()]) {
@@ -138,6 +141,7 @@ pub fn run(a: NodeArgs) -> ExitCode {
             max_clients: max_clients as usize,
             max_outstanding: max_outstanding as usize,
             keep_dumpable,
+            poll_idle,
             ..AttachConfig::new(&a.prefill_attach)
         },
     );

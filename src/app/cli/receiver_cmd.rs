@@ -161,6 +161,14 @@ pub struct ReceiverArgs {
     /// (docs/attach.md, "Trust"). For debugging only.
     #[arg(long)]
     pub attach_keep_dumpable: bool,
+    /// With --attach: microseconds a session keeps polling its client's
+    /// ring after its last work before it sleeps (io_uring's
+    /// sq_thread_idle; docs/attach.md, "Polling sessions"). A client that
+    /// comes back within it pays no doorbell wake-up; the session keeps a
+    /// CPU busy (yielding) that long after each burst. 0: only the
+    /// adaptive linger (50-250 µs).
+    #[arg(long, default_value_t = 0, value_name = "US", value_parser = clap::value_parser!(u32).range(0..=10_000_000))]
+    pub attach_poll_idle_us: u32,
     #[command(flatten)]
     pub cpus: CpuArgs,
 }
@@ -293,6 +301,7 @@ impl Served {
                     max_clients: a.attach_max_clients as usize,
                     max_outstanding: a.attach_max_outstanding as usize,
                     keep_dumpable: a.attach_keep_dumpable,
+                    poll_idle: Duration::from_micros(a.attach_poll_idle_us.into()),
                     ..AttachConfig::new(path)
                 };
                 match DecoderDaemon::start(Arc::clone(&receiver), cfg) {

@@ -42,6 +42,17 @@ pub struct AttachConfig {
     /// Completion ring entries (default 4096, a power of two); a request
     /// with more chunks than this minus one is refused.
     pub cq_capacity: usize,
+    /// How long a session keeps polling its client's ring after its last
+    /// work before it sleeps (default zero: only the adaptive linger of
+    /// 50–250 µs). io_uring's `sq_thread_idle`: a client that submits
+    /// within this of the session's last work finds it awake and never
+    /// pays a doorbell wake-up (tens of µs on a VM), at the cost of a CPU
+    /// the session keeps busy yielding (`sched_yield` between checks, so
+    /// other threads on that CPU still run) for up to this long after each
+    /// burst. An idle session still sleeps once it has passed. The lease
+    /// and the daemon's stop are seen within 200 µs meanwhile, as for a
+    /// busy session. docs/attach.md, "Polling sessions".
+    pub poll_idle: Duration,
 }
 
 impl AttachConfig {
@@ -54,6 +65,7 @@ impl AttachConfig {
             max_outstanding: 64,
             sq_capacity: 256,
             cq_capacity: 4096,
+            poll_idle: Duration::ZERO,
         }
     }
 }

@@ -196,11 +196,19 @@ impl<S: Plain> Doorbell for Consumer<S> {
 /// SQPOLL-style: after handling work, watches the submission ring and the
 /// role's signals for a moment ([`linger`]) before sleeping, so a client
 /// submitting in a loop finds the session awake and need not ring, and a
-/// request that ends meanwhile is handled at once. Returns true if work is
-/// waiting (poll without sleeping); false once the client was asked to
-/// ring (need-wakeup armed).
-fn linger_on(session: &impl Serve) -> bool {
-    linger(|| submitted(session)) || !session.submissions().arm()
+/// request that ends meanwhile is handled at once. Within `poll_idle` of
+/// `worked` (the last time the session found work; io_uring's
+/// `sq_thread_idle`, [`AttachConfig::poll_idle`]) a linger that found
+/// nothing is followed by another instead of a sleep. Returns true if the
+/// loop goes round again without sleeping (work is waiting, or the session
+/// keeps polling); false once the client was asked to ring (need-wakeup
+/// armed).
+fn linger_on(session: &impl Serve, worked: &mut Instant, poll_idle: Duration) -> bool {
+    if linger(|| submitted(session)) {
+        *worked = Instant::now();
+        return true;
+    }
+    worked.elapsed() < poll_idle || !session.submissions().arm()
 }
 
 /// True if the session has work: submissions, or one of its role's signals.
@@ -212,6 +220,9 @@ fn submitted(session: &impl Serve) -> bool {
 pub(super) fn serve<R>(shared: &DaemonShared<R>, mut sock: UnixStream, session: &mut impl Serve) {
     let mut fds: Vec<libc::pollfd> = Vec::with_capacity(shared.cfg.max_outstanding + 2);
     let mut polled_at = Instant::now();
+    // The last time the session found work (or was woken): its poll idle
+    // counts from here.
+    let mut worked = polled_at;
     let mut step_off = StepOff::default();
     loop {
         fds.clear();
@@ -230,7 +241,7 @@ pub(super) fn serve<R>(shared: &DaemonShared<R>, mut sock: UnixStream, session: 
         let timeout = if retry {
             session.submissions().arm();
             Some(RETRY)
-        } else if linger_on(session) {
+        } else if linger_on(session, &mut worked, shared.cfg.poll_idle) {
             if sharing_cpu() {
                 step_off.shared_spell(&shared.stepped_off);
             }
@@ -250,6 +261,7 @@ pub(super) fn serve<R>(shared: &DaemonShared<R>, mut sock: UnixStream, session: 
         if timeout.is_none() {
             // The sleep after a failed linger: it adapts the next one.
             slept(polled_at - asleep);
+            worked = polled_at;
         }
         session.submissions().disarm();
         if let Err(e) = polled {
@@ -296,6 +308,18 @@ mod tests {
     struct Quiet {
         signalled: bool,
         armed: Cell<bool>,
+        /// Times it was armed (a disarm does not lower this).
+        arms: Cell<u32>,
+    }
+
+    impl Quiet {
+        fn new(signalled: bool) -> Self {
+            Self {
+                signalled,
+                armed: Cell::new(false),
+                arms: Cell::new(0),
+            }
+        }
     }
 
     impl Doorbell for Quiet {
@@ -304,6 +328,7 @@ mod tests {
         }
         fn arm(&self) -> bool {
             self.armed.set(true);
+            self.arms.set(self.arms.get() + 1);
             true
         }
         fn disarm(&self) {
@@ -326,22 +351,47 @@ mod tests {
 
     #[test]
     fn lingering_stops_at_a_role_signal_without_asking_the_client_to_ring() {
-        let s = Quiet {
-            signalled: true,
-            armed: Cell::new(false),
-        };
-        assert!(linger_on(&s), "a signalled role is work to do at once");
+        let s = Quiet::new(true);
+        let mut worked = Instant::now() - Duration::from_secs(1);
+        assert!(
+            linger_on(&s, &mut worked, Duration::ZERO),
+            "a signalled role is work to do at once"
+        );
         assert!(!s.armed.get(), "and need-wakeup stays unarmed");
+        assert!(
+            worked.elapsed() < Duration::from_secs(1),
+            "work found: the idle starts anew"
+        );
     }
 
     #[test]
     fn with_nothing_to_do_lingering_ends_by_arming_need_wakeup() {
-        let s = Quiet {
-            signalled: false,
-            armed: Cell::new(false),
-        };
-        assert!(!linger_on(&s), "nothing to do: the session may sleep");
+        let s = Quiet::new(false);
+        let mut worked = Instant::now();
+        assert!(
+            !linger_on(&s, &mut worked, Duration::ZERO),
+            "nothing to do: the session may sleep"
+        );
         assert!(s.armed.get(), "once the client was asked to ring");
+    }
+
+    #[test]
+    fn a_polling_session_asks_no_ring_until_its_poll_idle_passed() {
+        let s = Quiet::new(false);
+        let idle = Duration::from_secs(3600);
+        let mut worked = Instant::now();
+        assert!(
+            linger_on(&s, &mut worked, idle),
+            "within its poll idle a session that found nothing polls on"
+        );
+        assert!(!s.armed.get(), "without asking the client to ring");
+        // (A second ago, not an hour: the clock may have started since.)
+        let mut worked = Instant::now() - Duration::from_secs(1);
+        assert!(
+            !linger_on(&s, &mut worked, Duration::from_millis(500)),
+            "once the poll idle passed since the last work, it may sleep"
+        );
+        assert!(s.armed.get(), "and asked the client to ring first");
     }
 
     /// A session whose client never stops submitting: `pending` is always
@@ -410,6 +460,61 @@ mod tests {
             std::thread::yield_now();
         }
         (shared, theirs, wakes, rx)
+    }
+
+    /// Serves a [`Quiet`] session with an hour of poll idle (it never
+    /// sleeps in this test's time) in a thread; returns the shared state,
+    /// the client's end and a channel that hears when `serve` returned,
+    /// with whether the session ever asked its client to ring.
+    fn polling() -> (Arc<DaemonShared<()>>, UnixStream, mpsc::Receiver<bool>) {
+        let shared = Arc::new(DaemonShared {
+            role: (),
+            cfg: AttachConfig {
+                poll_idle: Duration::from_secs(3600),
+                ..AttachConfig::new("/nonexistent/polling.sock")
+            },
+            stop: EventFd::new().unwrap(),
+            live: AtomicUsize::new(0),
+            stepped_off: std::sync::atomic::AtomicU64::new(0),
+        });
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let (tx, rx) = mpsc::channel();
+        let s = Arc::clone(&shared);
+        std::thread::spawn(move || {
+            let mut quiet = Quiet::new(false);
+            serve(&s, ours, &mut quiet);
+            let _ = tx.send(quiet.arms.get() > 0);
+        });
+        // Long enough for a session that would sleep to be asleep.
+        std::thread::sleep(Duration::from_millis(20));
+        (shared, theirs, rx)
+    }
+
+    #[test]
+    fn a_polling_session_still_sees_the_daemon_stop() {
+        let (shared, _client, ended) = polling();
+        shared.stop.signal();
+        let armed = ended.recv_timeout(WAIT).expect(
+            "a session polling through its idle did not see the stop (it must poll(2) every BUSY_POLL)",
+        );
+        assert!(
+            !armed,
+            "the session slept: it did not poll through its idle"
+        );
+    }
+
+    #[test]
+    fn a_polling_session_still_sees_its_client_leave() {
+        let (_shared, client, ended) = polling();
+        drop(client);
+        let armed = ended
+            .recv_timeout(WAIT)
+            .expect("a session polling through its idle did not see its socket close (the lease)");
+        assert!(
+            !armed,
+            "the session slept: it did not poll through its idle"
+        );
     }
 
     #[test]
