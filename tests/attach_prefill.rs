@@ -2293,3 +2293,88 @@ fn a_batch_with_a_short_chunk_before_its_last_is_refused() {
     }
     verify_at_receiver(&t.r, &req, 2);
 }
+
+/// A STAGE the sender refuses is answered even when, in the same pass of
+/// the session's pending STAGEs, a later one finds no room on the
+/// completion ring. The session used to collect the refusals and drop
+/// them with the early return at the full ring: that worker never heard
+/// of its STAGE. The sleeps only let the session reach each state (a slow
+/// machine may miss the full-ring pass, and then the test proves less,
+/// never fails wrongly).
+#[test]
+fn a_refused_stage_is_answered_even_when_the_completion_ring_is_full() {
+    use kvferry::attach::layout::OP_STAGE;
+    let dir = TempDir::new("kvferry-prefill");
+    let r = Arc::new(receiver(64));
+    // 8 staging slots in 2 shares: 4 slots per worker.
+    let s = Arc::new(sender(SenderConfig {
+        staging_shares: 2,
+        ..sender_cfg(8, None)
+    }));
+    let d = PrefillDaemon::start(
+        Arc::clone(&s),
+        vec![r.endpoint().to_owned()],
+        AttachConfig {
+            cq_capacity: 8,
+            ..AttachConfig::new(dir.sock())
+        },
+    )
+    .expect("daemon starts");
+    let mut c = PrefillClient::connect(d.socket(), WAIT).unwrap();
+    assert_eq!(c.hello().slots, 4);
+    let tag = c.begin(&unique("lost-refusal"), 0, 8).unwrap();
+    // Admitted: one slot staged and held (3 of the share's 4 free).
+    c.stage(tag, 1).unwrap();
+    match c.next_event(deadline()).unwrap() {
+        PrefillEvent::Staged(_) => {}
+        other => panic!("expected STAGED, got {other:?}"),
+    }
+    // 9 unknown ops: 8 REFUSED fill the 8-entry completion ring, the 9th
+    // waits in the session's outbox.
+    for _ in 0..9 {
+        c.submit_raw(PrefillSubmit::of(99, 7, 0, 0, 0)).unwrap();
+    }
+    thread::sleep(Duration::from_millis(300));
+    // Queued behind the outbox: a STAGE of 5 slots (past the share's 4,
+    // refused by the sender), then one of 3 (which the share has).
+    c.submit_raw(PrefillSubmit::of(OP_STAGE, tag, 1002, 5, 0))
+        .unwrap();
+    c.stage(tag, 3).unwrap();
+    thread::sleep(Duration::from_millis(300));
+    // Room for 3 entries only: the session's next retry moves its waiting
+    // REFUSED over, then meets the refused STAGE and the one that needs 4
+    // entries, in one pass.
+    let (mut bad_ops, mut refused_stage, mut staged) = (0, 0, 0);
+    for _ in 0..3 {
+        match c.next_event(deadline()).unwrap() {
+            PrefillEvent::Refused {
+                reason: Some(Refusal::BadOp),
+                ..
+            } => bad_ops += 1,
+            other => panic!("expected REFUSED (bad op), got {other:?}"),
+        }
+    }
+    thread::sleep(Duration::from_millis(300));
+    let end = deadline();
+    while (bad_ops, refused_stage, staged) != (9, 1, 1) {
+        let what = format!(
+            "every answer (bad ops {bad_ops} of 9, refused STAGE {refused_stage} of 1, \
+             STAGED {staged} of 1): a refusal dropped at the full ring?"
+        );
+        match c.next_event(end).unwrap_or_else(|e| panic!("{what}: {e}")) {
+            PrefillEvent::Refused {
+                tag: t,
+                reason: Some(Refusal::SenderRefused),
+            } if t == tag => refused_stage += 1,
+            PrefillEvent::Refused {
+                reason: Some(Refusal::BadOp),
+                ..
+            } => bad_ops += 1,
+            PrefillEvent::Staged(b) => {
+                assert_eq!(b.len(), 3, "the STAGE of 3");
+                staged += 1;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}

@@ -356,16 +356,18 @@ impl Session {
             return;
         }
         let mut refused: Vec<(u64, StoreError)> = Vec::new();
-        for (tag, r) in self.tags.iter_mut() {
+        'tags: for (tag, r) in self.tags.iter_mut() {
             while let Some(&(id, n)) = r.pending.first() {
                 match r.request.try_stage_in(&self.share, n as usize) {
                     Ok(batch) => {
                         // A reservation publishes even when dropped, so it
                         // is only taken once the batch exists; without room
-                        // the batch goes back and is retried.
+                        // the batch goes back and is retried. The refusals
+                        // already taken off `pending` are still answered
+                        // (below), into the outbox.
                         let Some(mut entries) = self.cq.ring.reserve(n as usize + 1) else {
                             self.ring_full = true;
-                            return;
+                            break 'tags;
                         };
                         let mut staged = DecoderEvent::of(EV_STAGED, *tag, 0);
                         staged.a = id;
