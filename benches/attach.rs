@@ -87,7 +87,8 @@
 //!    receiver --attach` and `kvferry sender --attach` (ZMQ over loopback
 //!    TCP between them), and `node`, one `kvferry node` serving both roles
 //!    (ZMQ `inproc://` between them; docs/attach.md, "One process for both
-//!    roles").
+//!    roles"). `KVFERRY_ATTACH_E2E_POLL_IDLE_US=N` starts the daemons
+//!    with `--attach-poll-idle-us N` (polling sessions).
 
 use std::hint::black_box;
 use std::io::{BufRead, BufReader};
@@ -1137,6 +1138,13 @@ fn e2e_slots() -> usize {
     env_count("KVFERRY_ATTACH_E2E_SLOTS").unwrap_or(E2E_SLOTS)
 }
 
+/// The daemons' `--attach-poll-idle-us` in the end-to-end runs
+/// (`KVFERRY_ATTACH_E2E_POLL_IDLE_US`; default: not given, the daemons'
+/// default of 0), to see what polling sessions cost or bring there.
+fn e2e_poll_idle_us() -> Option<usize> {
+    env_count("KVFERRY_ATTACH_E2E_POLL_IDLE_US")
+}
+
 /// A positive count from the environment variable `var`, if set.
 fn env_count(var: &str) -> Option<usize> {
     std::env::var(var)
@@ -1260,6 +1268,9 @@ fn python_e2e(mode: &str, daemons: Daemons, placement: E2ePlacement, dir: &Path)
     // One worker: its share is all of staging (the default splits staging
     // among --attach-max-clients workers).
     let staging_args = ["--staging-slots", &slots, "--attach-shares", "1"];
+    let poll_args: Vec<String> = e2e_poll_idle_us()
+        .map(|us| vec!["--attach-poll-idle-us".to_owned(), us.to_string()])
+        .unwrap_or_default();
     let mut daemon_procs = Vec::new();
     match daemons {
         Daemons::Two => {
@@ -1268,7 +1279,8 @@ fn python_e2e(mode: &str, daemons: Daemons, placement: E2ePlacement, dir: &Path)
                     .arg("receiver")
                     .args(receiver_args)
                     .args(&daemon_cpus)
-                    .args(&spare_cpu),
+                    .args(&spare_cpu)
+                    .args(&poll_args),
             );
             let endpoint = recv.line("kvferry receiver listening on ", "kvferry receiver");
             recv.line("kvferry receiver attach on ", "kvferry receiver");
@@ -1278,7 +1290,8 @@ fn python_e2e(mode: &str, daemons: Daemons, placement: E2ePlacement, dir: &Path)
                     .args(staging_args)
                     .args(["--attach", ssock.to_str().expect("utf-8 path")])
                     .args(&daemon_cpus)
-                    .args(&copy_cpu),
+                    .args(&copy_cpu)
+                    .args(&poll_args),
             );
             send.line("kvferry sender attach on ", "kvferry sender");
             daemon_procs.extend([send, recv]);
@@ -1291,7 +1304,8 @@ fn python_e2e(mode: &str, daemons: Daemons, placement: E2ePlacement, dir: &Path)
                     .args(staging_args)
                     .args(["--prefill-attach", ssock.to_str().expect("utf-8 path")])
                     .args(&daemon_cpus)
-                    .args(&copy_cpu),
+                    .args(&copy_cpu)
+                    .args(&poll_args),
             );
             node.line("kvferry node prefill attach on ", "kvferry node");
             daemon_procs.push(node);
