@@ -1824,3 +1824,61 @@ fn concurrent_random_decoders_never_share_nor_lose_a_delivery() {
     writer.deliver_the_rest(&dir.sock(), &mut delivered, |_| true);
     wait_for("the receive buffer to empty", || allocated(&r) == 0);
 }
+
+/// Another process of the user replaces the receive buffer's name (in
+/// `/dev/shm`, `0600`) with a FIFO. The daemon used to open the buffer by
+/// path for every attachment, on its one accept thread, which then
+/// blocked in `open(2)` for a writer: no decoder could attach any more,
+/// and the daemon's drop waited out its join deadline. It now hands out a
+/// descriptor opened once, at start, through its own descriptor of the
+/// mapped file, so the name no longer matters.
+#[test]
+fn a_receive_buffer_name_replaced_by_a_fifo_does_not_wedge_the_accept_thread() {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    let dir = TempDir::new("kvferry-attach");
+    let r = Arc::new(receiver(4));
+    let d = daemon(&r, &dir.sock(), |_| {});
+    // A sender of the shm transport maps the buffer by its name, at its
+    // first request: before the name goes.
+    let s = sender(sender_cfg(4, None));
+    let mut first = connect(&dir.sock());
+    first.subscribe("before-fifo").unwrap();
+    store(&s, r.endpoint(), "before-fifo", 1, 10);
+    match next(&mut first, "before-fifo") {
+        Event::Ready(dl) => first.release(dl).unwrap(),
+        other => panic!("expected READY, got {other:?}"),
+    }
+    let path = r.region().file_path().expect("a named buffer").to_owned();
+    std::fs::remove_file(&path).unwrap();
+    let fifo = CString::new(path.as_os_str().as_bytes()).unwrap();
+    // SAFETY: a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0, "mkfifo");
+    let attached = DecoderClient::connect(d.socket(), Duration::from_secs(10));
+    // Whatever happened, unwedge an accept thread blocked on the FIFO (a
+    // writer's open ends its open) so the process ends clean.
+    // SAFETY: a NUL-terminated path; the descriptor is closed at once.
+    let w = unsafe { libc::open(fifo.as_ptr(), libc::O_WRONLY | libc::O_NONBLOCK) };
+    let wedged = w >= 0;
+    if w >= 0 {
+        // SAFETY: our descriptor.
+        unsafe { libc::close(w) };
+    }
+    let _ = std::fs::remove_file(&path);
+    assert!(
+        !wedged && attached.is_ok(),
+        "the accept thread opened the buffer by its name, now a FIFO, and blocked there \
+         (attach: {attached:?})"
+    );
+    // The attached decoder maps the real buffer: a request's bytes arrive.
+    let mut c = attached.unwrap();
+    c.subscribe("after-fifo").unwrap();
+    store(&s, r.endpoint(), "after-fifo", 2, 99);
+    match next(&mut c, "after-fifo") {
+        Event::Ready(dl) => {
+            verify(&c, &dl, 2, 99);
+            c.release(dl).unwrap();
+        }
+        other => panic!("expected READY, got {other:?}"),
+    }
+}

@@ -205,12 +205,15 @@ impl RecvBuffer {
 /// What backs a region's slots.
 enum Backing {
     /// A mapped file; `remove` when kvferry created it (removed on drop).
-    /// `file` keeps a caller's descriptor open (its `/proc/<pid>/fd` path).
+    /// `file` stays open while the region lives: it keeps a caller's
+    /// descriptor (its `/proc/<pid>/fd` path) and the creator's lock
+    /// valid, and names the mapped file whatever its path holds later
+    /// ([`Region::reopen_read_only`]).
     File {
         _map: MmapMut,
         path: PathBuf,
         remove: bool,
-        _file: Option<File>,
+        file: File,
     },
     /// Caller memory ([`RecvBuffer::from_raw`]); never freed here.
     Caller,
@@ -330,7 +333,7 @@ impl Region {
                 path: path.to_owned(),
                 remove: true,
                 // Holds the creator's lock (see `stale`) while the region lives.
-                _file: Some(file),
+                file,
             },
             chunk_bytes,
             capacity_chunks,
@@ -375,7 +378,7 @@ impl Region {
                         _map: map,
                         path,
                         remove: false,
-                        _file: Some(file),
+                        file,
                     },
                     chunk_bytes,
                     capacity_chunks,
@@ -482,7 +485,7 @@ impl Region {
                 _map: map,
                 path: path.to_owned(),
                 remove: false,
-                _file: None,
+                file,
             },
             chunk_bytes,
             capacity_chunks,
@@ -511,6 +514,21 @@ impl Region {
     pub fn file_path(&self) -> Option<&Path> {
         match &self.backing {
             Backing::File { path, .. } => Some(path),
+            Backing::Caller => None,
+        }
+    }
+
+    /// A new read-only descriptor of the file mapped here, opened through
+    /// this process's own descriptor of it (`/proc/self/fd/N`), so it is
+    /// that very file whatever its path holds now (another process of the
+    /// user may have replaced the name, with a FIFO or another file);
+    /// `None` for caller memory at a pointer, which has no file.
+    pub fn reopen_read_only(&self) -> Option<std::io::Result<File>> {
+        match &self.backing {
+            Backing::File { file, .. } => Some(File::open(format!(
+                "/proc/self/fd/{}",
+                std::os::fd::AsRawFd::as_raw_fd(file)
+            ))),
             Backing::Caller => None,
         }
     }

@@ -33,6 +33,9 @@ use crate::region::DATA_OFFSET;
 /// The decoder role's daemon state.
 pub(super) struct Decoders {
     receiver: Arc<Receiver>,
+    /// A read-only descriptor of the receive buffer (every client gets a
+    /// copy of it in its hello).
+    buffer: std::fs::File,
     /// `req_id`s subscribed by any client or delivered to a wildcard (one
     /// subscriber per request), at most `max_clients * max_outstanding`
     /// entries.
@@ -61,9 +64,21 @@ pub struct DecoderDaemon(Daemon<Decoders>);
 
 impl DecoderDaemon {
     /// Makes the process non-dumpable (unless [`AttachConfig::keep_dumpable`]),
-    /// binds `cfg.socket` (mode 0600) and starts the accept thread.
+    /// binds `cfg.socket` (mode 0600) and starts the accept thread. An
+    /// error if the receiver's buffer is caller memory at a pointer (no
+    /// file a client could map).
     pub fn start(receiver: Arc<Receiver>, cfg: AttachConfig) -> io::Result<Self> {
+        // The client gets a read-only descriptor of the receive buffer: it
+        // cannot map it writable. Opened once, here, through the
+        // receiver's own descriptor: the buffer keeps its name (senders of
+        // the shm transport open it by path, docs/attach.md "Trust"), and
+        // another process of the user may replace that name, with a FIFO
+        // that would block an open on the accept thread, or another file.
+        let buffer = receiver.region().reopen_read_only().ok_or_else(|| {
+            io::Error::other("attach: the receive buffer is caller memory without a file")
+        })??;
         let role = Decoders {
+            buffer,
             receiver,
             subscribed: Mutex::new(HashSet::new()),
             wild: Mutex::new(Wild::default()),
@@ -107,20 +122,18 @@ impl Role for Decoders {
         sock: &UnixStream,
     ) -> io::Result<Session> {
         let region = shared.role.receiver.region();
-        // The client gets a read-only descriptor of the receive buffer: it
-        // cannot map it writable. Opened anew by path: the receiver's own
-        // descriptor is read-write. (The buffer keeps its name: senders of
-        // the shm transport open it by path, docs/attach.md "Trust".)
-        let buffer = std::fs::File::open(region.file_path().ok_or_else(|| {
-            io::Error::other("attach: the receive buffer is caller memory without a file")
-        })?)?;
         let mut hello = Hello::refusal(STATUS_OK);
         hello.role = ROLE_DECODER;
         hello.slots = region.capacity_chunks();
         hello.chunk_bytes = region.chunk_bytes();
         hello.data_offset = DATA_OFFSET;
-        let rings =
-            open_rings::<DecoderSubmit, DecoderEvent, _>(shared, id, sock, hello, buffer.as_fd())?;
+        let rings = open_rings::<DecoderSubmit, DecoderEvent, _>(
+            shared,
+            id,
+            sock,
+            hello,
+            shared.role.buffer.as_fd(),
+        )?;
         let sq_cap = rings.sq.capacity();
         Ok(Session {
             id,
