@@ -67,8 +67,9 @@
 //!    transport moves them into `kvferry receiver --attach`, a Python
 //!    decoder reads them in place and releases them; payload bytes per
 //!    second vs a single-thread memcpy of the same bytes (chunk by chunk,
-//!    between two buffers of the receive buffer's size) timed right before
-//!    and after. The receive buffer's file is at the receiver's default
+//!    between two page-aligned buffers of the receive buffer's size, as
+//!    the engine's slots are: [`page_aligned`]) timed right before and
+//!    after. The receive buffer's file is at the receiver's default
 //!    place ([`default_region_path`]: `/dev/shm` if there is one). Both of
 //!    the script's modes: `stamp` (the bytes move once, in the daemon's
 //!    transport) and `full` (Python also writes every byte into staging and
@@ -90,6 +91,8 @@
 //!    roles"). `KVFERRY_ATTACH_E2E_POLL_IDLE_US=N` starts the daemons
 //!    with `--attach-poll-idle-us N` (polling sessions).
 
+mod common;
+
 use std::hint::black_box;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -98,6 +101,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
+use common::page_aligned;
 use criterion::{criterion_group, Criterion, Throughput};
 use kvferry::attach::{
     AttachConfig, DecoderClient, DecoderDaemon, Event, PrefillClient, PrefillDaemon, PrefillEvent,
@@ -1203,8 +1207,8 @@ impl Drop for Proc {
 }
 
 /// GiB/s of a single-thread memcpy of `bytes` in `chunk`-sized copies
-/// from `src` to `dst` (each the receive buffer's size, already touched,
-/// so no page fault is timed), after one untimed pass.
+/// from `src` to `dst` (each the receive buffer's size, page-aligned and
+/// already touched, so no page fault is timed), after one untimed pass.
 fn memcpy_gibs(src: &[u8], dst: &mut [u8], bytes: usize, chunk: usize) -> f64 {
     let pass = |dst: &mut [u8]| {
         for (d, s) in dst.chunks_mut(chunk).zip(src.chunks(chunk)) {
@@ -1383,8 +1387,8 @@ fn e2e() {
             None => "none (one CPU: nothing to set apart)".to_owned(),
         }
     );
-    let src = vec![0x33u8; window];
-    let mut dst = vec![0x44u8; window];
+    let src = page_aligned(window, 0x33);
+    let mut dst = page_aligned(window, 0x44);
     let mut ratios = Vec::new();
     for mode in ["stamp", "full"] {
         for _ in 0..3 {

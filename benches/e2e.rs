@@ -32,6 +32,8 @@
 //!    ctrl/poll, copy engine, receiver ctrl, ZMQ I/O), next to a memcpy of the
 //!    same 2 GiB, with a per-thread breakdown from `/proc/self/task`.
 
+mod common;
+
 use std::collections::{HashMap, VecDeque};
 use std::hint::black_box;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -39,6 +41,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use common::page_aligned;
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
 use kvferry::protocol::{decode, encode, AllocRequest, AllocResponse, Message};
 use kvferry::receiver::bounds::Bounds;
@@ -351,19 +354,6 @@ impl E2e {
     }
 }
 
-/// A zeroed, page-aligned buffer of `len` bytes, touched (no page fault is
-/// timed). Every buffer the engine copies between is page-aligned (staging,
-/// the receive buffer, registered memory), so the baseline's are too: a
-/// `Vec` of this size starts 16 bytes into its first page, and glibc's
-/// `rep movsb` copy runs ~3.5× slower between a page-aligned source and
-/// such a destination (1.8 vs 6.4 GiB/s on this VM, 2026-12-01), which made
-/// the baseline, not the engine, the slow side of every ratio here.
-fn page_aligned(len: usize) -> memmap2::MmapMut {
-    let mut m = memmap2::MmapMut::map_anon(len).expect("bench: baseline buffer mapping");
-    m.fill(0);
-    m
-}
-
 /// The baseline: one thread copying the same chunks into a destination of
 /// the same size.
 fn memcpy_chunks(src: &[u8], dst: &mut [u8], chunk: usize) {
@@ -376,7 +366,7 @@ fn memcpy_chunks(src: &[u8], dst: &mut [u8], chunk: usize) {
 fn bench_e2e(c: &mut Criterion) {
     for chunk in CHUNK_SIZES {
         let e = E2e::new(chunk);
-        let mut dst = page_aligned(BYTES_PER_ITER);
+        let mut dst = page_aligned(BYTES_PER_ITER, 0);
         let mut group = c.benchmark_group(format!("e2e_shm/{}KiB", chunk >> 10));
         group.throughput(Throughput::Bytes(BYTES_PER_ITER as u64));
         group.sample_size(10);
@@ -385,7 +375,7 @@ fn bench_e2e(c: &mut Criterion) {
         });
         // The fewest copies the shm design needs (caller → staging, staging →
         // receive buffer), for context.
-        let mut mid = page_aligned(BYTES_PER_ITER);
+        let mut mid = page_aligned(BYTES_PER_ITER, 0);
         group.bench_function(BenchmarkId::new("memcpy_twice", "1 thread"), |b| {
             b.iter(|| {
                 memcpy_chunks(&e.src, &mut mid, chunk);
@@ -749,11 +739,11 @@ fn cpu_per_gib() {
         );
     };
     {
-        let mut src = page_aligned(BYTES_PER_ITER);
+        let mut src = page_aligned(BYTES_PER_ITER, 0);
         for (i, b) in src.iter_mut().enumerate() {
             *b = (i * 31 % 251) as u8;
         }
-        let mut dst = page_aligned(BYTES_PER_ITER);
+        let mut dst = page_aligned(BYTES_PER_ITER, 0);
         memcpy_chunks(&src, &mut dst, 256 << 10);
         let (c0, t0) = (process_cpu(), Instant::now());
         for _ in 0..CPU_BYTES / BYTES_PER_ITER {
