@@ -101,7 +101,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use common::page_aligned;
+use common::{memcpy_chunks, page_aligned};
 use criterion::{criterion_group, Criterion, Throughput};
 use kvferry::attach::{
     AttachConfig, DecoderClient, DecoderDaemon, Event, PrefillClient, PrefillDaemon, PrefillEvent,
@@ -1210,17 +1210,11 @@ impl Drop for Proc {
 /// from `src` to `dst` (each the receive buffer's size, page-aligned and
 /// already touched, so no page fault is timed), after one untimed pass.
 fn memcpy_gibs(src: &[u8], dst: &mut [u8], bytes: usize, chunk: usize) -> f64 {
-    let pass = |dst: &mut [u8]| {
-        for (d, s) in dst.chunks_mut(chunk).zip(src.chunks(chunk)) {
-            d.copy_from_slice(s);
-        }
-        black_box(dst.as_ptr());
-    };
-    pass(dst);
+    memcpy_chunks(src, dst, chunk);
     let t = Instant::now();
     let mut moved = 0;
     while moved < bytes {
-        pass(dst);
+        memcpy_chunks(src, dst, chunk);
         moved += src.len();
     }
     moved as f64 / t.elapsed().as_secs_f64() / f64::from(1u32 << 30)

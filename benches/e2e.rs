@@ -41,7 +41,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use common::page_aligned;
+use common::{memcpy_chunks, page_aligned};
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
 use kvferry::protocol::{decode, encode, AllocRequest, AllocResponse, Message};
 use kvferry::receiver::bounds::Bounds;
@@ -130,10 +130,7 @@ impl E2e {
             ..SenderConfig::default()
         })
         .expect("bench: sender starts");
-        let mut src = memmap2::MmapMut::map_anon(BYTES_PER_ITER).expect("bench: source mapping");
-        for (i, b) in src.iter_mut().enumerate() {
-            *b = (i * 31 % 251) as u8;
-        }
+        let src = patterned(BYTES_PER_ITER);
         // SAFETY: `src` lives in the same struct as `sender` and is declared
         // after it, so it is dropped after the sender (which stops every
         // transport read); it is never written after this point.
@@ -354,13 +351,14 @@ impl E2e {
     }
 }
 
-/// The baseline: one thread copying the same chunks into a destination of
-/// the same size.
-fn memcpy_chunks(src: &[u8], dst: &mut [u8], chunk: usize) {
-    for (s, d) in src.chunks(chunk).zip(dst.chunks_mut(chunk)) {
-        d.copy_from_slice(s);
+/// A [`page_aligned`] buffer of `len` bytes holding the bench's source
+/// pattern (byte `i` is `i * 31 % 251`: no page alike, none zero-filled).
+fn patterned(len: usize) -> memmap2::MmapMut {
+    let mut m = page_aligned(len, 0);
+    for (i, b) in m.iter_mut().enumerate() {
+        *b = (i * 31 % 251) as u8;
     }
-    black_box(dst.as_ptr());
+    m
 }
 
 fn bench_e2e(c: &mut Criterion) {
@@ -739,10 +737,7 @@ fn cpu_per_gib() {
         );
     };
     {
-        let mut src = page_aligned(BYTES_PER_ITER, 0);
-        for (i, b) in src.iter_mut().enumerate() {
-            *b = (i * 31 % 251) as u8;
-        }
+        let src = patterned(BYTES_PER_ITER);
         let mut dst = page_aligned(BYTES_PER_ITER, 0);
         memcpy_chunks(&src, &mut dst, 256 << 10);
         let (c0, t0) = (process_cpu(), Instant::now());

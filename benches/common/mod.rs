@@ -1,6 +1,8 @@
 //! What more than one bench needs (not a bench target itself: Cargo
 //! discovers only `benches/*.rs` and `benches/*/main.rs`).
 
+use std::hint::black_box;
+
 /// A page-aligned buffer of `len` bytes filled with `byte`, touched (no
 /// page fault is timed). Every buffer the engine copies between is
 /// page-aligned (staging, the receive buffer, registered memory), so a
@@ -14,4 +16,14 @@ pub fn page_aligned(len: usize, byte: u8) -> memmap2::MmapMut {
     let mut m = memmap2::MmapMut::map_anon(len).expect("bench: baseline buffer mapping");
     m.fill(byte);
     m
+}
+
+/// The memcpy baseline: one thread copying `src` into `dst` in
+/// `chunk`-sized copies, one per chunk as the engine's copy engine does
+/// (up to the shorter of the two).
+pub fn memcpy_chunks(src: &[u8], dst: &mut [u8], chunk: usize) {
+    for (s, d) in src.chunks(chunk).zip(dst.chunks_mut(chunk)) {
+        d.copy_from_slice(s);
+    }
+    black_box(dst.as_ptr());
 }
