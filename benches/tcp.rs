@@ -7,12 +7,15 @@
 //! Run briefly on a shared machine:
 //! `cargo bench --bench tcp -- --warm-up-time 1 --measurement-time 2`
 
+mod common;
+
 use std::hint::black_box;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::page_aligned;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvferry::protocol::{
     decode, encode, AllocRequest, Descriptor, Hello, Message, PROTOCOL_VERSION,
@@ -76,7 +79,8 @@ fn plain_peer() -> SocketAddr {
     std::thread::spawn(move || {
         let Ok((mut s, _)) = l.accept() else { return };
         let _ = s.set_nodelay(true);
-        let mut buf = vec![0u8; 256 << 10];
+        // Page-aligned, as the receiver's buffer is (`page_aligned`).
+        let mut buf = page_aligned(256 << 10, 0);
         loop {
             let mut left = BYTES_PER_ITER as usize;
             while left > 0 {

@@ -1,6 +1,8 @@
 //! What more than one bench needs (not a bench target itself: Cargo
 //! discovers only `benches/*.rs` and `benches/*/main.rs`).
 
+#![allow(dead_code)] // each bench uses its own subset
+
 use std::hint::black_box;
 
 /// A page-aligned buffer of `len` bytes filled with `byte`, touched (no
