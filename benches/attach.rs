@@ -78,8 +78,10 @@
 //!    (`--copy-cpu none`, the receiver's `--spare-cpu none`); `auto`, the
 //!    daemons' default (`--copy-cpu auto`: the copy engine alone on the
 //!    last CPU, the daemon's other threads on the others; the receiver's
-//!    `--spare-cpu auto`: its threads on the others too), the clients left
-//!    to the scheduler: what a user gets without placing anything; and
+//!    `--spare-cpu auto`: its threads on the others too), the clients
+//!    started on every CPU, each keeping off the CPU the hello names
+//!    (since 2026-12-07 (4); before, left to the scheduler): what a user
+//!    gets without placing anything; and
 //!    `apart`, the copy engine alone on the last CPU (`kvferry sender
 //!    --copy-cpu`) and every other thread of the four processes on the
 //!    others (the daemons' `--cpus`, the clients started there), which
@@ -410,8 +412,9 @@ enum E2ePlacement {
     /// What a user gets without placing anything: the daemons' default
     /// (`--copy-cpu auto`: the copy engine alone on the last CPU, the
     /// daemon's other threads on the others; `--spare-cpu auto`: the
-    /// receiver's on the others too), the Python clients left to the
-    /// scheduler.
+    /// receiver's on the others too), the Python clients started on every
+    /// CPU, each keeping its thread off the CPU the hello names (the
+    /// clients' default, docs/attach.md, "Placing the threads").
     Auto,
     /// Every thread placed: the copy engine alone on the last CPU
     /// (`--copy-cpu`), every other thread of the four processes on the
@@ -1373,7 +1376,7 @@ fn e2e() {
                 "`none` (the scheduler's choice: --copy-cpu none, --spare-cpu none), `auto` \
                  (the daemons' default, --copy-cpu auto and --spare-cpu auto: the copy engine \
                  alone on CPU {copy}, the daemons' other threads on CPUs {rest}; the clients \
-                 the scheduler's choice) and `apart` \
+                 started on every CPU, keeping off CPU {copy} by themselves) and `apart` \
                  (--copy-cpu {copy}; every other thread of the processes on CPUs {rest}: the \
                  daemons' --cpus, the clients started there); runs alternating",
                 rest = cpu_list(rest)

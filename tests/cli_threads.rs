@@ -97,6 +97,14 @@ fn assert_copy_engine_apart(threads: &Threads, copy: &[usize], rest: &[usize]) {
     }
 }
 
+/// Runs `attach` on a thread of its own and returns its client: a client
+/// takes the daemon's copy-engine CPU out of the set of the thread that
+/// attaches (docs/attach.md, "Placing the threads"), and the daemons a
+/// test spawns after must still start with every CPU, as from a shell.
+fn attach_apart<T: Send>(attach: impl FnOnce() -> T + Send) -> T {
+    std::thread::scope(|s| s.spawn(attach).join().expect("the attaching thread"))
+}
+
 /// Spawns the daemon `args` name and returns it with every stdout line up
 /// to and including the one containing `announce`.
 fn spawn_lines(args: &[String], announce: &str) -> (ChildProc, Vec<String>) {
@@ -164,7 +172,8 @@ fn daemon_placements(extra: &[&str]) -> [(Threads, Vec<String>); 2] {
         extra,
     ]);
     let (mut send, mut send_lines) = spawn_lines(&sender_args, "kvferry sender attach on ");
-    let worker = PrefillClient::connect(&send_sock, WAIT).expect("a worker attaches");
+    let worker =
+        attach_apart(|| PrefillClient::connect(&send_sock, WAIT).expect("a worker attaches"));
     let sender = placements_with_sessions(send.child.id(), 1);
     drop(worker);
     send_lines.extend(terminate(&mut send, "the sender"));
@@ -184,8 +193,12 @@ fn daemon_placements(extra: &[&str]) -> [(Threads, Vec<String>); 2] {
         extra,
     ]);
     let (mut node, mut node_lines) = spawn_lines(&node_args, "kvferry node prefill attach on ");
-    let decoder = DecoderClient::connect(&dec_sock, WAIT).expect("a decoder attaches");
-    let worker = PrefillClient::connect(&work_sock, WAIT).expect("a worker attaches");
+    let (decoder, worker) = attach_apart(|| {
+        (
+            DecoderClient::connect(&dec_sock, WAIT).expect("a decoder attaches"),
+            PrefillClient::connect(&work_sock, WAIT).expect("a worker attaches"),
+        )
+    });
     let placed = placements_with_sessions(node.child.id(), 2);
     drop((decoder, worker));
     node_lines.extend(terminate(&mut node, "the node"));
@@ -302,7 +315,8 @@ fn receiver_placement(attach: bool, extra: &[&str]) -> (Threads, Vec<String>) {
         "kvferry receiver listening on "
     };
     let (mut recv, mut lines) = spawn_lines(&args, announce);
-    let decoder = attach.then(|| DecoderClient::connect(&sock, WAIT).expect("a decoder attaches"));
+    let decoder = attach
+        .then(|| attach_apart(|| DecoderClient::connect(&sock, WAIT).expect("a decoder attaches")));
     let threads = placements_with_sessions(recv.child.id(), usize::from(attach));
     assert!(threads.len() > 3, "{threads:?}");
     drop(decoder);
@@ -387,6 +401,151 @@ fn every_receiver_thread_runs_on_cpus_a_decoders_session_included() {
         assert_eq!(on, &vec![cpu], "thread {name}: {threads:?}");
     }
     assert_eq!(spare_lines(&lines), Vec::<&String>::new());
+}
+
+/// The calling thread's CPUs, from `/proc/thread-self/status`.
+fn my_cpus() -> Vec<usize> {
+    let status = std::fs::read_to_string("/proc/thread-self/status").expect("own status");
+    parse_list(&field(&status, "Cpus_allowed_list:").expect("Cpus_allowed_list"))
+}
+
+/// `kvferry node` with `extra` options, its decoder and worker sockets
+/// (stopped by [`terminate`]).
+fn node_with(dir: &TempDir, extra: &[&str]) -> (ChildProc, String, String) {
+    let path = |name: &str| dir.0.join(name).to_str().unwrap().to_owned();
+    let (dec_sock, work_sock) = (path("dec.sock"), path("work.sock"));
+    let args = args_of(&[
+        &["node"],
+        &RECEIVER,
+        &[
+            "--staging-slots",
+            "8",
+            "--attach",
+            &dec_sock,
+            "--prefill-attach",
+            &work_sock,
+            "--shm-path",
+            &path("buf"),
+        ],
+        extra,
+    ]);
+    let (node, _) = spawn_lines(&args, "kvferry node prefill attach on ");
+    (node, dec_sock, work_sock)
+}
+
+/// What `clients/python/placement_check.py` says after attaching to both
+/// sockets, with `KVFERRY_ATTACH_KEEP_AFFINITY` set to `keep` if given:
+/// the decoder's and the worker's `kept_off_cpu` and the thread's CPUs.
+fn python_placement(dec_sock: &str, work_sock: &str, keep: Option<&str>) -> String {
+    let py = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/python");
+    let mut cmd = Command::new("python3");
+    cmd.arg(py.join("placement_check.py"))
+        .args([dec_sock, work_sock])
+        .env("PYTHONPATH", &py)
+        .env_remove(kvferry::attach::KEEP_AFFINITY_ENV)
+        .stdin(Stdio::null());
+    if let Some(v) = keep {
+        cmd.env(kvferry::attach::KEEP_AFFINITY_ENV, v);
+    }
+    let mut child = ChildProc::spawn(&mut cmd);
+    let line = child.expect_line("PLACED ");
+    child.wait_success("clients/python/placement_check.py");
+    line["PLACED ".len()..].to_owned()
+}
+
+/// A daemon that keeps a CPU for a copy engine (by default a node, a
+/// sender and a receiver serving attached clients all do) names it in the
+/// hello, and a client takes it out of the set of the thread that
+/// attached: the Rust and the Python clients alike, unless
+/// `KVFERRY_ATTACH_KEEP_AFFINITY` is set, the thread may run there only,
+/// or the daemon keeps no CPU (`--copy-cpu none`).
+#[test]
+fn a_client_keeps_the_thread_that_attaches_off_the_daemons_copy_engine_cpu() {
+    let cpus = kvferry::threads::allowed_cpus();
+    let [rest @ .., last] = cpus else {
+        unreachable!("a process runs on some CPU")
+    };
+    let last = *last;
+    let all = |v: &[usize]| {
+        v.iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let dir = TempDir::new("kvferry-cpus");
+    let (mut node, dec_sock, work_sock) = node_with(&dir, &[]);
+    if rest.is_empty() {
+        eprintln!("one CPU only: the node keeps none for its engine");
+        attach_apart(|| {
+            let d = DecoderClient::connect(&dec_sock, WAIT).expect("a decoder attaches");
+            assert_eq!(d.hello().engine_cpu, kvferry::attach::layout::NO_CPU);
+            assert_eq!((d.kept_off_cpu(), my_cpus()), (None, cpus.to_vec()));
+        });
+        terminate(&mut node, "the node");
+        return;
+    }
+    attach_apart(|| {
+        let d = DecoderClient::connect(&dec_sock, WAIT).expect("a decoder attaches");
+        assert_eq!(d.hello().engine_cpu, last as u32, "the hello names the CPU");
+        assert_eq!(d.kept_off_cpu(), Some(last));
+        assert_eq!(my_cpus(), rest, "the engine's CPU taken out, no other");
+        let w = PrefillClient::connect(&work_sock, WAIT).expect("a worker attaches");
+        assert_eq!(w.hello().engine_cpu, last as u32);
+        assert_eq!(w.kept_off_cpu(), None, "already off it");
+        assert_eq!(my_cpus(), rest);
+    });
+    attach_apart(|| {
+        kvferry::threads::confine_current(&[last]).expect("confined");
+        let w = PrefillClient::connect(&work_sock, WAIT).expect("a worker attaches");
+        assert_eq!(w.kept_off_cpu(), None, "a thread placed there alone stays");
+        assert_eq!(my_cpus(), vec![last]);
+    });
+    assert_eq!(
+        python_placement(&dec_sock, &work_sock, None),
+        format!("{last} None {}", all(rest)),
+        "the Python clients keep off it too"
+    );
+    assert_eq!(
+        python_placement(&dec_sock, &work_sock, Some("1")),
+        format!("None None {}", all(cpus)),
+        "KVFERRY_ATTACH_KEEP_AFFINITY=1 keeps the set"
+    );
+    terminate(&mut node, "the node");
+
+    // A receiver serving decoders names the CPU it leaves to a sender's
+    // engine.
+    let sock = dir.0.join("recv.sock");
+    let args = args_of(&[
+        &["receiver"],
+        &RECEIVER,
+        &[
+            "--shm-path",
+            dir.0.join("recv-buf").to_str().unwrap(),
+            "--attach",
+            sock.to_str().unwrap(),
+        ],
+    ]);
+    let (mut recv, _) = spawn_lines(&args, "kvferry receiver attach on ");
+    attach_apart(|| {
+        let d = DecoderClient::connect(&sock, WAIT).expect("a decoder attaches");
+        assert_eq!(d.hello().engine_cpu, last as u32);
+        assert_eq!((d.kept_off_cpu(), my_cpus()), (Some(last), rest.to_vec()));
+    });
+    terminate(&mut recv, "the receiver");
+
+    // `--copy-cpu none`: no CPU kept, none named, every set kept.
+    let dir = TempDir::new("kvferry-cpus");
+    let (mut node, dec_sock, work_sock) = node_with(&dir, &["--copy-cpu", "none"]);
+    attach_apart(|| {
+        let d = DecoderClient::connect(&dec_sock, WAIT).expect("a decoder attaches");
+        assert_eq!(d.hello().engine_cpu, kvferry::attach::layout::NO_CPU);
+        assert_eq!((d.kept_off_cpu(), my_cpus()), (None, cpus.to_vec()));
+    });
+    assert_eq!(
+        python_placement(&dec_sock, &work_sock, None),
+        format!("None None {}", all(cpus))
+    );
+    terminate(&mut node, "the node");
 }
 
 #[test]

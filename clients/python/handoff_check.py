@@ -24,7 +24,7 @@ def hello():
     b[0:8] = ka.HELLO_MAGIC
     struct.pack_into("<IIIIII", b, 8, ka.ATTACH_VERSION, ka.ROLE_DECODER, 0, 1,
                      ka.SUBMIT.size, ka.EVENT.size)
-    struct.pack_into("<I", b, 72, ka.HELLO_FDS)
+    struct.pack_into("<II", b, 72, ka.HELLO_FDS, ka.NO_CPU)
     return bytes(b)
 
 

@@ -19,6 +19,12 @@ the submission doorbell byte only when the daemon's session armed
 need-wakeup, as the Rust clients do, and the completion wait cannot sleep
 through a publish; its futex timeout (WAKE_SLACK) is only a backstop.
 Linux x86-64 only (SYS_futex = 202).
+
+Placement: once attached, a client takes the CPU the daemon keeps for its
+copy engine (hello offset 76) out of the attaching thread's CPU set, as
+the Rust clients do (docs/attach.md, "Placing the threads"); its
+kept_off_cpu says which CPU (None: none). KVFERRY_ATTACH_KEEP_AFFINITY=1
+keeps the set as it is.
 """
 
 import array
@@ -29,7 +35,7 @@ import socket
 import struct
 import time
 
-ATTACH_VERSION = 4
+ATTACH_VERSION = 5
 HELLO_LEN = 1024
 # Descriptors an accepting hello carries (SCM_RIGHTS, in this order): the
 # submission ring, the completion ring, the data (receive buffer read-only,
@@ -42,6 +48,9 @@ RING_MAGIC = b"KVFRING1"
 RING_VERSION = 1
 MAX_REQ_ID = 112
 NO_TOKENS = 0xFFFFFFFF
+NO_CPU = 0xFFFFFFFF  # hello offset 76: the daemon keeps no CPU for a copy engine
+# Set to anything but "" or "0": keep the attaching thread's CPU set as is.
+KEEP_AFFINITY_ENV = "KVFERRY_ATTACH_KEEP_AFFINITY"
 
 MAX_TEXT = 224
 # A BEGIN's chunk geometry (fmt, shape, dtype) follows its req_id at
@@ -343,6 +352,8 @@ class _Hello:
         if nfds != HELLO_FDS or extra or announced != HELLO_FDS:
             raise AttachError("hello carried %d descriptors (and %d more), expected %d"
                               % (nfds, extra, HELLO_FDS))
+        # The CPU the daemon keeps for a copy engine, or NO_CPU.
+        self.engine_cpu = struct.unpack_from("<I", hello, 76)[0]
         # Prefill: this worker's staging share (the buffer file is its memfd).
         self.share, self.shares, self.share_first_slot = struct.unpack_from("<IIQ", hello, 840)
 
@@ -350,6 +361,26 @@ class _Hello:
         """Closes the received descriptors (mmap keeps its own)."""
         for fd in (self.sq_fd, self.cq_fd, self.data_fd):
             os.close(fd)
+
+
+def _keep_off(cpu):
+    """Takes the CPU the daemon keeps for its copy engine out of the calling
+    thread's CPU set (docs/attach.md, "Placing the threads"), as the Rust
+    clients do: not if the daemon keeps none, if it is the thread's only
+    CPU (a placement of the operator's, kept) or if KEEP_AFFINITY_ENV is
+    set. Returns the CPU taken out, or None. (os.sched_setaffinity(0)
+    sets the calling thread's set on Linux; threads started from it later
+    inherit it.)"""
+    if cpu == NO_CPU or os.environ.get(KEEP_AFFINITY_ENV, "") not in ("", "0"):
+        return None
+    try:
+        mine = os.sched_getaffinity(0)
+        if cpu not in mine or len(mine) < 2:
+            return None
+        os.sched_setaffinity(0, mine - {cpu})
+    except OSError:
+        return None
+    return cpu
 
 
 def _next_event(client, timeout):
@@ -391,6 +422,8 @@ class DecoderClient:
             raise AttachError("receive buffer shorter than its geometry")
         _populate(self.buf, self.data_offset + self.slots * self.chunk_bytes, MADV_POPULATE_READ)
         self.view = memoryview(self.buf)
+        # Last: a refused attach leaves the thread's CPU set as it was.
+        self.kept_off_cpu = _keep_off(h.engine_cpu)
         self.tags = {}  # tag -> req_id (subscribed or held)
         self.next_tag = 1
 
@@ -510,6 +543,8 @@ class PrefillClient:
             raise AttachError("staging buffer shorter than its geometry")
         _populate(self.buf, self.slots * self.chunk_bytes, MADV_POPULATE_WRITE)
         self.view = memoryview(self.buf)
+        # Last: a refused attach leaves the thread's CPU set as it was.
+        self.kept_off_cpu = _keep_off(h.engine_cpu)
         self.next_tag = 1
         self.next_batch = 1
         self.held = set()  # (tag, batch) staged for us and not submitted

@@ -196,6 +196,49 @@ pub(crate) fn step_off_current_cpu() -> bool {
     true
 }
 
+/// Takes `cpu` out of the calling thread's affinity set, keeping every
+/// other CPU of it: true if it did. False (nothing changed) if `cpu` is not
+/// in the set, if it is the set's only CPU (a thread placed there alone
+/// stays), or if the kernel refuses. An attached client keeps the thread
+/// that attaches off the CPU its daemon keeps for a copy engine
+/// (`docs/attach.md`, "Placing the threads").
+pub(crate) fn keep_current_off(cpu: usize) -> bool {
+    if cpu >= CPU_SET_CAPACITY {
+        return false;
+    }
+    // SAFETY: a zeroed cpu_set_t is the empty set; sched_getaffinity writes
+    // at most `size_of::<cpu_set_t>()` bytes into it; CPU_ISSET, CPU_CLR and
+    // CPU_COUNT stay inside it (`cpu` < CPU_SET_CAPACITY = CPU_SETSIZE);
+    // sched_setaffinity only reads the set for the size passed.
+    unsafe {
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, size, &mut set) != 0 || !libc::CPU_ISSET(cpu, &set) {
+            return false;
+        }
+        libc::CPU_CLR(cpu, &mut set);
+        libc::CPU_COUNT(&set) > 0 && libc::sched_setaffinity(0, size, &set) == 0
+    }
+}
+
+/// The calling thread's affinity set, sorted (empty if the kernel does not
+/// say).
+#[cfg(test)]
+pub(crate) fn current_cpus() -> Vec<usize> {
+    // SAFETY: as in `keep_current_off`: the set is written by
+    // sched_getaffinity within its size, and CPU_ISSET reads inside it.
+    unsafe {
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, size, &mut set) != 0 {
+            return Vec::new();
+        }
+        (0..CPU_SET_CAPACITY)
+            .filter(|&c| libc::CPU_ISSET(c, &set))
+            .collect()
+    }
+}
+
 /// Spawn a thread called `name`; if `pin` is `Some(cpu)` the thread pins
 /// itself to `cpu` before running `f`.
 ///
@@ -438,16 +481,6 @@ impl PinPlan {
 mod tests {
     use super::*;
 
-    fn current_mask() -> Vec<usize> {
-        let mut v: Vec<usize> = core_affinity::get_core_ids()
-            .unwrap_or_default()
-            .into_iter()
-            .map(|c| c.id)
-            .collect();
-        v.sort_unstable();
-        v
-    }
-
     /// The CPU the calling thread runs on.
     fn on_cpu() -> usize {
         // SAFETY: sched_getcpu takes nothing.
@@ -469,13 +502,39 @@ mod tests {
                 !step_off_current_cpu(),
                 "a thread confined to one CPU cannot step off it"
             );
-            assert_eq!((on_cpu(), current_mask()), (a, vec![a]), "nothing changed");
+            assert_eq!((on_cpu(), current_cpus()), (a, vec![a]), "nothing changed");
             // Widening the set does not move a running thread.
             confine_current(&[a, b]).unwrap();
             assert_eq!(on_cpu(), a);
             assert!(step_off_current_cpu(), "CPU {b} is in its set");
             assert_eq!(on_cpu(), b, "moved to the other CPU of its set");
-            assert_eq!(current_mask(), vec![a, b], "its set is as it was");
+            assert_eq!(current_cpus(), vec![a, b], "its set is as it was");
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn keep_current_off_takes_one_cpu_out_of_the_set_unless_it_is_the_only_one() {
+        let cpus = allowed_cpus();
+        let [a, b, ..] = cpus else {
+            eprintln!("skipped: one CPU, none to keep off");
+            return;
+        };
+        let (a, b) = (*a, *b);
+        std::thread::spawn(move || {
+            confine_current(&[a, b]).unwrap();
+            assert!(keep_current_off(b), "CPU {b} is in its set with {a}");
+            assert_eq!(current_cpus(), vec![a], "only {b} taken out");
+            assert!(!keep_current_off(b), "no longer in the set");
+            assert!(
+                !keep_current_off(a),
+                "the set's only CPU stays: a thread placed there alone"
+            );
+            assert_eq!(current_cpus(), vec![a], "nothing changed");
+            assert!(!keep_current_off(CPU_SET_CAPACITY), "past the set");
+            assert!(!keep_current_off(usize::MAX), "past the set");
+            assert_eq!(current_cpus(), vec![a], "nothing changed");
         })
         .join()
         .unwrap();
@@ -500,7 +559,7 @@ mod tests {
     #[test]
     fn spawn_named_pins_to_an_allowed_cpu() {
         let cpu = *allowed_cpus().last().unwrap();
-        let mask = spawn_named("kvf-test-pin", Some(cpu), current_mask)
+        let mask = spawn_named("kvf-test-pin", Some(cpu), current_cpus)
             .unwrap()
             .join()
             .unwrap();
@@ -509,9 +568,9 @@ mod tests {
 
     #[test]
     fn unavailable_cpu_runs_unpinned_without_panicking() {
-        let parent = current_mask();
+        let parent = current_cpus();
         for cpu in [999, usize::MAX] {
-            let mask = spawn_named("kvf-test-bad", Some(cpu), current_mask)
+            let mask = spawn_named("kvf-test-bad", Some(cpu), current_cpus)
                 .unwrap()
                 .join()
                 .expect("thread with an unavailable cpu must not panic");
@@ -527,15 +586,15 @@ mod tests {
         // their masks.
         let (own, child, pinned) = std::thread::spawn(move || {
             confine_current(&[first]).unwrap();
-            let child = std::thread::spawn(current_mask).join().unwrap();
+            let child = std::thread::spawn(current_cpus).join().unwrap();
             // The last allowed CPU (another one, with two or more): the
             // snapshot still holds it, so a pin there works.
             let last = *all.last().unwrap();
-            let pinned = spawn_named("kvf-test-out", Some(last), current_mask)
+            let pinned = spawn_named("kvf-test-out", Some(last), current_cpus)
                 .unwrap()
                 .join()
                 .unwrap();
-            (current_mask(), child, (last, pinned))
+            (current_cpus(), child, (last, pinned))
         })
         .join()
         .unwrap();
@@ -546,11 +605,11 @@ mod tests {
 
     #[test]
     fn confining_to_no_cpu_or_one_not_allowed_is_an_error_and_changes_nothing() {
-        let before = current_mask();
+        let before = current_cpus();
         let (empty, bad, after) = std::thread::spawn(|| {
             let empty = confine_current(&[]);
             let bad = confine_current(&[allowed_cpus()[0], 999]);
-            (empty, bad, current_mask())
+            (empty, bad, current_cpus())
         })
         .join()
         .unwrap();
@@ -702,7 +761,7 @@ mod tests {
             .spawn("kvf-test-plan", || {
                 (
                     std::thread::current().name().map(str::to_owned),
-                    current_mask(),
+                    current_cpus(),
                 )
             })
             .unwrap()
@@ -712,10 +771,10 @@ mod tests {
         assert_eq!(mask, vec![cpu]);
         let mut none = PinPlan::none();
         let mask = none
-            .spawn("kvf-test-plan2", current_mask)
+            .spawn("kvf-test-plan2", current_cpus)
             .unwrap()
             .join()
             .unwrap();
-        assert_eq!(mask, current_mask());
+        assert_eq!(mask, current_cpus());
     }
 }

@@ -113,7 +113,7 @@ pub fn run(a: NodeArgs) -> ExitCode {
     let poll_idle = Duration::from_micros(r.attach_poll_idle_us.into());
     let metrics = r.metrics;
     let inproc = inproc_endpoint();
-    let receiver = match Served::start(a.receiver, vec![inproc.clone()]) {
+    let receiver = match Served::start(a.receiver, vec![inproc.clone()], copy_cpu) {
         Ok(s) => s,
         Err(code) => return code,
     };
@@ -142,6 +142,7 @@ pub fn run(a: NodeArgs) -> ExitCode {
             max_outstanding: max_outstanding as usize,
             keep_dumpable,
             poll_idle,
+            engine_cpu: copy_cpu,
             ..AttachConfig::new(&a.prefill_attach)
         },
     );

@@ -196,7 +196,7 @@ pub fn run(
         Err(e) => return super::runtime_error(format!("cannot install signal handlers: {e}")),
     };
     let metrics = a.metrics;
-    let served = match Served::start(a, Vec::new()) {
+    let served = match Served::start(a, Vec::new(), spared) {
         Ok(s) => s,
         Err(code) => return code,
     };
@@ -229,9 +229,15 @@ pub(super) struct Served {
 impl Served {
     /// Starts the receiver `a` describes, binding `also_listen` too (see
     /// [`ReceiverConfig::also_listen`]), and its decoder daemon if
-    /// `--attach` is given. `--cpus`/`--pin-cpu` and `--metrics` are the
-    /// caller's. The error is the exit code, its message printed.
-    pub(super) fn start(a: ReceiverArgs, also_listen: Vec<String>) -> Result<Self, ExitCode> {
+    /// `--attach` is given, whose hello names `engine_cpu` (the CPU the
+    /// caller keeps for a copy engine, [`AttachConfig::engine_cpu`]).
+    /// `--cpus`/`--pin-cpu` and `--metrics` are the caller's. The error is
+    /// the exit code, its message printed.
+    pub(super) fn start(
+        a: ReceiverArgs,
+        also_listen: Vec<String>,
+        engine_cpu: Option<usize>,
+    ) -> Result<Self, ExitCode> {
         if (a.capacity_chunks as u64)
             .checked_mul(a.chunk_bytes)
             .is_none()
@@ -302,6 +308,7 @@ impl Served {
                     max_outstanding: a.attach_max_outstanding as usize,
                     keep_dumpable: a.attach_keep_dumpable,
                     poll_idle: Duration::from_micros(a.attach_poll_idle_us.into()),
+                    engine_cpu,
                     ..AttachConfig::new(path)
                 };
                 match DecoderDaemon::start(Arc::clone(&receiver), cfg) {

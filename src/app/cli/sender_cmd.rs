@@ -270,6 +270,7 @@ fn serve_attached(
             max_outstanding: a.attach_max_outstanding as usize,
             keep_dumpable: a.attach_keep_dumpable,
             poll_idle: Duration::from_micros(a.attach_poll_idle_us.into()),
+            engine_cpu: copy_cpu,
             ..AttachConfig::new(&path)
         },
     );

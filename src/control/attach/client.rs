@@ -14,6 +14,7 @@ use kvferry_ring::spsc::{self, Consumer, Producer};
 use kvferry_ring::{Plain, ShmError, WaitStatus};
 use memmap2::Mmap;
 
+use super::affinity::keep_off_engine_cpu;
 use super::fds::recv_with_fds;
 use super::layout::{
     error_from_number, DecoderEvent, DecoderSubmit, Hello, HelloError, Refusal, DAEMON_TAG,
@@ -351,6 +352,8 @@ pub struct DecoderClient {
     cq: Consumer<DecoderEvent>,
     buf: Mmap,
     hello: Hello,
+    /// [`DecoderClient::kept_off_cpu`].
+    kept_off: Option<usize>,
     tags: HashMap<u64, TagState>,
     /// The wildcard subscription's tag, while it stands.
     wild: Option<u64>,
@@ -406,12 +409,15 @@ impl DecoderClient {
         // 256 KiB chunk is 64 pages). Best effort: a kernel before 5.14
         // refuses the advice, and the pages fault in on first use.
         let _ = buf.advise_range(memmap2::Advice::PopulateRead, 0, need as usize);
+        // Last: a refused attach leaves the thread's set as it was.
+        let kept_off = keep_off_engine_cpu(&hello);
         Ok(Self {
             sock,
             sq,
             cq,
             buf,
             hello,
+            kept_off,
             tags: HashMap::new(),
             wild: None,
             wild_ever: false,
@@ -424,6 +430,15 @@ impl DecoderClient {
     /// The daemon's hello (geometry, limits).
     pub fn hello(&self) -> &Hello {
         &self.hello
+    }
+
+    /// The CPU this attach took out of the attaching thread's affinity set
+    /// (the one the daemon keeps for a copy engine, [`Hello::engine_cpu`]);
+    /// `None` if the daemon keeps none, the thread may run there only, or
+    /// [`KEEP_AFFINITY_ENV`](super::KEEP_AFFINITY_ENV) is set
+    /// (docs/attach.md, "Placing the threads").
+    pub fn kept_off_cpu(&self) -> Option<usize> {
+        self.kept_off
     }
 
     fn submit(&mut self, s: DecoderSubmit) -> Result<(), AttachError> {

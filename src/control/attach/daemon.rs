@@ -53,6 +53,15 @@ pub struct AttachConfig {
     /// and the daemon's stop are seen within 200 µs meanwhile, as for a
     /// busy session. docs/attach.md, "Polling sessions".
     pub poll_idle: Duration,
+    /// The CPU this daemon keeps for a copy engine (default none): its own
+    /// engine's (`--copy-cpu`) or, for a receiver, the one it leaves to a
+    /// sender's engine on its host (`--spare-cpu`). The hello names it,
+    /// and the clients keep the thread that attaches off it, unless that
+    /// thread may run on no other CPU or `KVFERRY_ATTACH_KEEP_AFFINITY`
+    /// is set (docs/attach.md, "Placing the threads"). The library's
+    /// daemons place nothing themselves: set it where the process pins its
+    /// engine (`TransportConfig::pin_cpu`).
+    pub engine_cpu: Option<usize>,
 }
 
 impl AttachConfig {
@@ -66,6 +75,7 @@ impl AttachConfig {
             sq_capacity: 256,
             cq_capacity: 4096,
             poll_idle: Duration::ZERO,
+            engine_cpu: None,
         }
     }
 }
@@ -160,6 +170,8 @@ impl<R: Role> Daemon<R> {
         if !cfg.keep_dumpable {
             non_dumpable()?;
         }
+        // Measured now, before any client keeps a CPU of the daemon busy.
+        super::linger::gave_away_after();
         remove_stale_socket(&cfg.socket)?;
         let listener = UnixListener::bind(&cfg.socket)?;
         // A peer connecting between bind and chmod is still checked by uid.

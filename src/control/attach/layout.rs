@@ -9,7 +9,7 @@ use crate::sender::ShapeError;
 
 /// Attach protocol version, carried in the hello; bumped on any change of
 /// an entry layout, the hello or a code's meaning.
-pub const ATTACH_VERSION: u32 = 4;
+pub const ATTACH_VERSION: u32 = 5;
 /// First 8 bytes of the hello.
 pub const HELLO_MAGIC: [u8; 8] = *b"KVFATCH1";
 /// Size of the hello message in bytes.
@@ -22,6 +22,9 @@ pub const HELLO_FDS: u32 = 3;
 pub const MAX_REQ_ID: usize = 112;
 /// `DecoderEvent::tokens` of a chunk without a token count.
 pub const NO_TOKENS: u32 = u32::MAX;
+
+/// [`Hello::engine_cpu`] when the daemon keeps no CPU for a copy engine.
+pub const NO_CPU: u32 = u32::MAX;
 
 /// Role announced in the hello: a decoder attached to a receiver.
 pub const ROLE_DECODER: u32 = 1;
@@ -667,6 +670,12 @@ pub struct Hello {
     /// Descriptors attached to the hello ([`HELLO_FDS`] when it accepts,
     /// 0 with a refusal).
     pub fds: u32,
+    /// The CPU the daemon keeps for a copy engine (a sender's or a node's
+    /// own, `--copy-cpu`; or the one a receiver leaves to a sender's on
+    /// its host, `--spare-cpu`), or [`NO_CPU`]. The clients keep the
+    /// thread that attaches off it (docs/attach.md, "Placing the
+    /// threads").
+    pub engine_cpu: u32,
     /// Prefill: the share's index (`0..shares`); decoder: 0.
     pub share: u32,
     /// Prefill: staging shares the sender has; decoder: 0.
@@ -687,8 +696,10 @@ pub enum HelloError {
     Version(u32),
 }
 
-/// Offset of [`Hello::fds`]; bytes after it up to `OFF_SHARE` are reserved.
+/// Offset of [`Hello::fds`], then [`Hello::engine_cpu`]; bytes after that
+/// up to `OFF_SHARE` are reserved.
 const OFF_FDS: usize = 72;
+const OFF_ENGINE_CPU: usize = 76;
 const OFF_SHARE: usize = 840;
 const _: () = assert!(OFF_SHARE == 840 && OFF_SHARE + 16 <= HELLO_LEN);
 
@@ -722,6 +733,7 @@ impl Hello {
             max_outstanding: 0,
             receivers: 0,
             fds: 0,
+            engine_cpu: NO_CPU,
             share: 0,
             shares: 0,
             share_first_slot: 0,
@@ -744,6 +756,7 @@ impl Hello {
             (64, self.max_outstanding),
             (68, self.receivers),
             (OFF_FDS, self.fds),
+            (OFF_ENGINE_CPU, self.engine_cpu),
             (OFF_SHARE, self.share),
             (OFF_SHARE + 4, self.shares),
         ] {
@@ -784,6 +797,7 @@ impl Hello {
             max_outstanding: u32_at(b, 64),
             receivers: u32_at(b, 68),
             fds: u32_at(b, OFF_FDS),
+            engine_cpu: u32_at(b, OFF_ENGINE_CPU),
             share: u32_at(b, OFF_SHARE),
             shares: u32_at(b, OFF_SHARE + 4),
             share_first_slot: u64_at(b, OFF_SHARE + 8),
@@ -805,12 +819,17 @@ mod tests {
         h.share = 2;
         let b = h.encode();
         assert_eq!(&b[0..8], b"KVFATCH1");
-        assert_eq!(u32_at(&b, 8), 4);
+        assert_eq!(u32_at(&b, 8), 5);
         assert_eq!(u32_at(&b, 20), 7);
         assert_eq!(u64_at(&b, 40), 16);
         assert_eq!(u32_at(&b, 72), 3);
+        assert_eq!(u32_at(&b, 76), NO_CPU, "a refusal names no engine CPU");
         assert_eq!(u32_at(&b, 840), 2);
-        assert!(b[76..840].iter().all(|&x| x == 0), "reserved");
+        assert!(b[80..840].iter().all(|&x| x == 0), "reserved");
+        assert_eq!(Hello::decode(&b).unwrap(), h);
+        h.engine_cpu = 1;
+        let b = h.encode();
+        assert_eq!(u32_at(&b, 76), 1);
         assert_eq!(Hello::decode(&b).unwrap(), h);
         let mut bad = b;
         bad[0] = b'X';

@@ -10,7 +10,7 @@
 //! run on different CPUs, spinning finds the other side's answer soonest.
 //! When the scheduler keeps them on one CPU, spinning only delays the
 //! other side, which needs that CPU to answer: there a waiter should yield
-//! at once. A yield that returns only after [`GAVE_AWAY`] gave the CPU to
+//! at once. A yield that returns only after [`gave_away_after`] gave the CPU to
 //! another thread; if the condition then holds, that thread was most
 //! likely the other side, and the thread spins one round less next time.
 //! A yield that returns at once (nobody else wanted the CPU) earns a round
@@ -34,6 +34,7 @@
 //! then moves off it (`placement.rs`).
 
 use std::cell::Cell;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use kvferry_ring::backoff::DEFAULT_SPIN_ROUNDS;
@@ -52,9 +53,40 @@ pub(super) const LINGER: Duration = Duration::from_micros(50);
 /// times.
 pub(super) const LINGER_MAX: Duration = Duration::from_micros(250);
 
+/// The most [`gave_away_after`] takes: a yield that returns later than
+/// this ran another thread in between on every machine measured (a bare
+/// yield costs 0.2–1 µs there).
+const GAVE_AWAY_MAX: Duration = Duration::from_micros(2);
+
+/// The least [`gave_away_after`] takes, whatever a bare yield costs.
+const GAVE_AWAY_MIN: Duration = Duration::from_nanos(500);
+
 /// A `sched_yield` that returns later than this ran another thread in
-/// between (a bare yield costs well under 1 µs here).
-const GAVE_AWAY: Duration = Duration::from_micros(2);
+/// between: three times a bare yield on this machine ([`bare_yield`]),
+/// within [`GAVE_AWAY_MIN`] and [`GAVE_AWAY_MAX`]. One fixed 2 µs was not
+/// enough everywhere: on an Intel VM a yield that hands the CPU to another
+/// thread and gets it back takes 1.0–1.1 µs (a bare one 0.2 µs), so no
+/// hand-off there ever read as shared.
+pub(super) fn gave_away_after() -> Duration {
+    static AFTER: OnceLock<Duration> = OnceLock::new();
+    *AFTER.get_or_init(|| (bare_yield() * 3).clamp(GAVE_AWAY_MIN, GAVE_AWAY_MAX))
+}
+
+/// The fastest of 32 `sched_yield`s of the calling thread: what a bare
+/// yield costs, if nothing else wanted the CPU during one of them at
+/// least; else the cost of a hand-over and back, which leaves
+/// [`gave_away_after`] at [`GAVE_AWAY_MAX`]. A daemon measures it as it
+/// starts (`Daemon::start`), a client at its first linger.
+fn bare_yield() -> Duration {
+    (0..32)
+        .map(|_| {
+            let t = Instant::now();
+            std::thread::yield_now();
+            t.elapsed()
+        })
+        .min()
+        .unwrap_or(GAVE_AWAY_MAX)
+}
 
 thread_local! {
     /// This thread's spin rounds before its first yield (see the module
@@ -103,7 +135,7 @@ pub(super) fn linger(mut ready: impl FnMut() -> bool) -> bool {
     let start = Instant::now();
     std::thread::yield_now();
     if ready() {
-        let gave_away = start.elapsed() >= GAVE_AWAY;
+        let gave_away = start.elapsed() >= gave_away_after();
         SPIN_ROUNDS.set(adapted(spin, gave_away));
         SHARED_STREAK.set(if gave_away {
             // Saturating: a client's thread never asks (only sessions move).
@@ -266,7 +298,7 @@ mod tests {
 
     /// Hands off with a thread on this thread's CPU: each linger's yield
     /// runs the other thread, which answers after 5 µs of work (so the
-    /// yield returns past [`GAVE_AWAY`] on any machine).
+    /// yield returns past [`gave_away_after`] on any machine).
     #[test]
     fn hand_offs_answered_only_after_the_yield_gave_the_cpu_away_say_it_is_shared() {
         use std::sync::atomic::{AtomicBool, Ordering};
@@ -312,6 +344,16 @@ mod tests {
             shared,
             "{rounds} hand-offs with a thread on the same CPU never reported as shared"
         );
+    }
+
+    #[test]
+    fn the_gave_away_threshold_is_a_few_bare_yields_within_its_bounds() {
+        let after = gave_away_after();
+        assert!(
+            (GAVE_AWAY_MIN..=GAVE_AWAY_MAX).contains(&after),
+            "{after:?}"
+        );
+        assert_eq!(gave_away_after(), after, "measured once");
     }
 
     #[test]

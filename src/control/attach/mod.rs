@@ -20,6 +20,7 @@
 //! process: keys that collide (guessed, or by chance) make a lookup at
 //! worst linear in that bound.
 
+mod affinity;
 mod client;
 mod daemon;
 mod fds;
@@ -32,6 +33,7 @@ mod prefill_client;
 mod serve;
 mod session;
 
+pub use affinity::KEEP_AFFINITY_ENV;
 pub use client::{AttachError, ChunkDesc, DecoderClient, Delivery, Event};
 pub use daemon::AttachConfig;
 pub use layout::{BeginGeometry, GeometryError, Refusal};

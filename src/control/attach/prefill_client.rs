@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use kvferry_ring::spsc::{self, Consumer, Producer};
 use memmap2::MmapMut;
 
+use super::affinity::keep_off_engine_cpu;
 use super::client::{
     doorbell, follow_ons, full_or_closed, handshake, next_entry, ring_socket, skip_follow_ons,
     AttachError,
@@ -164,6 +165,8 @@ pub struct PrefillClient {
     /// [`share_file`](Self::share_file)).
     share: File,
     hello: Hello,
+    /// [`PrefillClient::kept_off_cpu`].
+    kept_off: Option<usize>,
     /// Live requests (tags).
     tags: HashSet<u64>,
     /// Batches staged for this worker and not submitted: (tag, id).
@@ -224,6 +227,8 @@ impl PrefillClient {
         // A child this process forks does not inherit the share: it could
         // otherwise write it after this worker left (docs/attach.md, "Trust").
         staging.advise(memmap2::Advice::DontFork)?;
+        // Last: a refused attach leaves the thread's set as it was.
+        let kept_off = keep_off_engine_cpu(&hello);
         Ok(Self {
             sock,
             sq,
@@ -231,6 +236,7 @@ impl PrefillClient {
             staging,
             share: file,
             hello,
+            kept_off,
             tags: HashSet::new(),
             held: HashSet::new(),
             asked: HashMap::new(),
@@ -244,6 +250,15 @@ impl PrefillClient {
     /// The daemon's hello (geometry, limits, receiver count).
     pub fn hello(&self) -> &Hello {
         &self.hello
+    }
+
+    /// The CPU this attach took out of the attaching thread's affinity set
+    /// (the one the daemon keeps for a copy engine, [`Hello::engine_cpu`]);
+    /// `None` if the daemon keeps none, the thread may run there only, or
+    /// [`KEEP_AFFINITY_ENV`](super::KEEP_AFFINITY_ENV) is set
+    /// (docs/attach.md, "Placing the threads").
+    pub fn kept_off_cpu(&self) -> Option<usize> {
+        self.kept_off
     }
 
     /// The staging share's memfd the daemon passed (exactly `slots *

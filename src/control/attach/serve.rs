@@ -14,7 +14,7 @@ use kvferry_ring::Plain;
 
 use super::daemon::{AttachConfig, DaemonShared};
 use super::fds::send_with_fds;
-use super::layout::{Hello, ATTACH_VERSION, HELLO_FDS, STATUS_OK};
+use super::layout::{Hello, ATTACH_VERSION, HELLO_FDS, NO_CPU, STATUS_OK};
 use super::linger::{linger, sharing_cpu, slept, spin_for};
 use super::placement::StepOff;
 use super::poll::{poll, readable};
@@ -74,6 +74,10 @@ pub(super) fn open_rings<S: Plain, E: Plain, R>(
     hello.cq_capacity = cq_ring.capacity() as u32;
     hello.max_outstanding = cfg.max_outstanding as u32;
     hello.fds = HELLO_FDS;
+    hello.engine_cpu = cfg
+        .engine_cpu
+        .and_then(|c| u32::try_from(c).ok())
+        .unwrap_or(NO_CPU);
     send_with_fds(
         sock,
         &hello.encode(),
