@@ -514,6 +514,63 @@ fn past_max_clients_a_new_attachment_is_refused() {
     let _again = connect(&dir.sock());
 }
 
+/// A library daemon's `AttachConfig::engine_cpu` reaches the hello, and a
+/// client keeps the thread that attached off that CPU, but only once the
+/// attach succeeded: a refused one leaves the thread's CPUs as they were.
+#[test]
+fn only_a_successful_attach_keeps_its_thread_off_the_engine_cpu() {
+    let cpus = kvferry::threads::allowed_cpus().to_vec();
+    let [.., last] = cpus[..] else {
+        unreachable!("a process runs on some CPU")
+    };
+    let my_cpus = || {
+        let status = std::fs::read_to_string("/proc/thread-self/status").unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+            .unwrap()
+            .trim()
+            .to_owned()
+    };
+    let dir = TempDir::new("kvferry-attach");
+    let r = Arc::new(receiver(4));
+    let d = daemon(&r, &dir.sock(), |c| {
+        c.max_clients = 1;
+        c.engine_cpu = Some(last);
+    });
+    let sock = dir.sock();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let before = my_cpus();
+            let first = connect(&sock);
+            assert_eq!(first.hello().engine_cpu, last as u32);
+            if cpus.len() > 1 {
+                assert_eq!(first.kept_off_cpu(), Some(last));
+                assert_ne!(my_cpus(), before, "{last} taken out of {before}");
+            } else {
+                assert_eq!(first.kept_off_cpu(), None, "its only CPU stays");
+                assert_eq!(my_cpus(), before);
+            }
+            wait_for("the first session", || d.clients() == 1);
+            s.spawn(|| {
+                let before = my_cpus();
+                match DecoderClient::connect(&sock, WAIT) {
+                    Err(AttachError::Refused(st)) => assert_eq!(st, STATUS_TOO_MANY_CLIENTS),
+                    other => panic!("expected a refusal, got {other:?}"),
+                }
+                assert_eq!(
+                    my_cpus(),
+                    before,
+                    "a refused attach changed the thread's CPUs"
+                );
+            })
+            .join()
+            .unwrap();
+            drop(first);
+        });
+    });
+}
+
 /// Runs python3 as uid 65534 (nobody) to connect to `sock`; returns what it
 /// printed: "EACCES" or the hello status.
 fn connect_as_nobody(sock: &Path) -> String {
