@@ -523,15 +523,6 @@ fn only_a_successful_attach_keeps_its_thread_off_the_engine_cpu() {
     let [.., last] = cpus[..] else {
         unreachable!("a process runs on some CPU")
     };
-    let my_cpus = || {
-        let status = std::fs::read_to_string("/proc/thread-self/status").unwrap();
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
-            .unwrap()
-            .trim()
-            .to_owned()
-    };
     let dir = TempDir::new("kvferry-attach");
     let r = Arc::new(receiver(4));
     let d = daemon(&r, &dir.sock(), |c| {
@@ -541,25 +532,29 @@ fn only_a_successful_attach_keeps_its_thread_off_the_engine_cpu() {
     let sock = dir.sock();
     std::thread::scope(|s| {
         s.spawn(|| {
-            let before = my_cpus();
+            let before = process::thread_cpus();
             let first = connect(&sock);
             assert_eq!(first.hello().engine_cpu, last as u32);
             if cpus.len() > 1 {
                 assert_eq!(first.kept_off_cpu(), Some(last));
-                assert_ne!(my_cpus(), before, "{last} taken out of {before}");
+                assert_ne!(
+                    process::thread_cpus(),
+                    before,
+                    "{last} taken out of {before:?}"
+                );
             } else {
                 assert_eq!(first.kept_off_cpu(), None, "its only CPU stays");
-                assert_eq!(my_cpus(), before);
+                assert_eq!(process::thread_cpus(), before);
             }
             wait_for("the first session", || d.clients() == 1);
             s.spawn(|| {
-                let before = my_cpus();
+                let before = process::thread_cpus();
                 match DecoderClient::connect(&sock, WAIT) {
                     Err(AttachError::Refused(st)) => assert_eq!(st, STATUS_TOO_MANY_CLIENTS),
                     other => panic!("expected a refusal, got {other:?}"),
                 }
                 assert_eq!(
-                    my_cpus(),
+                    process::thread_cpus(),
                     before,
                     "a refused attach changed the thread's CPUs"
                 );

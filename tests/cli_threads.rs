@@ -14,27 +14,12 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvferry::attach::{DecoderClient, PrefillClient};
-use process::{sigterm, status_and_stderr, ChildProc, TempDir};
+use process::{
+    parse_cpu_list, sigterm, status_and_stderr, status_field, thread_cpus, ChildProc, TempDir,
+};
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvferry");
 const WAIT: Duration = Duration::from_secs(30);
-
-fn field(status: &str, name: &str) -> Option<String> {
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(name))
-        .map(|v| v.trim().to_owned())
-}
-
-/// `0-2,5` → [0, 1, 2, 5].
-fn parse_list(list: &str) -> Vec<usize> {
-    list.split(',')
-        .flat_map(|item| match item.split_once('-') {
-            Some((lo, hi)) => (lo.parse().unwrap()..=hi.parse().unwrap()).collect(),
-            None => vec![item.parse().unwrap()],
-        })
-        .collect()
-}
 
 /// Threads of a process: (name, thread id, the CPUs it may run on).
 type Threads = Vec<(String, i32, Vec<usize>)>;
@@ -48,11 +33,11 @@ fn threads_of(pid: u32) -> Threads {
         let e = e.ok()?;
         let tid = e.file_name().to_str()?.parse().ok()?;
         let status = std::fs::read_to_string(e.path().join("status")).ok()?;
-        let name = field(&status, "Name:")?;
+        let name = status_field(&status, "Name:")?;
         Some((
             name,
             tid,
-            parse_list(&field(&status, "Cpus_allowed_list:")?),
+            parse_cpu_list(&status_field(&status, "Cpus_allowed_list:")?),
         ))
     })
     .collect()
@@ -155,8 +140,7 @@ fn terminate(p: &mut ChildProc, what: &str) -> Vec<String> {
 /// exited, so a line printed after the announcements is there too).
 fn daemon_placements(extra: &[&str]) -> [(Threads, Vec<String>); 2] {
     let dir = TempDir::new("kvferry-cpus");
-    let path = |name: &str| dir.0.join(name).to_str().unwrap().to_owned();
-    let (send_sock, dec_sock, work_sock) = (path("send.sock"), path("dec.sock"), path("work.sock"));
+    let send_sock = dir.0.join("send.sock").to_str().unwrap().to_owned();
     let sender_args = args_of(&[
         &[
             "sender",
@@ -177,22 +161,7 @@ fn daemon_placements(extra: &[&str]) -> [(Threads, Vec<String>); 2] {
     let sender = placements_with_sessions(send.child.id(), 1);
     drop(worker);
     send_lines.extend(terminate(&mut send, "the sender"));
-    let node_args = args_of(&[
-        &["node"],
-        &RECEIVER,
-        &[
-            "--staging-slots",
-            "8",
-            "--attach",
-            &dec_sock,
-            "--prefill-attach",
-            &work_sock,
-            "--shm-path",
-            &path("buf"),
-        ],
-        extra,
-    ]);
-    let (mut node, mut node_lines) = spawn_lines(&node_args, "kvferry node prefill attach on ");
+    let (mut node, mut node_lines, dec_sock, work_sock) = node_with(&dir, extra);
     let (decoder, worker) = attach_apart(|| {
         (
             DecoderClient::connect(&dec_sock, WAIT).expect("a decoder attaches"),
@@ -403,15 +372,10 @@ fn every_receiver_thread_runs_on_cpus_a_decoders_session_included() {
     assert_eq!(spare_lines(&lines), Vec::<&String>::new());
 }
 
-/// The calling thread's CPUs, from `/proc/thread-self/status`.
-fn my_cpus() -> Vec<usize> {
-    let status = std::fs::read_to_string("/proc/thread-self/status").expect("own status");
-    parse_list(&field(&status, "Cpus_allowed_list:").expect("Cpus_allowed_list"))
-}
-
-/// `kvferry node` with `extra` options, its decoder and worker sockets
-/// (stopped by [`terminate`]).
-fn node_with(dir: &TempDir, extra: &[&str]) -> (ChildProc, String, String) {
+/// `kvferry node` with `extra` options in `dir`, the lines it printed up
+/// to its last announcement, and its decoder and worker sockets (stopped
+/// by [`terminate`]).
+fn node_with(dir: &TempDir, extra: &[&str]) -> (ChildProc, Vec<String>, String, String) {
     let path = |name: &str| dir.0.join(name).to_str().unwrap().to_owned();
     let (dec_sock, work_sock) = (path("dec.sock"), path("work.sock"));
     let args = args_of(&[
@@ -429,8 +393,8 @@ fn node_with(dir: &TempDir, extra: &[&str]) -> (ChildProc, String, String) {
         ],
         extra,
     ]);
-    let (node, _) = spawn_lines(&args, "kvferry node prefill attach on ");
-    (node, dec_sock, work_sock)
+    let (node, lines) = spawn_lines(&args, "kvferry node prefill attach on ");
+    (node, lines, dec_sock, work_sock)
 }
 
 /// What `clients/python/placement_check.py` says after attaching to both
@@ -473,13 +437,13 @@ fn a_client_keeps_the_thread_that_attaches_off_the_daemons_copy_engine_cpu() {
             .join(",")
     };
     let dir = TempDir::new("kvferry-cpus");
-    let (mut node, dec_sock, work_sock) = node_with(&dir, &[]);
+    let (mut node, _, dec_sock, work_sock) = node_with(&dir, &[]);
     if rest.is_empty() {
         eprintln!("one CPU only: the node keeps none for its engine");
         attach_apart(|| {
             let d = DecoderClient::connect(&dec_sock, WAIT).expect("a decoder attaches");
             assert_eq!(d.hello().engine_cpu, kvferry::attach::layout::NO_CPU);
-            assert_eq!((d.kept_off_cpu(), my_cpus()), (None, cpus.to_vec()));
+            assert_eq!((d.kept_off_cpu(), thread_cpus()), (None, cpus.to_vec()));
         });
         terminate(&mut node, "the node");
         return;
@@ -488,17 +452,17 @@ fn a_client_keeps_the_thread_that_attaches_off_the_daemons_copy_engine_cpu() {
         let d = DecoderClient::connect(&dec_sock, WAIT).expect("a decoder attaches");
         assert_eq!(d.hello().engine_cpu, last as u32, "the hello names the CPU");
         assert_eq!(d.kept_off_cpu(), Some(last));
-        assert_eq!(my_cpus(), rest, "the engine's CPU taken out, no other");
+        assert_eq!(thread_cpus(), rest, "the engine's CPU taken out, no other");
         let w = PrefillClient::connect(&work_sock, WAIT).expect("a worker attaches");
         assert_eq!(w.hello().engine_cpu, last as u32);
         assert_eq!(w.kept_off_cpu(), None, "already off it");
-        assert_eq!(my_cpus(), rest);
+        assert_eq!(thread_cpus(), rest);
     });
     attach_apart(|| {
         kvferry::threads::confine_current(&[last]).expect("confined");
         let w = PrefillClient::connect(&work_sock, WAIT).expect("a worker attaches");
         assert_eq!(w.kept_off_cpu(), None, "a thread placed there alone stays");
-        assert_eq!(my_cpus(), vec![last]);
+        assert_eq!(thread_cpus(), vec![last]);
     });
     assert_eq!(
         python_placement(&dec_sock, &work_sock, None),
@@ -529,17 +493,20 @@ fn a_client_keeps_the_thread_that_attaches_off_the_daemons_copy_engine_cpu() {
     attach_apart(|| {
         let d = DecoderClient::connect(&sock, WAIT).expect("a decoder attaches");
         assert_eq!(d.hello().engine_cpu, last as u32);
-        assert_eq!((d.kept_off_cpu(), my_cpus()), (Some(last), rest.to_vec()));
+        assert_eq!(
+            (d.kept_off_cpu(), thread_cpus()),
+            (Some(last), rest.to_vec())
+        );
     });
     terminate(&mut recv, "the receiver");
 
     // `--copy-cpu none`: no CPU kept, none named, every set kept.
     let dir = TempDir::new("kvferry-cpus");
-    let (mut node, dec_sock, work_sock) = node_with(&dir, &["--copy-cpu", "none"]);
+    let (mut node, _, dec_sock, work_sock) = node_with(&dir, &["--copy-cpu", "none"]);
     attach_apart(|| {
         let d = DecoderClient::connect(&dec_sock, WAIT).expect("a decoder attaches");
         assert_eq!(d.hello().engine_cpu, kvferry::attach::layout::NO_CPU);
-        assert_eq!((d.kept_off_cpu(), my_cpus()), (None, cpus.to_vec()));
+        assert_eq!((d.kept_off_cpu(), thread_cpus()), (None, cpus.to_vec()));
     });
     assert_eq!(
         python_placement(&dec_sock, &work_sock, None),

@@ -66,16 +66,7 @@ static ALLOWED: OnceLock<Vec<usize>> = OnceLock::new();
 /// was called (see the module docs for why it is a snapshot). Empty if the
 /// platform cannot report it, in which case every pin request runs unpinned.
 pub fn allowed_cpus() -> &'static [usize] {
-    ALLOWED.get_or_init(|| {
-        let mut ids: Vec<usize> = core_affinity::get_core_ids()
-            .unwrap_or_default()
-            .into_iter()
-            .map(|c| c.id)
-            .collect();
-        ids.sort_unstable();
-        ids.dedup();
-        ids
-    })
+    ALLOWED.get_or_init(current_cpus)
 }
 
 /// Pin the calling thread to `cpu` after checking it against
@@ -171,28 +162,13 @@ pub(crate) fn step_off_current_cpu() -> bool {
     let Ok(cpu) = usize::try_from(unsafe { libc::sched_getcpu() }) else {
         return false;
     };
-    if cpu >= CPU_SET_CAPACITY {
+    let Some(set) = take_out_of_current_set(cpu) else {
         return false;
-    }
-    // SAFETY: a zeroed cpu_set_t is the empty set; sched_getaffinity writes
-    // at most `size_of::<cpu_set_t>()` bytes into it; CPU_ISSET, CPU_CLR and
-    // CPU_COUNT stay inside it (`cpu` < CPU_SET_CAPACITY = CPU_SETSIZE);
-    // sched_setaffinity only reads the set for the size passed.
-    unsafe {
-        let size = std::mem::size_of::<libc::cpu_set_t>();
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        if libc::sched_getaffinity(0, size, &mut set) != 0 || !libc::CPU_ISSET(cpu, &set) {
-            return false;
-        }
-        let mut others = set;
-        libc::CPU_CLR(cpu, &mut others);
-        if libc::CPU_COUNT(&others) == 0 || libc::sched_setaffinity(0, size, &others) != 0 {
-            return false;
-        }
-        // Restoring the set cannot fail where setting a subset of it did;
-        // if it did, the thread keeps running on the others.
-        libc::sched_setaffinity(0, size, &set);
-    }
+    };
+    // Restoring the set cannot fail where setting a subset of it did; if
+    // it did, the thread keeps running on the others.
+    // SAFETY: sched_setaffinity only reads `set` for the size passed.
+    unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
     true
 }
 
@@ -203,8 +179,17 @@ pub(crate) fn step_off_current_cpu() -> bool {
 /// that attaches off the CPU its daemon keeps for a copy engine
 /// (`docs/attach.md`, "Placing the threads").
 pub(crate) fn keep_current_off(cpu: usize) -> bool {
+    take_out_of_current_set(cpu).is_some()
+}
+
+/// Sets the calling thread's affinity set to the one it has without `cpu`
+/// and returns the set it had; `None` (nothing changed) if `cpu` is not
+/// in it, is its only CPU, or the kernel refuses. The one mechanism of
+/// [`step_off_current_cpu`] (which restores the set) and
+/// [`keep_current_off`] (which keeps the new one).
+fn take_out_of_current_set(cpu: usize) -> Option<libc::cpu_set_t> {
     if cpu >= CPU_SET_CAPACITY {
-        return false;
+        return None;
     }
     // SAFETY: a zeroed cpu_set_t is the empty set; sched_getaffinity writes
     // at most `size_of::<cpu_set_t>()` bytes into it; CPU_ISSET, CPU_CLR and
@@ -214,29 +199,27 @@ pub(crate) fn keep_current_off(cpu: usize) -> bool {
         let size = std::mem::size_of::<libc::cpu_set_t>();
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         if libc::sched_getaffinity(0, size, &mut set) != 0 || !libc::CPU_ISSET(cpu, &set) {
-            return false;
+            return None;
         }
-        libc::CPU_CLR(cpu, &mut set);
-        libc::CPU_COUNT(&set) > 0 && libc::sched_setaffinity(0, size, &set) == 0
+        let mut others = set;
+        libc::CPU_CLR(cpu, &mut others);
+        (libc::CPU_COUNT(&others) > 0 && libc::sched_setaffinity(0, size, &others) == 0)
+            .then_some(set)
     }
 }
 
-/// The calling thread's affinity set, sorted (empty if the kernel does not
-/// say).
-#[cfg(test)]
+/// The calling thread's affinity set, sorted, without repeats
+/// (`core_affinity` reads the calling thread's; empty if the platform does
+/// not say).
 pub(crate) fn current_cpus() -> Vec<usize> {
-    // SAFETY: as in `keep_current_off`: the set is written by
-    // sched_getaffinity within its size, and CPU_ISSET reads inside it.
-    unsafe {
-        let size = std::mem::size_of::<libc::cpu_set_t>();
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        if libc::sched_getaffinity(0, size, &mut set) != 0 {
-            return Vec::new();
-        }
-        (0..CPU_SET_CAPACITY)
-            .filter(|&c| libc::CPU_ISSET(c, &set))
-            .collect()
-    }
+    let mut ids: Vec<usize> = core_affinity::get_core_ids()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|c| c.id)
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    ids
 }
 
 /// Spawn a thread called `name`; if `pin` is `Some(cpu)` the thread pins

@@ -23,6 +23,31 @@ use std::time::{Duration, Instant};
 /// is declared hung (generous: the CI machine is loaded).
 pub const PROC_WAIT: Duration = Duration::from_secs(30);
 
+/// The value of field `name` (with its colon) of a `/proc/.../status`
+/// text, trimmed.
+pub fn status_field(status: &str, name: &str) -> Option<String> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(name))
+        .map(|v| v.trim().to_owned())
+}
+
+/// A CPU list as `Cpus_allowed_list` spells it: `0-2,5` → [0, 1, 2, 5].
+pub fn parse_cpu_list(list: &str) -> Vec<usize> {
+    list.split(',')
+        .flat_map(|item| match item.split_once('-') {
+            Some((lo, hi)) => (lo.parse().unwrap()..=hi.parse().unwrap()).collect(),
+            None => vec![item.parse().unwrap()],
+        })
+        .collect()
+}
+
+/// The CPUs the calling thread may run on, from `/proc/thread-self/status`.
+pub fn thread_cpus() -> Vec<usize> {
+    let status = std::fs::read_to_string("/proc/thread-self/status").expect("own status");
+    parse_cpu_list(&status_field(&status, "Cpus_allowed_list:").expect("Cpus_allowed_list"))
+}
+
 /// Gives the child `cmd` spawns an `RLIMIT_NOFILE` of `n` (soft and hard),
 /// for tests of what a process does when it runs out of descriptors.
 pub fn limit_nofile(cmd: &mut Command, n: u64) {
