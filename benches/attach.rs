@@ -43,9 +43,14 @@
 //!    groups run one path for seconds, then the other. Each round runs in
 //!    both placements of the client's and the session's threads, one after
 //!    the other ([`Placement`]): `free`, the scheduler's choice, and
-//!    `apart`, the session alone on the last CPU and the client on the
-//!    others (what `kvferry receiver --attach --cpus` does with the
-//!    decoder started elsewhere). Before them, one line says where the
+//!    `apart`, the session and the receiver's threads on the last CPU and
+//!    the client on the others (what `kvferry receiver --attach --cpus N`
+//!    does with the decoder started elsewhere). The in-process baselines
+//!    consume where the session does (in `apart`, on the last CPU): a
+//!    `take` on a CPU other than the receiver control thread's costs more
+//!    than twice one on it, which a baseline on the client's CPU would
+//!    have put into the ratio (`docs/benchmarks.md`, "Attach, 2026-12-07
+//!    (5)"). Before them, one line says where the
 //!    scheduler puts a thread it wakes ([`wake_placement`]), which decides
 //!    `free`: on the project's VM nearly always on the waker's CPU, so
 //!    every hand-off there is a context switch on one CPU. All of this
@@ -388,9 +393,10 @@ enum Placement {
     /// The scheduler's choice: both threads may run on every CPU the bench
     /// started with.
     Free,
-    /// The session alone on the last CPU, its client on the others (what
-    /// `kvferry receiver --attach --cpus N` does with the decoder started
-    /// elsewhere).
+    /// The session and the receiver's threads on the last CPU, the client
+    /// on the others (what `kvferry receiver --attach --cpus N` does with
+    /// the decoder started elsewhere); the in-process baselines consume on
+    /// the last CPU too ([`on_session_side`]).
     CopyApart,
 }
 
@@ -530,29 +536,76 @@ fn session_thread() -> libc::pid_t {
     }
 }
 
-/// Places the round trip's two threads: `Free`, both on every CPU the
-/// bench started with; `CopyApart`, the session alone on the last CPU and
-/// this thread (the client, and the in-process baselines) on the others
-/// (what `kvferry receiver --attach --cpus N` does with the decoder
-/// started elsewhere). Changing a thread's set does not move it until it
-/// next runs somewhere it may not, so a `free` round right after an
-/// `apart` one starts apart; its fill puts the session to sleep, and the
-/// wake-up places it (see [`wake_placement`]). False on a machine of one
-/// CPU, where there is no `apart`.
-fn place_rtt(placement: Placement, session: libc::pid_t) -> bool {
-    let (session_cpus, own_cpus) = match (placement, copy_apart()) {
-        (Placement::Free, _) => (bench_cpus(), bench_cpus()),
+/// Where [`Placement`] puts the round trip's threads: (the session's and
+/// the receiver's CPUs, the client's CPUs). `None` for `apart` on a machine
+/// of one CPU.
+fn rtt_cpus(placement: Placement) -> Option<(&'static [usize], &'static [usize])> {
+    match (placement, copy_apart()) {
+        (Placement::Free, _) => Some((bench_cpus(), bench_cpus())),
         // The last CPU alone (what follows `rest`), and `rest`.
-        (Placement::CopyApart, Some((_, rest))) => (&bench_cpus()[rest.len()..], rest),
-        (Placement::CopyApart, None) => return false,
+        (Placement::CopyApart, Some((_, rest))) => Some((&bench_cpus()[rest.len()..], rest)),
+        (Placement::CopyApart, None) => None,
+    }
+}
+
+/// Places the round trip's threads: `Free`, all on every CPU the bench
+/// started with; `CopyApart`, the session and the rig's receiver threads
+/// (`kvf-recv-*`: its control thread writes the state a `take` reads) on
+/// the last CPU, and this thread (the client) on the others: what
+/// `kvferry receiver --attach --cpus N` does with the decoder started
+/// elsewhere. The in-process baselines consume where the session does
+/// ([`on_session_side`]). Changing a thread's set does not move it until
+/// it next runs somewhere it may not, so a `free` round right after an
+/// `apart` one starts apart, the receiver's threads included; its fill
+/// puts the session to sleep, and the wake-up places it (see
+/// [`wake_placement`]). False on a machine of one CPU, where there is no
+/// `apart`.
+fn place_rtt(placement: Placement, session: libc::pid_t) -> bool {
+    let Some((session_cpus, own_cpus)) = rtt_cpus(placement) else {
+        return false;
     };
+    let receiver = threads_of(std::process::id())
+        .into_iter()
+        .filter(|(_, comm)| comm.starts_with("kvf-recv"))
+        .map(|(tid, _)| tid);
+    for tid in std::iter::once(session).chain(receiver) {
+        assert!(
+            set_affinity(tid, session_cpus.iter().copied()),
+            "sched_setaffinity of thread {tid} failed for {}",
+            placement.name()
+        );
+    }
     assert!(
-        set_affinity(session, session_cpus.iter().copied())
-            && set_affinity(0, own_cpus.iter().copied()),
+        set_affinity(0, own_cpus.iter().copied()),
         "sched_setaffinity failed for {}",
         placement.name()
     );
     true
+}
+
+/// Runs `consume` (an in-process baseline's timed consumption) on the
+/// session's CPUs of `placement`, then puts this thread back on the
+/// client's: the in-process decoder takes where the daemon's session
+/// would, so a baseline and the attached path read the receiver's state
+/// from the same place (a `take` on the CPU of the receiver's control
+/// thread costs less than half of one on another, `docs/benchmarks.md`,
+/// "Attach, 2026-12-07 (5)"). The move happens before the clock starts.
+fn on_session_side(placement: Placement, consume: impl FnOnce() -> Duration) -> Duration {
+    let apart = rtt_cpus(placement).filter(|_| placement != Placement::Free);
+    let Some((session_cpus, own_cpus)) = apart else {
+        return consume();
+    };
+    assert!(
+        set_affinity(0, session_cpus.iter().copied()),
+        "sched_setaffinity"
+    );
+    // Runs where it may: the kernel moved this thread before returning.
+    let took = consume();
+    assert!(
+        set_affinity(0, own_cpus.iter().copied()),
+        "sched_setaffinity"
+    );
+    took
 }
 
 /// What the scheduler does with a woken thread, which decides where the
@@ -725,21 +778,24 @@ struct RttRounds {
 }
 
 impl RttRounds {
-    /// Runs every path once, in order, and records the figures if
-    /// `record` (the first round is untimed: page faults, first wake-ups).
-    fn round(&mut self, rig: &Rig, client: &mut DecoderClient, record: bool) {
+    /// Runs every path once, in order, in `placement` (already applied),
+    /// and records the figures if `record` (the first round is untimed:
+    /// page faults, first wake-ups).
+    fn round(&mut self, rig: &Rig, placement: Placement, client: &mut DecoderClient, record: bool) {
         let per_request = |d: Duration| d.as_secs_f64() * 1e6 / RTT_ROUND as f64;
         let n = RTT_ROUND as u64;
-        let a = timed_rounds(rig, n, |ids| consume_in_process(&rig.receiver, ids));
+        let a = baseline_rounds(rig, placement, n, 1, consume_in_process);
         let b = timed_rounds(rig, n, |ids| consume_attached(client, ids));
-        let c = timed_rounds(rig, n, |ids| {
-            consume_in_process_take_first(&rig.receiver, ids)
-        });
+        let c = baseline_rounds(rig, placement, n, 1, consume_in_process_take_first);
         let d = timed_awake_rounds(rig, n, 1, client);
         let multi = (RTT_ROUND / MULTI_CHUNKS) as u64;
-        let mc = timed_rounds_of(rig, multi, MULTI_CHUNKS, |ids| {
-            consume_in_process_take_first(&rig.receiver, ids)
-        });
+        let mc = baseline_rounds(
+            rig,
+            placement,
+            multi,
+            MULTI_CHUNKS,
+            consume_in_process_take_first,
+        );
         let md = timed_awake_rounds(rig, multi, MULTI_CHUNKS, client);
         // The floor with the session awake: one untimed hand-off wakes it
         // (it may have gone to sleep while `rounds` waited for the last
@@ -835,7 +891,7 @@ fn rtt_interleaved(poll_idle: Duration) {
     for pair in 0..=RTT_PAIRS {
         for (placement, rounds) in &mut runs {
             place_rtt(*placement, session);
-            rounds.round(&rig, &mut attached.client, pair > 0);
+            rounds.round(&rig, *placement, &mut attached.client, pair > 0);
         }
     }
     place_rtt(Placement::Free, session);
@@ -850,7 +906,8 @@ fn rtt_interleaved(poll_idle: Duration) {
     println!(
         "\nattach_rtt interleaved ({RTT_PAIRS} rounds of {RTT_ROUND} requests per path and \
          placement, {}; {session_mode}); `free`: the scheduler's choice, `apart`: the session \
-         alone on the last CPU, the client on the others:",
+         and the receiver's threads on the last CPU, the client on the others, the in-process \
+         baselines consuming where the session does:",
         steal_since(&ticks)
     );
     println!("{fresh}");
@@ -872,10 +929,19 @@ fn fresh_rounds(rig: &Rig, client: &mut DecoderClient, session: libc::pid_t) -> 
     let placed = place_rtt(Placement::CopyApart, session);
     let (mut take, mut attached) = (Duration::ZERO, Duration::ZERO);
     let mut ratios = Vec::with_capacity(FRESH_ROUNDS);
+    let placement = if placed {
+        Placement::CopyApart
+    } else {
+        Placement::Free
+    };
     for _ in 0..FRESH_ROUNDS {
-        let t = timed_rounds(rig, RTT_ROUND as u64, |ids| {
-            consume_in_process_take_first(&rig.receiver, ids)
-        });
+        let t = baseline_rounds(
+            rig,
+            placement,
+            RTT_ROUND as u64,
+            1,
+            consume_in_process_take_first,
+        );
         let a = timed_awake_rounds(rig, RTT_ROUND as u64, 1, client);
         ratios.push(a.as_secs_f64() / t.as_secs_f64());
         (take, attached) = (take + t, attached + a);
@@ -928,6 +994,25 @@ fn timed_rounds_of(
         let t = Instant::now();
         consume(ids);
         t.elapsed()
+    })
+}
+
+/// [`timed_rounds_of`] of an in-process baseline, its consumption run on
+/// the session's side of `placement` ([`on_session_side`]; the fill stays
+/// on this thread's CPUs).
+fn baseline_rounds(
+    rig: &Rig,
+    placement: Placement,
+    iters: u64,
+    chunks: usize,
+    consume: fn(&Receiver, &[String]),
+) -> Duration {
+    rounds(rig, iters, chunks, |ids| {
+        on_session_side(placement, || {
+            let t = Instant::now();
+            consume(&rig.receiver, ids);
+            t.elapsed()
+        })
     })
 }
 
