@@ -978,28 +978,18 @@ fn timed_awake_rounds(rig: &Rig, iters: u64, chunks: usize, c: &mut DecoderClien
 
 /// Runs `consume` over `iters` one-chunk requests in rounds of
 /// [`RTT_ROUND`], timing only the consumption.
-fn timed_rounds(rig: &Rig, iters: u64, consume: impl FnMut(&[String])) -> Duration {
-    timed_rounds_of(rig, iters, 1, consume)
-}
-
-/// [`timed_rounds`] of requests of `chunks` chunks ([`RTT_ROUND`] chunks
-/// per round).
-fn timed_rounds_of(
-    rig: &Rig,
-    iters: u64,
-    chunks: usize,
-    mut consume: impl FnMut(&[String]),
-) -> Duration {
-    rounds(rig, iters, chunks, |ids| {
+fn timed_rounds(rig: &Rig, iters: u64, mut consume: impl FnMut(&[String])) -> Duration {
+    rounds(rig, iters, 1, |ids| {
         let t = Instant::now();
         consume(ids);
         t.elapsed()
     })
 }
 
-/// [`timed_rounds_of`] of an in-process baseline, its consumption run on
-/// the session's side of `placement` ([`on_session_side`]; the fill stays
-/// on this thread's CPUs).
+/// [`timed_rounds`] of an in-process baseline over requests of `chunks`
+/// chunks ([`RTT_ROUND`] chunks per round), its consumption run on the
+/// session's side of `placement` ([`on_session_side`]; the fill stays on
+/// this thread's CPUs).
 fn baseline_rounds(
     rig: &Rig,
     placement: Placement,

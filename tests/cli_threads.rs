@@ -417,6 +417,17 @@ fn python_placement(dec_sock: &str, work_sock: &str, keep: Option<&str>) -> Stri
     line["PLACED ".len()..].to_owned()
 }
 
+/// Attaches a decoder to `dec_sock`, whose daemon keeps no CPU for a copy
+/// engine, on a thread of its own that may run on `cpus`: the hello names
+/// none and the thread keeps every CPU.
+fn a_decoder_keeps_every_cpu(dec_sock: &str, cpus: &[usize]) {
+    attach_apart(|| {
+        let d = DecoderClient::connect(dec_sock, WAIT).expect("a decoder attaches");
+        assert_eq!(d.hello().engine_cpu, kvferry::attach::layout::NO_CPU);
+        assert_eq!((d.kept_off_cpu(), thread_cpus()), (None, cpus.to_vec()));
+    });
+}
+
 /// A daemon that keeps a CPU for a copy engine (by default a node, a
 /// sender and a receiver serving attached clients all do) names it in the
 /// hello, and a client takes it out of the set of the thread that
@@ -440,11 +451,7 @@ fn a_client_keeps_the_thread_that_attaches_off_the_daemons_copy_engine_cpu() {
     let (mut node, _, dec_sock, work_sock) = node_with(&dir, &[]);
     if rest.is_empty() {
         eprintln!("one CPU only: the node keeps none for its engine");
-        attach_apart(|| {
-            let d = DecoderClient::connect(&dec_sock, WAIT).expect("a decoder attaches");
-            assert_eq!(d.hello().engine_cpu, kvferry::attach::layout::NO_CPU);
-            assert_eq!((d.kept_off_cpu(), thread_cpus()), (None, cpus.to_vec()));
-        });
+        a_decoder_keeps_every_cpu(&dec_sock, cpus);
         terminate(&mut node, "the node");
         return;
     }
@@ -503,11 +510,7 @@ fn a_client_keeps_the_thread_that_attaches_off_the_daemons_copy_engine_cpu() {
     // `--copy-cpu none`: no CPU kept, none named, every set kept.
     let dir = TempDir::new("kvferry-cpus");
     let (mut node, _, dec_sock, work_sock) = node_with(&dir, &["--copy-cpu", "none"]);
-    attach_apart(|| {
-        let d = DecoderClient::connect(&dec_sock, WAIT).expect("a decoder attaches");
-        assert_eq!(d.hello().engine_cpu, kvferry::attach::layout::NO_CPU);
-        assert_eq!((d.kept_off_cpu(), thread_cpus()), (None, cpus.to_vec()));
-    });
+    a_decoder_keeps_every_cpu(&dec_sock, cpus);
     assert_eq!(
         python_placement(&dec_sock, &work_sock, None),
         format!("None None {}", all(cpus))

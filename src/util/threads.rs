@@ -460,6 +460,23 @@ impl PinPlan {
     }
 }
 
+/// Test helper: runs `f(a, b)` on a thread of its own confined to the first
+/// two allowed CPUs `a` and `b` (so the test's changes to its affinity set
+/// stay there), or says it skipped, `why`, with fewer than two.
+#[cfg(test)]
+pub(crate) fn on_two_cpus(why: &str, f: impl FnOnce(usize, usize) + Send + 'static) {
+    let [a, b, ..] = *allowed_cpus() else {
+        eprintln!("skipped: one CPU, {why}");
+        return;
+    };
+    std::thread::spawn(move || {
+        confine_current(&[a, b]).unwrap();
+        f(a, b)
+    })
+    .join()
+    .unwrap();
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -472,13 +489,7 @@ mod tests {
 
     #[test]
     fn step_off_moves_the_thread_to_another_cpu_of_its_set_and_keeps_the_set() {
-        let cpus = allowed_cpus();
-        let [a, b, ..] = cpus else {
-            eprintln!("skipped: one CPU, nowhere to step to");
-            return;
-        };
-        let (a, b) = (*a, *b);
-        std::thread::spawn(move || {
+        on_two_cpus("nowhere to step to", |a, b| {
             confine_current(&[a]).unwrap();
             assert_eq!(on_cpu(), a);
             assert!(
@@ -492,21 +503,12 @@ mod tests {
             assert!(step_off_current_cpu(), "CPU {b} is in its set");
             assert_eq!(on_cpu(), b, "moved to the other CPU of its set");
             assert_eq!(current_cpus(), vec![a, b], "its set is as it was");
-        })
-        .join()
-        .unwrap();
+        });
     }
 
     #[test]
     fn keep_current_off_takes_one_cpu_out_of_the_set_unless_it_is_the_only_one() {
-        let cpus = allowed_cpus();
-        let [a, b, ..] = cpus else {
-            eprintln!("skipped: one CPU, none to keep off");
-            return;
-        };
-        let (a, b) = (*a, *b);
-        std::thread::spawn(move || {
-            confine_current(&[a, b]).unwrap();
+        on_two_cpus("none to keep off", |a, b| {
             assert!(keep_current_off(b), "CPU {b} is in its set with {a}");
             assert_eq!(current_cpus(), vec![a], "only {b} taken out");
             assert!(!keep_current_off(b), "no longer in the set");
@@ -518,9 +520,7 @@ mod tests {
             assert!(!keep_current_off(CPU_SET_CAPACITY), "past the set");
             assert!(!keep_current_off(usize::MAX), "past the set");
             assert_eq!(current_cpus(), vec![a], "nothing changed");
-        })
-        .join()
-        .unwrap();
+        });
     }
 
     #[test]

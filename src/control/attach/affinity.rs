@@ -68,15 +68,8 @@ mod tests {
 
     #[test]
     fn a_hello_naming_a_cpu_of_the_threads_set_takes_it_out() {
-        let cpus = crate::threads::allowed_cpus();
-        let [a, b, ..] = cpus else {
-            eprintln!("skipped: one CPU, none to keep off");
-            return;
-        };
-        let (a, b) = (*a, *b);
-        let mut hello = Hello::refusal(0);
-        std::thread::spawn(move || {
-            crate::threads::confine_current(&[a, b]).unwrap();
+        crate::threads::on_two_cpus("none to keep off", |a, b| {
+            let mut hello = Hello::refusal(0);
             assert_eq!(keep_off_engine_cpu(&hello), None, "no CPU named");
             hello.engine_cpu = b as u32;
             // The test binary never sets KEEP_AFFINITY_ENV.
@@ -85,8 +78,6 @@ mod tests {
             hello.engine_cpu = a as u32;
             assert_eq!(keep_off_engine_cpu(&hello), None, "the only CPU left stays");
             assert_eq!(crate::threads::current_cpus(), vec![a]);
-        })
-        .join()
-        .unwrap();
+        });
     }
 }
