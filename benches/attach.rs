@@ -68,7 +68,8 @@
 //! 2. After criterion's groups (skip with `KVFERRY_ATTACH_SKIP_E2E=1`):
 //!    end to end through the real binaries with the Python clients
 //!    (`clients/python/bench_e2e.py`): a Python prefill worker attached to
-//!    `kvferry sender --attach` fills 256 KiB chunks in place, the shm
+//!    `kvferry sender --attach` fills 256 KiB chunks in place
+//!    (`KVFERRY_ATTACH_E2E_CHUNK_KIB=N`: N KiB), the shm
 //!    transport moves them into `kvferry receiver --attach`, a Python
 //!    decoder reads them in place and releases them; payload bytes per
 //!    second vs a single-thread memcpy of the same bytes (chunk by chunk,
@@ -1196,7 +1197,9 @@ criterion_group!(benches, rtt);
 
 // ----- bench 2: Python end to end through the binaries -------------------------
 
-/// Chunk size of the end-to-end run.
+/// Chunk bytes of the end-to-end run (the issue's 256 KiB; `KVFERRY_ATTACH_E2E_CHUNK_KIB`
+/// overrides it: smaller chunks make the copy a smaller part of each
+/// request, the regime a machine with a faster memcpy is in).
 const E2E_CHUNK: usize = 256 << 10;
 /// Chunks per request.
 const E2E_CHUNKS: usize = 16;
@@ -1212,6 +1215,11 @@ const E2E_WINDOW: usize = 3;
 
 fn e2e_window() -> usize {
     env_count("KVFERRY_ATTACH_E2E_WINDOW").unwrap_or(E2E_WINDOW)
+}
+
+/// The end to end's chunk bytes ([`E2E_CHUNK`] unless overridden).
+fn e2e_chunk() -> usize {
+    env_count("KVFERRY_ATTACH_E2E_CHUNK_KIB").map_or(E2E_CHUNK, |kib| kib << 10)
 }
 
 /// Receive buffer and staging slots (`KVFERRY_ATTACH_E2E_SLOTS` overrides
@@ -1308,7 +1316,7 @@ fn python_e2e(mode: &str, daemons: Daemons, placement: E2ePlacement, dir: &Path)
     let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/python");
     let rsock = dir.join(format!("{mode}-recv.sock"));
     let ssock = dir.join(format!("{mode}-send.sock"));
-    let chunk = E2E_CHUNK.to_string();
+    let chunk = e2e_chunk().to_string();
     let slots = e2e_slots().to_string();
     let buf = default_region_path();
     let all = bench_cpus();
@@ -1424,8 +1432,9 @@ fn e2e() {
     }
     let dir = std::env::temp_dir().join(unique("kvferry-attach-e2e"));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    let bytes = E2E_REQUESTS * E2E_CHUNKS * E2E_CHUNK;
-    let window = e2e_slots() * E2E_CHUNK;
+    let chunk = e2e_chunk();
+    let bytes = E2E_REQUESTS * E2E_CHUNKS * chunk;
+    let window = e2e_slots() * chunk;
     let placements: &[E2ePlacement] = match copy_apart() {
         Some(_) => &[
             E2ePlacement::Scheduler,
@@ -1444,7 +1453,7 @@ fn e2e() {
          memcpy; daemons `two` (kvferry receiver and kvferry sender, ZMQ over loopback TCP) \
          and `node` (one kvferry node, ZMQ inproc between its roles); threads {}:",
         bytes >> 20,
-        E2E_CHUNK >> 10,
+        chunk >> 10,
         e2e_window(),
         match copy_apart() {
             Some((copy, rest)) => format!(
@@ -1466,9 +1475,9 @@ fn e2e() {
         for _ in 0..3 {
             for &(daemons, placement) in &runs {
                 let ticks = cpu_ticks();
-                let before = memcpy_gibs(&src, &mut dst, bytes, E2E_CHUNK);
+                let before = memcpy_gibs(&src, &mut dst, bytes, chunk);
                 let kvf = python_e2e(mode, daemons, placement, &dir);
-                let after = memcpy_gibs(&src, &mut dst, bytes, E2E_CHUNK);
+                let after = memcpy_gibs(&src, &mut dst, bytes, chunk);
                 let base = (before + after) / 2.0;
                 let ratio = kvf / base;
                 println!(

@@ -1,6 +1,7 @@
-//! Plumbing: named threads and pinning, the ZMQ context and reactor,
-//! rate-limited logging.
+//! Plumbing: named threads and pinning, lingering before sleep, the ZMQ
+//! context and reactor, rate-limited logging.
 
+pub(crate) mod linger;
 pub(crate) mod log_budget;
 
 /// Named, optionally pinned threads; internal (not a stable API).

@@ -21,8 +21,8 @@ use super::layout::{
     EV_CHUNK, EV_FAILED, EV_NAME, EV_READY, EV_REFUSED, HELLO_FDS, HELLO_LEN, MAX_REQ_ID,
     NAME_PART, NO_TOKENS, OP_SUBSCRIBE_ALL, ROLE_DECODER, STATUS_OK,
 };
-use super::linger::{linger, slept};
 use crate::protocol::ErrorCode;
+use crate::util::linger::{linger, slept};
 
 /// Errors of a [`DecoderClient`].
 #[derive(Debug, thiserror::Error)]

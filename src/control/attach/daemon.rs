@@ -171,7 +171,7 @@ impl<R: Role> Daemon<R> {
             non_dumpable()?;
         }
         // Measured now, before any client keeps a CPU of the daemon busy.
-        super::linger::gave_away_after();
+        crate::util::linger::gave_away_after();
         remove_stale_socket(&cfg.socket)?;
         let listener = UnixListener::bind(&cfg.socket)?;
         // A peer connecting between bind and chmod is still checked by uid.

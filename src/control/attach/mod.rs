@@ -25,7 +25,6 @@ mod client;
 mod daemon;
 mod fds;
 pub mod layout;
-mod linger;
 mod placement;
 mod poll;
 mod prefill;

@@ -3,13 +3,13 @@
 //! session woken by its client's doorbell shares that CPU with it, and
 //! while the two keep handing work to each other every hand-off is a
 //! context switch (3-4 µs per one-chunk round trip there, against 1.5-2 µs
-//! side by side). [`sharing_cpu`](super::linger::sharing_cpu) tells from
+//! side by side). [`sharing_cpu`](crate::util::linger::sharing_cpu) tells from
 //! the session's own lingers when that is so; [`StepOff`] then moves the
 //! session to another CPU of its set, once per busy spell.
 //!
 //! The move costs the wake-up of an idle CPU (50-65 µs measured on the
 //! project's VM), which a short burst would not earn back; hence the
-//! [`SHARED_AFTER`](super::linger::SHARED_AFTER) hand-offs first, about
+//! [`SHARED_AFTER`](crate::util::linger::SHARED_AFTER) hand-offs first, about
 //! what the move costs in shared hand-offs (a rent-or-buy bound: a burst
 //! pays at most about twice the cheaper choice). A session confined to
 //! one CPU (`--cpus 0`) cannot move and stays; it asks the kernel again

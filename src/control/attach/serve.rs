@@ -15,10 +15,10 @@ use kvferry_ring::Plain;
 use super::daemon::{AttachConfig, DaemonShared};
 use super::fds::send_with_fds;
 use super::layout::{Hello, ATTACH_VERSION, HELLO_FDS, NO_CPU, STATUS_OK};
-use super::linger::{linger, sharing_cpu, slept, spin_for};
 use super::placement::StepOff;
 use super::poll::{poll, readable};
 use crate::eventfd::EventFd;
+use crate::util::linger::{linger, sharing_cpu, slept, spin_for};
 
 /// How long the loop sleeps between retries while a session has work it
 /// cannot do yet and no descriptor to wait on: a full completion ring (the

@@ -1,10 +1,14 @@
-//! Lingering: watching a ring for a bounded moment before sleeping, on both
-//! sides of an attachment (io_uring's SQPOLL idle time, in microseconds
-//! rather than its second). A wake-up of a sleeping thread costs tens of µs
-//! on the project's 2-vCPU VM, several times an attached round trip, so a
-//! session that stays awake a little after handling work, and a client that
-//! stays awake a little after submitting, skip both wake-ups while requests
-//! keep coming. Bounded by [`LINGER`], so an idle engine sleeps.
+//! Lingering: watching a ring for a bounded moment before sleeping
+//! (io_uring's SQPOLL idle time, in microseconds rather than its second).
+//! A wake-up of a sleeping thread costs tens of µs on the project's 2-vCPU
+//! VMs (an idle vCPU's wake-up alone is 44 µs on the Intel VM of
+//! 2026-12-07), several times an attached round trip. So on both sides of
+//! an attachment a session that stays awake a little after handling work,
+//! and a client that stays awake a little after submitting, skip both
+//! wake-ups while requests keep coming ([`linger`]); and the shm copy
+//! engine stays awake a little after its last copy, so the next request's
+//! writes find it running ([`linger_within`]). Never longer than
+//! [`LINGER_MAX`], so an idle engine sleeps.
 //!
 //! The spin before the first yield adapts per thread. When the two sides
 //! run on different CPUs, spinning finds the other side's answer soonest.
@@ -31,7 +35,7 @@
 //! The same first yield says where the other side runs. A run of
 //! [`SHARED_AFTER`] hand-offs each answered only after this thread's yield
 //! gave its CPU away means the two share it ([`sharing_cpu`]); a session
-//! then moves off it (`placement.rs`).
+//! then moves off it (`control/attach/placement.rs`).
 
 use std::cell::Cell;
 use std::sync::OnceLock;
@@ -43,7 +47,7 @@ use kvferry_ring::backoff::DEFAULT_SPIN_ROUNDS;
 /// spin: longer than the other side's turnaround in a tight loop (a few
 /// µs), far shorter than anything a person or a poll interval would notice.
 /// The least of the adapted linger (module docs).
-pub(super) const LINGER: Duration = Duration::from_micros(50);
+pub(crate) const LINGER: Duration = Duration::from_micros(50);
 
 /// The most a thread lingers, after sleeps that the other side ended
 /// within this (module docs); also the sleep past which it lingers
@@ -51,7 +55,7 @@ pub(super) const LINGER: Duration = Duration::from_micros(50);
 /// little more; 1 ms kept a prefill session yielding through the gaps of
 /// the end-to-end bench, three times its CPU, where this is 1.3-1.8
 /// times.
-pub(super) const LINGER_MAX: Duration = Duration::from_micros(250);
+pub(crate) const LINGER_MAX: Duration = Duration::from_micros(250);
 
 /// The most [`gave_away_after`] takes: a yield that returns later than
 /// this ran another thread in between on every machine measured (a bare
@@ -67,7 +71,7 @@ const GAVE_AWAY_MIN: Duration = Duration::from_nanos(500);
 /// enough everywhere: on an Intel VM a yield that hands the CPU to another
 /// thread and gets it back takes 1.0–1.1 µs (a bare one 0.2 µs), so no
 /// hand-off there ever read as shared.
-pub(super) fn gave_away_after() -> Duration {
+pub(crate) fn gave_away_after() -> Duration {
     static AFTER: OnceLock<Duration> = OnceLock::new();
     *AFTER.get_or_init(|| gave_away_for(bare_yield()))
 }
@@ -106,12 +110,12 @@ thread_local! {
 
 /// Hand-offs in a row after which [`sharing_cpu`] says this thread shares
 /// its CPU with the other side.
-pub(super) const SHARED_AFTER: u32 = 16;
+pub(crate) const SHARED_AFTER: u32 = 16;
 
 /// True once the last [`SHARED_AFTER`] hand-offs of this thread's lingers
 /// were each answered only after its yield gave the CPU away (the other
 /// side most likely runs on this CPU); the count then starts again.
-pub(super) fn sharing_cpu() -> bool {
+pub(crate) fn sharing_cpu() -> bool {
     let shared = SHARED_STREAK.get() >= SHARED_AFTER;
     if shared {
         SHARED_STREAK.set(0);
@@ -121,12 +125,20 @@ pub(super) fn sharing_cpu() -> bool {
 
 /// Returns true as soon as `ready()` does, false once this thread's linger
 /// ([`LINGER`] to [`LINGER_MAX`], see [`slept`]) of yielding passed
-/// without it. Spins first (`2^rounds` pause
-/// instructions, this thread's adapted number of rounds, checking after
-/// each: the other side's answer is seen within one pause, where
+/// without it: [`linger_within`] this thread's adapted linger.
+pub(crate) fn linger(ready: impl FnMut() -> bool) -> bool {
+    linger_within(LINGER_NOW.get(), ready)
+}
+
+/// Returns true as soon as `ready()` does, false once `linger` of yielding
+/// passed without it. Spins first (`2^rounds` pause instructions, this
+/// thread's adapted number of rounds, checking after each: the other
+/// side's answer is seen within one pause, where
 /// [`Backoff`](kvferry_ring::Backoff)'s doubling rounds would check only
-/// every 2, 4, … 32 of them), then yields the CPU between checks.
-pub(super) fn linger(mut ready: impl FnMut() -> bool) -> bool {
+/// every 2, 4, … 32 of them), then yields the CPU between checks: on a CPU
+/// of its own a yield returns at once, on a shared one it lets the others
+/// run.
+pub(crate) fn linger_within(linger: Duration, mut ready: impl FnMut() -> bool) -> bool {
     let spin = SPIN_ROUNDS.get();
     for _ in 0..(1u32 << spin) {
         if ready() {
@@ -150,7 +162,6 @@ pub(super) fn linger(mut ready: impl FnMut() -> bool) -> bool {
         });
         return true;
     }
-    let linger = LINGER_NOW.get();
     while start.elapsed() < linger {
         std::thread::yield_now();
         if ready() {
@@ -167,7 +178,7 @@ pub(super) fn linger(mut ready: impl FnMut() -> bool) -> bool {
 /// hand the CPU to the other side, which a spin would only keep waiting);
 /// returns `ready()`'s last answer. For a wait far shorter than a yield's
 /// round trip.
-pub(super) fn spin_for(d: Duration, mut ready: impl FnMut() -> bool) -> bool {
+pub(crate) fn spin_for(d: Duration, mut ready: impl FnMut() -> bool) -> bool {
     let start = Instant::now();
     for i in 0..(1u32 << SPIN_ROUNDS.get()) {
         if ready() {
@@ -185,7 +196,7 @@ pub(super) fn spin_for(d: Duration, mut ready: impl FnMut() -> bool) -> bool {
 /// Tells this thread's linger how long the sleep that followed a failed
 /// [`linger`] lasted, once it ended with work to do: the next linger is
 /// [`after_sleep`] of it.
-pub(super) fn slept(slept: Duration) {
+pub(crate) fn slept(slept: Duration) {
     LINGER_NOW.set(after_sleep(slept));
 }
 
@@ -216,14 +227,20 @@ fn adapted(spin: u32, gave_away: bool) -> u32 {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_short_spin_returns_at_the_condition_or_after_its_rounds_or_time() {
+    /// `wait` (a spin or a linger) given a condition that holds from its
+    /// third check on: it must return true at that check.
+    fn returns_at_the_first_true(wait: impl FnOnce(&mut dyn FnMut() -> bool) -> bool) {
         let mut checks = 0;
-        assert!(spin_for(Duration::from_secs(5), || {
+        assert!(wait(&mut || {
             checks += 1;
             checks == 3
         }));
         assert_eq!(checks, 3, "returned at the first true");
+    }
+
+    #[test]
+    fn a_short_spin_returns_at_the_condition_or_after_its_rounds_or_time() {
+        returns_at_the_first_true(|ready| spin_for(Duration::from_secs(5), ready));
         std::thread::spawn(|| {
             SPIN_ROUNDS.set(DEFAULT_SPIN_ROUNDS);
             let mut checks = 0u32;
@@ -249,6 +266,15 @@ mod tests {
         })
         .join()
         .unwrap();
+    }
+
+    #[test]
+    fn a_linger_within_a_given_time_returns_at_the_condition_or_after_that_time() {
+        returns_at_the_first_true(|ready| linger_within(Duration::from_secs(5), ready));
+        let d = Duration::from_micros(300);
+        let t = Instant::now();
+        assert!(!linger_within(d, || false));
+        assert!(t.elapsed() >= d, "gave up after {:?}", t.elapsed());
     }
 
     #[test]
