@@ -592,8 +592,8 @@ fn place_rtt(placement: Placement, session: libc::pid_t) -> bool {
 /// thread costs less than half of one on another, `docs/benchmarks.md`,
 /// "Attach, 2026-12-07 (5)"). The move happens before the clock starts.
 fn on_session_side(placement: Placement, consume: impl FnOnce() -> Duration) -> Duration {
-    let apart = rtt_cpus(placement).filter(|_| placement != Placement::Free);
-    let Some((session_cpus, own_cpus)) = apart else {
+    let (Placement::CopyApart, Some((session_cpus, own_cpus))) = (placement, rtt_cpus(placement))
+    else {
         return consume();
     };
     assert!(
@@ -1197,9 +1197,10 @@ criterion_group!(benches, rtt);
 
 // ----- bench 2: Python end to end through the binaries -------------------------
 
-/// Chunk bytes of the end-to-end run (the 256 KiB; `KVFERRY_ATTACH_E2E_CHUNK_KIB`
-/// overrides it: smaller chunks make the copy a smaller part of each
-/// request, the regime a machine with a faster memcpy is in).
+/// Chunk bytes of the end-to-end run: the 256 KiB
+/// (`KVFERRY_ATTACH_E2E_CHUNK_KIB` overrides it: smaller chunks make the
+/// copy a smaller part of each request, the regime of a machine with a
+/// faster memcpy).
 const E2E_CHUNK: usize = 256 << 10;
 /// Chunks per request.
 const E2E_CHUNKS: usize = 16;

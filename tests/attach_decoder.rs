@@ -516,7 +516,8 @@ fn past_max_clients_a_new_attachment_is_refused() {
 
 /// A library daemon's `AttachConfig::engine_cpu` reaches the hello, and a
 /// client keeps the thread that attached off that CPU, but only once the
-/// attach succeeded: a refused one leaves the thread's CPUs as they were.
+/// attach succeeded: a refused one, from a thread that may still run on
+/// that CPU, leaves the thread's CPUs as they were.
 #[test]
 fn only_a_successful_attach_keeps_its_thread_off_the_engine_cpu() {
     let cpus = kvferry::threads::allowed_cpus().to_vec();
@@ -530,7 +531,8 @@ fn only_a_successful_attach_keeps_its_thread_off_the_engine_cpu() {
         c.engine_cpu = Some(last);
     });
     let sock = dir.sock();
-    std::thread::scope(|s| {
+    // Each attach on a thread of its own, spawned from this one (every CPU).
+    let first = thread::scope(|s| {
         s.spawn(|| {
             let before = process::thread_cpus();
             let first = connect(&sock);
@@ -546,24 +548,30 @@ fn only_a_successful_attach_keeps_its_thread_off_the_engine_cpu() {
                 assert_eq!(first.kept_off_cpu(), None, "its only CPU stays");
                 assert_eq!(process::thread_cpus(), before);
             }
-            wait_for("the first session", || d.clients() == 1);
-            s.spawn(|| {
-                let before = process::thread_cpus();
-                match DecoderClient::connect(&sock, WAIT) {
-                    Err(AttachError::Refused(st)) => assert_eq!(st, STATUS_TOO_MANY_CLIENTS),
-                    other => panic!("expected a refusal, got {other:?}"),
-                }
-                assert_eq!(
-                    process::thread_cpus(),
-                    before,
-                    "a refused attach changed the thread's CPUs"
-                );
-            })
-            .join()
-            .unwrap();
-            drop(first);
-        });
+            first
+        })
+        .join()
+        .unwrap()
     });
+    wait_for("the first session", || d.clients() == 1);
+    thread::scope(|s| {
+        s.spawn(|| {
+            let before = process::thread_cpus();
+            assert!(before.contains(&last), "{before:?}");
+            match DecoderClient::connect(&sock, WAIT) {
+                Err(AttachError::Refused(st)) => assert_eq!(st, STATUS_TOO_MANY_CLIENTS),
+                other => panic!("expected a refusal, got {other:?}"),
+            }
+            assert_eq!(
+                process::thread_cpus(),
+                before,
+                "a refused attach changed the thread's CPUs"
+            );
+        })
+        .join()
+        .unwrap();
+    });
+    drop(first);
 }
 
 /// Runs python3 as uid 65534 (nobody) to connect to `sock`; returns what it
