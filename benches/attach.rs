@@ -97,7 +97,10 @@
 //!    TCP between them), and `node`, one `kvferry node` serving both roles
 //!    (ZMQ `inproc://` between them; docs/attach.md, "One process for both
 //!    roles"). `KVFERRY_ATTACH_E2E_POLL_IDLE_US=N` starts the daemons
-//!    with `--attach-poll-idle-us N` (polling sessions).
+//!    with `--attach-poll-idle-us N` (polling sessions);
+//!    `KVFERRY_ATTACH_E2E_CONTROL=ipc` has the receiver listen on an
+//!    `ipc://` socket instead of loopback TCP (what docs/attach.md tells
+//!    the operator of two daemons on one host to do).
 
 mod common;
 
@@ -1236,6 +1239,16 @@ fn e2e_poll_idle_us() -> Option<usize> {
     env_count("KVFERRY_ATTACH_E2E_POLL_IDLE_US")
 }
 
+/// The receiver's `--listen` in the end-to-end runs: loopback TCP, or with
+/// `KVFERRY_ATTACH_E2E_CONTROL=ipc` a Unix socket in `dir` (the sender's
+/// `--connect` takes what the receiver prints either way).
+fn e2e_listen(dir: &Path, mode: &str) -> String {
+    match std::env::var("KVFERRY_ATTACH_E2E_CONTROL").as_deref() {
+        Ok("ipc") => format!("ipc://{}", dir.join(format!("{mode}-ctl.sock")).display()),
+        _ => "tcp://127.0.0.1:0".to_owned(),
+    }
+}
+
 /// A positive count from the environment variable `var`, if set.
 fn env_count(var: &str) -> Option<usize> {
     std::env::var(var)
@@ -1338,9 +1351,10 @@ fn python_e2e(mode: &str, daemons: Daemons, placement: E2ePlacement, dir: &Path)
             all,
         ),
     };
+    let listen = e2e_listen(dir, mode);
     let receiver_args = [
         "--listen",
-        "tcp://127.0.0.1:0",
+        &listen,
         "--capacity-chunks",
         &slots,
         "--chunk-bytes",
@@ -1451,11 +1465,16 @@ fn e2e() {
     println!(
         "\nattach end to end (Python worker -> kvferry sender -> shm -> kvferry receiver -> \
          Python decoder), {} MiB in {} KiB chunks, {} requests in flight, vs a single-thread \
-         memcpy; daemons `two` (kvferry receiver and kvferry sender, ZMQ over loopback TCP) \
+         memcpy; daemons `two` (kvferry receiver and kvferry sender, ZMQ over {}) \
          and `node` (one kvferry node, ZMQ inproc between its roles); threads {}:",
         bytes >> 20,
         chunk >> 10,
         e2e_window(),
+        if e2e_listen(&dir, "").starts_with("ipc://") {
+            "an ipc:// socket"
+        } else {
+            "loopback TCP"
+        },
         match copy_apart() {
             Some((copy, rest)) => format!(
                 "`none` (the scheduler's choice: --copy-cpu none, --spare-cpu none), `auto` \

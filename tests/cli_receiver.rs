@@ -209,3 +209,111 @@ fn an_unusable_endpoint_is_a_runtime_error() {
     assert_eq!(st.code(), Some(1), "status {st}, stderr: {err}");
     assert!(err.contains("bogus://nowhere"), "{err}");
 }
+
+/// `--listen` / `--also-listen` on `ipc://` paths, through the binaries:
+/// a regular file at the path is refused (exit 1, the file intact; libzmq
+/// alone would have unlinked it); `--also-listen` endpoints are announced
+/// and serve, a `kvferry sender` completing its requests over the ipc
+/// one; a second receiver given the live one's path is refused and the
+/// first serves on (libzmq alone would have taken the path over); a
+/// receiver SIGKILLed leaves its socket file, which the next one takes
+/// over; SIGTERM removes it.
+#[test]
+fn ipc_endpoints_never_take_a_file_or_a_live_receivers_socket() {
+    let dir = TempDir::new("kvferry-cli-ipc");
+    let ipc = |name: &str| format!("ipc://{}", dir.join(name).display());
+    // Each receiver with a buffer file of its own, `buf` in `dir`.
+    let receiver = |buf: &str, args: &[&str]| {
+        let mut cmd = Command::new(BIN);
+        cmd.args([
+            "receiver",
+            "--capacity-chunks",
+            "8",
+            "--chunk-bytes",
+            "4096",
+        ])
+        .arg("--shm-path")
+        .arg(dir.join(buf))
+        .args(args)
+        .stdin(Stdio::null())
+        .stderr(Stdio::piped());
+        cmd
+    };
+
+    std::fs::write(dir.join("notes"), b"keep me").unwrap();
+    let (st, err) = status_and_stderr(
+        &mut receiver("buf-0", &["--listen", &ipc("notes")]),
+        "a receiver on a regular file",
+    );
+    assert_eq!(st.code(), Some(1), "status {st}, stderr: {err}");
+    assert!(err.contains("not a socket"), "{err}");
+    assert_eq!(std::fs::read(dir.join("notes")).unwrap(), b"keep me");
+
+    let mut first = ChildProc::spawn(&mut receiver(
+        "buf-1",
+        &[
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--also-listen",
+            &ipc("ctl.sock"),
+            "--consume",
+        ],
+    ));
+    let lines = first.after_prefixes(&[
+        "kvferry receiver listening on ",
+        "kvferry receiver also listening on ",
+    ]);
+    assert_eq!(lines[1], ipc("ctl.sock"), "{lines:?}");
+
+    let (st, err) = status_and_stderr(
+        &mut receiver("buf-2", &["--listen", &ipc("ctl.sock")]),
+        "a second receiver on the live one's socket",
+    );
+    assert_eq!(st.code(), Some(1), "status {st}, stderr: {err}");
+    assert!(err.contains("served by a live daemon"), "{err}");
+
+    let mut sender = ChildProc::spawn(Command::new(BIN).stdin(Stdio::null()).args([
+        "sender",
+        "--connect",
+        &ipc("ctl.sock"),
+        "--requests",
+        "12",
+        "--chunks",
+        "1..4",
+        "--chunk-bytes",
+        "4096",
+        "--capacity-chunks",
+        "8",
+        "--json",
+        "--quiet",
+    ]));
+    let report = sender
+        .lines
+        .rest(&mut sender.child, "the sender over ipc")
+        .join("\n");
+    sender.wait_success("the sender over ipc");
+    let v: serde_json::Value =
+        serde_json::from_str(&report).unwrap_or_else(|e| panic!("a JSON report ({e}):\n{report}"));
+    assert_eq!(v["completed"], 12, "{v}");
+
+    assert!(sigterm(&first.child), "kill(SIGTERM)");
+    first.wait_success("the receiver after SIGTERM");
+    assert!(
+        !dir.join("ctl.sock").exists(),
+        "its socket file outlived it"
+    );
+
+    // SIGKILLed: the file stays, and the next receiver takes it over.
+    let mut killed = ChildProc::spawn(&mut receiver("buf-3", &["--listen", &ipc("ctl.sock")]));
+    killed.after_prefixes(&["kvferry receiver listening on "]);
+    killed.sigkill();
+    assert!(
+        dir.join("ctl.sock").exists(),
+        "SIGKILL removed the socket file"
+    );
+    let mut next = ChildProc::spawn(&mut receiver("buf-4", &["--listen", &ipc("ctl.sock")]));
+    let lines = next.after_prefixes(&["kvferry receiver listening on "]);
+    assert_eq!(lines[0], ipc("ctl.sock"));
+    let c = Client::connect(&lines[0], "cli-ipc");
+    assert_eq!(c.hello().capacity_chunks, 8);
+}

@@ -153,3 +153,40 @@ fn bind_errors_name_the_endpoint() {
     }
     l.shutdown();
 }
+
+/// An `ipc://` endpoint's path: a regular file there, or a live listener's
+/// socket, is `ProxyError::SocketFile` and stays as it was (libzmq alone
+/// would unlink either); a dead listener's socket is taken over; the file
+/// goes when the listener is dropped.
+#[test]
+fn an_ipc_endpoint_takes_only_a_free_path_or_a_dead_listeners_socket() {
+    use std::io::ErrorKind;
+    let dir = TempDir::new("kvferry-proxy-ipc");
+    let notes = dir.join("notes");
+    std::fs::write(&notes, b"keep me").unwrap();
+    let refused = |endpoint: &str, kind: ErrorKind| match ProxyListener::bind(endpoint) {
+        Err(ProxyError::SocketFile {
+            endpoint: e,
+            source,
+        }) => {
+            assert_eq!((e.as_str(), source.kind()), (endpoint, kind), "{source}")
+        }
+        other => panic!("{endpoint}: expected SocketFile ({kind:?}), got {other:?}"),
+    };
+    refused(
+        &format!("ipc://{}", notes.display()),
+        ErrorKind::AlreadyExists,
+    );
+    assert_eq!(std::fs::read(&notes).unwrap(), b"keep me");
+
+    let sock = dir.join("proxy.sock");
+    drop(std::os::unix::net::UnixListener::bind(&sock).unwrap());
+    let endpoint = format!("ipc://{}", sock.display());
+    let l = ProxyListener::bind(&endpoint).expect("a dead listener's socket is taken over");
+    refused(&endpoint, ErrorKind::AddrInUse);
+    let p = pusher(l.endpoint());
+    p.send(notif("over-ipc"), 0).unwrap();
+    wait_until("the ProxyNotif over ipc", || l.count("over-ipc") == 1);
+    l.shutdown();
+    assert!(!sock.exists(), "the ipc socket file outlived its listener");
+}

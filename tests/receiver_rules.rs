@@ -599,3 +599,90 @@ fn anonymous_batch_fails_when_the_buffer_is_full() {
         Some(&1)
     );
 }
+
+/// `ipc://` endpoints, `listen` and `also_listen` alike: the receiver takes
+/// a path only if nothing is there or a socket nobody serves; a file that
+/// is not a socket, or a live receiver's socket, is
+/// `ReceiverError::SocketFile` and stays as it was (libzmq alone unlinks
+/// whatever is at the path before it binds: the file was lost, the live
+/// receiver's peers went to the new one). Every endpoint serves, with
+/// `also_endpoints()` in order; the files go when the receiver is dropped.
+#[test]
+fn an_ipc_endpoint_takes_only_a_free_path_or_a_dead_receivers_socket() {
+    use kvferry::receiver::{ReceiverConfig, ReceiverError};
+    use std::io::ErrorKind;
+    use std::os::unix::net::UnixListener;
+
+    let dir = TempDir::new("kvferry-ipc");
+    let ipc = |name: &str| format!("ipc://{}", dir.join(name).display());
+    let refused = |cfg: ReceiverConfig, kind: ErrorKind, endpoint: &str| {
+        match kvferry::receiver::Receiver::start(cfg) {
+            Err(e @ ReceiverError::SocketFile { .. }) => {
+                let ReceiverError::SocketFile { source, .. } = &e else {
+                    unreachable!()
+                };
+                assert_eq!(source.kind(), kind, "{e}");
+                assert!(e.to_string().contains(endpoint), "{e}");
+            }
+            other => panic!("{endpoint}: expected SocketFile ({kind:?}), got {other:?}"),
+        }
+    };
+
+    // A regular file at `listen`'s path, then at `also_listen`'s: kept.
+    std::fs::write(dir.join("notes"), b"keep me").unwrap();
+    refused(
+        ReceiverConfig {
+            listen: ipc("notes"),
+            ..config(4)
+        },
+        ErrorKind::AlreadyExists,
+        &ipc("notes"),
+    );
+    refused(
+        ReceiverConfig {
+            also_listen: vec![ipc("notes")],
+            ..config(4)
+        },
+        ErrorKind::AlreadyExists,
+        &ipc("notes"),
+    );
+    assert_eq!(std::fs::read(dir.join("notes")).unwrap(), b"keep me");
+
+    // A dead receiver's socket (bound, its listener gone): taken over.
+    drop(UnixListener::bind(dir.join("ctl.sock")).unwrap());
+    let r = start(ReceiverConfig {
+        also_listen: vec![ipc("ctl.sock"), "tcp://127.0.0.1:0".into()],
+        ..config(4)
+    });
+    let also = r.also_endpoints().to_vec();
+    assert_eq!(also.len(), 2, "{also:?}");
+    assert_eq!(also[0], ipc("ctl.sock"));
+    assert!(
+        also[1].starts_with("tcp://127.0.0.1:") && !also[1].ends_with(":0"),
+        "{also:?}"
+    );
+
+    // A second receiver on the live one's path: refused, the first serves on.
+    refused(
+        ReceiverConfig {
+            listen: ipc("ctl.sock"),
+            ..config(4)
+        },
+        ErrorKind::AddrInUse,
+        &ipc("ctl.sock"),
+    );
+    for (i, endpoint) in [r.endpoint().to_owned(), also[0].clone(), also[1].clone()]
+        .iter()
+        .enumerate()
+    {
+        let c = Client::connect(endpoint, &format!("ipc-{i}"));
+        let req = format!("ipc-req-{i}");
+        let rep = c.call(&alloc(&req, &keys(&req, 1), 1, true, Some(1)), endpoint);
+        assert_ok(&rep, 1);
+    }
+    drop(r);
+    assert!(
+        !dir.join("ctl.sock").exists(),
+        "the ipc socket file outlived its receiver"
+    );
+}

@@ -22,6 +22,7 @@ use tracing::{debug, warn};
 
 use crate::protocol::{decode_with_limits, ErrorCode, Limits, Message};
 use crate::recent::RecentMap;
+use crate::util::socket_file::{Claim, SocketFile};
 use crate::zmq_io::{readable, Reactor};
 
 /// Default bytes of notification counts (request ids) the listener
@@ -106,6 +107,18 @@ pub enum ProxyError {
         /// The ZMQ error.
         #[source]
         source: zmq::Error,
+    },
+    /// The file of an `ipc://` endpoint is taken: a socket another process
+    /// serves ([`std::io::ErrorKind::AddrInUse`]) or a file that is not a
+    /// socket ([`std::io::ErrorKind::AlreadyExists`]). Both are left as
+    /// they are; a socket nobody serves (a listener that died) is replaced.
+    #[error("cannot listen for ProxyNotif on {endpoint}: {source}")]
+    SocketFile {
+        /// The endpoint.
+        endpoint: String,
+        /// Why the path is not free.
+        #[source]
+        source: std::io::Error,
     },
     /// The listener thread could not be started.
     #[error("cannot start the proxy listener thread: {0}")]
@@ -202,6 +215,9 @@ pub struct ProxyListener {
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
     endpoint: String,
+    /// The file of an `ipc://` endpoint: removed after `Drop` joined the
+    /// listener thread (which owns the socket).
+    _socket_file: Option<SocketFile>,
 }
 
 impl std::fmt::Debug for ProxyListener {
@@ -236,7 +252,15 @@ impl ProxyListener {
         // stops reading that connection and the backlog stays on the
         // sender's side (kvferry senders never block on their PUSH).
         sock.set_rcvhwm(RECV_QUEUE).map_err(err)?;
+        // An `ipc://` endpoint's file: claimed first (libzmq would unlink
+        // whatever is there), removed when the listener is dropped.
+        let claim =
+            SocketFile::claim_endpoint(endpoint).map_err(|source| ProxyError::SocketFile {
+                endpoint: endpoint.to_owned(),
+                source,
+            })?;
         sock.bind(endpoint).map_err(err)?;
+        let socket_file = claim.map(Claim::bound);
         let bound = match sock.get_last_endpoint() {
             Ok(Ok(e)) => e,
             _ => endpoint.to_owned(),
@@ -268,6 +292,7 @@ impl ProxyListener {
             shared,
             thread: Some(thread),
             endpoint: bound,
+            _socket_file: socket_file,
         })
     }
 

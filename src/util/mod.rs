@@ -1,8 +1,10 @@
 //! Plumbing: named threads and pinning, lingering before sleep, the ZMQ
-//! context and reactor, rate-limited logging.
+//! context and reactor, the socket files daemons bind, rate-limited
+//! logging.
 
 pub(crate) mod linger;
 pub(crate) mod log_budget;
+pub(crate) mod socket_file;
 
 /// Named, optionally pinned threads; internal (not a stable API).
 #[doc(hidden)]

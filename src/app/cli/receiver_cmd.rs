@@ -37,9 +37,17 @@ pub struct ReceiverCmdArgs {
 /// The receiver's options, shared by `kvferry receiver` and `kvferry node`.
 #[derive(Debug, Args)]
 pub struct ReceiverArgs {
-    /// ZMQ endpoint to bind for AllocRequests.
+    /// ZMQ endpoint to bind for AllocRequests. An `ipc://PATH` one takes
+    /// PATH only if nothing is there or a socket nobody serves (a
+    /// receiver that died); it is removed at exit.
     #[arg(long, default_value = "tcp://127.0.0.1:7400")]
     pub listen: String,
+    /// More endpoints the same socket binds (comma-separated or repeated),
+    /// as `--listen`'s: e.g. `ipc:///run/kvferry/recv.ctl` for a kvferry
+    /// sender on this host while `--listen` serves remote and LMCache
+    /// senders over TCP (docs/attach.md, "Two daemons on one host").
+    #[arg(long, value_delimiter = ',', value_name = "ENDPOINT")]
+    pub also_listen: Vec<String>,
     /// Slots in the receive buffer.
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     pub capacity_chunks: u32,
@@ -224,11 +232,15 @@ pub(super) struct Served {
     attach: Option<DecoderDaemon>,
     pub(super) receiver: Arc<Receiver>,
     rdma: bool,
+    /// How many of the receiver's `also_endpoints` are `--also-listen`'s
+    /// (announced; the caller's own follow them).
+    announced_also: usize,
 }
 
 impl Served {
-    /// Starts the receiver `a` describes, binding `also_listen` too (see
-    /// [`ReceiverConfig::also_listen`]), and its decoder daemon if
+    /// Starts the receiver `a` describes, binding its `--also-listen` and
+    /// then `also_listen` too (see [`ReceiverConfig::also_listen`]; the
+    /// latter not announced), and its decoder daemon if
     /// `--attach` is given, whose hello names `engine_cpu` (the CPU the
     /// caller keeps for a copy engine, [`AttachConfig::engine_cpu`]).
     /// `--cpus`/`--pin-cpu` and `--metrics` are the caller's. The error is
@@ -254,9 +266,10 @@ impl Served {
         } else {
             None
         };
+        let announced_also = a.also_listen.len();
         let cfg = ReceiverConfig {
             listen: a.listen.clone(),
-            also_listen,
+            also_listen: a.also_listen.iter().cloned().chain(also_listen).collect(),
             receiver_id: a
                 .receiver_id
                 .unwrap_or_else(|| format!("receiver-{}", std::process::id())),
@@ -327,6 +340,7 @@ impl Served {
             attach,
             receiver,
             rdma: a.rdma,
+            announced_also,
         })
     }
 
@@ -343,6 +357,14 @@ impl Served {
     /// <socket>`, …), `metrics`' address among them.
     pub(super) fn announce(&self, role: &str, attach: &str, metrics: Option<&MetricsServer>) {
         super::say!("kvferry {role} listening on {}", self.receiver.endpoint());
+        for also in self
+            .receiver
+            .also_endpoints()
+            .iter()
+            .take(self.announced_also)
+        {
+            super::say!("kvferry {role} also listening on {also}");
+        }
         if let Some(d) = &self.attach {
             super::say!("kvferry {role} {attach} on {}", d.socket().display());
         }

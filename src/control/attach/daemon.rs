@@ -6,7 +6,7 @@
 use std::fs;
 use std::io::{self, Write};
 use std::os::fd::{AsFd, AsRawFd};
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -18,6 +18,7 @@ use super::layout::{Hello, STATUS_INTERNAL, STATUS_TOO_MANY_CLIENTS, STATUS_WRON
 use super::poll::{own_uid, peer, poll, readable, Peer};
 use super::serve::{serve, Serve};
 use crate::eventfd::EventFd;
+use crate::util::socket_file::SocketFile;
 
 /// Limits and paths of an attach daemon ([`DecoderDaemon`](super::DecoderDaemon),
 /// [`PrefillDaemon`](super::PrefillDaemon)).
@@ -121,6 +122,9 @@ pub(super) struct DaemonShared<R> {
 pub(super) struct Daemon<R: Role> {
     pub(super) shared: Arc<DaemonShared<R>>,
     accept: Option<JoinHandle<()>>,
+    /// The socket's file: removed when this is dropped, after `Drop`
+    /// joined the accept thread (which owns the listener).
+    _file: SocketFile,
 }
 
 impl<R: Role> std::fmt::Debug for Daemon<R> {
@@ -129,31 +133,6 @@ impl<R: Role> std::fmt::Debug for Daemon<R> {
             .field("socket", &self.shared.cfg.socket)
             .field("clients", &self.clients())
             .finish()
-    }
-}
-
-/// Removes a socket file nobody listens on (a previous daemon that died).
-/// Anything else at `path` (a live socket, a regular file) is an error and
-/// is left alone.
-fn remove_stale_socket(path: &Path) -> io::Result<()> {
-    match fs::symlink_metadata(path) {
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(e),
-        Ok(m) if !m.file_type().is_socket() => {
-            return Err(io::Error::new(
-                io::ErrorKind::AlreadyExists,
-                format!("{} exists and is not a socket", path.display()),
-            ))
-        }
-        Ok(_) => {}
-    }
-    match UnixStream::connect(path) {
-        Ok(_) => Err(io::Error::new(
-            io::ErrorKind::AddrInUse,
-            format!("{} is served by a live daemon", path.display()),
-        )),
-        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => fs::remove_file(path),
-        Err(_) => Ok(()),
     }
 }
 
@@ -172,8 +151,9 @@ impl<R: Role> Daemon<R> {
         }
         // Measured now, before any client keeps a CPU of the daemon busy.
         crate::util::linger::gave_away_after();
-        remove_stale_socket(&cfg.socket)?;
+        let claim = SocketFile::claim(&cfg.socket)?;
         let listener = UnixListener::bind(&cfg.socket)?;
+        let file = claim.bound();
         // A peer connecting between bind and chmod is still checked by uid.
         fs::set_permissions(&cfg.socket, fs::Permissions::from_mode(0o600))?;
         listener.set_nonblocking(true)?;
@@ -190,6 +170,7 @@ impl<R: Role> Daemon<R> {
         Ok(Self {
             shared,
             accept: Some(accept),
+            _file: file,
         })
     }
 
@@ -223,7 +204,6 @@ impl<R: Role> Drop for Daemon<R> {
                 "attach accept",
             );
         }
-        let _ = fs::remove_file(&self.shared.cfg.socket);
     }
 }
 

@@ -38,6 +38,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::protocol::{Descriptor, ErrorCode, Limits};
 use crate::recent::RecentMap;
 use crate::region::{default_region_path, Region, RegionError};
+use crate::util::socket_file::{Claim, SocketFile};
 
 use self::bounds::Bounds;
 use self::core::{CoreConfig, Outcome, Output, ReceiverCore};
@@ -175,6 +176,18 @@ pub enum ReceiverError {
         /// The ZMQ error.
         #[source]
         source: zmq::Error,
+    },
+    /// The file of an `ipc://` endpoint is taken: a socket another process
+    /// serves ([`std::io::ErrorKind::AddrInUse`]) or a file that is not a
+    /// socket ([`std::io::ErrorKind::AlreadyExists`]). Both are left as
+    /// they are; a socket nobody serves (a receiver that died) is replaced.
+    #[error("cannot listen on {endpoint}: {source}")]
+    SocketFile {
+        /// The endpoint.
+        endpoint: String,
+        /// Why the path is not free.
+        #[source]
+        source: std::io::Error,
     },
     /// The ctrl thread or its poller could not be started.
     #[error("cannot start the receiver's control thread: {0}")]
@@ -326,14 +339,21 @@ pub(crate) struct Shared {
 pub struct Receiver {
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
+    /// `listen`'s bound endpoint.
     endpoint: String,
+    /// `also_listen`'s, in order.
+    also_endpoints: Vec<String>,
     tcp: Option<tcp_data::TcpData>,
+    /// The files of its `ipc://` endpoints: removed after `Drop` joined the
+    /// ctrl thread (which owns the socket).
+    _socket_files: Vec<SocketFile>,
 }
 
 impl std::fmt::Debug for Receiver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Receiver")
             .field("endpoint", &self.endpoint)
+            .field("also_endpoints", &self.also_endpoints)
             .finish_non_exhaustive()
     }
 }
@@ -466,17 +486,29 @@ impl Receiver {
         sock.set_sndhwm(cfg.reply_queue_per_peer.max(1))
             .map_err(bind)?;
         sock.set_router_mandatory(true).map_err(bind)?;
-        sock.bind(&cfg.listen).map_err(bind)?;
-        let endpoint = match sock.get_last_endpoint() {
-            Ok(Ok(e)) => e,
-            _ => cfg.listen.clone(),
-        };
-        for more in &cfg.also_listen {
-            sock.bind(more).map_err(|source| ReceiverError::Bind {
-                endpoint: more.clone(),
+        // Each endpoint with the actual port when `:0` was asked for; each
+        // `ipc://` one's file claimed first (libzmq would unlink whatever is
+        // there) and removed when the receiver is dropped.
+        let mut endpoints = Vec::with_capacity(1 + cfg.also_listen.len());
+        let mut socket_files = Vec::new();
+        for listen in std::iter::once(&cfg.listen).chain(&cfg.also_listen) {
+            let claim =
+                SocketFile::claim_endpoint(listen).map_err(|source| ReceiverError::SocketFile {
+                    endpoint: listen.clone(),
+                    source,
+                })?;
+            sock.bind(listen).map_err(|source| ReceiverError::Bind {
+                endpoint: listen.clone(),
                 source,
             })?;
+            socket_files.extend(claim.map(Claim::bound));
+            endpoints.push(match sock.get_last_endpoint() {
+                Ok(Ok(e)) => e,
+                _ => listen.clone(),
+            });
         }
+        let also_endpoints = endpoints.split_off(1);
+        let endpoint = endpoints.pop().unwrap_or_else(|| cfg.listen.clone());
         let reactor = crate::zmq_io::Reactor::new()?;
         reactor.register(&sock, ctrl::SOCKET_TOKEN)?;
         let now = Instant::now();
@@ -550,7 +582,9 @@ impl Receiver {
             shared,
             thread: Some(thread),
             endpoint,
+            also_endpoints,
             tcp,
+            _socket_files: socket_files,
         })
     }
 
@@ -585,6 +619,12 @@ impl Receiver {
     /// The bound endpoint (with the actual port when `:0` was asked for).
     pub fn endpoint(&self) -> &str {
         &self.endpoint
+    }
+
+    /// The endpoints bound for [`ReceiverConfig::also_listen`], in its
+    /// order (with the actual port when `:0` was asked for).
+    pub fn also_endpoints(&self) -> &[String] {
+        &self.also_endpoints
     }
 
     /// The shared-memory file holding the receive buffer, as senders open
