@@ -1013,7 +1013,9 @@ fn submissions_after_the_session_went_to_sleep_are_always_served() {
 /// (`clients/python/wake_check.py`): it writes the socket byte only when
 /// the session armed need-wakeup, and its completion wait runs with the
 /// futex backstop off, so a wake-up lost on either ring hangs the script
-/// and it fails at its deadline naming the submission.
+/// and it fails at its deadline naming the submission. Then its wait's
+/// linger: adapted as the Rust clients' is, and bounded (a wait answered
+/// 0.3 s later sleeps after it, spending little CPU).
 #[test]
 fn the_python_client_loses_no_wake_up_on_either_ring() {
     let dir = TempDir::new("kvferry-attach");

@@ -90,6 +90,12 @@ WAKE_SLACK = 0.1
 # MIN_SPINS and SPINS (Ring.wait).
 SPINS = 64
 MIN_SPINS = 2
+# After its polls a wait yields the CPU (os.sched_yield between checks) for
+# this ring's linger before the futex wait, as the Rust clients and the
+# daemon's sessions do (src/util/linger.rs): LINGER seconds, adapted up to
+# LINGER_MAX after sleeps that the daemon ended that soon (Ring.wait).
+LINGER = 50e-6
+LINGER_MAX = 250e-6
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -162,8 +168,9 @@ class Ring:
         taken.value = 1
         # Private copies of our own index (we are its only writer).
         self.pos = self.tail.value if side == "producer" else self.head.value
-        # Consumer: this ring's current spin budget (see wait).
+        # Consumer: this ring's current spin budget and linger (see wait).
         self.spins = SPINS
+        self.linger = LINGER
 
     def offset(self, pos):
         return self.slots + (pos & (self.cap - 1)) * self.esize
@@ -234,17 +241,27 @@ class Ring:
     def wait(self, deadline):
         """Until an entry is available (True) or the deadline (False).
 
-        Polls up to `self.spins` times, then sleeps on the futex. The
-        budget adapts, as the daemon's linger does: an entry that arrived
-        during the polls (the producer runs on another CPU) doubles it, up
-        to SPINS; a wait that had to sleep halves it, down to MIN_SPINS.
-        When the producer shares this process's CPU it cannot publish
-        while we poll, so polling only delays it: there the budget falls
-        to MIN_SPINS within a few waits, and a Python poll (~0.4 µs) is
-        no longer spent by the thousand per second on a busy CPU."""
+        Polls up to `self.spins` times, then yields the CPU between checks
+        for `self.linger` seconds, then sleeps on the futex. The poll
+        budget adapts: an entry that arrived during the polls (the
+        producer runs on another CPU) doubles it, up to SPINS; one that
+        came later halves it, down to MIN_SPINS. When the producer shares
+        this process's CPU it cannot publish while we poll, so polling
+        only delays it: there the budget falls to MIN_SPINS within a few
+        waits, and a Python poll (~0.4 µs) is no longer spent by the
+        thousand per second on a busy CPU. The yields are for that CPU:
+        each lets the daemon's session run and answer, and an answer that
+        comes during them costs no futex wake-up (a syscall on each side
+        and two switches; on the project's 2-vCPU VM this raised the
+        end-to-end bench by 7-15 %, docs/benchmarks.md, "Attach, 2026-12-07
+        (8)"). The linger adapts as the Rust clients' does: a sleep that
+        the producer ended within LINGER_MAX means it gave up too early,
+        so the next linger is twice that sleep (LINGER to LINGER_MAX); a
+        longer sleep brings it back to LINGER. An idle client yields for
+        at most LINGER_MAX before it sleeps."""
         if self.available() > 0:
             return True
-        budget, spins = self.spins, 1
+        budget, spins, linger_end, asleep = self.spins, 1, None, None
         while self.available() <= 0:
             now = time.monotonic()
             if now >= deadline:
@@ -252,6 +269,13 @@ class Ring:
             spins += 1
             if spins < budget:
                 continue
+            if linger_end is None:
+                linger_end = now + self.linger
+            if now < linger_end:
+                os.sched_yield()
+                continue
+            if asleep is None:
+                asleep = now
             # The bell before the flag (docs/ring.md, "Doorbell"): a
             # producer that clears this arming rings past `seen`, so the
             # futex cannot sleep through its ring.
@@ -265,11 +289,23 @@ class Ring:
             _libc.syscall(SYS_FUTEX, ctypes.c_void_p(ctypes.addressof(self.bell)),
                           FUTEX_WAIT, ctypes.c_uint32(seen), ctypes.byref(ts), None, 0)
         self.need_wakeup.value = 0
+        if asleep is not None:
+            self.linger = _after_sleep(time.monotonic() - asleep)
         if spins < budget:
             self.spins = min(SPINS, budget * 2)
         else:
             self.spins = max(MIN_SPINS, budget // 2)
         return True
+
+
+def _after_sleep(slept):
+    """A ring's linger after a futex sleep of `slept` seconds that an entry
+    ended: twice it, within LINGER and LINGER_MAX; LINGER after a sleep of
+    LINGER_MAX or more (the producer was idle). src/util/linger.rs's
+    after_sleep."""
+    if slept >= LINGER_MAX:
+        return LINGER
+    return min(LINGER_MAX, max(LINGER, 2 * slept))
 
 
 def _entries(raw, n, kind, tag, limit):
