@@ -1239,13 +1239,20 @@ fn e2e_poll_idle_us() -> Option<usize> {
     env_count("KVFERRY_ATTACH_E2E_POLL_IDLE_US")
 }
 
-/// The receiver's `--listen` in the end-to-end runs: loopback TCP, or with
-/// `KVFERRY_ATTACH_E2E_CONTROL=ipc` a Unix socket in `dir` (the sender's
-/// `--connect` takes what the receiver prints either way).
+/// True with `KVFERRY_ATTACH_E2E_CONTROL=ipc`: the end-to-end receiver
+/// listens on a Unix socket instead of loopback TCP.
+fn e2e_over_ipc() -> bool {
+    std::env::var("KVFERRY_ATTACH_E2E_CONTROL").as_deref() == Ok("ipc")
+}
+
+/// The receiver's `--listen` in the end-to-end runs ([`e2e_over_ipc`]: a
+/// Unix socket in `dir`); the sender's `--connect` takes what the receiver
+/// prints either way.
 fn e2e_listen(dir: &Path, mode: &str) -> String {
-    match std::env::var("KVFERRY_ATTACH_E2E_CONTROL").as_deref() {
-        Ok("ipc") => format!("ipc://{}", dir.join(format!("{mode}-ctl.sock")).display()),
-        _ => "tcp://127.0.0.1:0".to_owned(),
+    if e2e_over_ipc() {
+        format!("ipc://{}", dir.join(format!("{mode}-ctl.sock")).display())
+    } else {
+        "tcp://127.0.0.1:0".to_owned()
     }
 }
 
@@ -1470,7 +1477,7 @@ fn e2e() {
         bytes >> 20,
         chunk >> 10,
         e2e_window(),
-        if e2e_listen(&dir, "").starts_with("ipc://") {
+        if e2e_over_ipc() {
             "an ipc:// socket"
         } else {
             "loopback TCP"

@@ -616,16 +616,14 @@ fn an_ipc_endpoint_takes_only_a_free_path_or_a_dead_receivers_socket() {
     let dir = TempDir::new("kvferry-ipc");
     let ipc = |name: &str| format!("ipc://{}", dir.join(name).display());
     let refused = |cfg: ReceiverConfig, kind: ErrorKind, endpoint: &str| {
-        match kvferry::receiver::Receiver::start(cfg) {
-            Err(e @ ReceiverError::SocketFile { .. }) => {
-                let ReceiverError::SocketFile { source, .. } = &e else {
-                    unreachable!()
-                };
-                assert_eq!(source.kind(), kind, "{e}");
-                assert!(e.to_string().contains(endpoint), "{e}");
-            }
-            other => panic!("{endpoint}: expected SocketFile ({kind:?}), got {other:?}"),
-        }
+        let Err(e) = kvferry::receiver::Receiver::start(cfg) else {
+            panic!("{endpoint}: expected SocketFile ({kind:?}), the receiver started");
+        };
+        let ReceiverError::SocketFile { source, .. } = &e else {
+            panic!("{endpoint}: expected SocketFile ({kind:?}), got {e:?}");
+        };
+        assert_eq!(source.kind(), kind, "{e}");
+        assert!(e.to_string().contains(endpoint), "{e}");
     };
 
     // A regular file at `listen`'s path, then at `also_listen`'s: kept.

@@ -66,7 +66,7 @@ def check_linger(c):
     except TimeoutError:
         sys.exit("the late submission was never answered")
     used = time.thread_time() - used
-    late.join()
+    late.join(timeout=10.0)
     if ev != ("refused", tag, UNKNOWN_TAG):
         sys.exit("expected REFUSED for tag %d, got %r" % (tag, ev))
     # Yielding through the 0.3 s would have used most of it.

@@ -22,8 +22,8 @@ use tracing::{debug, warn};
 
 use crate::protocol::{decode_with_limits, ErrorCode, Limits, Message};
 use crate::recent::RecentMap;
-use crate::util::socket_file::{Claim, SocketFile};
-use crate::zmq_io::{readable, Reactor};
+use crate::util::socket_file::SocketFile;
+use crate::zmq_io::{bind, readable, BindError, Bound, Reactor};
 
 /// Default bytes of notification counts (request ids) the listener
 /// remembers — 65,536 ids of 64 bytes, fewer longer ones — and, separately,
@@ -252,19 +252,17 @@ impl ProxyListener {
         // stops reading that connection and the backlog stays on the
         // sender's side (kvferry senders never block on their PUSH).
         sock.set_rcvhwm(RECV_QUEUE).map_err(err)?;
-        // An `ipc://` endpoint's file: claimed first (libzmq would unlink
-        // whatever is there), removed when the listener is dropped.
-        let claim =
-            SocketFile::claim_endpoint(endpoint).map_err(|source| ProxyError::SocketFile {
+        // An `ipc://` endpoint's file is removed when the listener is dropped.
+        let Bound {
+            endpoint: bound,
+            file: socket_file,
+        } = bind(&sock, endpoint).map_err(|e| match e {
+            BindError::SocketFile(source) => ProxyError::SocketFile {
                 endpoint: endpoint.to_owned(),
                 source,
-            })?;
-        sock.bind(endpoint).map_err(err)?;
-        let socket_file = claim.map(Claim::bound);
-        let bound = match sock.get_last_endpoint() {
-            Ok(Ok(e)) => e,
-            _ => endpoint.to_owned(),
-        };
+            },
+            BindError::Zmq(source) => err(source),
+        })?;
         let reactor = Reactor::new()?;
         reactor.register(&sock, 0)?;
         let shared = Arc::new(Shared {

@@ -51,10 +51,10 @@ pub(crate) const LINGER: Duration = Duration::from_micros(50);
 
 /// The most a thread lingers, after sleeps that the other side ended
 /// within this (module docs); also the sleep past which it lingers
-/// [`LINGER`] again, and the shm copy engine's fixed linger. Twice the slow wake-ups traced (70-90 µs) and a
-/// little more; 1 ms kept a prefill session yielding through the gaps of
-/// the end-to-end bench, three times its CPU, where this is 1.3-1.8
-/// times.
+/// [`LINGER`] again, and the shm copy engine's fixed linger. Twice the
+/// slow wake-ups traced (70-90 µs) and a little more; 1 ms kept a prefill
+/// session yielding through the gaps of the end-to-end bench, three times
+/// its CPU, where this is 1.3-1.8 times.
 pub(crate) const LINGER_MAX: Duration = Duration::from_micros(250);
 
 /// The most [`gave_away_after`] takes: a yield that returns later than

@@ -462,19 +462,21 @@ impl PinPlan {
 
 /// Test helper: runs `f(a, b)` on a thread of its own confined to the first
 /// two allowed CPUs `a` and `b` (so the test's changes to its affinity set
-/// stay there), or says it skipped, `why`, with fewer than two.
+/// stay there), or says it skipped, `why`, with fewer than two. Fails if
+/// `f` panics (its message is printed first) or runs past a minute.
 #[cfg(test)]
 pub(crate) fn on_two_cpus(why: &str, f: impl FnOnce(usize, usize) + Send + 'static) {
     let [a, b, ..] = *allowed_cpus() else {
         eprintln!("skipped: one CPU, {why}");
         return;
     };
-    std::thread::spawn(move || {
+    let t = std::thread::spawn(move || {
         confine_current(&[a, b]).unwrap();
         f(a, b)
-    })
-    .join()
-    .unwrap();
+    });
+    if let Err(e) = join_within(t, Duration::from_secs(60), why) {
+        panic!("the test on CPUs {a} and {b} ({why}): {e}");
+    }
 }
 
 #[cfg(test)]

@@ -16,6 +16,8 @@ use std::time::Duration;
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
 
+use crate::util::socket_file::SocketFile;
+
 /// The process-wide ZMQ context (one I/O thread), shared by every socket
 /// kvferry opens so an in-process xPyD run does not start a context per role.
 pub fn context() -> zmq::Context {
@@ -81,6 +83,41 @@ impl Reactor {
             Err(e) => Err(e),
         }
     }
+}
+
+/// An endpoint [`bind`] bound.
+#[derive(Debug)]
+pub(crate) struct Bound {
+    /// As bound: with the actual port when `:0` was asked for.
+    pub(crate) endpoint: String,
+    /// The file of an `ipc://` endpoint, removed when dropped: keep it
+    /// until the socket is closed.
+    pub(crate) file: Option<SocketFile>,
+}
+
+/// Why [`bind`] failed.
+#[derive(Debug)]
+pub(crate) enum BindError {
+    /// An `ipc://` endpoint's path is taken ([`SocketFile::claim`]).
+    SocketFile(io::Error),
+    /// ZMQ refused the bind.
+    Zmq(zmq::Error),
+}
+
+/// Binds `sock` to `endpoint`, the path of an `ipc://` one claimed first
+/// ([`SocketFile::claim_endpoint`]): libzmq would unlink whatever is
+/// there, a live daemon's socket or a file that is no socket at all.
+pub(crate) fn bind(sock: &zmq::Socket, endpoint: &str) -> Result<Bound, BindError> {
+    let claim = SocketFile::claim_endpoint(endpoint).map_err(BindError::SocketFile)?;
+    sock.bind(endpoint).map_err(BindError::Zmq)?;
+    let bound = match sock.get_last_endpoint() {
+        Ok(Ok(e)) => e,
+        _ => endpoint.to_owned(),
+    };
+    Ok(Bound {
+        endpoint: bound,
+        file: claim.map(|c| c.bound()),
+    })
 }
 
 /// True if `sock` has a message ready to receive.

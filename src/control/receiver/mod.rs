@@ -38,7 +38,8 @@ use parking_lot::{Condvar, Mutex};
 use crate::protocol::{Descriptor, ErrorCode, Limits};
 use crate::recent::RecentMap;
 use crate::region::{default_region_path, Region, RegionError};
-use crate::util::socket_file::{Claim, SocketFile};
+use crate::util::socket_file::SocketFile;
+use crate::zmq_io::BindError;
 
 use self::bounds::Bounds;
 use self::core::{CoreConfig, Outcome, Output, ReceiverCore};
@@ -486,29 +487,29 @@ impl Receiver {
         sock.set_sndhwm(cfg.reply_queue_per_peer.max(1))
             .map_err(bind)?;
         sock.set_router_mandatory(true).map_err(bind)?;
-        // Each endpoint with the actual port when `:0` was asked for; each
-        // `ipc://` one's file claimed first (libzmq would unlink whatever is
-        // there) and removed when the receiver is dropped.
-        let mut endpoints = Vec::with_capacity(1 + cfg.also_listen.len());
+        // Each endpoint as bound; the files of `ipc://` ones are removed
+        // when the receiver is dropped.
         let mut socket_files = Vec::new();
-        for listen in std::iter::once(&cfg.listen).chain(&cfg.also_listen) {
-            let claim =
-                SocketFile::claim_endpoint(listen).map_err(|source| ReceiverError::SocketFile {
-                    endpoint: listen.clone(),
-                    source,
-                })?;
-            sock.bind(listen).map_err(|source| ReceiverError::Bind {
+        let mut bind_one = |listen: &String| match crate::zmq_io::bind(&sock, listen) {
+            Ok(b) => {
+                socket_files.extend(b.file);
+                Ok(b.endpoint)
+            }
+            Err(BindError::SocketFile(source)) => Err(ReceiverError::SocketFile {
                 endpoint: listen.clone(),
                 source,
-            })?;
-            socket_files.extend(claim.map(Claim::bound));
-            endpoints.push(match sock.get_last_endpoint() {
-                Ok(Ok(e)) => e,
-                _ => listen.clone(),
-            });
-        }
-        let also_endpoints = endpoints.split_off(1);
-        let endpoint = endpoints.pop().unwrap_or_else(|| cfg.listen.clone());
+            }),
+            Err(BindError::Zmq(source)) => Err(ReceiverError::Bind {
+                endpoint: listen.clone(),
+                source,
+            }),
+        };
+        let endpoint = bind_one(&cfg.listen)?;
+        let also_endpoints = cfg
+            .also_listen
+            .iter()
+            .map(&mut bind_one)
+            .collect::<Result<Vec<_>, _>>()?;
         let reactor = crate::zmq_io::Reactor::new()?;
         reactor.register(&sock, ctrl::SOCKET_TOKEN)?;
         let now = Instant::now();
