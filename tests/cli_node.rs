@@ -15,10 +15,11 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{
-    cpu_ticks, python3, python_client, python_pattern, scrape, status_and_stderr, ChildProc,
-    TempDir,
+    cpu_ticks, metric, python3, python_client, python_pattern, scrape, status_and_stderr,
+    ChildProc, TempDir,
 };
 use kvferry::attach::{AttachError, PrefillClient, PrefillEvent};
+use kvferry::protocol::ErrorCode;
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvferry");
 const WAIT: Duration = Duration::from_secs(30);
@@ -40,6 +41,21 @@ fn node_with(
     shares: u32,
     extra: &[&str],
 ) -> (ChildProc, String) {
+    let (p, found) = node_announcing(dir, capacity, staging, shares, extra, &[]);
+    (p, found[0].clone())
+}
+
+/// [`node_with`], waiting for the lines starting with `more` too (printed
+/// before the prefill attach line); returns what follows the listen line's
+/// prefix, then each of `more`'s.
+fn node_announcing(
+    dir: &TempDir,
+    capacity: u32,
+    staging: u32,
+    shares: u32,
+    extra: &[&str],
+    more: &[&str],
+) -> (ChildProc, Vec<String>) {
     let mut p = ChildProc::spawn(
         Command::new(BIN)
             .args(["node", "--listen", "tcp://127.0.0.1:0"])
@@ -56,12 +72,15 @@ fn node_with(
             .arg(dir.join("buf"))
             .stdin(Stdio::null()),
     );
-    let found = p.after_prefixes(&[
+    let mut prefixes = vec![
         "kvferry node listening on ",
         "kvferry node decoder attach on ",
         "kvferry node prefill attach on ",
-    ]);
-    (p, found[0].clone())
+    ];
+    prefixes.extend_from_slice(more);
+    let mut found = p.after_prefixes(&prefixes);
+    found.drain(1..3);
+    (p, found)
 }
 
 /// A Python decoder (`decoder_check.py`) on `sock`, subscribed to `req`
@@ -104,6 +123,12 @@ fn next(c: &mut PrefillClient, what: &str) -> PrefillEvent {
 /// again while the daemon refuses it for want of a free share (a share
 /// comes back when the session of a killed worker ends), up to [`WAIT`].
 fn rust_worker(sock: &str, req_id: &str, n: usize, last: usize) {
+    rust_worker_to(sock, 0, req_id, n, last);
+}
+
+/// [`rust_worker`] writing to receiver `receiver` of the node's (0: its
+/// own, 1.. its `--connect` ones).
+fn rust_worker_to(sock: &str, receiver: u32, req_id: &str, n: usize, last: usize) {
     let end = Instant::now() + WAIT;
     let mut c = loop {
         match PrefillClient::connect(Path::new(sock), WAIT) {
@@ -114,7 +139,7 @@ fn rust_worker(sock: &str, req_id: &str, n: usize, last: usize) {
             Err(e) => panic!("the rust worker cannot attach: {e}"),
         }
     };
-    let tag = c.begin(req_id, 0, n as u32).unwrap();
+    let tag = c.begin(req_id, receiver, n as u32).unwrap();
     c.stage(tag, n as u32).unwrap();
     let b = match next(&mut c, "the rust worker's STAGED") {
         PrefillEvent::Staged(b) => b,
@@ -170,6 +195,101 @@ fn python_and_rust_workers_feed_python_decoders_through_one_node_and_a_remote_se
         "python worker of the remote sender",
     );
     delivered(dec, "python decoder of the remote sender's request");
+}
+
+/// The `kvferry_receiver_tcp_data_connections` gauge at the metrics
+/// server `addr`.
+fn tcp_data_connections(addr: &str) -> f64 {
+    let text = scrape(addr.parse().expect("a socket address"));
+    metric(&text, "kvferry_receiver_tcp_data_connections")
+        .unwrap_or_else(|| panic!("no tcp data gauge in:\n{text}"))
+}
+
+/// `--transport tcp`: the node's sender writes over TCP, to its own
+/// receiver (which then offers it, on loopback by default) as to a
+/// `kvferry receiver --tcp-data` of another process; a receiver that
+/// offers no TCP data plane gets nothing written (the request fails, not
+/// the node), where one over shm would have worked.
+#[test]
+fn a_node_over_tcp_writes_its_own_receiver_and_a_remote_one_over_tcp() {
+    let dir = TempDir::new("kvferry-node-tcp");
+    let remote_receiver = |name: &str, extra: &[&str]| {
+        let mut p = ChildProc::spawn(
+            Command::new(BIN)
+                .args(["receiver", "--listen", "tcp://127.0.0.1:0"])
+                .args(extra)
+                .args([
+                    "--capacity-chunks",
+                    "8",
+                    "--chunk-bytes",
+                    &CHUNK.to_string(),
+                ])
+                .args(["--metrics", "127.0.0.1:0", "--spare-cpu", "none"])
+                .arg("--attach")
+                .arg(dir.join(&format!("{name}.sock")))
+                .arg("--shm-path")
+                .arg(dir.join(&format!("{name}.buf")))
+                .stdin(Stdio::null()),
+        );
+        let found = p.after_prefixes(&[
+            "kvferry receiver listening on ",
+            "kvferry receiver metrics on ",
+        ]);
+        (p, found)
+    };
+    let (_tcp, tcp_found) = remote_receiver("tcp", &["--tcp-data", "127.0.0.1:0"]);
+    let (_shm, shm_found) = remote_receiver("shm", &[]);
+    let connect = format!("{},{}", tcp_found[0], shm_found[0]);
+    let (_node, found) = node_announcing(
+        &dir,
+        8,
+        16,
+        2,
+        &[
+            "--transport",
+            "tcp",
+            "--connect",
+            &connect,
+            "--metrics",
+            "127.0.0.1:0",
+        ],
+        &["kvferry node tcp data on ", "kvferry node metrics on "],
+    );
+    let node_metrics = &found[2];
+    let workers = path(&dir, "workers.sock");
+    // Receiver 0, the node's own: a Python worker's bytes, read back in
+    // place by a Python decoder of the node.
+    let dec = subscribed(&path(&dir, "decoders.sock"), "own-1", 5, 777, "release");
+    python_worker(&workers, "own-1", 5, 777, "python worker of a tcp node");
+    delivered(dec, "python decoder of a tcp node");
+    assert!(
+        tcp_data_connections(node_metrics) >= 1.0,
+        "the node's own receiver was not written over TCP"
+    );
+    // Receiver 1, another process's, offering TCP: a Rust worker's bytes.
+    let dec = subscribed(&path(&dir, "tcp.sock"), "remote-1", 3, 100, "release");
+    rust_worker_to(&workers, 1, "remote-1", 3, 100);
+    delivered(dec, "python decoder of the remote tcp receiver");
+    assert!(
+        tcp_data_connections(&tcp_found[1]) >= 1.0,
+        "the remote receiver was not written over TCP"
+    );
+    // Receiver 2 offers shm only: the request fails, naming no data plane
+    // reached, and the node serves on.
+    let mut c = PrefillClient::connect(Path::new(&workers), WAIT).expect("a worker attaches");
+    let tag = c.begin("no-tcp-1", 2, 1).unwrap();
+    match next(&mut c, "the request to a receiver without tcp") {
+        PrefillEvent::Failed { tag: t, code } => {
+            assert_eq!(t, tag);
+            assert_eq!(code, Some(ErrorCode::PeerUnavailable));
+        }
+        other => panic!("expected FAILED (peer unavailable), got {other:?}"),
+    }
+    assert_eq!(tcp_data_connections(&shm_found[1]), 0.0);
+    drop(c);
+    let dec = subscribed(&path(&dir, "decoders.sock"), "own-2", 2, 10, "release");
+    rust_worker(&workers, "own-2", 2, 10);
+    delivered(dec, "python decoder of the node after the failed request");
 }
 
 /// A Python worker that stages `n` slots of `req_id`, says
@@ -256,7 +376,7 @@ fn a_nodes_metrics_hold_both_roles() {
 fn kvferry_node_refuses_bad_options_at_start_naming_them() {
     let dir = TempDir::new("kvferry-node-refuse");
     let (d, w) = (path(&dir, "d.sock"), path(&dir, "w.sock"));
-    let cases: [(&[&str], &str); 5] = [
+    let cases: [(&[&str], &str); 6] = [
         (&["--prefill-attach", &w], "--attach PATH"),
         (
             &["--attach", &d, "--prefill-attach", &d],
@@ -281,8 +401,22 @@ fn kvferry_node_refuses_bad_options_at_start_naming_them() {
             &["--attach", &d, "--prefill-attach", &w, "--connect", ""],
             "--connect has an empty endpoint",
         ),
+        (
+            &["--attach", &d, "--prefill-attach", &w, "--transport", "udp"],
+            "--transport",
+        ),
     ];
-    for (args, says) in cases {
+    // Without the rdma feature (with it, the device decides).
+    let rdma: &[&str] = &[
+        "--attach",
+        &d,
+        "--prefill-attach",
+        &w,
+        "--transport",
+        "rdma",
+    ];
+    let rdma = (!cfg!(feature = "rdma")).then_some((rdma, "--transport rdma: "));
+    for (args, says) in cases.into_iter().chain(rdma) {
         let (status, stderr) = status_and_stderr(
             Command::new(BIN)
                 .args(["node", "--listen", "tcp://127.0.0.1:0"])

@@ -8,7 +8,9 @@
 //! pass from one control thread to the other with no ZMQ I/O thread, no
 //! TCP and no other process in between: about a third of the CPU the two
 //! daemons spend per request (docs/attach.md, "One process for both
-//! roles"). The bytes still move once, in the shm copy engine.
+//! roles"). The bytes still move once, in the shm copy engine; with
+//! `--transport tcp|rdma` the sender writes over that data plane instead,
+//! to receivers on other hosts as to its own.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -18,6 +20,7 @@ use std::time::Duration;
 use clap::Args;
 
 use crate::attach::AttachConfig;
+use crate::receiver::AcceptorFactory;
 use crate::sender::SenderConfig;
 use crate::transport::TransportConfig;
 
@@ -51,21 +54,27 @@ pub struct NodeArgs {
     /// that many page-aligned shares.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub attach_shares: Option<u32>,
-    /// The CPU of the shm copy engine (the one thread that moves the
-    /// workers' bytes): a CPU id, `none` (the scheduler's choice) or
-    /// `auto`: without --cpus, on two CPUs or more, the last CPU this
-    /// process may run on (and --pin-cpu does not name) goes to the engine
-    /// alone and every other thread of both roles runs on the rest. With
-    /// an id, leave it out of --cpus to give it the CPU to itself
-    /// (docs/attach.md, "Placing the threads").
+    /// The CPU of the transport's engine thread (shm's copy engine, the
+    /// one thread that moves the workers' bytes): a CPU id, `none` (the
+    /// scheduler's choice) or `auto`: without --cpus, on two CPUs or more,
+    /// the last CPU this process may run on (and --pin-cpu does not name)
+    /// goes to the engine alone and every other thread of both roles runs
+    /// on the rest. With an id, leave it out of --cpus to give it the CPU
+    /// to itself (docs/attach.md, "Placing the threads").
     #[arg(long, value_name = "CPU|auto|none", default_value = "auto", value_parser = CopyCpu::parse)]
     pub copy_cpu: CopyCpu,
     /// More receivers (comma-separated or repeated) for the prefill
-    /// workers: receivers 1.. of a BEGIN. The node's sender writes over
-    /// shm, so they are kvferry receivers on this host (for other hosts
-    /// run `kvferry sender --transport tcp|rdma`).
+    /// workers: receivers 1.. of a BEGIN. Over `--transport shm` they are
+    /// kvferry receivers on this host; over tcp or rdma, on any host, each
+    /// offering that data plane (`kvferry receiver --tcp-data` / `--rdma`).
     #[arg(long, value_delimiter = ',')]
     pub connect: Vec<String>,
+    /// The sender's data plane: `shm` (a copy engine on this host), `tcp`
+    /// or `rdma`. The node's own receiver (receiver 0) is written over it
+    /// too, so it offers it: `tcp` binds `--tcp-data` (127.0.0.1:0 when
+    /// not given), `rdma` turns on `--rdma`.
+    #[arg(long, default_value = "shm", value_parser = ["shm", "tcp", "rdma"])]
+    pub transport: String,
     /// The proxy's PULL endpoint for ProxyNotif.
     #[arg(long)]
     pub proxy: Option<String>,
@@ -81,8 +90,32 @@ fn inproc_endpoint() -> String {
     format!("inproc://kvferry-node-{}", std::process::id())
 }
 
+/// The node's own receiver offers the data plane its sender writes over
+/// (receiver 0 of a BEGIN is written like the others): a TCP data
+/// listener (on loopback unless `--tcp-data` says where) or RDMA.
+fn offer_own_transport(a: &mut NodeArgs) -> Result<(), String> {
+    match a.transport.as_str() {
+        "tcp" => {
+            a.receiver
+                .tcp_data
+                .get_or_insert((std::net::Ipv4Addr::LOCALHOST, 0).into());
+        }
+        "rdma" => {
+            // Named for the option the user gave, before anything starts.
+            AcceptorFactory::for_transport("rdma", &TransportConfig::default())
+                .map_err(|e| format!("--transport rdma: {e}"))?;
+            a.receiver.rdma = true;
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
 /// Runs a node until SIGINT/SIGTERM.
-pub fn run(a: NodeArgs) -> ExitCode {
+pub fn run(mut a: NodeArgs) -> ExitCode {
+    if let Err(e) = offer_own_transport(&mut a) {
+        return super::usage_error(e);
+    }
     // Before anything is spawned: every thread after inherits it.
     let r = &a.receiver;
     let copy_cpu = match r
@@ -130,6 +163,7 @@ pub fn run(a: NodeArgs) -> ExitCode {
             staging_slots,
             staging_shares: shares,
             chunk_bytes,
+            transport: a.transport,
             transport_config: TransportConfig {
                 pin_cpu: copy_cpu,
                 ..TransportConfig::default()
