@@ -45,9 +45,9 @@ fn node_with(
     (p, found[0].clone())
 }
 
-/// [`node_with`], waiting for the lines starting with `more` too (printed
-/// before the prefill attach line); returns what follows the listen line's
-/// prefix, then each of `more`'s.
+/// [`node_with`], waiting for the lines starting with `more` too (in any
+/// order); returns what follows the listen line's prefix, then each of
+/// `more`'s.
 fn node_announcing(
     dir: &TempDir,
     capacity: u32,

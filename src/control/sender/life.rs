@@ -210,7 +210,7 @@ mod tests {
     /// word at once, round after round, each after a varying head start:
     /// per round exactly one wins, and a cancel returned true exactly in the
     /// rounds the word says a caller won. Bounded rounds; every spin has a
-    /// deadline.
+    /// deadline (`STALL` without progress).
     #[test]
     fn a_cancel_racing_completion_wins_exactly_when_it_says_so() {
         use std::sync::atomic::AtomicBool;
@@ -227,10 +227,14 @@ mod tests {
         );
         // Round `r` starts when `go` passes r; `done` counts finished calls.
         let (go, done) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-        let end = Instant::now() + Duration::from_secs(60);
+        // A hang is one wait without progress this long (a deadline on the
+        // whole run failed on a 2-CPU machine loaded with other tests,
+        // where each yield may give a whole time slice away).
+        const STALL: Duration = Duration::from_secs(30);
         let spin_until = move |what: &str, cond: &dyn Fn() -> bool| {
+            let end = Instant::now() + STALL;
             while !cond() {
-                assert!(Instant::now() < end, "hung waiting for {what}");
+                assert!(Instant::now() < end, "hung {STALL:?} waiting for {what}");
                 std::thread::yield_now();
             }
         };
