@@ -1543,3 +1543,126 @@ fn a_share_renewed_at_every_hand_out_still_delivers_and_its_renewal_cost_is_prin
         );
     }
 }
+
+// ----- kvferry node over rdma ------------------------------------------------
+
+/// `kvferry node --transport rdma` (the binary): its sender writes over
+/// RDMA, to its own receiver too, which then offers rdma: a Rust worker
+/// attached to the node fills a request in place and a Rust decoder
+/// attached to the node reads every byte in place. A `--connect` receiver
+/// that offers shm only fails the requests sent to it (peer unavailable):
+/// the node's sender asks for rdma, not shm.
+#[test]
+fn a_node_over_rdma_carries_an_attached_workers_bytes_to_its_decoder() {
+    const TEST: &str = "a_node_over_rdma_carries_an_attached_workers_bytes_to_its_decoder";
+    if !device_or_skip(TEST) {
+        return;
+    }
+    use common_sender::{deadline, unique, WAIT};
+    use kvferry::attach::{DecoderClient, Event, PrefillClient, PrefillEvent};
+    use kvferry::ErrorCode;
+    use std::process::{Command, Stdio};
+    let byte = |i: usize, j: usize| ((i * 31 + j) & 0xff) as u8;
+    let dir = process::TempDir::new("kvferry-rdma-node");
+    // A receiver of another process offering shm only (no --rdma).
+    let mut shm_only = process::ChildProc::spawn(
+        Command::new(env!("CARGO_BIN_EXE_kvferry"))
+            .args(["receiver", "--listen", "tcp://127.0.0.1:0"])
+            .args([
+                "--capacity-chunks",
+                "8",
+                "--chunk-bytes",
+                &CHUNK.to_string(),
+            ])
+            .arg("--shm-path")
+            .arg(dir.join("shm-only.buf"))
+            .stdin(Stdio::null()),
+    );
+    let shm_endpoint = shm_only.after_prefixes(&["kvferry receiver listening on "])[0].clone();
+    let mut node = process::ChildProc::spawn(
+        Command::new(env!("CARGO_BIN_EXE_kvferry"))
+            .args([
+                "node",
+                "--listen",
+                "tcp://127.0.0.1:0",
+                "--transport",
+                "rdma",
+            ])
+            .args(["--connect", &shm_endpoint])
+            .args([
+                "--capacity-chunks",
+                "8",
+                "--chunk-bytes",
+                &CHUNK.to_string(),
+            ])
+            .args(["--staging-slots", "8", "--attach-shares", "1"])
+            .arg("--attach")
+            .arg(dir.join("decoders.sock"))
+            .arg("--prefill-attach")
+            .arg(dir.join("workers.sock"))
+            .arg("--shm-path")
+            .arg(dir.join("node.buf"))
+            .stdin(Stdio::null()),
+    );
+    node.after_prefixes(&[
+        "kvferry node offers rdma",
+        "kvferry node prefill attach on ",
+    ]);
+    let mut dec =
+        DecoderClient::connect(dir.join("decoders.sock"), WAIT).expect("decoder attaches");
+    let mut w = PrefillClient::connect(dir.join("workers.sock"), WAIT).expect("worker attaches");
+    let next = |w: &mut PrefillClient, what: &str| {
+        w.next_event(deadline())
+            .unwrap_or_else(|e| panic!("{what}: {e}"))
+    };
+    // Receiver 0, the node's own, over rdma.
+    let (req, n, last) = (unique("rdma-node"), 4usize, 1000usize);
+    let dtag = dec.subscribe(&req).expect("subscribed");
+    let tag = w.begin(&req, 0, n as u32).unwrap();
+    w.stage(tag, n as u32).unwrap();
+    let b = match next(&mut w, "STAGED") {
+        PrefillEvent::Staged(b) => b,
+        other => panic!("expected STAGED, got {other:?}"),
+    };
+    let lens: Vec<u32> = (0..n)
+        .map(|i| if i + 1 == n { last } else { CHUNK as usize } as u32)
+        .collect();
+    for (i, &len) in lens.iter().enumerate() {
+        let slot = w.slot_mut(&b, i).expect("held slot");
+        for (j, x) in slot[..len as usize].iter_mut().enumerate() {
+            *x = byte(i, j);
+        }
+    }
+    let keys: Vec<String> = (0..n).map(|i| format!("{req}/{i}")).collect();
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    w.submit(b, &keys, &lens).expect("submitted");
+    match next(&mut w, "DONE") {
+        PrefillEvent::Done { tag: t } => assert_eq!(t, tag),
+        other => panic!("expected DONE, got {other:?}"),
+    }
+    match dec.next_event(deadline()).expect("the decoder's READY") {
+        Event::Ready(d) => {
+            assert_eq!(d.tag(), dtag);
+            assert_eq!(d.chunks().len(), n);
+            for (i, &len) in lens.iter().enumerate() {
+                let bytes = dec.chunk(&d, i).expect("chunk in place");
+                assert_eq!(bytes.len(), len as usize, "chunk {i}'s length");
+                assert!(
+                    bytes.iter().enumerate().all(|(j, &x)| x == byte(i, j)),
+                    "chunk {i} of {req} differs"
+                );
+            }
+            dec.release(d).expect("released");
+        }
+        other => panic!("expected READY, got {other:?}"),
+    }
+    // Receiver 1 offers no rdma: the request fails, the node serves on.
+    let tag = w.begin(&unique("rdma-node-shm"), 1, 1).unwrap();
+    match next(&mut w, "the request to a receiver without rdma") {
+        PrefillEvent::Failed { tag: t, code } => {
+            assert_eq!(t, tag);
+            assert_eq!(code, Some(ErrorCode::PeerUnavailable));
+        }
+        other => panic!("expected FAILED (peer unavailable), got {other:?}"),
+    }
+}
