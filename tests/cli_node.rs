@@ -376,7 +376,7 @@ fn a_nodes_metrics_hold_both_roles() {
 fn kvferry_node_refuses_bad_options_at_start_naming_them() {
     let dir = TempDir::new("kvferry-node-refuse");
     let (d, w) = (path(&dir, "d.sock"), path(&dir, "w.sock"));
-    let cases: [(&[&str], &str); 6] = [
+    let cases: [(&[&str], &str); 9] = [
         (&["--prefill-attach", &w], "--attach PATH"),
         (
             &["--attach", &d, "--prefill-attach", &d],
@@ -404,6 +404,41 @@ fn kvferry_node_refuses_bad_options_at_start_naming_them() {
         (
             &["--attach", &d, "--prefill-attach", &w, "--transport", "udp"],
             "--transport",
+        ),
+        (
+            &[
+                "--attach",
+                &d,
+                "--prefill-attach",
+                &w,
+                "--static-buffer",
+                "x",
+            ],
+            "expected ENDPOINT=PATH",
+        ),
+        (
+            &[
+                "--attach",
+                &d,
+                "--prefill-attach",
+                &w,
+                "--transport",
+                "tcp",
+                "--static-buffer",
+                "tcp://127.0.0.1:1=/nonexistent",
+            ],
+            "--static-buffer needs --transport shm",
+        ),
+        (
+            &[
+                "--attach",
+                &d,
+                "--prefill-attach",
+                &w,
+                "--static-buffer",
+                "tcp://127.0.0.1:1=/nonexistent/kvferry.buf",
+            ],
+            "--static-buffer: ",
         ),
     ];
     // Without the rdma feature (with it, the device decides).

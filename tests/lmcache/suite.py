@@ -653,7 +653,18 @@ def attached_worker_vs_lmcache_receiver():
     the AllocRequest's fmt, shape and dtype, and the last chunk's from
     last_chunk_toks on the format's token axis (`MemoryFormat.token_dim`).
     Checked on what it allocated (shape, dtype, fmt of each object) and on
-    the bytes the worker wrote in place."""
+    the bytes the worker wrote in place. The worker attached to `kvferry
+    sender --attach`."""
+    worker_vs_lmcache_receiver(node=False)
+
+
+def node_worker_vs_lmcache_receiver():
+    """The same through `kvferry node` (`--static-buffer`, LMCache's
+    receiver as the node's receiver 1)."""
+    worker_vs_lmcache_receiver(node=True)
+
+
+def worker_vs_lmcache_receiver(node):
     sys.path.insert(0, os.path.join(HERE, "..", "..", "clients", "python"))
     import kvferry_attach
     from lmcache.v1.memory_management import MemoryFormat
@@ -661,18 +672,30 @@ def attached_worker_vs_lmcache_receiver():
     capacity = 8
     work, buf, ep, proxy_port, pull, r = lmcache_receiver_on_buffer("kvferry-lmc-att-", capacity)
     sock = os.path.join(work, "send.sock")
-    sender = Proc(
-        ["sender", "--connect", ep, "--proxy", f"tcp://127.0.0.1:{proxy_port}",
-         f"--static-buffer={ep}={buf}", "--chunk-bytes", str(CHUNK), "--staging-slots", "8",
-         "--attach-shares", "1", "--attach", sock],
-        "kvferry sender attach on ",
-    )
+    common = ["--connect", ep, "--proxy", f"tcp://127.0.0.1:{proxy_port}",
+              f"--static-buffer={ep}={buf}", "--chunk-bytes", str(CHUNK), "--staging-slots", "8",
+              "--attach-shares", "1"]
+    if node:
+        # Receiver 0 is the node's own; LMCache's is the first --connect.
+        sender = Proc(
+            ["node", "--listen", "tcp://127.0.0.1:0", "--capacity-chunks", str(capacity),
+             "--attach", os.path.join(work, "decoders.sock"), "--prefill-attach", sock,
+             "--shm-path", os.path.join(work, "node.buf")] + common,
+            "kvferry node listening on ",
+        )
+        while not sender.next_line("the prefill attach line").startswith(
+                "kvferry node prefill attach on "):
+            pass
+        receiver = 1
+    else:
+        sender = Proc(["sender"] + common + ["--attach", sock], "kvferry sender attach on ")
+        receiver = 0
     c = None
     try:
         c = kvferry_attach.PrefillClient(sock)
         fmt = MemoryFormat.KV_2LTD
         last_toks = 5
-        tag = c.begin("att-1", 0, 3, fmt=fmt.value, shape=KV_SHAPE, dtype="bfloat16")
+        tag = c.begin("att-1", receiver, 3, fmt=fmt.value, shape=KV_SHAPE, dtype="bfloat16")
         batch = c.stage(tag, 3)
         ev = c.next_event(timeout=WAIT)
         check(ev[0] == "staged" and len(ev[3]) == 3, f"STAGED of 3: {ev}")
@@ -751,6 +774,7 @@ SCENARIOS = [
     strict_decoding_of_every_reply,
     kvferry_sender_vs_lmcache_receiver,
     attached_worker_vs_lmcache_receiver,
+    node_worker_vs_lmcache_receiver,
     proxy_failed_vs_lmcache_proxy_decoders,
 ]
 

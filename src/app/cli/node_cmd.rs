@@ -75,6 +75,13 @@ pub struct NodeArgs {
     /// not given), `rdma` turns on `--rdma`.
     #[arg(long, default_value = "shm", value_parser = ["shm", "tcp", "rdma"])]
     pub transport: String,
+    /// ENDPOINT=PATH (repeatable), as `kvferry sender --static-buffer`:
+    /// the `--connect` receiver at ENDPOINT does not answer Hello (an
+    /// LMCache receiver); write its chunks into the kvferry shm buffer
+    /// file PATH on this host (slot size and count from its header). Needs
+    /// `--transport shm`.
+    #[arg(long, value_name = "ENDPOINT=PATH")]
+    pub static_buffer: Vec<String>,
     /// The proxy's PULL endpoint for ProxyNotif.
     #[arg(long)]
     pub proxy: Option<String>,
@@ -136,6 +143,10 @@ pub fn run(mut a: NodeArgs) -> ExitCode {
     if a.connect.iter().any(|c| c.trim().is_empty()) {
         return super::usage_error("--connect has an empty endpoint");
     }
+    let static_peers = match crate::runner::static_peers_of(&a.static_buffer, &a.transport) {
+        Ok(p) => p,
+        Err(e) => return super::usage_error(e),
+    };
     let termination = match super::signals::Termination::install() {
         Ok(t) => t,
         Err(e) => return super::runtime_error(format!("cannot install signal handlers: {e}")),
@@ -168,6 +179,7 @@ pub fn run(mut a: NodeArgs) -> ExitCode {
                 pin_cpu: copy_cpu,
                 ..TransportConfig::default()
             },
+            static_peers,
             ..SenderConfig::default()
         },
         connect,

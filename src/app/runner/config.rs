@@ -213,15 +213,7 @@ impl RunConfig {
                 self.key_format
             ));
         }
-        for spec in &self.static_buffers {
-            split_static_buffer(spec)?;
-        }
-        if !self.static_buffers.is_empty() && self.transport != "shm" {
-            return Err(format!(
-                "--static-buffer needs --transport shm (a static buffer is a shm buffer file), got {:?}",
-                self.transport
-            ));
-        }
+        check_static_buffers(&self.static_buffers, &self.transport)?;
         match self.transport.as_str() {
             "shm" | "tcp" | "rdma" => Ok(()),
             other => Err(format!(
@@ -241,14 +233,41 @@ impl RunConfig {
 
     /// The receive buffers of [`RunConfig::static_buffers`], by endpoint.
     pub fn static_peers(&self) -> Result<Vec<(String, RemoteBuffer)>, String> {
-        self.static_buffers
-            .iter()
-            .map(|spec| {
-                let (endpoint, path) = split_static_buffer(spec)?;
-                Ok((endpoint.to_owned(), static_peer(Path::new(path))?))
-            })
-            .collect()
+        static_peers_of(&self.static_buffers, &self.transport)
     }
+}
+
+/// The receive buffers `specs` name (`ENDPOINT=PATH` each, as
+/// `--static-buffer` takes them), by endpoint, for a sender writing over
+/// `transport`: `kvferry sender`'s and `kvferry node`'s. Errors: a spec
+/// that is not `ENDPOINT=PATH`, a transport other than shm, a file that
+/// is not a kvferry buffer.
+pub fn static_peers_of(
+    specs: &[String],
+    transport: &str,
+) -> Result<Vec<(String, RemoteBuffer)>, String> {
+    check_static_buffers(specs, transport)?;
+    specs
+        .iter()
+        .map(|spec| {
+            let (endpoint, path) = split_static_buffer(spec)?;
+            Ok((endpoint.to_owned(), static_peer(Path::new(path))?))
+        })
+        .collect()
+}
+
+/// Every spec is `ENDPOINT=PATH`, and a sender with any writes over shm
+/// (a static buffer is a shm buffer file).
+fn check_static_buffers(specs: &[String], transport: &str) -> Result<(), String> {
+    for spec in specs {
+        split_static_buffer(spec)?;
+    }
+    if !specs.is_empty() && transport != "shm" {
+        return Err(format!(
+            "--static-buffer needs --transport shm (a static buffer is a shm buffer file), got {transport:?}"
+        ));
+    }
+    Ok(())
 }
 
 /// Splits `"ENDPOINT=PATH"` (at the first `=`; ZMQ endpoints have none).

@@ -27,7 +27,7 @@ use crate::sender::{RequestStatus, Sender, SenderConfig};
 use crate::stats::StageHistograms;
 use crate::transport::{FaultConfig, TransportConfig};
 
-pub use config::{ChunkRange, RunConfig};
+pub use config::{static_peers_of, ChunkRange, RunConfig};
 pub use report::RunReport;
 
 use payload::Payloads;
