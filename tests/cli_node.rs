@@ -15,8 +15,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{
-    cpu_ticks, metric, python3, python_client, python_pattern, scrape, status_and_stderr,
-    ChildProc, TempDir,
+    cpu_ticks, metric, node_command, python3, python_client, python_pattern, scrape,
+    status_and_stderr, ChildProc, TempDir,
 };
 use kvferry::attach::{AttachError, PrefillClient, PrefillEvent};
 use kvferry::protocol::ErrorCode;
@@ -56,22 +56,7 @@ fn node_announcing(
     extra: &[&str],
     more: &[&str],
 ) -> (ChildProc, Vec<String>) {
-    let mut p = ChildProc::spawn(
-        Command::new(BIN)
-            .args(["node", "--listen", "tcp://127.0.0.1:0"])
-            .args(extra)
-            .args(["--capacity-chunks", &capacity.to_string()])
-            .args(["--chunk-bytes", &CHUNK.to_string()])
-            .args(["--staging-slots", &staging.to_string()])
-            .args(["--attach-shares", &shares.to_string()])
-            .arg("--attach")
-            .arg(dir.join("decoders.sock"))
-            .arg("--prefill-attach")
-            .arg(dir.join("workers.sock"))
-            .arg("--shm-path")
-            .arg(dir.join("buf"))
-            .stdin(Stdio::null()),
-    );
+    let mut p = ChildProc::spawn(node_command(dir, CHUNK, capacity, staging, shares).args(extra));
     let mut prefixes = vec![
         "kvferry node listening on ",
         "kvferry node decoder attach on ",

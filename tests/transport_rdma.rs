@@ -1579,31 +1579,12 @@ fn a_node_over_rdma_carries_an_attached_workers_bytes_to_its_decoder() {
             .stdin(Stdio::null()),
     );
     let shm_endpoint = shm_only.after_prefixes(&["kvferry receiver listening on "])[0].clone();
-    let mut node = process::ChildProc::spawn(
-        Command::new(env!("CARGO_BIN_EXE_kvferry"))
-            .args([
-                "node",
-                "--listen",
-                "tcp://127.0.0.1:0",
-                "--transport",
-                "rdma",
-            ])
-            .args(["--connect", &shm_endpoint])
-            .args([
-                "--capacity-chunks",
-                "8",
-                "--chunk-bytes",
-                &CHUNK.to_string(),
-            ])
-            .args(["--staging-slots", "8", "--attach-shares", "1"])
-            .arg("--attach")
-            .arg(dir.join("decoders.sock"))
-            .arg("--prefill-attach")
-            .arg(dir.join("workers.sock"))
-            .arg("--shm-path")
-            .arg(dir.join("node.buf"))
-            .stdin(Stdio::null()),
-    );
+    let mut node = process::ChildProc::spawn(process::node_command(&dir, CHUNK, 8, 8, 1).args([
+        "--transport",
+        "rdma",
+        "--connect",
+        &shm_endpoint,
+    ]));
     node.after_prefixes(&[
         "kvferry node offers rdma",
         "kvferry node prefill attach on ",

@@ -89,6 +89,34 @@ pub fn rerun_alone(test: &str) -> Command {
     cmd
 }
 
+/// `kvferry node` (the binary of this package) with both attach sockets
+/// and its buffer file in `dir` (`decoders.sock`, `workers.sock`, `buf`),
+/// listening on a free loopback port: `capacity` receive slots and
+/// `staging` staging slots of `chunk` bytes in `shares` shares. The
+/// caller adds its own options and spawns it.
+pub fn node_command(
+    dir: &TempDir,
+    chunk: u64,
+    capacity: u32,
+    staging: u32,
+    shares: u32,
+) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvferry"));
+    cmd.args(["node", "--listen", "tcp://127.0.0.1:0"])
+        .args(["--capacity-chunks", &capacity.to_string()])
+        .args(["--chunk-bytes", &chunk.to_string()])
+        .args(["--staging-slots", &staging.to_string()])
+        .args(["--attach-shares", &shares.to_string()])
+        .arg("--attach")
+        .arg(dir.join("decoders.sock"))
+        .arg("--prefill-attach")
+        .arg(dir.join("workers.sock"))
+        .arg("--shm-path")
+        .arg(dir.join("buf"))
+        .stdin(Stdio::null());
+    cmd
+}
+
 /// Page faults (minor and major) taken so far by thread `tid` of this
 /// process, 0 for the calling thread: `/proc/self/task/<tid>/stat`, fields
 /// 10 and 12. What a test counts to see that memory was mapped up front.
