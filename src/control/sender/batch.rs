@@ -47,6 +47,7 @@ impl Shared {
             bytes,
             remote: Vec::new(),
             writes: SmallVec::new(),
+            fills: false,
         }
     }
 
@@ -157,6 +158,45 @@ impl Shared {
             &reserved,
             last_chunk_toks,
         )
+    }
+
+    /// Hands the bytes of the request's declared batch (`set`: one slot
+    /// per declared chunk, in order) to ctrl, which writes them to the
+    /// receiver slots the admission's reply named. Its chunks were
+    /// reserved at begin and its lengths checked then. On error the slots
+    /// go back and the declaration stays open (a later submit may retry).
+    pub(super) fn fill_declared(&self, h: &Handle, set: SlotSet) -> Result<(), StoreError> {
+        let span = tracing::debug_span!("submit", req_id = %h.req_id, chunks = set.len());
+        let _g = span.enter();
+        let reopen = |e| {
+            // Release: pairs with the Acquire swap in `submit_declared`.
+            h.declared_open.store(true, Ordering::Release);
+            Err(e)
+        };
+        if let Some(s) = h.signal.terminal() {
+            self.slots.free(set);
+            return reopen(StoreError::RequestEnded(s.clone()));
+        }
+        if h.cancel.is_cancelled() {
+            self.slots.free(set);
+            return reopen(Self::stopped(&h.signal));
+        }
+        let mut b = Self::batch_for(
+            h.key,
+            KeyList::default(),
+            SmallVec::new(),
+            BatchData::Staged(set),
+            false,
+            0,
+        );
+        b.fills = true;
+        if let Err((b, e)) = self.submit_batch(h, Box::new(b)) {
+            self.release_data(b.data, 0);
+            return reopen(e);
+        }
+        self.stats.inc(Counter::Batches);
+        debug!(chunks = h.declared, "declared batch submitted");
+        Ok(())
     }
 
     /// Submits a batch from registered memory (`src[i]` = region id and
@@ -318,7 +358,7 @@ impl Shared {
                 self.pending_bytes.fetch_sub(bytes, Ordering::AcqRel);
             }
             // Dropping the lease lets the regions go once no op holds it.
-            BatchData::Registered { .. } | BatchData::Empty => {}
+            BatchData::Registered { .. } | BatchData::Empty | BatchData::Declared => {}
         }
     }
 

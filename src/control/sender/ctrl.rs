@@ -376,6 +376,9 @@ impl Ctrl {
     /// Moves a submitted batch into its request's send queue (or releases
     /// it if the request stopped meanwhile).
     fn enqueue(&mut self, b: Batch) {
+        if b.fills {
+            return self.fill_declared(b);
+        }
         let key = b.req;
         let id = self.next_batch;
         self.next_batch += 1;
@@ -383,11 +386,59 @@ impl Ctrl {
         match t.reqs.get_mut(key).filter(|r| r.p.state.live()) {
             Some(r) => {
                 r.p.queued.push_back(id);
+                if matches!(b.data, BatchData::Declared) {
+                    r.declared = Some(id);
+                }
                 t.batches.insert(id, b);
             }
             None => {
                 drop(t);
                 self.release_data(b.data, b.bytes);
+            }
+        }
+        self.dirty.insert(key);
+    }
+
+    /// Moves the bytes `f` brings (staged, one slot per declared chunk)
+    /// into its request's declared batch, which then posts like any
+    /// answered batch; gives them back if that batch is gone (the request
+    /// stopped, or the receiver held every chunk of it already).
+    fn fill_declared(&mut self, f: Batch) {
+        let key = f.req;
+        let mut t = self.shared.table.lock();
+        let id = t
+            .reqs
+            .get_mut(key)
+            .filter(|r| r.p.state.live())
+            .and_then(|r| r.declared.take());
+        let target = id
+            .and_then(|id| t.batches.get_mut(&id))
+            .filter(|b| matches!(b.data, BatchData::Declared));
+        match (target, f.data) {
+            (Some(b), BatchData::Staged(set)) => {
+                // Answered already (the usual order: staging comes after
+                // admission): chunks the receiver held need no slot. Before
+                // the reply, `on_batch_reply` trims them as for any batch.
+                let answered = !b.remote.is_empty();
+                if answered && b.writes.len() < set.len() {
+                    let slots = set.as_slice();
+                    let kept = crate::slots::SlotSet::from_slots(
+                        b.writes.iter().map(|&j| slots[j as usize]),
+                    );
+                    let freed = crate::slots::SlotSet::from_slots(
+                        (0..slots.len())
+                            .filter(|j| !b.writes.contains(&(*j as u32)))
+                            .map(|j| slots[j]),
+                    );
+                    self.free_staging(freed);
+                    b.data = BatchData::Staged(kept);
+                } else {
+                    b.data = BatchData::Staged(set);
+                }
+            }
+            (_, data) => {
+                drop(t);
+                self.release_data(data, 0);
             }
         }
         self.dirty.insert(key);
@@ -805,6 +856,11 @@ impl Ctrl {
         let Some(b) = t.batches.get_mut(&id) else {
             return Some(0);
         };
+        if matches!(b.data, BatchData::Declared) {
+            // Its bytes are still with the caller: `fill_declared` marks
+            // the request dirty when they come.
+            return None;
+        }
         if let BatchData::Pending(bytes) = &b.data {
             let t0 = Instant::now();
             // Queue for staging in FIFO order with the caller threads (never
@@ -868,7 +924,7 @@ impl Ctrl {
                     key, peer, rbytes, &b.writes, &b.remote, &b.lens, &src, lease,
                 ));
             }
-            BatchData::Pending(_) | BatchData::Empty => return Some(0),
+            BatchData::Pending(_) | BatchData::Empty | BatchData::Declared => return Some(0),
         };
         let now = Instant::now();
         // One write per chunk, then the transport's coalescer merges runs

@@ -55,6 +55,18 @@ pub enum StoreError {
     /// An empty batch that is not the request's last.
     #[error("only a last batch may be empty")]
     EmptyBatchNotLast,
+    /// [`Sender::begin_declared`](super::Sender::begin_declared) with no
+    /// chunk (use [`Sender::begin`](super::Sender::begin)).
+    #[error("a declared batch needs at least one chunk")]
+    EmptyDeclaredBatch,
+    /// [`StagedBatch::submit_declared`](super::StagedBatch::submit_declared)
+    /// on a request that declared no batch, or whose declared batch was
+    /// submitted already.
+    #[error("request {req_id} has no declared batch left to submit")]
+    NoDeclaredBatch {
+        /// The request.
+        req_id: String,
+    },
     /// More chunks in one batch than the sender has staging slots.
     #[error("a batch of {chunks} chunks can never fit in {slots} staging slots")]
     BatchTooLarge {

@@ -207,7 +207,67 @@ impl Sender {
     /// [`StoreError::DuplicateRequest`], [`StoreError::RequestEnded`] (the
     /// id was used by a request that ended), [`StoreError::Closed`].
     pub fn begin(&self, spec: RequestSpec) -> Result<Request, StoreError> {
-        self.shared.begin(&spec, false)
+        self.shared.begin(&spec, false, None)
+    }
+
+    /// [`begin`](Self::begin) with the request's first batch declared:
+    /// chunk `i` of it is named `keys[i]` and will be `lens[i]` bytes
+    /// (every one whole but the last, as [`StagedBatch::submit`] checks),
+    /// the last `last_chunk_toks` tokens if given (else the tokens its
+    /// length holds). The admission AllocRequest carries these keys, so
+    /// the receiver allocates the batch's slots as it admits the request
+    /// and the batch needs no AllocRequest of its own: one control round
+    /// trip per request fewer. Once admitted, stage its slots as usual
+    /// ([`Request::stage`]) and hand its bytes over with
+    /// [`StagedBatch::submit_declared`]; later batches go as usual.
+    ///
+    /// Errors: those of `begin`, and, nothing registered,
+    /// [`StoreError::EmptyDeclaredBatch`], [`StoreError::KeyCountMismatch`],
+    /// [`StoreError::BatchTooLarge`] (more chunks than staging slots),
+    /// [`StoreError::TooManyChunks`] (more than `total_chunks`) and the
+    /// length errors of `submit`.
+    ///
+    /// ```
+    /// use std::time::{Duration, Instant};
+    /// use kvferry::{Receiver, ReceiverConfig, RequestSpec, RequestStatus, Sender, SenderConfig};
+    ///
+    /// let deadline = Instant::now() + Duration::from_secs(20);
+    /// # let receiver = Receiver::start(ReceiverConfig {
+    /// #     listen: "tcp://127.0.0.1:0".into(),
+    /// #     capacity_chunks: 8,
+    /// #     chunk_bytes: 1024,
+    /// #     ..Default::default()
+    /// # })?;
+    /// # let decoder = receiver.endpoint().to_owned();
+    /// let sender = Sender::new(SenderConfig {
+    ///     chunk_bytes: 1024,
+    ///     staging_slots: 4,
+    ///     ..Default::default()
+    /// })?;
+    /// // One AllocRequest admits the request and allocates both chunks.
+    /// let spec = RequestSpec::new("req-8", decoder, 2);
+    /// let req = sender.begin_declared(spec, &["req-8/0", "req-8/1"], &[1024, 100], None)?;
+    /// let mut batch = req.stage(2, deadline)?;
+    /// for slot in batch.slots_mut() {
+    ///     slot.fill(7);
+    /// }
+    /// batch.submit_declared()?;
+    /// assert_eq!(req.wait(deadline), RequestStatus::Completed);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn begin_declared(
+        &self,
+        spec: RequestSpec,
+        keys: &[impl AsRef<str>],
+        lens: &[u32],
+        last_chunk_toks: Option<i64>,
+    ) -> Result<Request, StoreError> {
+        let first = super::Declared {
+            keys: super::KeyList::from_keys(keys),
+            lens: lens.iter().copied().collect(),
+            toks: last_chunk_toks,
+        };
+        self.shared.begin(&spec, false, Some(first))
     }
 
     /// Sets the callback run when a request reaches a terminal status. It
@@ -245,7 +305,7 @@ impl Sender {
         chunks: &[&[u8]],
     ) -> Result<(), StoreError> {
         self.validate(spec, keys.len(), chunks)?;
-        let req = self.shared.begin(&spec.request(), true)?;
+        let req = self.shared.begin(&spec.request(), true, None)?;
         // The request's geometry, from its handle (no table lock).
         let r = &req.h.c;
         if r.receiver != spec.receiver {

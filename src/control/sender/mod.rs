@@ -27,6 +27,7 @@ mod config;
 pub mod core;
 mod count;
 mod ctrl;
+mod declared;
 mod error;
 mod handle;
 mod keys;
@@ -64,6 +65,7 @@ use crate::stats::SharedStats;
 use self::completion::Announcer;
 pub use self::completion::CompletionCallback;
 pub use self::config::{RequestStatus, SenderConfig, TransferSpec};
+use self::declared::Declared;
 pub use self::error::{SenderError, StoreError};
 pub use self::handle::Sender;
 use self::keys::KeyList;
@@ -124,9 +126,15 @@ impl Shared {
     }
 
     /// Registers a request and queues its admission message (an
-    /// AllocRequest with no keys and the request's `total_chunks`). With
-    /// `reuse`, an existing live request of that id is returned instead.
-    fn begin(self: &Arc<Self>, spec: &RequestSpec, reuse: bool) -> Result<Request, StoreError> {
+    /// AllocRequest with the request's `total_chunks` and no keys, or the
+    /// keys of its `first` batch if declared). With `reuse`, an existing
+    /// live request of that id is returned instead.
+    fn begin(
+        self: &Arc<Self>,
+        spec: &RequestSpec,
+        reuse: bool,
+        first: Option<Declared>,
+    ) -> Result<Request, StoreError> {
         if spec.req_id.is_empty() {
             return Err(StoreError::EmptyReqId);
         }
@@ -136,6 +144,10 @@ impl Shared {
         let slot_bytes = self.cfg.chunk_bytes;
         let geometry = request::Geometry::of(spec.fmt, &spec.shape, &spec.dtype, slot_bytes)
             .map_err(StoreError::BadGeometry)?;
+        let (declared, toks) = match &first {
+            Some(d) => self.check_declared(spec, geometry, d)?,
+            None => (0, 0),
+        };
         // This handle's own end of the submission ring (cloned outside the
         // table lock; only `begin` takes the prototype's lock).
         let outbox = submit::Outbox::new(self.submit.lock().clone());
@@ -163,7 +175,9 @@ impl Shared {
             // The table lock, inside the name index's (the one place both
             // are held): only to insert.
             self.table.lock().insert(|key| {
-                let c = Arc::new(request::Common::new(key, spec, geometry, slot_bytes));
+                let c = Arc::new(request::Common::new(
+                    key, spec, geometry, slot_bytes, declared,
+                ));
                 common = Some(Arc::clone(&c));
                 Req::new(c)
             });
@@ -174,14 +188,22 @@ impl Shared {
             names.insert(Arc::clone(&c.req_id), Arc::clone(&c));
             handle(&c, outbox)
         };
-        let batch = Self::batch_for(
-            h.key,
-            KeyList::default(),
-            SmallVec::new(),
-            BatchData::Empty,
-            false,
-            0,
-        );
+        let batch = match first {
+            // Reserved in the fresh request's count: `check_declared` made
+            // sure it fits, so this cannot be refused.
+            Some(d) => {
+                let last = h.stored.reserve(declared, h.total, None).unwrap_or(false);
+                Self::batch_for(h.key, d.keys, d.lens, BatchData::Declared, last, toks)
+            }
+            None => Self::batch_for(
+                h.key,
+                KeyList::default(),
+                SmallVec::new(),
+                BatchData::Empty,
+                false,
+                0,
+            ),
+        };
         if let Err((_, e)) = self.submit_batch(&h, Box::new(batch)) {
             // The admission message holds no data to give back; ctrl never
             // heard of the request.
@@ -189,7 +211,7 @@ impl Shared {
             self.table.lock().remove(h.key);
             return Err(e);
         }
-        debug!(req_id = %spec.req_id, total = spec.total_chunks, "begun");
+        debug!(req_id = %spec.req_id, total = spec.total_chunks, declared, "begun");
         Ok(Request { h: Arc::new(h) })
     }
 }

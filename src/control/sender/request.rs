@@ -5,6 +5,7 @@
 use std::io;
 use std::num::NonZeroU64;
 use std::os::fd::BorrowedFd;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -78,6 +79,14 @@ pub(crate) struct Common {
     pub geometry: Geometry,
     /// Its chunk format, as its AllocRequests carry it.
     pub format: Format,
+    /// Chunks of the batch declared at begin
+    /// ([`Sender::begin_declared`](super::Sender::begin_declared)), 0 if
+    /// none: its keys went out with the admission, its bytes come with
+    /// [`StagedBatch::submit_declared`].
+    pub declared: usize,
+    /// The declared batch's bytes have not been submitted yet (taken once,
+    /// by the submit that hands them over).
+    pub declared_open: AtomicBool,
 }
 
 /// A request's chunk format as its AllocRequests carry it: the caller's
@@ -218,8 +227,17 @@ impl Geometry {
 impl Common {
     /// A request of `spec`, whose `geometry` (`Geometry::of` its `spec`)
     /// the sender checked.
-    pub fn new(key: ReqKey, spec: &RequestSpec, geometry: Geometry, slot_bytes: u64) -> Self {
+    /// `declared`: the chunks of its declared first batch (0: none).
+    pub fn new(
+        key: ReqKey,
+        spec: &RequestSpec,
+        geometry: Geometry,
+        slot_bytes: u64,
+        declared: usize,
+    ) -> Self {
         Self {
+            declared,
+            declared_open: AtomicBool::new(declared > 0),
             key,
             geometry,
             format: Format::of(spec.fmt, &spec.shape, &spec.dtype, slot_bytes),
@@ -672,6 +690,48 @@ impl StagedBatch {
         let unused = set.split_off(keys.len());
         shared.slots.free(unused);
         shared.submit_staged(&self.h, keys, lens, set, self.last_chunk_toks)
+    }
+}
+
+impl StagedBatch {
+    /// Hands the first `n` slots over as the request's declared batch
+    /// ([`Sender::begin_declared`](super::Sender::begin_declared) of `n`
+    /// chunks): slot `i` holds the chunk declared as `keys[i]`, `lens[i]`
+    /// bytes long (the declaration's lengths and last-chunk tokens count;
+    /// [`set_last_chunk_toks`](Self::set_last_chunk_toks) does not apply).
+    /// Its receiver slots were allocated with the admission, so its writes
+    /// are posted at once. Slots past `n` go back. Returns without waiting
+    /// for the network.
+    ///
+    /// Errors (the slots go back, nothing is sent):
+    /// [`StoreError::NoDeclaredBatch`] if the request declared none or it
+    /// was submitted already, [`StoreError::MoreChunksThanSlots`] if this
+    /// batch has fewer than `n` slots, and the request's end or stop (the
+    /// declaration then stays open).
+    pub fn submit_declared(mut self) -> Result<(), StoreError> {
+        let Some(mut set) = self.set.take() else {
+            return Err(StoreError::Closed);
+        };
+        let shared = Arc::clone(&self.h.shared);
+        let n = self.h.declared;
+        // Acquire: pairs with the Release re-open in `fill_declared`; the
+        // flag publishes nothing else (the swap alone makes one submit
+        // take it).
+        if n == 0 || !self.h.declared_open.swap(false, Ordering::Acquire) {
+            shared.slots.free(set);
+            return Err(StoreError::NoDeclaredBatch {
+                req_id: self.h.req_id.to_string(),
+            });
+        }
+        if set.len() < n {
+            self.h.declared_open.store(true, Ordering::Release);
+            let slots = set.len();
+            shared.slots.free(set);
+            return Err(StoreError::MoreChunksThanSlots { chunks: n, slots });
+        }
+        let unused = set.split_off(n);
+        shared.slots.free(unused);
+        shared.fill_declared(&self.h, set)
     }
 }
 

@@ -160,6 +160,7 @@ mod tests {
             bytes: n as usize,
             remote: Vec::new(),
             writes: Default::default(),
+            fills: false,
         })
     }
 

@@ -43,6 +43,10 @@ pub(crate) enum BatchData {
     },
     /// An empty last batch.
     Empty,
+    /// A declared batch's bytes, still with its caller (its AllocRequest
+    /// is the request's admission): they come in a [`Batch`] with `fills`
+    /// set, staged.
+    Declared,
 }
 
 /// A request's key in [`Table::reqs`]: a stale one (of a request the table
@@ -66,6 +70,9 @@ pub(crate) struct Batch {
     pub remote: Vec<i64>,
     /// After the reply: chunk positions to write (dedup'd ones removed).
     pub writes: SmallVec<[u32; 16]>,
+    /// Not a batch of its own: the bytes (staged) of its request's
+    /// declared batch, which ctrl moves into that batch.
+    pub fills: bool,
 }
 
 /// A request's lifecycle on the sender (see [`Phase`]).
@@ -87,6 +94,8 @@ pub(crate) struct Req {
     pub p: Progress<RequestStatus>,
     /// Every key named in an AllocRequest (for CancelNotif).
     pub keys_sent: KeyList,
+    /// The batch id of its declared batch until its bytes came.
+    pub declared: Option<u64>,
     pub first_sent_at: Option<Instant>,
     pub last_completion_at: Option<Instant>,
     pub bytes: u64,
@@ -102,6 +111,7 @@ impl Req {
             order: NEXT_ORDER.fetch_add(1, Ordering::Relaxed),
             p: Progress::default(),
             keys_sent: KeyList::default(),
+            declared: None,
             first_sent_at: None,
             last_completion_at: None,
             bytes: 0,
