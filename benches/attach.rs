@@ -100,7 +100,11 @@
 //!    with `--attach-poll-idle-us N` (polling sessions);
 //!    `KVFERRY_ATTACH_E2E_CONTROL=ipc` has the receiver listen on an
 //!    `ipc://` socket instead of loopback TCP (what docs/attach.md tells
-//!    the operator of two daemons on one host to do).
+//!    the operator of two daemons on one host to do). The worker declares
+//!    each request's one batch at its begin (`begin_declared`: one
+//!    AllocRequest round trip per request);
+//!    `KVFERRY_ATTACH_E2E_UNDECLARED=1` has it begin, stage and submit with
+//!    keys instead (two), as before 2026-12-07 (10).
 
 mod common;
 

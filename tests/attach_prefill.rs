@@ -2250,8 +2250,16 @@ fn random_steps_of_the_python_worker_against_the_binaries() {
             &code,
         ],
     );
-    py.expect_line("FUZZ:ok");
+    let line = py.expect_line("FUZZ:ok");
     py.wait_success("the python worker's random steps");
+    let declared = line
+        .rsplit("declared=")
+        .next()
+        .and_then(|n| n.trim().parse::<u32>().ok());
+    assert!(
+        declared.is_some_and(|n| n > 0),
+        "some requests declared their first batch: {line}"
+    );
     drop((send, recv));
     process::assert_no_panic_logged(&send_log, "the sender");
     process::assert_no_panic_logged(&recv_log, "the receiver");

@@ -7,8 +7,10 @@ usage: bench_e2e.py decoder SOCKET PREFIX REQUESTS CHUNKS MODE
        bench_e2e.py prefill SOCKET PREFIX REQUESTS CHUNKS MODE WINDOW
 
 Requests PREFIX-0 .. PREFIX-(REQUESTS-1), CHUNKS full chunks each. The
-prefill worker keeps WINDOW requests in flight (begin + stage, fill in
-place, submit); the decoder keeps a window of subscriptions ahead, reads
+prefill worker keeps WINDOW requests in flight (begin_declared with the
+request's keys, fill in place, submit_declared; with
+KVFERRY_ATTACH_E2E_UNDECLARED=1 begin + stage, fill, submit with keys);
+the decoder keeps a window of subscriptions ahead, reads
 every delivered chunk in place and releases it.
 
 MODE "stamp": the worker writes an 8-byte stamp (request, chunk) at both
@@ -46,6 +48,10 @@ def stamp_of(i, k):
 
 
 TRACE = os.environ.get("KVFERRY_E2E_TRACE")
+# With KVFERRY_ATTACH_E2E_UNDECLARED=1 the worker begins, stages and
+# submits with keys (two AllocRequest round trips per request) instead of
+# declaring each request's one batch at its begin (one).
+PLAIN = os.environ.get("KVFERRY_ATTACH_E2E_UNDECLARED") == "1"
 
 
 def write_trace(role, stages, waited):
@@ -120,8 +126,13 @@ def prefill(sock, prefix, requests, chunks, mode, window):
 
     def start():
         nonlocal issued
-        tag = c.begin("%s-%d" % (prefix, issued), 0, chunks)
-        c.stage(tag, chunks)
+        rid = "%s-%d" % (prefix, issued)
+        if PLAIN:
+            tag = c.begin(rid, 0, chunks)
+            c.stage(tag, chunks)
+        else:
+            keys = ["%s/%d" % (rid, k) for k in range(chunks)]
+            tag, _batch = c.begin_declared(rid, 0, chunks, keys, lens)
         inflight[tag] = issued
         if TRACE:
             stages[issued] = [time.monotonic()]
@@ -146,8 +157,11 @@ def prefill(sock, prefix, requests, chunks, mode, window):
                 st = stamp_of(i, k)
                 pack_into(view, s * cb, st)
                 pack_into(view, s * cb + cb - 8, st)
-            keys = ["%s-%d/%d" % (prefix, i, k) for k in range(chunks)]
-            c.submit(tag, batch, keys, lens)
+            if PLAIN:
+                keys = ["%s-%d/%d" % (prefix, i, k) for k in range(chunks)]
+                c.submit(tag, batch, keys, lens)
+            else:
+                c.submit_declared(tag, batch)
             if TRACE:
                 stages[i].append(time.monotonic())
         elif ev[0] == "done":

@@ -35,7 +35,7 @@ import socket
 import struct
 import time
 
-ATTACH_VERSION = 5
+ATTACH_VERSION = 6
 HELLO_LEN = 1024
 # Descriptors an accepting hello carries (SCM_RIGHTS, in this order): the
 # submission ring, the completion ring, the data (receive buffer read-only,
@@ -556,7 +556,9 @@ class PrefillClient:
     """An attached prefill worker: begin(req_id, receiver, total, fmt=0,
     shape=(), dtype=""), stage(tag, n), next_event() -> ('staged', tag,
     batch, [slots]), slot(slot) (a writable memoryview, in place),
-    submit(tag, batch, keys, lens, last_chunk_toks=None), cancel(tag)."""
+    submit(tag, batch, keys, lens, last_chunk_toks=None), cancel(tag); or
+    begin_declared(req_id, receiver, total, keys, lens) -> (tag, batch)
+    and submit_declared(tag, batch) (one round trip fewer)."""
 
     def __init__(self, sock_path, timeout=30.0):
         self.sock = _connect(sock_path, timeout)
@@ -584,6 +586,7 @@ class PrefillClient:
         self.next_tag = 1
         self.next_batch = 1
         self.held = set()  # (tag, batch) staged for us and not submitted
+        self.declared = {}  # (tag, batch) of a declared batch -> its chunks
         self.live = set()  # tags begun and not ended (a refused BEGIN's stays)
         # Live tags we cancelled: a STAGED posted before the daemon read the
         # CANCEL (which gave the batch back) is skipped, its slots never
@@ -596,10 +599,10 @@ class PrefillClient:
         _publish(self.sq, self.sock, PSUBMIT.pack(op, length, tag, a, b, c, len(text), body), 1,
                  wait)
 
-    def begin(self, req_id, receiver, total_chunks, fmt=0, shape=(), dtype=""):
-        """Begins req_id; fmt, shape and dtype are the request's chunk
-        geometry (AllocRequest's fields; the defaults: shape [chunk_bytes]
-        of uint8). The daemon refuses a geometry out of range (code 12)."""
+    def _begin_entry(self, tag, req_id, receiver, total_chunks, fmt, shape, dtype,
+                     declared=0, toks=0):
+        """The packed BEGIN entry (c: chunks of a declared first batch,
+        length: its last chunk's token count)."""
         raw = req_id.encode()
         if not 0 < len(raw) <= MAX_REQ_ID:
             raise ValueError("req_id must be 1..%d bytes" % MAX_REQ_ID)
@@ -609,11 +612,55 @@ class PrefillClient:
             raise ValueError("at most %d dims and %d dtype bytes" % (MAX_SHAPE_DIMS, MAX_DTYPE))
         geometry = GEOMETRY.pack(fmt, *(shape + [0] * (MAX_SHAPE_DIMS - len(shape))),
                                  len(shape), len(dt), dt)
+        return PSUBMIT.pack(OP_BEGIN, toks, tag, receiver, total_chunks, declared, len(raw),
+                            raw.ljust(GEOMETRY_AT, b"\0") + geometry)
+
+    def begin(self, req_id, receiver, total_chunks, fmt=0, shape=(), dtype=""):
+        """Begins req_id; fmt, shape and dtype are the request's chunk
+        geometry (AllocRequest's fields; the defaults: shape [chunk_bytes]
+        of uint8). The daemon refuses a geometry out of range (code 12)."""
         tag = self.next_tag
+        entry = self._begin_entry(tag, req_id, receiver, total_chunks, fmt, shape, dtype)
         self.next_tag += 1
-        self._push(OP_BEGIN, tag, receiver, total_chunks, 0, raw, extra=geometry)
+        _publish(self.sq, self.sock, entry, 1, 0.0)
         self.live.add(tag)
         return tag
+
+    def begin_declared(self, req_id, receiver, total_chunks, keys, lens, last_chunk_toks=None,
+                       fmt=0, shape=(), dtype=""):
+        """Begins req_id with its first batch declared: chunk i of it is
+        keys[i], lens[i] bytes (whole but the last), the last one
+        last_chunk_toks tokens (None: the tokens it holds). The admission
+        carries the keys, so the receiver allocates the batch's slots as it
+        admits the request: one control round trip fewer than begin +
+        stage + submit. Also asks for the batch's slots (its STAGE); returns
+        (tag, batch). Fill the slots of its ('staged', tag, batch, slots)
+        event, then submit_declared(tag, batch)."""
+        toks = NO_TOKENS if last_chunk_toks is None else last_chunk_toks
+        if not 0 <= toks <= NO_TOKENS:
+            raise ValueError("last_chunk_toks must be 0..%d" % (NO_TOKENS - 1))
+        raws = [k.encode() for k in keys]
+        if not raws or len(raws) != len(lens):
+            raise ValueError("a declared batch needs as many keys as lengths, at least one")
+        for raw in raws:
+            if not 0 < len(raw) <= MAX_TEXT:
+                raise ValueError("key must be 1..%d bytes" % MAX_TEXT)
+        tag, batch = self.next_tag, self.next_batch
+        n = len(raws)
+        pack = PSUBMIT.pack
+        # BEGIN, its KEYs, the STAGE: one publish (ring room permitting),
+        # at most one doorbell byte.
+        entries = self._begin_entry(tag, req_id, receiver, total_chunks, fmt, shape, dtype,
+                                    n, toks)
+        entries += b"".join(pack(OP_KEY, length, tag, batch, i, 0, len(raw), raw)
+                            for i, (raw, length) in enumerate(zip(raws, lens)))
+        entries += pack(OP_STAGE, 0, tag, batch, n, 0, 0, b"")
+        self.next_tag += 1
+        self.next_batch += 1
+        _publish(self.sq, self.sock, entries, n + 2, wait=10.0)
+        self.live.add(tag)
+        self.declared[(tag, batch)] = n
+        return tag, batch
 
     def stage(self, tag, n):
         batch = self.next_batch
@@ -649,16 +696,27 @@ class PrefillClient:
         _publish(self.sq, self.sock, entries, len(raws) + 1, wait=10.0)
         self.held.discard((tag, batch))
 
+    def submit_declared(self, tag, batch):
+        """Hands the declared batch of begin_declared over, its slots
+        filled: its keys, lengths and tokens are the declared ones."""
+        n = self.declared.pop((tag, batch), None)
+        if n is None:
+            raise ValueError("batch %d of tag %d is no declared batch" % (batch, tag))
+        self._push(OP_SUBMIT, tag, batch, n, c=NO_TOKENS, wait=10.0)
+        self.held.discard((tag, batch))
+
     def cancel(self, tag):
         """Cancels tag's request (its FAILED follows); a batch staged for it
         before the daemon read the CANCEL is skipped by next_event."""
         self.held = {h for h in self.held if h[0] != tag}
+        self.declared = {d: n for d, n in self.declared.items() if d[0] != tag}
         self._push(OP_CANCEL, tag)
         if tag in self.live:
             self.cancelled.add(tag)
 
     def _ended(self, tag):
         self.live.discard(tag)
+        self.declared = {d: n for d, n in self.declared.items() if d[0] != tag}
         self.cancelled.discard(tag)
         # The daemon keeps batches we held at the end until we acknowledge
         # (we might still be writing them): CANCEL is the acknowledgement.

@@ -1,6 +1,6 @@
 """CI check of the Python prefill worker (driven by tests/attach_prefill.rs).
 
-usage: prefill_check.py SOCKET REQ_ID N LAST_LEN [FMT SHAPE DTYPE LAST_TOKS]
+usage: prefill_check.py SOCKET REQ_ID N LAST_LEN [FMT SHAPE DTYPE LAST_TOKS] [declared]
 Attaches to `kvferry sender --attach SOCKET`, begins REQ_ID (N chunks, to
 the daemon's receiver 0), stages the N slots, fills them in place with the
 pattern decoder_check.py verifies (byte j of chunk i is (i * 31 + j) & 0xff;
@@ -11,6 +11,10 @@ With FMT SHAPE DTYPE LAST_TOKS (SHAPE: dimensions joined by commas) the
 request carries that chunk geometry and the last chunk that token count;
 first a BEGIN of an unknown dtype and a SUBMIT of LAST_TOKS past the
 shape's largest dimension are checked to be refused (codes 12 and 13).
+
+With "declared" last, the request's one batch is declared at its begin
+(begin_declared: the admission carries its keys) and handed over with
+submit_declared.
 """
 
 import sys
@@ -32,11 +36,21 @@ def staged(c, tag, batch, n):
     return ev[3]
 
 
+def fill(c, slots, lens):
+    """Chunk i of the pattern into slot slots[i], in place (no staging copy)."""
+    for i, slot in enumerate(slots):
+        c.slot(slot)[:lens[i]] = chunk_bytes(i, lens[i])
+
+
 def main():
-    sock, req_id, n, last = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    args = sys.argv[1:]
+    declared = args[-1] == "declared"
+    if declared:
+        args.pop()
+    sock, req_id, n, last = args[0], args[1], int(args[2]), int(args[3])
     geometry, toks = {}, None
-    if len(sys.argv) > 5:
-        fmt, shape, dtype, toks = sys.argv[5:9]
+    if len(args) > 4:
+        fmt, shape, dtype, toks = args[4:8]
         shape = [int(d) for d in shape.split(",")]
         geometry = dict(fmt=int(fmt), shape=shape, dtype=dtype)
         toks = int(toks)
@@ -47,8 +61,20 @@ def main():
         ev = c.next_event(timeout=30.0)
         if ev != ("refused", bad, 12):
             sys.exit("expected REFUSED 12 (bad geometry), got %r" % (ev,))
-    tag = c.begin(req_id, 0, n, **geometry)
     keys = ["%s/%03d" % (req_id, i) for i in range(n)]
+    lens = [last if i + 1 == n else c.chunk_bytes for i in range(n)]
+    if declared:
+        tag, batch = c.begin_declared(req_id, 0, n, keys, lens, last_chunk_toks=toks,
+                                      **geometry)
+        fill(c, staged(c, tag, batch, n), lens)
+        c.submit_declared(tag, batch)
+        ev = c.next_event(timeout=30.0)
+        if ev != ("done", tag):
+            sys.exit("expected DONE of the declared request, got %r" % (ev,))
+        print("PREFILL:ok", flush=True)
+        c.close()
+        return
+    tag = c.begin(req_id, 0, n, **geometry)
     if geometry:
         batch = c.stage(tag, 1)
         staged(c, tag, batch, 1)
@@ -57,11 +83,7 @@ def main():
         if ev != ("refused", tag, 13):
             sys.exit("expected REFUSED 13 (bad tokens), got %r" % (ev,))
     batch = c.stage(tag, n)
-    lens = []
-    for i, slot in enumerate(staged(c, tag, batch, n)):
-        length = last if i + 1 == n else c.chunk_bytes
-        c.slot(slot)[:length] = chunk_bytes(i, length)  # in place, no staging copy
-        lens.append(length)
+    fill(c, staged(c, tag, batch, n), lens)
     c.submit(tag, batch, keys, lens, last_chunk_toks=toks)
     ev = c.next_event(timeout=30.0)
     if ev != ("done", tag):

@@ -6,7 +6,9 @@ checking every request that ends DONE.
 usage: prefill_fuzz.py SENDER_SOCKET RECEIVER_SOCKET PREFIX REQUESTS SEED CANCELLED_CODE
 
 Random valid steps until REQUESTS requests have ended: BEGINs of 1-6
-chunks (at most 3 live), STAGEs of part of what a request still needs,
+chunks (at most 3 live; some declaring a first batch of part of the
+request, begin_declared, whose slots come staged and go with
+submit_declared, in any order with the request's other batches), STAGEs of part of what a request still needs,
 fills and SUBMITs of a held batch now or steps later, CANCELs at any
 point of a request's life (some right behind a STAGE, so that its
 STAGED crosses the CANCEL). Byte j of chunk i of request number q is
@@ -14,7 +16,8 @@ STAGED crosses the CANCEL). Byte j of chunk i of request number q is
 chunk is caught. Every DONE request is subscribed to on the receiver,
 checked byte for byte and released; every cancelled one must end FAILED
 with CANCELLED_CODE, or DONE if the CANCEL crossed its end (the CANCEL is
-then refused, UNKNOWN_TAG). Prints "FUZZ:ok done=D cancelled=C crossed=X".
+then refused, UNKNOWN_TAG). Prints "FUZZ:ok done=D cancelled=C crossed=X
+declared=B" (B: requests begun with a declared batch).
 """
 
 import random
@@ -39,6 +42,10 @@ class Live:
     def __init__(self, q, n):
         self.q, self.n = q, n
         self.asked = self.written = 0
+        # Index of the next chunk a plain batch carries (a declared batch
+        # carries chunks 0..k).
+        self.plain = 0
+        self.declared = None  # (batch, k) until submitted
         self.cancelled = False
 
 
@@ -52,6 +59,7 @@ def main():
     live, held, crossed = {}, [], set()
     counts = {"done": 0, "cancelled": 0, "crossed": 0}
     q_next = 0
+    declared_count = [0]
     end = time.monotonic() + 120.0
 
     def req_id(q):
@@ -114,8 +122,17 @@ def main():
         tags = list(live)
         if step < 2 and not winding_down and len(live) < 3:
             n = rng.randint(1, 6)
-            tag = w.begin(req_id(q_next), 0, n)
-            live[tag] = Live(q_next, n)
+            l = Live(q_next, n)
+            if rng.random() < 0.4:
+                k = rng.randint(1, n)
+                keys = ["%s/%03d" % (req_id(q_next), i) for i in range(k)]
+                lens = [chunk_len(q_next, i, n, cb) for i in range(k)]
+                tag, batch = w.begin_declared(req_id(q_next), 0, n, keys, lens)
+                l.declared, l.asked, l.plain = (batch, k), k, k
+                declared_count[0] += 1
+            else:
+                tag = w.begin(req_id(q_next), 0, n)
+            live[tag] = l
             q_next += 1
         elif step < 5 and tags:
             tag = rng.choice(tags)
@@ -129,15 +146,22 @@ def main():
         elif step < 8 and held:
             tag, batch, slots = held.pop(rng.randrange(len(held)))
             l = live[tag]
+            declared = l.declared is not None and l.declared[0] == batch
+            first = 0 if declared else l.plain
             keys, lens = [], []
             for j, s in enumerate(slots):
-                i = l.written + j
+                i = first + j
                 data = chunk_bytes(l.q, i, chunk_len(l.q, i, l.n, cb))
                 w.slot(s)[:len(data)] = data
                 keys.append("%s/%03d" % (req_id(l.q), i))
                 lens.append(len(data))
             l.written += len(slots)
-            w.submit(tag, batch, keys, lens)
+            if declared:
+                l.declared = None
+                w.submit_declared(tag, batch)
+            else:
+                l.plain += len(slots)
+                w.submit(tag, batch, keys, lens)
         elif step == 8 and tags and rng.random() < (0.05 if winding_down else 0.3):
             tag = rng.choice(tags)
             if not live[tag].cancelled:
@@ -156,8 +180,9 @@ def main():
                 break
             timeout = 0.0
             on_event(ev)
-    print("FUZZ:ok done=%d cancelled=%d crossed=%d"
-          % (counts["done"], counts["cancelled"], counts["crossed"]), flush=True)
+    print("FUZZ:ok done=%d cancelled=%d crossed=%d declared=%d"
+          % (counts["done"], counts["cancelled"], counts["crossed"], declared_count[0]),
+          flush=True)
 
 
 if __name__ == "__main__":

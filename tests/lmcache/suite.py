@@ -664,7 +664,15 @@ def node_worker_vs_lmcache_receiver():
     worker_vs_lmcache_receiver(node=True)
 
 
-def worker_vs_lmcache_receiver(node):
+def declared_worker_vs_lmcache_receiver():
+    """The same with the worker's batch declared at its begin
+    (`begin_declared`): the admission AllocRequest carries the keys, the
+    geometry and the last chunk's tokens, and LMCache's receiver allocates
+    the same memory objects from it as from a batch's own AllocRequest."""
+    worker_vs_lmcache_receiver(node=False, declared=True)
+
+
+def worker_vs_lmcache_receiver(node, declared=False):
     sys.path.insert(0, os.path.join(HERE, "..", "..", "clients", "python"))
     import kvferry_attach
     from lmcache.v1.memory_management import MemoryFormat
@@ -695,17 +703,25 @@ def worker_vs_lmcache_receiver(node):
         c = kvferry_attach.PrefillClient(sock)
         fmt = MemoryFormat.KV_2LTD
         last_toks = 5
-        tag = c.begin("att-1", receiver, 3, fmt=fmt.value, shape=KV_SHAPE, dtype="bfloat16")
-        batch = c.stage(tag, 3)
-        ev = c.next_event(timeout=WAIT)
-        check(ev[0] == "staged" and len(ev[3]) == 3, f"STAGED of 3: {ev}")
         short = CHUNK // TOKENS * last_toks  # the last chunk: 5 of 16 tokens
         lens = [CHUNK, CHUNK, short]
         hashes = [0xA770 + i for i in range(3)]
+        keys = [CacheEngineKey("m", 1, 0, h, torch.bfloat16).to_string() for h in hashes]
+        geometry = dict(fmt=fmt.value, shape=KV_SHAPE, dtype="bfloat16")
+        if declared:
+            tag, batch = c.begin_declared("att-1", receiver, 3, keys, lens,
+                                          last_chunk_toks=last_toks, **geometry)
+        else:
+            tag = c.begin("att-1", receiver, 3, **geometry)
+            batch = c.stage(tag, 3)
+        ev = c.next_event(timeout=WAIT)
+        check(ev[0] == "staged" and len(ev[3]) == 3, f"STAGED of 3: {ev}")
         for i, slot in enumerate(ev[3]):
             c.slot(slot)[: lens[i]] = bytes([0x40 + i]) * lens[i]
-        keys = [CacheEngineKey("m", 1, 0, h, torch.bfloat16).to_string() for h in hashes]
-        c.submit(tag, batch, keys, lens, last_chunk_toks=last_toks)
+        if declared:
+            c.submit_declared(tag, batch)
+        else:
+            c.submit(tag, batch, keys, lens, last_chunk_toks=last_toks)
         ev = c.next_event(timeout=WAIT)
         check(ev == ("done", tag), f"DONE: {ev}")
         check(pull.poll(int(WAIT * 1000)), "hung: no ProxyNotif")
@@ -775,6 +791,7 @@ SCENARIOS = [
     kvferry_sender_vs_lmcache_receiver,
     attached_worker_vs_lmcache_receiver,
     node_worker_vs_lmcache_receiver,
+    declared_worker_vs_lmcache_receiver,
     proxy_failed_vs_lmcache_proxy_decoders,
 ]
 

@@ -9,7 +9,7 @@ use crate::sender::ShapeError;
 
 /// Attach protocol version, carried in the hello; bumped on any change of
 /// an entry layout, the hello or a code's meaning.
-pub const ATTACH_VERSION: u32 = 5;
+pub const ATTACH_VERSION: u32 = 6;
 /// First 8 bytes of the hello.
 pub const HELLO_MAGIC: [u8; 8] = *b"KVFATCH1";
 /// Size of the hello message in bytes.
@@ -257,7 +257,8 @@ impl DecoderSubmit {
 pub struct PrefillSubmit {
     /// [`OP_BEGIN`], [`OP_STAGE`], [`OP_KEY`], [`OP_SUBMIT`] or [`OP_CANCEL`].
     pub op: u32,
-    /// KEY: chunk length in bytes.
+    /// KEY: chunk length in bytes; BEGIN declaring a batch: its last
+    /// chunk's token count ([`NO_TOKENS`] for the default).
     pub len: u32,
     /// The client's name for the request.
     pub tag: u64,
@@ -268,7 +269,8 @@ pub struct PrefillSubmit {
     /// SUBMIT: the token count of the batch's last chunk
     /// (`AllocRequest.last_chunk_toks`), [`NO_TOKENS`] for the default
     /// (the tokens the chunk holds: its bytes over the element size of a
-    /// one-dimensional shape, its bytes otherwise); otherwise 0.
+    /// one-dimensional shape, its bytes otherwise); BEGIN: the chunks of
+    /// its declared first batch, whose KEYs follow (0: none); otherwise 0.
     pub c: u32,
     /// Bytes of `text` used.
     pub text_len: u32,
@@ -819,7 +821,7 @@ mod tests {
         h.share = 2;
         let b = h.encode();
         assert_eq!(&b[0..8], b"KVFATCH1");
-        assert_eq!(u32_at(&b, 8), 5);
+        assert_eq!(u32_at(&b, 8), 6);
         assert_eq!(u32_at(&b, 20), 7);
         assert_eq!(u64_at(&b, 40), 16);
         assert_eq!(u32_at(&b, 72), 3);

@@ -37,5 +37,5 @@ pub use client::{AttachError, ChunkDesc, DecoderClient, Delivery, Event};
 pub use daemon::AttachConfig;
 pub use layout::{BeginGeometry, GeometryError, Refusal};
 pub use prefill::PrefillDaemon;
-pub use prefill_client::{PrefillClient, PrefillEvent, StagedSlots, SubmitError};
+pub use prefill_client::{DeclaredBatch, PrefillClient, PrefillEvent, StagedSlots, SubmitError};
 pub use session::DecoderDaemon;

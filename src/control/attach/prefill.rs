@@ -138,6 +138,7 @@ impl Role for Prefills {
             sq: rings.sq,
             cq: rings.cq,
             tags: HashMap::with_capacity(shared.cfg.max_outstanding),
+            declaring: HashMap::new(),
             batches: 0,
             waiting: Vec::with_capacity(shared.cfg.max_outstanding),
             inbox: vec![PrefillSubmit::of(0, 0, 0, 0, 0); sq_cap],
@@ -146,15 +147,79 @@ impl Role for Prefills {
     }
 }
 
-/// A batch staged for the worker, with the keys and lengths its KEY
-/// entries gave (one allocation per batch, none per chunk).
-struct Held {
-    batch: StagedBatch,
-    /// `MAX_TEXT` bytes per chunk; key `i` is `key_bytes[i * MAX_TEXT..][..key_lens[i]]`.
-    key_bytes: Vec<u8>,
+/// Chunk keys and lengths from KEY entries, for one batch (one allocation
+/// per batch, none per chunk).
+struct Keys {
+    /// `MAX_TEXT` bytes per chunk; key `i` is `bytes[i * MAX_TEXT..][..key_lens[i]]`.
+    bytes: Vec<u8>,
     /// 0: no KEY yet.
     key_lens: Vec<u16>,
     lens: Vec<u32>,
+}
+
+impl Keys {
+    /// Room for `n` chunks' keys (none for `n == 0`).
+    fn new(n: usize) -> Self {
+        Self {
+            bytes: vec![0; n * MAX_TEXT],
+            key_lens: vec![0; n],
+            lens: vec![0; n],
+        }
+    }
+
+    /// Records a KEY entry: chunk `s.b` is `s.len` bytes (at most
+    /// `slot_bytes`) named `s.text`. `None` if it does not fit.
+    fn set(&mut self, s: &PrefillSubmit, slot_bytes: u64) -> Option<()> {
+        let len = s.text()?.len();
+        let i = s.b as usize;
+        if i >= self.key_lens.len() || u64::from(s.len) > slot_bytes {
+            return None;
+        }
+        self.bytes[i * MAX_TEXT..i * MAX_TEXT + len].copy_from_slice(&s.text[..len]);
+        self.key_lens[i] = len as u16;
+        self.lens[i] = s.len;
+        Some(())
+    }
+
+    /// Every one of the first `m` chunks has its KEY.
+    fn complete(&self, m: usize) -> bool {
+        m <= self.key_lens.len() && self.key_lens[..m].iter().all(|&l| l > 0)
+    }
+
+    /// The first `m` keys (one allocation). UTF-8 was checked by
+    /// `PrefillSubmit::text` when each KEY came in.
+    fn names(&self, m: usize) -> Vec<&str> {
+        (0..m)
+            .map(|i| {
+                let key = &self.bytes[i * MAX_TEXT..][..usize::from(self.key_lens[i])];
+                std::str::from_utf8(key).unwrap_or("")
+            })
+            .collect()
+    }
+}
+
+/// A batch staged for the worker, with the keys and lengths its KEY
+/// entries gave (none for a declared batch: they came before the BEGIN
+/// went to the sender).
+struct Held {
+    batch: StagedBatch,
+    keys: Keys,
+    /// The request's declared batch (SUBMIT hands it over with
+    /// `StagedBatch::submit_declared`).
+    declared: bool,
+}
+
+/// A BEGIN that declared its first batch (`c` > 0), waiting for that
+/// batch's KEY entries: the request begins (`Sender::begin_declared`)
+/// once every one came.
+struct Declaring {
+    spec: RequestSpec,
+    max_tokens: u64,
+    /// The declared last chunk's token count (`None`: the default).
+    tokens: Option<u32>,
+    /// The batch id the KEYs name (the first KEY's).
+    batch: Option<u32>,
+    keys: Keys,
 }
 
 /// One request of the worker.
@@ -163,6 +228,8 @@ struct Req {
     /// Most tokens its SUBMITs may give a last chunk (the largest
     /// dimension of its shape).
     max_tokens: u64,
+    /// Its declared batch, until submitted: (batch id, chunks).
+    declared: Option<(u32, u32)>,
     /// Batches staged and not submitted, by the worker's batch id.
     held: HashMap<u32, Held>,
     /// STAGEs waiting for admission or free staging: (batch id, slots).
@@ -188,8 +255,10 @@ pub(super) struct Session {
     ring_full: bool,
     sq: Consumer<PrefillSubmit>,
     cq: Completions<DecoderEvent>,
-    /// At most `max_outstanding` requests.
+    /// At most `max_outstanding` requests, with `declaring`.
     tags: HashMap<u64, Req>,
+    /// BEGINs waiting for their declared batch's KEYs.
+    declaring: HashMap<u64, Declaring>,
     /// Held plus pending batches over all tags, at most `max_outstanding`.
     batches: usize,
     /// Reused buffer for the tags of requests that ended.
@@ -261,6 +330,10 @@ impl Session {
         let n = self.sq.pop_into(&mut self.inbox[..room]);
         for i in 0..n {
             let s = self.inbox[i];
+            if self.declaring.contains_key(&s.tag) && s.op != OP_BEGIN {
+                self.declaring_op(&s);
+                continue;
+            }
             match s.op {
                 OP_BEGIN => self.begin(&s),
                 OP_STAGE => self.stage(&s),
@@ -273,10 +346,10 @@ impl Session {
     }
 
     fn begin(&mut self, s: &PrefillSubmit) {
-        if self.tags.contains_key(&s.tag) {
+        if self.tags.contains_key(&s.tag) || self.declaring.contains_key(&s.tag) {
             return self.refuse(s.tag, Refusal::DuplicateTag);
         }
-        if self.tags.len() >= self.shared.cfg.max_outstanding {
+        if self.tags.len() + self.declaring.len() >= self.shared.cfg.max_outstanding {
             return self.refuse(s.tag, Refusal::TooManyOutstanding);
         }
         let Some(req_id) = s.begin_req_id() else {
@@ -299,29 +372,101 @@ impl Session {
             dtype: geometry.dtype.to_owned(),
             ..RequestSpec::new(req_id, receiver.as_str(), s.b as usize)
         };
-        match self.shared.role.sender.begin(spec) {
-            Ok(request) => {
-                tracing::debug!(tag = s.tag, req_id, "begun");
-                let ended = request.notify_end_on(&self.share);
-                self.tags.insert(
-                    s.tag,
-                    Req {
-                        request,
-                        max_tokens: geometry.max_tokens,
-                        held: HashMap::new(),
-                        pending: Vec::new(),
-                        cancelled: false,
-                        ended: false,
-                    },
-                );
-                if ended {
-                    // Failed at once (e.g. its receiver is gone): no
-                    // signal will come for it.
-                    self.maybe_ended(s.tag);
-                }
-            }
-            Err(e) => self.refuse_store(s.tag, &e),
+        let max_tokens = geometry.max_tokens;
+        if s.c == 0 {
+            let begun = self.shared.role.sender.begin(spec);
+            return self.begun(s.tag, begun, max_tokens, None);
         }
+        // A declared first batch: its KEYs follow. Its STAGED and SLOTs
+        // must fit the ring and its slots the share, as a STAGE's.
+        let declared = s.c as usize;
+        if declared >= self.cq.ring.capacity() || declared > self.share.layout().slots {
+            return self.refuse(s.tag, Refusal::TooManyChunks);
+        }
+        let tokens = (s.len != NO_TOKENS).then_some(s.len);
+        if tokens.is_some_and(|t| u64::from(t) > max_tokens) {
+            return self.refuse(s.tag, Refusal::BadTokens);
+        }
+        self.declaring.insert(
+            s.tag,
+            Declaring {
+                spec,
+                max_tokens,
+                tokens,
+                batch: None,
+                keys: Keys::new(declared),
+            },
+        );
+    }
+
+    /// A request `begin` or `begin_declared` returned for `tag` (its
+    /// declared batch `declared`: batch id and chunks).
+    fn begun(
+        &mut self,
+        tag: u64,
+        begun: Result<Request, StoreError>,
+        max_tokens: u64,
+        declared: Option<(u32, u32)>,
+    ) {
+        let request = match begun {
+            Ok(r) => r,
+            Err(e) => return self.refuse_store(tag, &e),
+        };
+        tracing::debug!(tag, req_id = request.id(), ?declared, "begun");
+        let ended = request.notify_end_on(&self.share);
+        self.tags.insert(
+            tag,
+            Req {
+                request,
+                max_tokens,
+                declared,
+                held: HashMap::new(),
+                pending: Vec::new(),
+                cancelled: false,
+                ended: false,
+            },
+        );
+        if ended {
+            // Failed at once (e.g. its receiver is gone): no signal will
+            // come for it.
+            self.maybe_ended(tag);
+        }
+    }
+
+    /// An entry for a tag whose BEGIN waits for its declared batch's KEYs:
+    /// a KEY of that batch is recorded (the request begins with the last
+    /// one); CANCEL drops the BEGIN (FAILED `cancelled`, as for a begun
+    /// request); anything else, or a bad KEY, drops it with REFUSED `11`.
+    fn declaring_op(&mut self, s: &PrefillSubmit) {
+        let slot_bytes = self.share.layout().slot_bytes;
+        let Some(d) = self.declaring.get_mut(&s.tag) else {
+            return;
+        };
+        if s.op == OP_CANCEL {
+            self.declaring.remove(&s.tag);
+            let ev = DecoderEvent::of(EV_FAILED, s.tag, error_number(ErrorCode::Cancelled));
+            return self.cq.send(ev);
+        }
+        let batch = *d.batch.get_or_insert(s.a);
+        if s.op != OP_KEY || s.a != batch || d.keys.set(s, slot_bytes).is_none() {
+            self.declaring.remove(&s.tag);
+            return self.refuse(s.tag, Refusal::BadBatch);
+        }
+        let n = d.keys.key_lens.len();
+        if !d.keys.complete(n) {
+            return;
+        }
+        let Some(d) = self.declaring.remove(&s.tag) else {
+            return;
+        };
+        let keys = d.keys.names(n);
+        let begun = self.shared.role.sender.begin_declared(
+            d.spec,
+            &keys,
+            &d.keys.lens,
+            d.tokens.map(i64::from),
+        );
+        self.begun(s.tag, begun, d.max_tokens, Some((batch, n as u32)));
     }
 
     fn stage(&mut self, s: &PrefillSubmit) {
@@ -336,6 +481,10 @@ impl Session {
         };
         if r.held.contains_key(&s.a) || r.pending.iter().any(|p| p.0 == s.a) {
             return self.refuse(s.tag, Refusal::DuplicateTag);
+        }
+        if r.declared.is_some_and(|(id, n)| id == s.a && n != s.b) {
+            // The declared batch is staged whole.
+            return self.refuse(s.tag, Refusal::BadBatch);
         }
         // STAGED and its SLOT entries go on the ring in one reservation.
         if s.b as usize >= cq_cap {
@@ -382,14 +531,14 @@ impl Session {
                         }
                         entries.commit();
                         r.pending.remove(0);
-                        let n = n as usize;
+                        let declared = r.declared.is_some_and(|d| d.0 == id);
+                        let keys = Keys::new(if declared { 0 } else { n as usize });
                         r.held.insert(
                             id,
                             Held {
                                 batch,
-                                key_bytes: vec![0; n * MAX_TEXT],
-                                key_lens: vec![0; n],
-                                lens: vec![0; n],
+                                keys,
+                                declared,
                             },
                         );
                         tracing::debug!(tag, batch = id, slots = n, "staged");
@@ -411,19 +560,12 @@ impl Session {
     }
 
     fn key(&mut self, s: &PrefillSubmit) {
-        let text = s.text().map(str::len);
-        let ok = (|| {
-            let h = self.tags.get_mut(&s.tag)?.held.get_mut(&s.a)?;
-            let i = s.b as usize;
-            let len = text?;
-            if i >= h.key_lens.len() || u64::from(s.len) > h.batch.slot_bytes() as u64 {
-                return None;
-            }
-            h.key_bytes[i * MAX_TEXT..i * MAX_TEXT + len].copy_from_slice(&s.text[..len]);
-            h.key_lens[i] = len as u16;
-            h.lens[i] = s.len;
-            Some(())
-        })();
+        let slot_bytes = self.share.layout().slot_bytes;
+        let ok = self
+            .tags
+            .get_mut(&s.tag)
+            .and_then(|r| r.held.get_mut(&s.a))
+            .and_then(|h| h.keys.set(s, slot_bytes));
         if ok.is_none() {
             self.refuse(s.tag, Refusal::BadBatch);
         }
@@ -434,15 +576,17 @@ impl Session {
             return self.refuse(s.tag, Refusal::UnknownTag);
         };
         let m = s.b as usize;
-        let complete = r
-            .held
-            .get(&s.a)
-            .is_some_and(|h| m <= h.key_lens.len() && h.key_lens[..m].iter().all(|&l| l > 0));
         let tokens = (s.c != NO_TOKENS).then_some(s.c);
         let tokens_ok = tokens.is_none_or(|t| u64::from(t) <= r.max_tokens);
         // A refused SUBMIT gives the batch back (its slots are freed).
         let Some(h) = r.held.remove(&s.a) else {
             return self.refuse(s.tag, Refusal::BadBatch);
+        };
+        // The declared batch goes whole, its tokens as declared.
+        let complete = if h.declared {
+            r.declared.is_some_and(|d| d.1 as usize == m) && tokens.is_none()
+        } else {
+            h.keys.complete(m)
         };
         if r.ended && r.held.is_empty() {
             // Nothing left to acknowledge (the submit below is refused).
@@ -455,19 +599,21 @@ impl Session {
         if !tokens_ok {
             return self.refuse(s.tag, Refusal::BadTokens);
         }
-        // One allocation per batch. UTF-8 was checked by
-        // `PrefillSubmit::text` when each KEY came in.
-        let keys: Vec<&str> = (0..m)
-            .map(|i| {
-                let key = &h.key_bytes[i * MAX_TEXT..][..usize::from(h.key_lens[i])];
-                std::str::from_utf8(key).unwrap_or("")
-            })
-            .collect();
         let mut batch = h.batch;
-        if let Some(t) = tokens {
-            batch.set_last_chunk_toks(i64::from(t));
-        }
-        let result = batch.submit(&keys, &h.lens[..m]);
+        let result = if h.declared {
+            let result = batch.submit_declared();
+            if result.is_ok() {
+                if let Some(r) = self.tags.get_mut(&s.tag) {
+                    r.declared = None;
+                }
+            }
+            result
+        } else {
+            if let Some(t) = tokens {
+                batch.set_last_chunk_toks(i64::from(t));
+            }
+            batch.submit(&h.keys.names(m), &h.keys.lens[..m])
+        };
         match result {
             Ok(()) => tracing::debug!(tag = s.tag, batch = s.a, chunks = m, "submitted"),
             Err(e) => self.refuse_store(s.tag, &e),

@@ -18,8 +18,8 @@ use super::client::{
 };
 use super::layout::{
     error_from_number, BeginGeometry, DecoderEvent, Hello, PrefillSubmit, Refusal, EV_DONE,
-    EV_FAILED, EV_REFUSED, EV_SLOT, EV_STAGED, MAX_REQ_ID, MAX_TEXT, OP_CANCEL, OP_KEY, OP_STAGE,
-    ROLE_PREFILL,
+    EV_FAILED, EV_REFUSED, EV_SLOT, EV_STAGED, MAX_REQ_ID, MAX_TEXT, NO_TOKENS, OP_CANCEL, OP_KEY,
+    OP_STAGE, ROLE_PREFILL,
 };
 use crate::protocol::ErrorCode;
 
@@ -31,6 +31,8 @@ pub struct StagedSlots {
     id: u32,
     slots: Vec<u32>,
     last_chunk_toks: Option<u32>,
+    /// The declared batch of a [`PrefillClient::begin_declared`].
+    declared: bool,
 }
 
 impl StagedSlots {
@@ -49,6 +51,13 @@ impl StagedSlots {
         self.slots.is_empty()
     }
 
+    /// True for the declared batch of a
+    /// [`PrefillClient::begin_declared`] (submit it with
+    /// [`PrefillClient::submit_declared`]).
+    pub fn is_declared(&self) -> bool {
+        self.declared
+    }
+
     /// Sets the token count of the batch's last submitted chunk
     /// (`AllocRequest.last_chunk_toks`; default: the tokens it holds, its
     /// bytes over the element size of a one-dimensional shape, its bytes
@@ -60,6 +69,20 @@ impl StagedSlots {
     pub fn set_last_chunk_toks(&mut self, toks: u32) {
         self.last_chunk_toks = Some(toks);
     }
+}
+
+/// The first batch of a request, declared at its begin
+/// ([`PrefillClient::begin_declared`]): chunk `i` is named `keys[i]`
+/// (1..=[`MAX_TEXT`] bytes) and is `lens[i]` bytes (whole but the last),
+/// the last `last_chunk_toks` tokens (`None`: the tokens it holds).
+#[derive(Debug, Clone, Copy)]
+pub struct DeclaredBatch<'a> {
+    /// The chunks' keys.
+    pub keys: &'a [&'a str],
+    /// The chunks' lengths.
+    pub lens: &'a [u32],
+    /// The last chunk's token count (`None`: the default).
+    pub last_chunk_toks: Option<u32>,
 }
 
 /// A [`PrefillClient::submit`] that failed.
@@ -173,6 +196,8 @@ pub struct PrefillClient {
     held: HashSet<(u64, u32)>,
     /// Batch ids asked for and not answered yet, per tag.
     asked: HashMap<u64, u32>,
+    /// Declared batches not submitted yet: (tag, id).
+    declared: HashSet<(u64, u32)>,
     /// Live requests this worker cancelled (until their end event): a
     /// STAGED of one was posted before the daemon read the CANCEL, which
     /// gave the batch back, so it is skipped, its slots never handed out.
@@ -240,6 +265,7 @@ impl PrefillClient {
             tags: HashSet::new(),
             held: HashSet::new(),
             asked: HashMap::new(),
+            declared: HashSet::new(),
             cancelled: HashSet::new(),
             next_tag: 1,
             next_batch: 1,
@@ -335,6 +361,85 @@ impl PrefillClient {
         self.next_tag += 1;
         self.tags.insert(tag);
         Ok(tag)
+    }
+
+    /// Begins a request (as [`begin_with`](Self::begin_with)) with its
+    /// first batch declared, and asks for that batch's slots: one
+    /// publish of its BEGIN, the batch's KEYs and its STAGE. The
+    /// admission carries the keys, so the receiver allocates the batch's
+    /// slots as it admits the request: one control round trip fewer than
+    /// `begin`, `stage` and `submit`. The slots come as a
+    /// [`PrefillEvent::Staged`] ([`StagedSlots::is_declared`]); fill them
+    /// and hand them over with [`submit_declared`](Self::submit_declared).
+    /// Returns the tag.
+    ///
+    /// On an error after the BEGIN went out (the ring stayed full, the
+    /// daemon left) the tag is taken: [`cancel`](Self::cancel) it.
+    pub fn begin_declared(
+        &mut self,
+        req_id: &str,
+        receiver: u32,
+        total_chunks: u32,
+        geometry: &BeginGeometry,
+        first: &DeclaredBatch<'_>,
+    ) -> Result<u64, AttachError> {
+        let n = first.keys.len();
+        if n == 0 || n != first.lens.len() {
+            return Err(AttachError::Protocol(
+                "a declared batch needs as many keys as lengths, at least one".into(),
+            ));
+        }
+        if let Some(i) = first
+            .keys
+            .iter()
+            .position(|k| k.is_empty() || k.len() > MAX_TEXT)
+        {
+            return Err(AttachError::Protocol(format!(
+                "key {i} must be 1..={MAX_TEXT} bytes"
+            )));
+        }
+        let (tag, id) = (self.next_tag, self.next_batch);
+        let mut begin = PrefillSubmit::begin(tag, receiver, total_chunks, req_id, geometry)
+            .ok_or(AttachError::BadReqId)?;
+        begin.c = n as u32;
+        begin.len = first.last_chunk_toks.unwrap_or(NO_TOKENS);
+        self.push_waiting(begin)?;
+        self.next_tag += 1;
+        self.tags.insert(tag);
+        for (i, (k, &len)) in first.keys.iter().zip(first.lens).enumerate() {
+            let s = PrefillSubmit::with_text(OP_KEY, tag, id, i as u32, len, k)
+                .ok_or_else(|| AttachError::Protocol(format!("key {i} out of range")))?;
+            self.push_waiting(s)?;
+        }
+        self.push_waiting(PrefillSubmit::of(OP_STAGE, tag, id, n as u32, 0))?;
+        self.next_batch = self.next_batch.wrapping_add(1);
+        *self.asked.entry(tag).or_default() += 1;
+        self.declared.insert((tag, id));
+        doorbell(&mut self.sq, &mut self.sock)?;
+        Ok(tag)
+    }
+
+    /// Hands the declared batch `b` (of [`begin_declared`](Self::begin_declared))
+    /// over, its slots filled: its keys, lengths and tokens are the
+    /// declared ones. On error the batch comes back as in
+    /// [`submit`](Self::submit).
+    pub fn submit_declared(&mut self, b: StagedSlots) -> Result<(), SubmitError> {
+        if !b.declared || !self.held.contains(&(b.tag, b.id)) {
+            return Err(SubmitError {
+                error: AttachError::Protocol("not this client's declared batch".into()),
+                batch: Some(b),
+            });
+        }
+        let s = PrefillSubmit::submit(b.tag, b.id, b.slots.len() as u32, None);
+        if let Err(error) = self.push_waiting(s) {
+            return Err(SubmitError {
+                error,
+                batch: Some(b),
+            });
+        }
+        self.held.remove(&(b.tag, b.id));
+        self.declared.remove(&(b.tag, b.id));
+        doorbell(&mut self.sq, &mut self.sock).map_err(|error| SubmitError { error, batch: None })
     }
 
     /// Asks for `n` staging slots for request `tag`; they come as a
@@ -448,6 +553,7 @@ impl PrefillClient {
     /// returned.
     pub fn cancel(&mut self, tag: u64) -> Result<(), AttachError> {
         self.held.retain(|h| h.0 != tag);
+        self.declared.retain(|h| h.0 != tag);
         self.push(PrefillSubmit::of(OP_CANCEL, tag, 0, 0, 0))?;
         if self.tags.contains(&tag) {
             self.cancelled.insert(tag);
@@ -460,6 +566,15 @@ impl PrefillClient {
     #[doc(hidden)]
     pub fn submit_raw(&mut self, s: PrefillSubmit) -> Result<(), AttachError> {
         self.push(s)
+    }
+
+    /// Takes the next completion entry as it is on the ring, without the
+    /// client's bookkeeping (for tests of the daemon's answers to raw
+    /// submissions, which the checked events would refuse: a STAGED not
+    /// asked for).
+    #[doc(hidden)]
+    pub fn next_raw(&mut self, deadline: Instant) -> Result<DecoderEvent, AttachError> {
+        next_entry(&mut self.cq, deadline)
     }
 
     /// Waits until the next event or `deadline`.
@@ -497,6 +612,7 @@ impl PrefillClient {
                     id: ev.a,
                     slots,
                     last_chunk_toks: None,
+                    declared: self.declared.contains(&(ev.tag, ev.a)),
                 })))
             }
             EV_DONE | EV_FAILED => {
@@ -505,6 +621,7 @@ impl PrefillClient {
                 }
                 let held = self.held.len();
                 self.held.retain(|h| h.0 != ev.tag);
+                self.declared.retain(|h| h.0 != ev.tag);
                 if self.held.len() != held {
                     // The daemon keeps batches we held until we say we no
                     // longer write them.

@@ -212,14 +212,14 @@ impl Sender {
 
     /// [`begin`](Self::begin) with the request's first batch declared:
     /// chunk `i` of it is named `keys[i]` and will be `lens[i]` bytes
-    /// (every one whole but the last, as [`StagedBatch::submit`] checks),
+    /// (every one whole but the last, as [`StagedBatch::submit`](super::StagedBatch::submit) checks),
     /// the last `last_chunk_toks` tokens if given (else the tokens its
     /// length holds). The admission AllocRequest carries these keys, so
     /// the receiver allocates the batch's slots as it admits the request
     /// and the batch needs no AllocRequest of its own: one control round
     /// trip per request fewer. Once admitted, stage its slots as usual
     /// ([`Request::stage`]) and hand its bytes over with
-    /// [`StagedBatch::submit_declared`]; later batches go as usual.
+    /// [`StagedBatch::submit_declared`](super::StagedBatch::submit_declared); later batches go as usual.
     ///
     /// Errors: those of `begin`, and, nothing registered,
     /// [`StoreError::EmptyDeclaredBatch`], [`StoreError::KeyCountMismatch`],
