@@ -19,52 +19,43 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common_sender::{
-    deadline, receiver, sender, sender_cfg, unique, wait_for, wait_receiver_empty,
-    wait_sender_empty, CHUNK, WAIT,
+    deadline, expect_done, expect_refused, raw_receiver_daemon, receiver, sender, sender_cfg,
+    staged, unique, wait_for, wait_receiver_empty, wait_sender_empty, RawReceiverDaemon, CHUNK,
+    WAIT,
 };
 use kvferry::attach::layout::{
     error_from_number, PrefillSubmit, EV_DONE, EV_FAILED, EV_REFUSED, EV_SLOT, EV_STAGED,
     NO_TOKENS, OP_CANCEL, OP_KEY, OP_STAGE,
 };
 use kvferry::attach::{
-    AttachConfig, BeginGeometry, DeclaredBatch, PrefillClient, PrefillDaemon, PrefillEvent,
-    Refusal, StagedSlots,
+    AttachConfig, BeginGeometry, DeclaredBatch, PrefillClient, PrefillDaemon, Refusal, StagedSlots,
 };
 use kvferry::protocol::{AllocResponse, ErrorCode, Message};
+use kvferry::receiver::Receiver;
 use kvferry::region::DATA_OFFSET;
-use kvferry::sender::SenderConfig;
+use kvferry::sender::{Sender, SenderConfig};
 use process::{node_command, python_client, python_pattern, rerun_alone, ChildProc, TempDir};
 
 const ROLE: &str = "KVFERRY_DECLARED_ROLE";
 const SOCK: &str = "KVFERRY_DECLARED_SOCK";
 const REQ: &str = "KVFERRY_DECLARED_REQ";
 
-fn next(c: &mut PrefillClient, what: &str) -> PrefillEvent {
-    c.next_event(deadline())
-        .unwrap_or_else(|e| panic!("no event for {what}: {e}"))
-}
-
-fn staged(c: &mut PrefillClient, what: &str) -> StagedSlots {
-    match next(c, what) {
-        PrefillEvent::Staged(b) => b,
-        other => panic!("{what}: expected STAGED, got {other:?}"),
-    }
-}
-
-fn expect_refused(c: &mut PrefillClient, tag: u64, want: Refusal, what: &str) {
-    match next(c, what) {
-        PrefillEvent::Refused { tag: t, reason } => {
-            assert_eq!((t, reason), (tag, Some(want)), "{what}")
-        }
-        other => panic!("{what}: expected REFUSED({want:?}), got {other:?}"),
-    }
-}
-
-fn expect_done(c: &mut PrefillClient, tag: u64, what: &str) {
-    match next(c, what) {
-        PrefillEvent::Done { tag: t } => assert_eq!(t, tag, "{what}"),
-        other => panic!("{what}: expected DONE, got {other:?}"),
-    }
+/// A receiver of 16 slots, a sender of 8 staging slots in `shares` shares
+/// and a prefill daemon over them (its socket in the returned directory).
+fn daemon(shares: usize) -> (TempDir, Arc<Receiver>, Arc<Sender>, PrefillDaemon) {
+    let dir = TempDir::new("kvferry-declared");
+    let r = Arc::new(receiver(16));
+    let s = Arc::new(sender(SenderConfig {
+        staging_shares: shares,
+        ..sender_cfg(8, None)
+    }));
+    let d = PrefillDaemon::start(
+        Arc::clone(&s),
+        vec![r.endpoint().to_owned()],
+        AttachConfig::new(dir.sock()),
+    )
+    .expect("daemon starts");
+    (dir, r, s, d)
 }
 
 /// The keys `req/000..` of `n` chunks (decoder_check.py's names).
@@ -191,29 +182,12 @@ fn a_declared_batch_rides_on_the_admission_alloc_request() {
         return;
     }
     let dir = TempDir::new("kvferry-declared");
-    let r = receiver(8);
-    let router = kvferry::zmq_io::context()
-        .socket(zmq::ROUTER)
-        .expect("router");
-    router.set_linger(0).expect("linger");
-    router.bind("tcp://127.0.0.1:0").expect("bind");
-    let ep = router.get_last_endpoint().unwrap().unwrap();
-    let run = kvferry::runner::RunConfig {
-        static_buffers: vec![format!("{ep}={}", r.shm_path().display())],
-        ..Default::default()
-    };
-    let s = Arc::new(sender(SenderConfig {
-        staging_shares: 1,
-        use_extensions: false,
-        static_peers: run.static_peers().expect("static peer"),
-        ..sender_cfg(8, None)
-    }));
-    let d = PrefillDaemon::start(
-        Arc::clone(&s),
-        vec![ep.clone()],
-        AttachConfig::new(dir.sock()),
-    )
-    .expect("daemon starts");
+    let RawReceiverDaemon {
+        router,
+        buffer: r,
+        sender: s,
+        daemon: d,
+    } = raw_receiver_daemon(&dir.sock());
     let mut a = PrefillClient::connect(d.socket(), WAIT).unwrap();
     let shape = [CHUNK as i64 / 2];
     let g = BeginGeometry::new(3, &shape, "bfloat16").unwrap();
@@ -304,18 +278,7 @@ fn hostile_declarations_are_refused_one_by_one_and_change_nothing() {
     if std::env::var(ROLE).is_ok() {
         return;
     }
-    let dir = TempDir::new("kvferry-declared");
-    let r = Arc::new(receiver(16));
-    let s = Arc::new(sender(SenderConfig {
-        staging_shares: 2,
-        ..sender_cfg(8, None)
-    }));
-    let d = PrefillDaemon::start(
-        Arc::clone(&s),
-        vec![r.endpoint().to_owned()],
-        AttachConfig::new(dir.sock()),
-    )
-    .expect("daemon starts");
+    let (_dir, r, s, d) = daemon(2);
     let mut a = PrefillClient::connect(d.socket(), WAIT).unwrap();
     let share = a.hello().slots as u32;
     let g = BeginGeometry::default();
@@ -509,18 +472,7 @@ fn sigkill_of_a_worker_holding_its_declared_batch_releases_everything() {
     if std::env::var(ROLE).is_ok() {
         return holder_main();
     }
-    let dir = TempDir::new("kvferry-declared");
-    let r = Arc::new(receiver(16));
-    let s = Arc::new(sender(SenderConfig {
-        staging_shares: 1,
-        ..sender_cfg(8, None)
-    }));
-    let d = PrefillDaemon::start(
-        Arc::clone(&s),
-        vec![r.endpoint().to_owned()],
-        AttachConfig::new(dir.sock()),
-    )
-    .expect("daemon starts");
+    let (_dir, r, s, d) = daemon(1);
     let req = unique("dk");
     let mut w = ChildProc::spawn(
         rerun_alone("sigkill_of_a_worker_holding_its_declared_batch_releases_everything")

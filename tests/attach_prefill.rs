@@ -20,8 +20,9 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use common_sender::{
-    deadline, key, receiver, sender, sender_cfg, unique, wait_for, wait_receiver_empty,
-    wait_sender_empty, CHUNK, WAIT,
+    deadline, expect_done, expect_refused, key, next, raw_receiver_daemon, receiver, sender,
+    sender_cfg, staged, unique, wait_for, wait_receiver_empty, wait_sender_empty,
+    RawReceiverDaemon, CHUNK, WAIT,
 };
 use kvferry::attach::layout::{
     PrefillSubmit, MAX_REQ_ID, MAX_SHAPE_DIMS, OP_KEY, OP_SUBMIT, STATUS_NO_SHARE,
@@ -86,18 +87,6 @@ fn setup(staging: usize, shares: usize) -> Setup {
     )
     .expect("daemon starts");
     Setup { r, s, d, _dir: dir }
-}
-
-fn next(c: &mut PrefillClient, what: &str) -> PrefillEvent {
-    c.next_event(deadline())
-        .unwrap_or_else(|e| panic!("no event for {what}: {e}"))
-}
-
-fn staged(c: &mut PrefillClient, what: &str) -> StagedSlots {
-    match next(c, what) {
-        PrefillEvent::Staged(b) => b,
-        other => panic!("{what}: expected STAGED, got {other:?}"),
-    }
 }
 
 /// Fills `b` with chunks `first..first + b.len()` of `req_id` (of `n`);
@@ -366,22 +355,6 @@ fn requests_ending_together_are_each_reported_once() {
     wait_sender_empty(&t.s, "after every request ended");
 }
 
-fn expect_refused(c: &mut PrefillClient, tag: u64, want: Refusal, what: &str) {
-    match next(c, what) {
-        PrefillEvent::Refused { tag: t, reason } => {
-            assert_eq!((t, reason), (tag, Some(want)), "{what}")
-        }
-        other => panic!("{what}: expected REFUSED({want:?}), got {other:?}"),
-    }
-}
-
-fn expect_done(c: &mut PrefillClient, tag: u64, what: &str) {
-    match next(c, what) {
-        PrefillEvent::Done { tag: t } => assert_eq!(t, tag, "{what}"),
-        other => panic!("{what}: expected DONE, got {other:?}"),
-    }
-}
-
 /// Fills `b` with `lens[i]` bytes of chunk `i` of `req_id` and submits it
 /// with keys `req_id/i` (and `toks` for its last chunk, if given).
 fn fill_keyed(
@@ -494,31 +467,12 @@ fn the_alloc_requests_of_an_attached_worker_carry_its_fmt_shape_dtype_and_tokens
         return;
     }
     let dir = TempDir::new("kvferry-prefill");
-    // A kvferry receiver only for its buffer file (the sender's writes go
-    // there; the ROUTER hands out slots of it).
-    let r = receiver(8);
-    let router = kvferry::zmq_io::context()
-        .socket(zmq::ROUTER)
-        .expect("router");
-    router.set_linger(0).expect("linger");
-    router.bind("tcp://127.0.0.1:0").expect("bind");
-    let ep = router.get_last_endpoint().unwrap().unwrap();
-    let run = kvferry::runner::RunConfig {
-        static_buffers: vec![format!("{ep}={}", r.shm_path().display())],
-        ..Default::default()
-    };
-    let s = Arc::new(sender(SenderConfig {
-        staging_shares: 1,
-        use_extensions: false,
-        static_peers: run.static_peers().expect("static peer"),
-        ..sender_cfg(8, None)
-    }));
-    let d = PrefillDaemon::start(
-        Arc::clone(&s),
-        vec![ep.clone()],
-        AttachConfig::new(dir.sock()),
-    )
-    .expect("daemon starts");
+    let RawReceiverDaemon {
+        router,
+        buffer: _buffer,
+        sender: s,
+        daemon: d,
+    } = raw_receiver_daemon(&dir.sock());
     let mut a = PrefillClient::connect(d.socket(), WAIT).unwrap();
     let shape = [2i64, 16, CHUNK as i64 / 64];
     let g = BeginGeometry::new(5, &shape, "bfloat16").unwrap();

@@ -289,3 +289,88 @@ pub fn wait_sender_empty(s: &Sender, what: &str) {
         std::thread::sleep(Duration::from_millis(2));
     }
 }
+
+/// A prefill daemon whose sender writes to a raw ZMQ ROUTER standing in
+/// for an LMCache receiver (no Hello; the sender writes into `buffer`'s
+/// file, a static peer; the test hands out its slots in the replies).
+pub struct RawReceiverDaemon {
+    /// The stand-in receiver's socket (its endpoint is receiver 0).
+    pub router: zmq::Socket,
+    /// A kvferry receiver only for its buffer file.
+    pub buffer: Receiver,
+    /// The sender: 8 staging slots in one share, LMCache mode.
+    pub sender: std::sync::Arc<Sender>,
+    /// The daemon serving attached workers on `sock`.
+    pub daemon: kvferry::attach::PrefillDaemon,
+}
+
+/// Starts a [`RawReceiverDaemon`] listening on `sock`.
+pub fn raw_receiver_daemon(sock: &std::path::Path) -> RawReceiverDaemon {
+    let buffer = receiver(8);
+    let router = kvferry::zmq_io::context()
+        .socket(zmq::ROUTER)
+        .expect("router");
+    router.set_linger(0).expect("linger");
+    router.bind("tcp://127.0.0.1:0").expect("bind");
+    let ep = router.get_last_endpoint().unwrap().unwrap();
+    let run = kvferry::runner::RunConfig {
+        static_buffers: vec![format!("{ep}={}", buffer.shm_path().display())],
+        ..Default::default()
+    };
+    let sender = std::sync::Arc::new(self::sender(SenderConfig {
+        staging_shares: 1,
+        use_extensions: false,
+        static_peers: run.static_peers().expect("static peer"),
+        ..sender_cfg(8, None)
+    }));
+    let daemon = kvferry::attach::PrefillDaemon::start(
+        std::sync::Arc::clone(&sender),
+        vec![ep],
+        kvferry::attach::AttachConfig::new(sock),
+    )
+    .expect("daemon starts");
+    RawReceiverDaemon {
+        router,
+        buffer,
+        sender,
+        daemon,
+    }
+}
+
+/// The next event of an attached worker (`what` names it if none comes).
+pub fn next(c: &mut kvferry::attach::PrefillClient, what: &str) -> kvferry::attach::PrefillEvent {
+    c.next_event(deadline())
+        .unwrap_or_else(|e| panic!("no event for {what}: {e}"))
+}
+
+/// The next event of an attached worker, which must be STAGED.
+pub fn staged(c: &mut kvferry::attach::PrefillClient, what: &str) -> kvferry::attach::StagedSlots {
+    match next(c, what) {
+        kvferry::attach::PrefillEvent::Staged(b) => b,
+        other => panic!("{what}: expected STAGED, got {other:?}"),
+    }
+}
+
+/// The next event of an attached worker, which must be REFUSED(`want`)
+/// of `tag`.
+pub fn expect_refused(
+    c: &mut kvferry::attach::PrefillClient,
+    tag: u64,
+    want: kvferry::attach::Refusal,
+    what: &str,
+) {
+    match next(c, what) {
+        kvferry::attach::PrefillEvent::Refused { tag: t, reason } => {
+            assert_eq!((t, reason), (tag, Some(want)), "{what}")
+        }
+        other => panic!("{what}: expected REFUSED({want:?}), got {other:?}"),
+    }
+}
+
+/// The next event of an attached worker, which must be DONE of `tag`.
+pub fn expect_done(c: &mut kvferry::attach::PrefillClient, tag: u64, what: &str) {
+    match next(c, what) {
+        kvferry::attach::PrefillEvent::Done { tag: t } => assert_eq!(t, tag, "{what}"),
+        other => panic!("{what}: expected DONE, got {other:?}"),
+    }
+}
