@@ -1834,7 +1834,7 @@ fn random_steps_of_a_worker_never_break_its_session() {
     let prefix = unique("fz");
     let mut tags: Vec<u64> = Vec::new();
     let mut held: Vec<StagedSlots> = Vec::new();
-    let (mut done, mut failed, mut refused) = (0, 0, 0);
+    let (mut done, mut failed, mut refused, mut declared) = (0, 0, 0, 0);
     let pick = |rng: &mut SmallRng, v: &[u32]| v[rng.random_range(0..v.len())];
     for step in 0..3000 {
         let tag = if !tags.is_empty() && rng.random_bool(0.8) {
@@ -1848,7 +1848,32 @@ fn random_steps_of_a_worker_never_break_its_session() {
                 let req = format!("{prefix}-{}", rng.random_range(0..step / 4 + 2));
                 let receiver = pick(&mut rng, &[0, 0, 0, 0, 0, 1, u32::MAX]);
                 let total = pick(&mut rng, &[1, 1, 2, 2, 3, 0, 64, u32::MAX]);
-                c.begin(&req, receiver, total).map(|t| tags.push(t))
+                if rng.random_bool(0.3) {
+                    // A declared first batch: counts and lengths that fit
+                    // or not (past the total, the share, a short chunk).
+                    let n = pick(&mut rng, &[1, 1, 2, 3, 9]) as usize;
+                    let keys: Vec<String> = (0..n).map(|i| format!("{req}/d{i}")).collect();
+                    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                    let lens: Vec<u32> = (0..n)
+                        .map(|_| pick(&mut rng, &[CHUNK as u32, CHUNK as u32, CHUNK as u32, 100]))
+                        .collect();
+                    let first = kvferry::attach::DeclaredBatch {
+                        keys: &keys,
+                        lens: &lens,
+                        last_chunk_toks: None,
+                    };
+                    let g = BeginGeometry::default();
+                    c.begin_declared(&req, receiver, total, &g, &first)
+                        .map(|t| tags.push(t))
+                } else {
+                    c.begin(&req, receiver, total).map(|t| tags.push(t))
+                }
+            }
+            4 | 5 if held.iter().any(StagedSlots::is_declared) && rng.random_bool(0.7) => {
+                let i = held.iter().position(StagedSlots::is_declared).unwrap_or(0);
+                declared += 1;
+                c.submit_declared(held.swap_remove(i))
+                    .map_err(AttachError::from)
             }
             2 | 3 => c.stage(tag, pick(&mut rng, &[1, 1, 1, 2, 3, 0, 9, 1000])),
             4 | 5 if !held.is_empty() => {
@@ -1922,7 +1947,7 @@ fn random_steps_of_a_worker_never_break_its_session() {
     }
     assert!(
         refused > 0 && done + failed > 0,
-        "the steps did little: {done} done, {failed} failed, {refused} refused"
+        "the steps did little: {done} done, {failed} failed, {refused} refused, {declared} declared batches submitted"
     );
     drop(held);
     drop(c);
