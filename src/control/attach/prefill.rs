@@ -3,8 +3,9 @@
 //! ([`Sender::take_share`]), gets that share's memfd only (`SCM_RIGHTS`)
 //! and maps it writable; it
 //! fills the slots the session staged for it in place and submits them; the
-//! session drives the sender's API for it (`begin`, `try_stage_in`,
-//! `StagedBatch::submit`, `cancel`) and sleeps in `poll` on the share's
+//! session drives the sender's API for it (`begin`, `begin_declared`,
+//! `try_stage_in`, `StagedBatch::submit`, `submit_declared`, `cancel`) and
+//! sleeps in `poll` on the share's
 //! readiness eventfd, its one descriptor besides the socket: it becomes
 //! readable when a STAGE waiting for admission or free slots may go on
 //! and when any of the session's requests ends (`Request::notify_end_on`).
