@@ -3,7 +3,6 @@
 //! memory), its push on the submission ring, and what is given back when it
 //! is refused (a method group of `Shared`).
 
-use std::num::NonZeroU64;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -98,11 +97,7 @@ impl Shared {
         last_chunk_toks: Option<i64>,
     ) -> Result<(), StoreError> {
         let n = lens.len();
-        // The default: the whole tokens the last chunk holds (its bytes for
-        // the byte shape; `check_lens` refused a partial token).
-        let unit = h.geometry.token_bytes.map_or(1, NonZeroU64::get);
-        let toks = last_chunk_toks
-            .unwrap_or_else(|| lens.last().map_or(0, |&l| (u64::from(l) / unit) as i64));
+        let toks = Self::last_chunk_toks(h.geometry, lens.last().copied(), last_chunk_toks);
         // A request that stopped since the reservation (cancelled, failed,
         // closed) takes no more batches. Read without the table lock: every
         // abort fires the request's cancel token (`Req::aborted`) under it,

@@ -420,21 +420,12 @@ impl Ctrl {
                 // admission): chunks the receiver held need no slot. Before
                 // the reply, `on_batch_reply` trims them as for any batch.
                 let answered = !b.remote.is_empty();
-                if answered && b.writes.len() < set.len() {
-                    let slots = set.as_slice();
-                    let kept = crate::slots::SlotSet::from_slots(
-                        b.writes.iter().map(|&j| slots[j as usize]),
-                    );
-                    let freed = crate::slots::SlotSet::from_slots(
-                        (0..slots.len())
-                            .filter(|j| !b.writes.contains(&(*j as u32)))
-                            .map(|j| slots[j]),
-                    );
-                    self.free_staging(freed);
-                    b.data = BatchData::Staged(kept);
+                let set = if answered {
+                    self.keep_written(set, &b.writes)
                 } else {
-                    b.data = BatchData::Staged(set);
-                }
+                    set
+                };
+                b.data = BatchData::Staged(set);
             }
             (_, data) => {
                 drop(t);
@@ -442,6 +433,27 @@ impl Ctrl {
             }
         }
         self.dirty.insert(key);
+    }
+
+    /// The slots of `set` at chunk positions `writes` (ascending), in
+    /// order; the others (chunks the receiver already holds) go back to
+    /// staging. One pass, no allocation when every chunk is written.
+    fn keep_written(&self, set: crate::slots::SlotSet, writes: &[u32]) -> crate::slots::SlotSet {
+        if writes.len() == set.len() {
+            return set;
+        }
+        let slots = set.as_slice();
+        let kept = crate::slots::SlotSet::from_slots(writes.iter().map(|&j| slots[j as usize]));
+        let mut next = writes.iter().peekable();
+        let freed = crate::slots::SlotSet::from_slots(
+            slots
+                .iter()
+                .enumerate()
+                .filter(|&(j, _)| next.next_if_eq(&&(j as u32)).is_none())
+                .map(|(_, &slot)| slot),
+        );
+        self.free_staging(freed);
+        kept
     }
 
     /// Gives staging slots back from this thread. Batches waiting for
@@ -649,12 +661,7 @@ impl Ctrl {
         match &mut b.data {
             // Dedup'd chunks release their staging at once.
             BatchData::Staged(set) if !dedup.is_empty() => {
-                let slots = set.as_slice();
-                let freed = crate::slots::SlotSet::from_slots(dedup.iter().map(|&j| slots[j]));
-                let kept =
-                    crate::slots::SlotSet::from_slots(writes.iter().map(|&j| slots[j as usize]));
-                self.free_staging(freed);
-                *set = kept;
+                *set = self.keep_written(std::mem::take(set), &writes);
                 b.lens = writes.iter().map(|&j| b.lens[j as usize]).collect();
                 b.remote = writes.iter().map(|&j| remote[j as usize]).collect();
                 b.writes = (0..writes.len() as u32).collect();

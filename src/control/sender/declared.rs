@@ -8,8 +8,6 @@
 //! once staging was handed to the admitted request (DESIGN.md invariant 2
 //! holds: nothing is staged before admission).
 
-use std::num::NonZeroU64;
-
 use smallvec::SmallVec;
 
 use super::keys::KeyList;
@@ -25,11 +23,10 @@ pub(super) struct Declared {
 }
 
 impl Shared {
-    /// Checks `d` against the request `spec` of geometry `g` as a staged
-    /// batch is checked at submit (key count, size, every length, the last
-    /// chunk's tokens) and against its total. Returns its chunk count and
-    /// its last chunk's token count as the AllocRequest carries it (the
-    /// caller's, or the tokens the last chunk's length holds).
+    /// Checks `d` against the request `spec` of geometry `g` as a batch is
+    /// checked ([`validate_lens`](Self::validate_lens)), and that it has a
+    /// chunk and no more than the request's total. Returns its chunk count
+    /// and its last chunk's token count as the AllocRequest carries it.
     pub(super) fn check_declared(
         &self,
         spec: &RequestSpec,
@@ -37,20 +34,14 @@ impl Shared {
         d: &Declared,
     ) -> Result<(usize, i64), StoreError> {
         let n = d.lens.len();
-        if d.keys.len() != n {
-            return Err(StoreError::KeyCountMismatch {
-                keys: d.keys.len(),
-                chunks: n,
-            });
-        }
+        self.validate_lens(
+            g,
+            d.keys.len(),
+            d.lens.iter().map(|&l| u64::from(l)),
+            d.toks,
+        )?;
         if n == 0 {
             return Err(StoreError::EmptyDeclaredBatch);
-        }
-        if n > self.cfg.staging_slots {
-            return Err(StoreError::BatchTooLarge {
-                chunks: n,
-                slots: self.cfg.staging_slots,
-            });
         }
         if n > spec.total_chunks {
             return Err(StoreError::TooManyChunks {
@@ -59,12 +50,6 @@ impl Shared {
                 total: spec.total_chunks,
             });
         }
-        Self::check_lens(g, d.lens.iter().map(|&l| u64::from(l)), d.toks)?;
-        // The default, as a submitted batch's (`Shared::publish`).
-        let unit = g.token_bytes.map_or(1, NonZeroU64::get);
-        let toks = d
-            .toks
-            .unwrap_or_else(|| d.lens.last().map_or(0, |&l| (u64::from(l) / unit) as i64));
-        Ok((n, toks))
+        Ok((n, Self::last_chunk_toks(g, d.lens.last().copied(), d.toks)))
     }
 }

@@ -17,19 +17,48 @@ impl Shared {
         chunks: &[&[u8]],
         toks: Option<i64>,
     ) -> Result<(), StoreError> {
-        if n_keys != chunks.len() {
+        self.validate_lens(g, n_keys, chunks.iter().map(|c| c.len() as u64), toks)
+    }
+
+    /// The checks of a batch of `n_keys` keys whose chunks are `lens`
+    /// bytes long, of a request of geometry `g`, its last chunk `toks`
+    /// tokens if given: one key per chunk, no more chunks than staging
+    /// slots, and [`check_lens`](Self::check_lens). A copied batch's
+    /// ([`validate_batch`](Self::validate_batch)) and a declared one's.
+    pub(super) fn validate_lens(
+        &self,
+        g: request::Geometry,
+        n_keys: usize,
+        lens: impl ExactSizeIterator<Item = u64>,
+        toks: Option<i64>,
+    ) -> Result<(), StoreError> {
+        let n = lens.len();
+        if n_keys != n {
             return Err(StoreError::KeyCountMismatch {
                 keys: n_keys,
-                chunks: chunks.len(),
+                chunks: n,
             });
         }
-        if chunks.len() > self.cfg.staging_slots {
+        if n > self.cfg.staging_slots {
             return Err(StoreError::BatchTooLarge {
-                chunks: chunks.len(),
+                chunks: n,
                 slots: self.cfg.staging_slots,
             });
         }
-        Self::check_lens(g, chunks.iter().map(|c| c.len() as u64), toks)
+        Self::check_lens(g, lens, toks)
+    }
+
+    /// The token count of a batch's last chunk as its AllocRequest
+    /// carries it: `toks` if given, else the whole tokens the last chunk
+    /// (`last` bytes) holds (its bytes for the byte shape; `check_lens`
+    /// refused a partial token); 0 for an empty batch.
+    pub(super) fn last_chunk_toks(
+        g: request::Geometry,
+        last: Option<u32>,
+        toks: Option<i64>,
+    ) -> i64 {
+        let unit = g.token_bytes.map_or(1, NonZeroU64::get);
+        toks.unwrap_or_else(|| last.map_or(0, |l| (u64::from(l) / unit) as i64))
     }
 
     /// The lengths of a batch's chunks, in order, for a request of geometry
