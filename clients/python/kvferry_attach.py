@@ -552,6 +552,28 @@ class DecoderClient:
         self.sock.close()
 
 
+def _tokens(last_chunk_toks):
+    """A last chunk's token count as an entry carries it (None: the
+    default, NO_TOKENS), checked."""
+    toks = NO_TOKENS if last_chunk_toks is None else last_chunk_toks
+    if not 0 <= toks <= NO_TOKENS:
+        raise ValueError("last_chunk_toks must be 0..%d" % (NO_TOKENS - 1))
+    return toks
+
+
+def _key_entries(tag, batch, keys, lens):
+    """The packed KEY entries naming chunk i of batch `batch` of `tag`
+    keys[i], lens[i] bytes (each key checked: 1..MAX_TEXT bytes)."""
+    if len(keys) != len(lens):
+        raise ValueError("%d keys for %d lengths" % (len(keys), len(lens)))
+    raws = [k.encode() for k in keys]
+    for raw in raws:
+        if not 0 < len(raw) <= MAX_TEXT:
+            raise ValueError("key must be 1..%d bytes" % MAX_TEXT)
+    return b"".join(PSUBMIT.pack(OP_KEY, length, tag, batch, i, 0, len(raw), raw)
+                    for i, (raw, length) in enumerate(zip(raws, lens)))
+
+
 class PrefillClient:
     """An attached prefill worker: begin(req_id, receiver, total, fmt=0,
     shape=(), dtype=""), stage(tag, n), next_event() -> ('staged', tag,
@@ -636,25 +658,17 @@ class PrefillClient:
         stage + submit. Also asks for the batch's slots (its STAGE); returns
         (tag, batch). Fill the slots of its ('staged', tag, batch, slots)
         event, then submit_declared(tag, batch)."""
-        toks = NO_TOKENS if last_chunk_toks is None else last_chunk_toks
-        if not 0 <= toks <= NO_TOKENS:
-            raise ValueError("last_chunk_toks must be 0..%d" % (NO_TOKENS - 1))
-        raws = [k.encode() for k in keys]
-        if not raws or len(raws) != len(lens):
+        toks = _tokens(last_chunk_toks)
+        if not keys or len(keys) != len(lens):
             raise ValueError("a declared batch needs as many keys as lengths, at least one")
-        for raw in raws:
-            if not 0 < len(raw) <= MAX_TEXT:
-                raise ValueError("key must be 1..%d bytes" % MAX_TEXT)
         tag, batch = self.next_tag, self.next_batch
-        n = len(raws)
-        pack = PSUBMIT.pack
+        n = len(keys)
         # BEGIN, its KEYs, the STAGE: one publish (ring room permitting),
         # at most one doorbell byte.
         entries = self._begin_entry(tag, req_id, receiver, total_chunks, fmt, shape, dtype,
                                     n, toks)
-        entries += b"".join(pack(OP_KEY, length, tag, batch, i, 0, len(raw), raw)
-                            for i, (raw, length) in enumerate(zip(raws, lens)))
-        entries += pack(OP_STAGE, 0, tag, batch, n, 0, 0, b"")
+        entries += _key_entries(tag, batch, keys, lens)
+        entries += PSUBMIT.pack(OP_STAGE, 0, tag, batch, n, 0, 0, b"")
         self.next_tag += 1
         self.next_batch += 1
         _publish(self.sq, self.sock, entries, n + 2, wait=10.0)
@@ -680,20 +694,12 @@ class PrefillClient:
         (AllocRequest.last_chunk_toks; None: the tokens it holds, its bytes
         over the element size of a one-dimensional shape, its bytes
         otherwise)."""
-        toks = NO_TOKENS if last_chunk_toks is None else last_chunk_toks
-        if not 0 <= toks <= NO_TOKENS:
-            raise ValueError("last_chunk_toks must be 0..%d" % (NO_TOKENS - 1))
-        raws = [k.encode() for k in keys]
-        for raw in raws:
-            if not 0 < len(raw) <= MAX_TEXT:
-                raise ValueError("key must be 1..%d bytes" % MAX_TEXT)
+        toks = _tokens(last_chunk_toks)
         # The KEYs and the SUBMIT in one publish (ring room permitting) and
         # at most one doorbell byte.
-        pack = PSUBMIT.pack
-        entries = b"".join(pack(OP_KEY, length, tag, batch, i, 0, len(raw), raw)
-                           for i, (raw, length) in enumerate(zip(raws, lens)))
-        entries += pack(OP_SUBMIT, 0, tag, batch, len(raws), toks, 0, b"")
-        _publish(self.sq, self.sock, entries, len(raws) + 1, wait=10.0)
+        entries = _key_entries(tag, batch, keys, lens)
+        entries += PSUBMIT.pack(OP_SUBMIT, 0, tag, batch, len(keys), toks, 0, b"")
+        _publish(self.sq, self.sock, entries, len(keys) + 1, wait=10.0)
         self.held.discard((tag, batch))
 
     def submit_declared(self, tag, batch):
@@ -709,14 +715,18 @@ class PrefillClient:
         """Cancels tag's request (its FAILED follows); a batch staged for it
         before the daemon read the CANCEL is skipped by next_event."""
         self.held = {h for h in self.held if h[0] != tag}
-        self.declared = {d: n for d, n in self.declared.items() if d[0] != tag}
+        self._forget_declared(tag)
         self._push(OP_CANCEL, tag)
         if tag in self.live:
             self.cancelled.add(tag)
 
+    def _forget_declared(self, tag):
+        if self.declared:  # usually empty: its batches were submitted
+            self.declared = {d: n for d, n in self.declared.items() if d[0] != tag}
+
     def _ended(self, tag):
         self.live.discard(tag)
-        self.declared = {d: n for d, n in self.declared.items() if d[0] != tag}
+        self._forget_declared(tag)
         self.cancelled.discard(tag)
         # The daemon keeps batches we held at the end until we acknowledge
         # (we might still be writing them): CANCEL is the acknowledgement.

@@ -389,15 +389,7 @@ impl PrefillClient {
                 "a declared batch needs as many keys as lengths, at least one".into(),
             ));
         }
-        if let Some(i) = first
-            .keys
-            .iter()
-            .position(|k| k.is_empty() || k.len() > MAX_TEXT)
-        {
-            return Err(AttachError::Protocol(format!(
-                "key {i} must be 1..={MAX_TEXT} bytes"
-            )));
-        }
+        check_keys(first.keys)?;
         let (tag, id) = (self.next_tag, self.next_batch);
         let mut begin = PrefillSubmit::begin(tag, receiver, total_chunks, req_id, geometry)
             .ok_or(AttachError::BadReqId)?;
@@ -406,14 +398,9 @@ impl PrefillClient {
         self.push_waiting(begin)?;
         self.next_tag += 1;
         self.tags.insert(tag);
-        for (i, (k, &len)) in first.keys.iter().zip(first.lens).enumerate() {
-            let s = PrefillSubmit::with_text(OP_KEY, tag, id, i as u32, len, k)
-                .ok_or_else(|| AttachError::Protocol(format!("key {i} out of range")))?;
-            self.push_waiting(s)?;
-        }
+        self.push_keys(tag, id, first.keys, first.lens)?;
         self.push_waiting(PrefillSubmit::of(OP_STAGE, tag, id, n as u32, 0))?;
-        self.next_batch = self.next_batch.wrapping_add(1);
-        *self.asked.entry(tag).or_default() += 1;
+        self.asked_for(tag);
         self.declared.insert((tag, id));
         doorbell(&mut self.sq, &mut self.sock)?;
         Ok(tag)
@@ -449,10 +436,33 @@ impl PrefillClient {
         if !self.tags.contains(&tag) {
             return Err(AttachError::Protocol(format!("tag {tag} is not a request")));
         }
-        let id = self.next_batch;
-        self.push(PrefillSubmit::of(OP_STAGE, tag, id, n, 0))?;
+        self.push(PrefillSubmit::of(OP_STAGE, tag, self.next_batch, n, 0))?;
+        self.asked_for(tag);
+        Ok(())
+    }
+
+    /// Books the STAGE just pushed for `tag` (batch id `next_batch`): the
+    /// next batch gets the next id, and one more STAGED is expected.
+    fn asked_for(&mut self, tag: u64) {
         self.next_batch = self.next_batch.wrapping_add(1);
         *self.asked.entry(tag).or_default() += 1;
+    }
+
+    /// Pushes one KEY entry per chunk of batch `id` of `tag` (`keys[i]`,
+    /// `lens[i]` bytes; the keys checked by [`check_keys`]), without
+    /// ringing.
+    fn push_keys(
+        &mut self,
+        tag: u64,
+        id: u32,
+        keys: &[&str],
+        lens: &[u32],
+    ) -> Result<(), AttachError> {
+        for (i, (k, &len)) in keys.iter().zip(lens).enumerate() {
+            let s = PrefillSubmit::with_text(OP_KEY, tag, id, i as u32, len, k)
+                .ok_or_else(|| AttachError::Protocol(format!("key {i} out of range")))?;
+            self.push_waiting(s)?;
+        }
         Ok(())
     }
 
@@ -518,12 +528,7 @@ impl PrefillClient {
                 "keys, lens and slots disagree".into(),
             ));
         }
-        if let Some(i) = keys.iter().position(|k| k.is_empty() || k.len() > MAX_TEXT) {
-            return Err(AttachError::Protocol(format!(
-                "key {i} must be 1..={MAX_TEXT} bytes"
-            )));
-        }
-        Ok(())
+        check_keys(keys)
     }
 
     /// Pushes the KEY entries of `b`, then its SUBMIT, without ringing
@@ -534,11 +539,7 @@ impl PrefillClient {
         keys: &[&str],
         lens: &[u32],
     ) -> Result<(), AttachError> {
-        for (i, (k, &len)) in keys.iter().zip(lens).enumerate() {
-            let s = PrefillSubmit::with_text(OP_KEY, b.tag, b.id, i as u32, len, k)
-                .ok_or_else(|| AttachError::Protocol(format!("key {i} out of range")))?;
-            self.push_waiting(s)?;
-        }
+        self.push_keys(b.tag, b.id, keys, lens)?;
         self.push_waiting(PrefillSubmit::submit(
             b.tag,
             b.id,
@@ -647,6 +648,16 @@ impl PrefillClient {
             })),
             _ => Err(bad("unknown event kind")),
         }
+    }
+}
+
+/// Every key is 1..=[`MAX_TEXT`] bytes (what a KEY entry carries).
+fn check_keys(keys: &[&str]) -> Result<(), AttachError> {
+    match keys.iter().position(|k| k.is_empty() || k.len() > MAX_TEXT) {
+        Some(i) => Err(AttachError::Protocol(format!(
+            "key {i} must be 1..={MAX_TEXT} bytes"
+        ))),
+        None => Ok(()),
     }
 }
 
