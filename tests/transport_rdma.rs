@@ -1558,7 +1558,7 @@ fn a_node_over_rdma_carries_an_attached_workers_bytes_to_its_decoder() {
     if !device_or_skip(TEST) {
         return;
     }
-    use common_sender::{deadline, unique, WAIT};
+    use common_sender::{deadline, expect_done, next, staged, unique, WAIT};
     use kvferry::attach::{DecoderClient, Event, PrefillClient, PrefillEvent};
     use kvferry::ErrorCode;
     use std::process::{Command, Stdio};
@@ -1592,19 +1592,12 @@ fn a_node_over_rdma_carries_an_attached_workers_bytes_to_its_decoder() {
     let mut dec =
         DecoderClient::connect(dir.join("decoders.sock"), WAIT).expect("decoder attaches");
     let mut w = PrefillClient::connect(dir.join("workers.sock"), WAIT).expect("worker attaches");
-    let next = |w: &mut PrefillClient, what: &str| {
-        w.next_event(deadline())
-            .unwrap_or_else(|e| panic!("{what}: {e}"))
-    };
     // Receiver 0, the node's own, over rdma.
     let (req, n, last) = (unique("rdma-node"), 4usize, 1000usize);
     let dtag = dec.subscribe(&req).expect("subscribed");
     let tag = w.begin(&req, 0, n as u32).unwrap();
     w.stage(tag, n as u32).unwrap();
-    let b = match next(&mut w, "STAGED") {
-        PrefillEvent::Staged(b) => b,
-        other => panic!("expected STAGED, got {other:?}"),
-    };
+    let b = staged(&mut w, "STAGED");
     let lens: Vec<u32> = (0..n)
         .map(|i| if i + 1 == n { last } else { CHUNK as usize } as u32)
         .collect();
@@ -1617,10 +1610,7 @@ fn a_node_over_rdma_carries_an_attached_workers_bytes_to_its_decoder() {
     let keys: Vec<String> = (0..n).map(|i| format!("{req}/{i}")).collect();
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
     w.submit(b, &keys, &lens).expect("submitted");
-    match next(&mut w, "DONE") {
-        PrefillEvent::Done { tag: t } => assert_eq!(t, tag),
-        other => panic!("expected DONE, got {other:?}"),
-    }
+    expect_done(&mut w, tag, "DONE");
     match dec.next_event(deadline()).expect("the decoder's READY") {
         Event::Ready(d) => {
             assert_eq!(d.tag(), dtag);
