@@ -16,12 +16,11 @@ mod process;
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common_sender::{
     deadline, expect_done, expect_refused, raw_receiver_daemon, receiver, sender, sender_cfg,
-    staged, unique, wait_for, wait_receiver_empty, wait_sender_empty, RawReceiverDaemon, CHUNK,
-    WAIT,
+    staged, unique, wait_for, wait_receiver_empty, wait_sender_empty, CHUNK, WAIT,
 };
 use kvferry::attach::layout::{
     error_from_number, PrefillSubmit, EV_DONE, EV_FAILED, EV_REFUSED, EV_SLOT, EV_STAGED,
@@ -30,7 +29,7 @@ use kvferry::attach::layout::{
 use kvferry::attach::{
     AttachConfig, BeginGeometry, DeclaredBatch, PrefillClient, PrefillDaemon, Refusal, StagedSlots,
 };
-use kvferry::protocol::{AllocResponse, ErrorCode, Message};
+use kvferry::protocol::ErrorCode;
 use kvferry::receiver::Receiver;
 use kvferry::region::DATA_OFFSET;
 use kvferry::sender::{Sender, SenderConfig};
@@ -152,25 +151,6 @@ fn python_and_rust_workers_declare_their_first_batch_through_kvferry_node() {
     }
 }
 
-/// Receives the next message on the raw ROUTER; `None` if none comes
-/// within `wait`.
-fn recv_within(router: &zmq::Socket, wait: Duration) -> Option<(Vec<u8>, Message)> {
-    let end = Instant::now() + wait;
-    loop {
-        let left = end.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return None;
-        }
-        let mut items = [router.as_poll_item(zmq::POLLIN)];
-        if zmq::poll(&mut items, left.as_millis().clamp(1, 100) as i64).expect("poll") == 0 {
-            continue;
-        }
-        let frames = router.recv_multipart(0).expect("recv");
-        let m = kvferry::protocol::decode(frames.last().expect("a frame")).expect("decodes");
-        return Some((frames[0].clone(), m));
-    }
-}
-
 /// The wire: a raw ROUTER playing an LMCache receiver (no Hello, a static
 /// buffer) gets one AllocRequest for a declared request, its admission,
 /// carrying the declared keys with the request's geometry, total and
@@ -182,13 +162,8 @@ fn a_declared_batch_rides_on_the_admission_alloc_request() {
         return;
     }
     let dir = TempDir::new("kvferry-declared");
-    let RawReceiverDaemon {
-        router,
-        buffer: r,
-        sender: s,
-        daemon: d,
-    } = raw_receiver_daemon(&dir.sock());
-    let mut a = PrefillClient::connect(d.socket(), WAIT).unwrap();
+    let raw = raw_receiver_daemon(&dir.sock());
+    let mut a = PrefillClient::connect(raw.daemon.socket(), WAIT).unwrap();
     let shape = [CHUNK as i64 / 2];
     let g = BeginGeometry::new(3, &shape, "bfloat16").unwrap();
     let req = unique("dw");
@@ -201,10 +176,7 @@ fn a_declared_batch_rides_on_the_admission_alloc_request() {
         last_chunk_toks: Some(9),
     };
     let tag = a.begin_declared(&req, 0, 4, &g, &first).unwrap();
-    let (id, m) = recv_within(&router, WAIT).expect("the admission");
-    let Message::AllocRequest(m) = m else {
-        panic!("expected an AllocRequest, got {m:?}");
-    };
+    let (id, m) = raw.recv_alloc("the admission");
     assert_eq!(m.keys, keys, "the admission carries the declared keys");
     assert_eq!(
         (
@@ -217,14 +189,7 @@ fn a_declared_batch_rides_on_the_admission_alloc_request() {
         (&req[..], 4, 3, &shape[..], "bfloat16")
     );
     assert_eq!((m.last_chunk_toks, m.is_last_batch), (9, false));
-    let ok = kvferry::protocol::encode(&Message::AllocResponse(AllocResponse::ok(
-        vec![5, 2, 7],
-        Vec::new(),
-        None,
-    )));
-    router
-        .send_multipart([&id[..], &[][..], &ok[..]], 0)
-        .unwrap();
+    raw.reply(&id, vec![5, 2, 7]);
     let b = staged(&mut a, "the declared batch");
     fill(&mut a, &b, &lens);
     a.submit_declared(b).unwrap();
@@ -235,7 +200,7 @@ fn a_declared_batch_rides_on_the_admission_alloc_request() {
     let at = |slot: u64, len: usize| {
         use std::os::unix::fs::FileExt;
         let mut b = vec![0u8; len];
-        let f = std::fs::File::open(r.shm_path()).expect("the buffer file");
+        let f = std::fs::File::open(raw.buffer.shm_path()).expect("the buffer file");
         f.read_exact_at(&mut b, DATA_OFFSET + slot * CHUNK)
             .expect("read");
         b
@@ -244,7 +209,7 @@ fn a_declared_batch_rides_on_the_admission_alloc_request() {
         (0..3).all(|i| at([5, 2, 7][i], lens[i] as usize) == python_pattern(i, lens[i] as usize))
     });
     assert!(
-        recv_within(&router, Duration::from_millis(300)).is_none(),
+        raw.next_alloc(Duration::from_millis(300)).is_none(),
         "no second AllocRequest for the declared batch"
     );
     a.stage(tag, 1).unwrap();
@@ -252,23 +217,13 @@ fn a_declared_batch_rides_on_the_admission_alloc_request() {
     fill(&mut a, &b, &[CHUNK as u32]);
     a.submit(b, &[&format!("{req}/003")], &[CHUNK as u32])
         .expect("submitted");
-    let (id, m) = recv_within(&router, WAIT).expect("the last batch");
-    let Message::AllocRequest(m) = m else {
-        panic!("expected an AllocRequest, got {m:?}");
-    };
+    let (id, m) = raw.recv_alloc("the last batch");
     assert_eq!((m.keys.len(), m.is_last_batch), (1, true));
-    let ok = kvferry::protocol::encode(&Message::AllocResponse(AllocResponse::ok(
-        vec![0],
-        Vec::new(),
-        None,
-    )));
-    router
-        .send_multipart([&id[..], &[][..], &ok[..]], 0)
-        .unwrap();
+    raw.reply(&id, vec![0]);
     expect_done(&mut a, tag, "DONE");
     drop(a);
-    drop(d);
-    wait_sender_empty(&s, "after the raw receiver's request");
+    drop(raw.daemon);
+    wait_sender_empty(&raw.sender, "after the raw receiver's request");
 }
 
 /// A hostile or confused worker's declarations are refused, each with

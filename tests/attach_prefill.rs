@@ -21,8 +21,7 @@ use std::time::{Duration, Instant};
 
 use common_sender::{
     deadline, expect_done, expect_refused, key, next, raw_receiver_daemon, receiver, sender,
-    sender_cfg, staged, unique, wait_for, wait_receiver_empty, wait_sender_empty,
-    RawReceiverDaemon, CHUNK, WAIT,
+    sender_cfg, staged, unique, wait_for, wait_receiver_empty, wait_sender_empty, CHUNK, WAIT,
 };
 use kvferry::attach::layout::{
     PrefillSubmit, MAX_REQ_ID, MAX_SHAPE_DIMS, OP_KEY, OP_SUBMIT, STATUS_NO_SHARE,
@@ -31,7 +30,7 @@ use kvferry::attach::{
     AttachConfig, AttachError, BeginGeometry, PrefillClient, PrefillDaemon, PrefillEvent, Refusal,
     StagedSlots,
 };
-use kvferry::protocol::{AllocRequest, AllocResponse, ErrorCode, Message};
+use kvferry::protocol::ErrorCode;
 use kvferry::receiver::Receiver;
 use kvferry::sender::{Sender, SenderConfig};
 use process::{
@@ -427,36 +426,6 @@ fn an_attached_workers_geometry_and_token_count_reach_the_receiver() {
     assert_eq!((c.len(), c.tokens()), (777, Some(777)));
 }
 
-/// Receives the next AllocRequest on a raw ROUTER standing in for an
-/// LMCache receiver; returns it and the sender's identity.
-fn recv_alloc(router: &zmq::Socket, what: &str) -> (Vec<u8>, AllocRequest) {
-    let end = deadline();
-    loop {
-        let left = end.saturating_duration_since(Instant::now());
-        assert!(!left.is_zero(), "hung: no AllocRequest for {what}");
-        let mut items = [router.as_poll_item(zmq::POLLIN)];
-        if zmq::poll(&mut items, left.as_millis().clamp(1, 100) as i64).expect("poll") == 0 {
-            continue;
-        }
-        let frames = router.recv_multipart(0).expect("recv");
-        match kvferry::protocol::decode(frames.last().expect("a frame")) {
-            Ok(Message::AllocRequest(m)) => return (frames[0].clone(), m),
-            other => panic!("{what}: expected an AllocRequest, got {other:?}"),
-        }
-    }
-}
-
-fn reply(router: &zmq::Socket, id: &[u8], indexes: Vec<i64>) {
-    let r = kvferry::protocol::encode(&Message::AllocResponse(AllocResponse::ok(
-        indexes,
-        Vec::new(),
-        None,
-    )));
-    router
-        .send_multipart([id, &[][..], &r[..]], 0)
-        .expect("reply");
-}
-
 /// The AllocRequests an attached worker's requests cause carry its fmt,
 /// shape and dtype (admission and batch) and its last chunk's token count,
 /// as a raw ROUTER playing an LMCache receiver (no Hello, a static buffer)
@@ -467,56 +436,51 @@ fn the_alloc_requests_of_an_attached_worker_carry_its_fmt_shape_dtype_and_tokens
         return;
     }
     let dir = TempDir::new("kvferry-prefill");
-    let RawReceiverDaemon {
-        router,
-        buffer: _buffer,
-        sender: s,
-        daemon: d,
-    } = raw_receiver_daemon(&dir.sock());
-    let mut a = PrefillClient::connect(d.socket(), WAIT).unwrap();
+    let raw = raw_receiver_daemon(&dir.sock());
+    let mut a = PrefillClient::connect(raw.daemon.socket(), WAIT).unwrap();
     let shape = [2i64, 16, CHUNK as i64 / 64];
     let g = BeginGeometry::new(5, &shape, "bfloat16").unwrap();
     let req = unique("pw");
     let tag = a.begin_with(&req, 0, 2, &g).unwrap();
-    let (id, m) = recv_alloc(&router, "the admission");
+    let (id, m) = raw.recv_alloc("the admission");
     assert!(m.keys.is_empty(), "an admission message: {m:?}");
     assert_eq!(
         (m.fmt, &m.shape[..], &m.dtype[..]),
         (5, &shape[..], "bfloat16")
     );
     assert_eq!((&m.req_id[..], m.total_chunks), (&req[..], 2));
-    reply(&router, &id, Vec::new());
+    raw.reply(&id, Vec::new());
     a.stage(tag, 2).unwrap();
     let b = staged(&mut a, "the batch");
     fill_keyed(&mut a, b, &req, &[CHUNK as usize, 1000], Some(9));
-    let (id, m) = recv_alloc(&router, "the batch");
+    let (id, m) = raw.recv_alloc("the batch");
     assert_eq!(m.keys, [format!("{req}/0"), format!("{req}/1")]);
     assert_eq!(
         (m.fmt, &m.shape[..], &m.dtype[..]),
         (5, &shape[..], "bfloat16")
     );
     assert_eq!((m.last_chunk_toks, m.is_last_batch), (9, true));
-    reply(&router, &id, vec![0, 1]);
+    raw.reply(&id, vec![0, 1]);
     expect_done(&mut a, tag, "DONE");
     // Nothing set: RequestSpec::new's geometry, tokens = the byte length.
     let req = unique("pw");
     let tag = a.begin(&req, 0, 1).unwrap();
-    let (id, m) = recv_alloc(&router, "the default admission");
+    let (id, m) = raw.recv_alloc("the default admission");
     assert_eq!(
         (m.fmt, &m.shape[..], &m.dtype[..]),
         (0, &[CHUNK as i64][..], "uint8")
     );
-    reply(&router, &id, Vec::new());
+    raw.reply(&id, Vec::new());
     a.stage(tag, 1).unwrap();
     let b = staged(&mut a, "the default batch");
     fill_keyed(&mut a, b, &req, &[300], None);
-    let (id, m) = recv_alloc(&router, "the default batch");
+    let (id, m) = raw.recv_alloc("the default batch");
     assert_eq!((m.last_chunk_toks, m.is_last_batch), (300, true));
-    reply(&router, &id, vec![2]);
+    raw.reply(&id, vec![2]);
     expect_done(&mut a, tag, "default DONE");
     drop(a);
-    drop(d);
-    wait_sender_empty(&s, "after the raw receiver's requests");
+    drop(raw.daemon);
+    wait_sender_empty(&raw.sender, "after the raw receiver's requests");
 }
 
 /// A hostile worker's geometry and token counts out of range are refused

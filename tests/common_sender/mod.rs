@@ -304,6 +304,52 @@ pub struct RawReceiverDaemon {
     pub daemon: kvferry::attach::PrefillDaemon,
 }
 
+impl RawReceiverDaemon {
+    /// The next AllocRequest the stand-in receiver gets and the sender's
+    /// identity; `None` if none comes within `wait`. Any other message
+    /// fails the test.
+    pub fn next_alloc(&self, wait: Duration) -> Option<(Vec<u8>, kvferry::protocol::AllocRequest)> {
+        use kvferry::protocol::Message;
+        let end = Instant::now() + wait;
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            let mut items = [self.router.as_poll_item(zmq::POLLIN)];
+            if zmq::poll(&mut items, left.as_millis().clamp(1, 100) as i64).expect("poll") == 0 {
+                continue;
+            }
+            let frames = self.router.recv_multipart(0).expect("recv");
+            match kvferry::protocol::decode(frames.last().expect("a frame")) {
+                Ok(Message::AllocRequest(m)) => return Some((frames[0].clone(), m)),
+                other => panic!("expected an AllocRequest, got {other:?}"),
+            }
+        }
+    }
+
+    /// [`next_alloc`](Self::next_alloc) within [`WAIT`]; fails the test
+    /// naming `what` if none comes.
+    pub fn recv_alloc(&self, what: &str) -> (Vec<u8>, kvferry::protocol::AllocRequest) {
+        self.next_alloc(WAIT)
+            .unwrap_or_else(|| panic!("hung: no AllocRequest for {what}"))
+    }
+
+    /// Answers the AllocRequest of sender `id` with receiver slots
+    /// `indexes` (one per key; none for an admission).
+    pub fn reply(&self, id: &[u8], indexes: Vec<i64>) {
+        use kvferry::protocol::{AllocResponse, Message};
+        let r = kvferry::protocol::encode(&Message::AllocResponse(AllocResponse::ok(
+            indexes,
+            Vec::new(),
+            None,
+        )));
+        self.router
+            .send_multipart([id, &[][..], &r[..]], 0)
+            .expect("reply");
+    }
+}
+
 /// Starts a [`RawReceiverDaemon`] listening on `sock`.
 pub fn raw_receiver_daemon(sock: &std::path::Path) -> RawReceiverDaemon {
     let buffer = receiver(8);

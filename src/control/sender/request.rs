@@ -724,6 +724,8 @@ impl StagedBatch {
             });
         }
         if set.len() < n {
+            // Open again for a later submit (Release: as in `fill_declared`;
+            // it publishes nothing but the flag).
             self.h.declared_open.store(true, Ordering::Release);
             let slots = set.len();
             shared.slots.free(set);
