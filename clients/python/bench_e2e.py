@@ -124,6 +124,9 @@ def prefill(sock, prefix, requests, chunks, mode, window):
     stages, waited = {}, 0.0
     t0 = time.monotonic()
 
+    def keys_of(i):
+        return ["%s-%d/%d" % (prefix, i, k) for k in range(chunks)]
+
     def start():
         nonlocal issued
         rid = "%s-%d" % (prefix, issued)
@@ -131,8 +134,7 @@ def prefill(sock, prefix, requests, chunks, mode, window):
             tag = c.begin(rid, 0, chunks)
             c.stage(tag, chunks)
         else:
-            keys = ["%s/%d" % (rid, k) for k in range(chunks)]
-            tag, _batch = c.begin_declared(rid, 0, chunks, keys, lens)
+            tag, _batch = c.begin_declared(rid, 0, chunks, keys_of(issued), lens)
         inflight[tag] = issued
         if TRACE:
             stages[issued] = [time.monotonic()]
@@ -158,8 +160,7 @@ def prefill(sock, prefix, requests, chunks, mode, window):
                 pack_into(view, s * cb, st)
                 pack_into(view, s * cb + cb - 8, st)
             if PLAIN:
-                keys = ["%s-%d/%d" % (prefix, i, k) for k in range(chunks)]
-                c.submit(tag, batch, keys, lens)
+                c.submit(tag, batch, keys_of(i), lens)
             else:
                 c.submit_declared(tag, batch)
             if TRACE:

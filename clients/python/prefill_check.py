@@ -68,23 +68,18 @@ def main():
                                       **geometry)
         fill(c, staged(c, tag, batch, n), lens)
         c.submit_declared(tag, batch)
-        ev = c.next_event(timeout=30.0)
-        if ev != ("done", tag):
-            sys.exit("expected DONE of the declared request, got %r" % (ev,))
-        print("PREFILL:ok", flush=True)
-        c.close()
-        return
-    tag = c.begin(req_id, 0, n, **geometry)
-    if geometry:
-        batch = c.stage(tag, 1)
-        staged(c, tag, batch, 1)
-        c.submit(tag, batch, keys[:1], [1], last_chunk_toks=max(geometry["shape"]) + 1)
-        ev = c.next_event(timeout=30.0)
-        if ev != ("refused", tag, 13):
-            sys.exit("expected REFUSED 13 (bad tokens), got %r" % (ev,))
-    batch = c.stage(tag, n)
-    fill(c, staged(c, tag, batch, n), lens)
-    c.submit(tag, batch, keys, lens, last_chunk_toks=toks)
+    else:
+        tag = c.begin(req_id, 0, n, **geometry)
+        if geometry:
+            batch = c.stage(tag, 1)
+            staged(c, tag, batch, 1)
+            c.submit(tag, batch, keys[:1], [1], last_chunk_toks=max(geometry["shape"]) + 1)
+            ev = c.next_event(timeout=30.0)
+            if ev != ("refused", tag, 13):
+                sys.exit("expected REFUSED 13 (bad tokens), got %r" % (ev,))
+        batch = c.stage(tag, n)
+        fill(c, staged(c, tag, batch, n), lens)
+        c.submit(tag, batch, keys, lens, last_chunk_toks=toks)
     ev = c.next_event(timeout=30.0)
     if ev != ("done", tag):
         sys.exit("expected DONE, got %r" % (ev,))

@@ -8,7 +8,8 @@ usage: prefill_fuzz.py SENDER_SOCKET RECEIVER_SOCKET PREFIX REQUESTS SEED CANCEL
 Random valid steps until REQUESTS requests have ended: BEGINs of 1-6
 chunks (at most 3 live; some declaring a first batch of part of the
 request, begin_declared, whose slots come staged and go with
-submit_declared, in any order with the request's other batches), STAGEs of part of what a request still needs,
+submit_declared, in any order with the request's other batches), STAGEs
+of part of what a request still needs,
 fills and SUBMITs of a held batch now or steps later, CANCELs at any
 point of a request's life (some right behind a STAGE, so that its
 STAGED crosses the CANCEL). Byte j of chunk i of request number q is
