@@ -65,7 +65,8 @@
 //!    against the same request written in process by an identical sender,
 //!    rounds alternating; both include the admission round trip to the
 //!    receiver over ZMQ and the shm copy.
-//! 2. After criterion's groups (skip with `KVFERRY_ATTACH_SKIP_E2E=1`):
+//! 2. After criterion's groups (skip with `KVFERRY_ATTACH_SKIP_E2E=1`;
+//!    `KVFERRY_ATTACH_SKIP_RTT=1` skips the interleaved round trips of 1):
 //!    end to end through the real binaries with the Python clients
 //!    (`clients/python/bench_e2e.py`): a Python prefill worker attached to
 //!    `kvferry sender --attach` fills 256 KiB chunks in place
@@ -1551,9 +1552,11 @@ fn main() {
     // Only under `cargo bench` (criterion's harness gets `--bench`), not in
     // `cargo test --benches` smoke runs.
     if std::env::args().any(|a| a == "--bench") {
-        rtt_interleaved(Duration::ZERO);
-        rtt_interleaved(RTT_POLL_IDLE);
-        prefill_rtt();
+        if std::env::var_os("KVFERRY_ATTACH_SKIP_RTT").is_none() {
+            rtt_interleaved(Duration::ZERO);
+            rtt_interleaved(RTT_POLL_IDLE);
+            prefill_rtt();
+        }
         e2e();
     }
 }
