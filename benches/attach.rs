@@ -100,8 +100,11 @@
 //!    roles"). `KVFERRY_ATTACH_E2E_POLL_IDLE_US=N` starts the daemons
 //!    with `--attach-poll-idle-us N` (polling sessions);
 //!    `KVFERRY_ATTACH_E2E_CONTROL=ipc` has the receiver listen on an
-//!    `ipc://` socket instead of loopback TCP (what docs/attach.md tells
-//!    the operator of two daemons on one host to do). The worker declares
+//!    `ipc://` socket and gives the sender that one;
+//!    `KVFERRY_ATTACH_E2E_CONTROL=tcp` starts the receiver with
+//!    `--no-local-control`, loopback TCP throughout; unset, the daemons'
+//!    default: the sender, given the TCP endpoint, moves to the Unix
+//!    socket the receiver offers (docs/protocol.md, "Local control"). The worker declares
 //!    each request's one batch at its begin (`begin_declared`: one
 //!    AllocRequest round trip per request);
 //!    `KVFERRY_ATTACH_E2E_UNDECLARED=1` has it begin, stage and submit with
@@ -1244,10 +1247,35 @@ fn e2e_poll_idle_us() -> Option<usize> {
     env_count("KVFERRY_ATTACH_E2E_POLL_IDLE_US")
 }
 
+/// How the two daemons' control messages travel in the end-to-end runs
+/// (`KVFERRY_ATTACH_E2E_CONTROL`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum E2eControl {
+    /// Unset: the daemons' default. The sender is given the receiver's
+    /// loopback TCP endpoint and moves to the Unix socket its `HelloAck`
+    /// offers (docs/protocol.md, "Local control").
+    Default,
+    /// `tcp`: the receiver offers none (`--no-local-control`): loopback
+    /// TCP throughout, as before 2026-12-08.
+    Tcp,
+    /// `ipc`: the receiver listens on a Unix socket and the sender is
+    /// given that one.
+    Ipc,
+}
+
+/// [`E2eControl`] from the environment.
+fn e2e_control() -> E2eControl {
+    match std::env::var("KVFERRY_ATTACH_E2E_CONTROL").as_deref() {
+        Ok("ipc") => E2eControl::Ipc,
+        Ok("tcp") => E2eControl::Tcp,
+        _ => E2eControl::Default,
+    }
+}
+
 /// True with `KVFERRY_ATTACH_E2E_CONTROL=ipc`: the end-to-end receiver
 /// listens on a Unix socket instead of loopback TCP.
 fn e2e_over_ipc() -> bool {
-    std::env::var("KVFERRY_ATTACH_E2E_CONTROL").as_deref() == Ok("ipc")
+    e2e_control() == E2eControl::Ipc
 }
 
 /// The receiver's `--listen` in the end-to-end runs ([`e2e_over_ipc`]: a
@@ -1364,6 +1392,11 @@ fn python_e2e(mode: &str, daemons: Daemons, placement: E2ePlacement, dir: &Path)
         ),
     };
     let listen = e2e_listen(dir, mode);
+    let local_args: &[&str] = if e2e_control() == E2eControl::Tcp {
+        &["--no-local-control"]
+    } else {
+        &[]
+    };
     let receiver_args = [
         "--listen",
         &listen,
@@ -1389,6 +1422,7 @@ fn python_e2e(mode: &str, daemons: Daemons, placement: E2ePlacement, dir: &Path)
                 command_on(bin, all)
                     .arg("receiver")
                     .args(receiver_args)
+                    .args(local_args)
                     .args(&daemon_cpus)
                     .args(&spare_cpu)
                     .args(&poll_args),
@@ -1450,6 +1484,8 @@ fn python_e2e(mode: &str, daemons: Daemons, placement: E2ePlacement, dir: &Path)
     let (_, t1, bytes) = times(&dec, "decoder");
     drop((pf, dec, daemon_procs));
     let _ = std::fs::remove_file(&buf);
+    // The receiver's local control socket (killed, it could not remove it).
+    let _ = std::fs::remove_file(format!("{}.ctl", buf.display()));
     bytes / (t1 - t0) / f64::from(1u32 << 30)
 }
 
@@ -1482,10 +1518,11 @@ fn e2e() {
         bytes >> 20,
         chunk >> 10,
         e2e_window(),
-        if e2e_over_ipc() {
-            "an ipc:// socket"
-        } else {
-            "loopback TCP"
+        match e2e_control() {
+            E2eControl::Ipc => "an ipc:// socket given to the sender",
+            E2eControl::Tcp => "loopback TCP (--no-local-control)",
+            E2eControl::Default =>
+                "loopback TCP, the sender moving to the Unix socket the receiver offers",
         },
         match copy_apart() {
             Some((copy, rest)) => format!(

@@ -1350,7 +1350,8 @@ fn hostile_main() {
         );
     }
     // Nothing of the daemon's has a name in /dev/shm but the receiver's
-    // buffer file (the shm data plane opens it by path).
+    // buffer file (the shm data plane opens it by path) and the local
+    // control socket next to it (a socket, for same-host senders).
     let tag = format!("-{pid}-");
     assert!(
         !std::path::Path::new(&format!("/dev/shm/kvferry-attach-{pid}-0")).exists(),
@@ -1360,7 +1361,7 @@ fn hostile_main() {
         let name = entry.file_name().to_string_lossy().into_owned();
         if name.contains(&tag) {
             assert!(
-                name.ends_with(".buf"),
+                name.ends_with(".buf") || name.ends_with(".buf.ctl"),
                 "/dev/shm/{name} is reachable by name"
             );
         }

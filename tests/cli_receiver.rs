@@ -101,6 +101,15 @@ fn receiver_serves_scrapes_and_exits_cleanly_on_sigterm() {
         other => panic!("expected an shm descriptor, got {other:?}"),
     };
     assert!(shm.exists(), "buffer file {} exists", shm.display());
+    // By default a same-host sender is offered a Unix socket next to the
+    // buffer file for its control messages (docs/protocol.md, "Local
+    // control").
+    let ctl = PathBuf::from(format!("{}.ctl", shm.display()));
+    assert_eq!(
+        ack.control.as_deref(),
+        Some(format!("ipc://{}", ctl.display()).as_str())
+    );
+    assert!(ctl.exists(), "control socket {} exists", ctl.display());
     let rep = c.call(&alloc("cli-1", &keys("k", 2), 2, true, Some(1)), "cli-1");
     assert_eq!(rep.seq, Some(1));
     assert_ok(&rep, 2);
@@ -129,6 +138,34 @@ fn receiver_serves_scrapes_and_exits_cleanly_on_sigterm() {
         "buffer file {} removed on exit",
         shm.display()
     );
+    assert!(
+        !ctl.exists(),
+        "control socket {} removed on exit",
+        ctl.display()
+    );
+}
+
+/// `--no-local-control`: the `HelloAck` offers no Unix socket and none is
+/// bound next to the buffer file.
+#[test]
+fn no_local_control_offers_no_unix_socket() {
+    let Running {
+        mut child,
+        endpoint,
+        ..
+    } = spawn_receiver_with(&["--no-local-control"])
+        .or_else(|| spawn_receiver_with(&["--no-local-control"]))
+        .expect("receiver starts (two attempts)");
+    let ack = Client::connect(&endpoint, "cli-no-local").hello();
+    assert_eq!(ack.control, None, "nothing offered");
+    let Descriptor::Shm { path, .. } = &ack.descriptor else {
+        panic!("expected an shm descriptor, got {:?}", ack.descriptor)
+    };
+    let ctl = PathBuf::from(format!("{path}.ctl"));
+    assert!(!ctl.exists(), "nothing bound at {}", ctl.display());
+    assert!(sigterm(&child), "kill(SIGTERM)");
+    let st = wait_exit(&mut child, "after SIGTERM");
+    assert_eq!(st.code(), Some(0), "exit status {st}");
 }
 
 /// A complete request no decoder takes is released after

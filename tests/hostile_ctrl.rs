@@ -1194,6 +1194,7 @@ fn random_message(rng: &mut rand::rngs::SmallRng) -> Message {
                 descriptor: descriptor(rng),
                 chunk_bytes: rng.random(),
                 capacity_chunks: rng.random(),
+                control: None,
             }),
         },
     }
@@ -1255,6 +1256,13 @@ fn random_replies_from_a_hostile_receiver_never_break_the_sender() {
     let (router, ep) = fake_receiver();
     let region = Region::create(&default_region_path(), 4096, 8).expect("a receive buffer");
     let dir = TempDir::new("kvferry-fuzz-sender");
+    // The same socket on a Unix path too, which good HelloAcks offer half
+    // the time: the sender then says Hello again there (docs/protocol.md,
+    // "Local control") and the fuzz goes on over it.
+    let local = format!("ipc://{}", dir.join("fuzz.ctl").display());
+    router
+        .bind(&local)
+        .expect("the fake receiver binds a Unix path too");
     let (out_path, err_path) = (dir.join("sender.stdout"), dir.join("sender.stderr"));
     let mut child = Command::new(BIN)
         .args(["sender", "--connect", &ep, "--requests", "400"])
@@ -1287,6 +1295,7 @@ fn random_replies_from_a_hostile_receiver_never_break_the_sender() {
         },
         chunk_bytes: 4096,
         capacity_chunks: 8,
+        control: None,
     };
     let bogus_ack = |rng: &mut SmallRng| HelloAck {
         version: [PROTOCOL_VERSION, 0, u32::MAX][rng.random_range(0..3)],
@@ -1304,6 +1313,17 @@ fn random_replies_from_a_hostile_receiver_never_break_the_sender() {
         },
         chunk_bytes: [0, 4096, u64::MAX][rng.random_range(0..3)],
         capacity_chunks: [0, 8, u64::MAX][rng.random_range(0..3)],
+        // A same-host endpoint nobody serves, or none a sender may take
+        // (not `ipc:///`): never a hang, never a move off this socket that
+        // sticks.
+        control: [
+            None,
+            Some("ipc:///nonexistent/kvferry-fuzz.ctl"),
+            Some("tcp://127.0.0.1:1"),
+            Some("ipc://relative.ctl"),
+            Some(""),
+        ][rng.random_range(0..5)]
+        .map(str::to_owned),
         ..good_ack.clone()
     };
     let mut seen = std::collections::BTreeMap::new();
@@ -1326,7 +1346,10 @@ fn random_replies_from_a_hostile_receiver_never_break_the_sender() {
             let mut replies = Vec::new();
             if let Some(Ok(Message::Hello(_))) = msg {
                 replies.push(Message::HelloAck(if rng.random_bool(0.9) {
-                    good_ack.clone()
+                    HelloAck {
+                        control: rng.random_bool(0.5).then(|| local.clone()),
+                        ..good_ack.clone()
+                    }
                 } else {
                     bogus_ack(&mut rng)
                 }));

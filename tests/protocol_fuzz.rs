@@ -207,6 +207,7 @@ fn message() -> impl Strategy<Value = Message> {
                         descriptor,
                         chunk_bytes,
                         capacity_chunks,
+                        control: None,
                     })
                 }
             ),
@@ -471,6 +472,7 @@ fn pool() -> Vec<Vec<u8>> {
             },
             chunk_bytes: 1 << 20,
             capacity_chunks: 1024,
+            control: None,
         }),
         Message::TransferDone(TransferDone {
             req_id: "req-1".into(),
@@ -531,6 +533,7 @@ fn random_typed(rng: &mut SmallRng) -> Message {
             },
             chunk_bytes: rng.random(),
             capacity_chunks: rng.random(),
+            control: None,
         }),
     }
 }

@@ -208,6 +208,7 @@ fn rogue_frames() -> Vec<Bad> {
                 descriptor: Descriptor::None,
                 chunk_bytes: 1,
                 capacity_chunks: 1,
+                control: None,
             })),
         )
     });

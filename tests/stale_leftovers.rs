@@ -1,7 +1,7 @@
 //! What a SIGKILLed `kvferry receiver` leaves in `/dev/shm` (its receive
-//! buffer file; its attach rings are memfds and leave nothing) is removed
-//! by the next receiver to start, and never what a live one holds
-//! (`src/primitives/stale.rs`).
+//! buffer file and the local control socket next to it; its attach rings
+//! are memfds and leave nothing) is removed by the next receiver to start,
+//! and never what a live one holds (`src/primitives/stale.rs`).
 //!
 //! This is a test binary of its own with a single test: every receiver and
 //! attach daemon sweeps `/dev/shm` when it starts, so a test running in
@@ -23,12 +23,14 @@ use kvferry::protocol::Descriptor;
 const BIN: &str = env!("CARGO_BIN_EXE_kvferry");
 
 /// A running `kvferry receiver` on the default buffer path with an attach
-/// socket, and the leftover a SIGKILL would leave: its buffer file (from
-/// its HelloAck).
+/// socket, and the leftovers a SIGKILL would leave: its buffer file (from
+/// its HelloAck) and its local control socket (`{buffer}.ctl`, docs/
+/// protocol.md "Local control").
 struct Running {
     proc: ChildProc,
     sock: PathBuf,
     buffer: PathBuf,
+    control: PathBuf,
 }
 
 /// Entries of `/dev/shm` whose name carries `pid` (kvferry names its files
@@ -59,16 +61,25 @@ fn start_receiver(sock: &Path) -> Running {
             "kvferry receiver attach on ",
         ])
         .remove(0);
-    let buffer = match Client::connect(&endpoint, "stale-test").hello().descriptor {
+    let ack = Client::connect(&endpoint, "stale-test").hello();
+    let buffer = match ack.descriptor {
         Descriptor::Shm { path, .. } => PathBuf::from(path),
         other => panic!("expected an shm descriptor, got {other:?}"),
     };
+    let control = PathBuf::from(format!("{}.ctl", buffer.display()));
+    assert_eq!(
+        ack.control,
+        Some(format!("ipc://{}", control.display())),
+        "the local control socket next to the buffer"
+    );
     let attached = DecoderClient::connect(sock, PROC_WAIT).expect("attaches");
     assert!(buffer.exists(), "buffer file {} exists", buffer.display());
     let name = buffer.file_name().unwrap().to_string_lossy().into_owned();
+    let mut names = shm_names_of(proc.child.id());
+    names.sort();
     assert_eq!(
-        shm_names_of(proc.child.id()),
-        [name],
+        names,
+        [name.clone(), format!("{name}.ctl")],
         "an attached client's rings have no name in /dev/shm"
     );
     drop(attached);
@@ -76,6 +87,7 @@ fn start_receiver(sock: &Path) -> Running {
         proc,
         sock: sock.to_owned(),
         buffer,
+        control,
     }
 }
 
@@ -85,19 +97,25 @@ fn a_starting_receiver_removes_what_a_sigkilled_one_left_and_never_a_live_ones()
     let mut live = start_receiver(&dir.join("live.sock"));
     let mut killed = start_receiver(&dir.join("killed.sock"));
     killed.proc.sigkill();
-    assert!(
-        killed.buffer.exists(),
-        "SIGKILL leaves {} behind (nothing can remove it at exit)",
-        killed.buffer.display()
-    );
+    for left in [&killed.buffer, &killed.control] {
+        assert!(
+            left.exists(),
+            "SIGKILL leaves {} behind (nothing can remove it at exit)",
+            left.display()
+        );
+    }
     let mut next = start_receiver(&dir.join("next.sock"));
-    assert!(
-        !killed.buffer.exists(),
-        "the next receiver removed the dead one's {}",
-        killed.buffer.display()
-    );
+    for left in [&killed.buffer, &killed.control] {
+        assert!(
+            !left.exists(),
+            "the next receiver removed the dead one's {}",
+            left.display()
+        );
+    }
     for r in [&live, &next] {
-        assert!(r.buffer.exists(), "a live {} is kept", r.buffer.display());
+        for kept in [&r.buffer, &r.control] {
+            assert!(kept.exists(), "a live {} is kept", kept.display());
+        }
     }
     // The live receivers still serve, and clean up after themselves on
     // SIGTERM.
@@ -105,6 +123,8 @@ fn a_starting_receiver_removes_what_a_sigkilled_one_left_and_never_a_live_ones()
         drop(DecoderClient::connect(&r.sock, PROC_WAIT).expect("attaches"));
         sigterm(&r.proc.child);
         r.proc.wait_success("a receiver's exit on SIGTERM");
-        assert!(!r.buffer.exists(), "{} removed on exit", r.buffer.display());
+        for gone in [&r.buffer, &r.control] {
+            assert!(!gone.exists(), "{} removed on exit", gone.display());
+        }
     }
 }

@@ -325,6 +325,7 @@ fn watchdog_reports_a_stall_with_a_state_dump() {
             },
             chunk_bytes: 4096,
             capacity_chunks: 16,
+            control: None,
         });
         std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {

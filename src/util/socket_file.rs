@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 /// Removes a socket file nobody listens on (a previous daemon that died).
 /// Anything else at `path` (a live socket, a regular file) is an error and
 /// is left alone; nothing at `path` is fine.
-fn remove_stale_socket(path: &Path) -> io::Result<()> {
+pub(crate) fn remove_stale_socket(path: &Path) -> io::Result<()> {
     match fs::symlink_metadata(path) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
         Err(e) => return Err(e),

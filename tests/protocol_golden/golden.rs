@@ -196,6 +196,7 @@ pub fn hello_ack_rdma() -> Message {
         },
         chunk_bytes: 512 * 1024,
         capacity_chunks: 512,
+        control: None,
     })
 }
 
@@ -212,6 +213,7 @@ pub fn hello_ack_tcp() -> Message {
         },
         chunk_bytes: 4096,
         capacity_chunks: 0,
+        control: None,
     })
 }
 
@@ -231,6 +233,27 @@ pub fn hello_ack_tcp_secret() -> Message {
         },
         chunk_bytes: 4096,
         capacity_chunks: 0,
+        control: None,
+    })
+}
+
+/// Offering shm with a same-host control endpoint (a kvferry extension
+/// field, after `capacity_chunks`; docs/protocol.md, "Local control").
+pub static HELLO_ACK_SHM_CONTROL: Frame =
+    Frame::new(include_str!("../golden/hello_ack_shm_control.hex"));
+
+pub fn hello_ack_shm_control() -> Message {
+    Message::HelloAck(HelloAck {
+        receiver_id: "d2".into(),
+        version: 1,
+        transport: "shm".into(),
+        descriptor: Descriptor::Shm {
+            path: "/dev/shm/k.buf".into(),
+            len: 1 << 20,
+        },
+        chunk_bytes: 4096,
+        capacity_chunks: 256,
+        control: Some("ipc:///dev/shm/k.buf.ctl".into()),
     })
 }
 
@@ -303,6 +326,11 @@ pub fn golden() -> Vec<(&'static str, &'static [u8], Message)> {
             "HelloAck (tcp, secret)",
             &HELLO_ACK_TCP_SECRET[..],
             hello_ack_tcp_secret(),
+        ),
+        (
+            "HelloAck (shm, control)",
+            &HELLO_ACK_SHM_CONTROL[..],
+            hello_ack_shm_control(),
         ),
         ("TransferDone", &TRANSFER_DONE[..], transfer_done()),
         (

@@ -48,6 +48,15 @@ pub struct ReceiverArgs {
     /// senders over TCP (docs/attach.md, "Two daemons on one host").
     #[arg(long, value_delimiter = ',', value_name = "ENDPOINT")]
     pub also_listen: Vec<String>,
+    /// Do not offer kvferry senders on this host a Unix socket for their
+    /// control messages. By default, with the shm data plane, `HelloAck`
+    /// names the first `ipc:///` endpoint among `--listen` and
+    /// `--also-listen`, or else `ipc://{buffer file}.ctl`, bound for it
+    /// and removed at exit; a kvferry sender given a `tcp://` endpoint
+    /// moves its control messages there (docs/protocol.md, "Local
+    /// control").
+    #[arg(long)]
+    pub no_local_control: bool,
     /// Slots in the receive buffer.
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     pub capacity_chunks: u32,
@@ -304,6 +313,7 @@ impl Served {
             },
             recv_queue_per_peer: a.recv_queue_per_peer,
             reply_queue_per_peer: a.reply_queue_per_peer,
+            local_control: !a.no_local_control,
             ..ReceiverConfig::default()
         };
         let receiver = match Receiver::start(cfg) {
@@ -364,6 +374,9 @@ impl Served {
             .take(self.announced_also)
         {
             super::say!("kvferry {role} also listening on {also}");
+        }
+        if let Some(control) = self.receiver.control_endpoint() {
+            super::say!("kvferry {role} local control on {control}");
         }
         if let Some(d) = &self.attach {
             super::say!("kvferry {role} {attach} on {}", d.socket().display());

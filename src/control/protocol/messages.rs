@@ -283,6 +283,14 @@ pub struct HelloAck {
     pub chunk_bytes: u64,
     /// Number of receiver slots.
     pub capacity_chunks: u64,
+    /// Another endpoint of the same receiver socket, an absolute
+    /// `ipc:///PATH`, offered with the shm data plane: a sender that reached
+    /// the file can reach this socket too, and says `Hello` again there to
+    /// keep its control messages off the loopback TCP stack
+    /// (`docs/protocol.md`, "Local control"). `None` (the default, not
+    /// encoded): no such endpoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub control: Option<String>,
 }
 
 /// Sender → receiver (kvferry): every write of `req_id` completed.

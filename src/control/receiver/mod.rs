@@ -129,6 +129,17 @@ pub struct ReceiverConfig {
     /// `TransferDone` (counted in `requests_total["unconsumed_expired"]`,
     /// logged). Default `None`: kept until consumed.
     pub unconsumed_expiry: Option<Duration>,
+    /// Offer kvferry senders on this host a Unix socket for their control
+    /// messages (default `false`; `kvferry receiver` turns it on). With
+    /// the shm data plane the `HelloAck` names an absolute `ipc://`
+    /// endpoint of this receiver's socket: the first of `listen` and
+    /// `also_listen`, or else, with this set, `ipc://{buffer file}.ctl`,
+    /// bound at start (a path that cannot be bound is logged and skipped)
+    /// and removed when the receiver is dropped. A kvferry sender that
+    /// opened the buffer file then says `Hello` again on that socket and
+    /// keeps its control messages off the loopback TCP stack
+    /// (`docs/protocol.md`, "Local control").
+    pub local_control: bool,
 }
 
 impl Default for ReceiverConfig {
@@ -156,6 +167,7 @@ impl Default for ReceiverConfig {
             recv_queue_per_peer: 64,
             reply_queue_per_peer: 1024,
             unconsumed_expiry: None,
+            local_control: false,
         }
     }
 }
@@ -344,10 +356,18 @@ pub struct Receiver {
     endpoint: String,
     /// `also_listen`'s, in order.
     also_endpoints: Vec<String>,
+    /// The endpoint offered to same-host senders ([`ReceiverConfig::local_control`]).
+    control: Option<String>,
     tcp: Option<tcp_data::TcpData>,
     /// The files of its `ipc://` endpoints: removed after `Drop` joined the
     /// ctrl thread (which owns the socket).
     _socket_files: Vec<SocketFile>,
+}
+
+/// True for an endpoint a sender on this host can reach whatever its
+/// working directory: `ipc://` with an absolute path.
+fn is_local_control(endpoint: &str) -> bool {
+    endpoint.starts_with("ipc:///")
 }
 
 impl std::fmt::Debug for Receiver {
@@ -355,6 +375,7 @@ impl std::fmt::Debug for Receiver {
         f.debug_struct("Receiver")
             .field("endpoint", &self.endpoint)
             .field("also_endpoints", &self.also_endpoints)
+            .field("control", &self.control)
             .finish_non_exhaustive()
     }
 }
@@ -510,6 +531,24 @@ impl Receiver {
             .iter()
             .map(&mut bind_one)
             .collect::<Result<Vec<_>, _>>()?;
+        let control = match std::iter::once(&endpoint)
+            .chain(&also_endpoints)
+            .find(|e| is_local_control(e))
+        {
+            Some(e) => Some(e.clone()),
+            None => match region.file_path() {
+                Some(file) if cfg.local_control && transport == "shm" => {
+                    let ep = format!("ipc://{}.ctl", file.display());
+                    bind_one(&ep)
+                        .inspect_err(|e| {
+                            tracing::warn!(error = %e, "no local control socket for same-host senders")
+                        })
+                        .ok()
+                        .filter(|e| is_local_control(e))
+                }
+                _ => None,
+            },
+        };
         let reactor = crate::zmq_io::Reactor::new()?;
         reactor.register(&sock, ctrl::SOCKET_TOKEN)?;
         let now = Instant::now();
@@ -534,6 +573,7 @@ impl Receiver {
         if let Some(a) = acceptor {
             core = core.with_acceptor(a);
         }
+        core = core.with_control(control.clone());
         core = core.with_unconsumed_lifetime(cfg.unconsumed_expiry);
         let admission_wait_us = hdrhistogram::Histogram::new_with_bounds(1, 3_600_000_000, 3)
             .map_err(|e| ReceiverError::Config(format!("histogram: {e}")))?;
@@ -584,6 +624,7 @@ impl Receiver {
             thread: Some(thread),
             endpoint,
             also_endpoints,
+            control,
             tcp,
             _socket_files: socket_files,
         })
@@ -620,6 +661,13 @@ impl Receiver {
     /// The bound endpoint (with the actual port when `:0` was asked for).
     pub fn endpoint(&self) -> &str {
         &self.endpoint
+    }
+
+    /// The `ipc://` endpoint a shm `HelloAck` offers kvferry senders on
+    /// this host for their control messages ([`ReceiverConfig::local_control`]),
+    /// if any.
+    pub fn control_endpoint(&self) -> Option<&str> {
+        self.control.as_deref()
     }
 
     /// The endpoints bound for [`ReceiverConfig::also_listen`], in its

@@ -36,6 +36,7 @@ use super::wire::AllocRequestRef;
 use super::{RequestStatus, Shared};
 
 mod handshake;
+mod local;
 mod timers;
 
 /// The engine's sender rules (the model check also runs others).
@@ -526,6 +527,9 @@ impl Ctrl {
                 self.dirty_peer(i);
             }
             (Mode::Handshaking(_), Message::HelloAck(ack)) => {
+                if self.local_control_mismatch(i, &ack) || self.move_to_local_control(i, &ack) {
+                    return;
+                }
                 let remote = RemoteBuffer {
                     descriptor: ack.descriptor.clone(),
                     chunk_bytes: ack.chunk_bytes,
@@ -544,6 +548,10 @@ impl Ctrl {
                         p.index = Some(index);
                         p.remote = Some(remote);
                         p.mode = Mode::Extended;
+                        if p.route.is_some() {
+                            // Relaxed: a statistic, read on its own.
+                            self.shared.local_control.fetch_add(1, Ordering::Relaxed);
+                        }
                         debug!(endpoint = %p.endpoint, receiver = %ack.receiver_id, "receiver speaks kvferry");
                     }
                     Err(e) => {

@@ -165,6 +165,7 @@ impl Sender {
             submit: Mutex::new(submit),
             inbox,
             attention_overflow: AtomicBool::new(false),
+            local_control: AtomicUsize::new(0),
             announcer: Arc::new(Announcer::default()),
             cfg,
         });
@@ -446,6 +447,15 @@ impl Sender {
     pub fn pending_bytes(&self) -> usize {
         // Acquire: a monitoring read; see the reservation in `store_copy`.
         self.shared.pending_bytes.load(Ordering::Acquire)
+    }
+
+    /// Handshakes this sender completed on a receiver's same-host control
+    /// socket: receivers it reached over the shm data plane that offered
+    /// an `ipc://` endpoint (`HelloAck::control`), whose control messages
+    /// it then sent there instead of to the endpoint it was given.
+    pub fn local_control_handshakes(&self) -> usize {
+        // Relaxed: a statistic, read on its own.
+        self.shared.local_control.load(Ordering::Relaxed)
     }
 
     /// Counters and per-stage latency histograms.

@@ -108,6 +108,9 @@ pub(crate) struct Shared {
     pub attention_overflow: AtomicBool,
     /// Runs completion callbacks off the ctrl thread.
     pub announcer: Arc<Announcer>,
+    /// Handshakes completed on a receiver's same-host control socket
+    /// ([`Sender::local_control_handshakes`]).
+    pub local_control: AtomicUsize,
 }
 
 /// Capacity of the caller → ctrl submission ring.

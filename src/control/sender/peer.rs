@@ -96,6 +96,18 @@ pub(super) struct Peer {
     pub retry_hello: bool,
     /// The timed-out `Hello` still listened to (see [`LateHello`]).
     pub late: Option<LateHello>,
+    /// The same-host `ipc://` endpoint of the receiver's socket that this
+    /// peer's socket connects to instead of `endpoint`, once the receiver
+    /// offered it (`HelloAck::control`; the identity still names
+    /// `endpoint`).
+    pub route: Option<String>,
+    /// The `receiver_id` whose `HelloAck` offered [`route`](Self::route):
+    /// the `HelloAck` there must name it too.
+    pub local_receiver: Option<String>,
+    /// A move to the receiver's same-host endpoint was tried (it is tried
+    /// once per peer: a `Hello` unanswered there, or answered by another
+    /// receiver, goes back to `endpoint` for good).
+    pub local_tried: bool,
 }
 
 /// The sender's peer-level time limits (from its `SenderConfig`): what the
@@ -127,6 +139,12 @@ impl Limits {
     }
 }
 
+/// How long a `Hello` on a receiver's same-host endpoint may go
+/// unanswered before the peer goes back to the endpoint it was given.
+fn local_hello(limits: &Limits) -> Duration {
+    limits.hello.min(limits.hello_answer)
+}
+
 /// What a handshaking peer's `Hello` timing calls for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum HelloTimeout {
@@ -153,7 +171,7 @@ impl Peer {
         generation: u32,
         now: Instant,
     ) -> Result<Self, zmq::Error> {
-        let sock = Self::socket(sender_id, endpoint, generation)?;
+        let sock = Self::socket(sender_id, endpoint, None, generation)?;
         Ok(Self {
             endpoint: endpoint.to_owned(),
             sock,
@@ -170,10 +188,15 @@ impl Peer {
             last_hello: None,
             retry_hello: false,
             late: None,
+            route: None,
+            local_receiver: None,
+            local_tried: false,
         })
     }
 
-    /// A fresh DEALER socket (used again when a late reply must be shed).
+    /// A fresh DEALER socket (used again when a late reply must be shed),
+    /// connected to `route` if given (the receiver's same-host endpoint,
+    /// [`Peer::route`]), else to `endpoint`.
     /// Its identity is `"{sender_id}-to-{endpoint}-{nonce}"` (plus
     /// `#{generation}` once replaced), where `nonce` is random per process:
     /// two processes configured with the same `sender_id` (a restart, a
@@ -183,6 +206,7 @@ impl Peer {
     pub fn socket(
         sender_id: &str,
         endpoint: &str,
+        route: Option<&str>,
         generation: u32,
     ) -> Result<zmq::Socket, zmq::Error> {
         let sock = crate::zmq_io::context().socket(zmq::DEALER)?;
@@ -204,13 +228,25 @@ impl Peer {
         // floods replies is held back by TCP, not buffered here.
         sock.set_sndhwm(0)?;
         sock.set_rcvhwm(REPLY_QUEUE)?;
-        sock.connect(endpoint)?;
+        sock.connect(route.unwrap_or(endpoint))?;
         Ok(sock)
     }
 
     /// Sends one payload with the `[b"", payload]` envelope.
     pub fn send_raw(&self, payload: &[u8]) -> Result<(), zmq::Error> {
         self.sock.send_multipart([&[][..], payload], 0)
+    }
+
+    /// Whether this peer's `Hello` on the receiver's same-host endpoint
+    /// ([`route`](Self::route)) went unanswered too long at `now`: the
+    /// lesser of `hello_timeout` and `hello_answer_timeout`.
+    pub fn local_hello_timed_out(&self, now: Instant, limits: &Limits) -> bool {
+        match self.mode {
+            Mode::Handshaking(since) if self.route.is_some() => {
+                now.saturating_duration_since(since) >= local_hello(limits)
+            }
+            _ => false,
+        }
     }
 
     /// Whether the `Hello` of a handshaking peer timed out at `now`, and
@@ -266,6 +302,7 @@ impl Peer {
     /// wake ctrl).
     pub fn next_deadline(&self, now: Instant, limits: &Limits, fallback: bool) -> Option<Instant> {
         let handshake = match self.mode {
+            Mode::Handshaking(since) if self.route.is_some() => Some(since + local_hello(limits)),
             Mode::Handshaking(since) => Some(
                 since
                     + if fallback {
@@ -351,6 +388,17 @@ mod tests {
             None,
             "the clock went back"
         );
+        // A Hello on the receiver's same-host endpoint: back to the given
+        // one at the lesser of the two limits, whether or not a static
+        // descriptor exists.
+        p.mode = Mode::Handshaking(at(0));
+        assert!(!p.local_hello_timed_out(at(5000), l), "no route: not local");
+        p.route = Some("ipc:///run/kvferry/r.ctl".into());
+        assert!(!p.local_hello_timed_out(at(999), l));
+        assert!(p.local_hello_timed_out(at(1000), l));
+        assert_eq!(p.next_deadline(at(0), l, false), Some(at(1000)));
+        assert_eq!(p.next_deadline(at(0), l, true), Some(at(1000)));
+        p.route = None;
 
         // Connected: the reply timeout and the heartbeat.
         p.mode = Mode::Extended;

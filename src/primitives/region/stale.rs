@@ -3,7 +3,9 @@
 //! pins `capacity_chunks × chunk_bytes` of RAM in `/dev/shm` until someone
 //! deletes it. The first receiver of a process that creates a buffer at a
 //! default path therefore sweeps the directory once
-//! ([`remove_stale_buffers`]).
+//! ([`remove_stale_buffers`]). The same sweep removes a dead receiver's
+//! local control socket (`kvferry-<pid>-<n>.buf.ctl`, no RAM, but litter)
+//! under the rule every `ipc://` bind follows: a socket nobody serves.
 //!
 //! A file is removed only when all of these hold:
 //! - its name is exactly `kvferry-<pid>-<n>.buf` and `<pid>` is not this
@@ -30,7 +32,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::Path;
 
 use crate::primitives::stale::{self, Owner};
@@ -76,8 +78,33 @@ fn remove_if_stale(dir: &Path, name: &str, own_pid: u32, euid: u32) -> bool {
     same && std::fs::remove_file(&path).is_ok()
 }
 
+/// `kvferry-<pid>-<n>.buf.ctl` (the local control socket a receiver binds
+/// next to its buffer file, `ReceiverConfig::local_control`) → `pid`.
+pub(super) fn control_socket_pid(name: &str) -> Option<u32> {
+    stale::pid_in_name(name, "kvferry-", ".buf.ctl")
+}
+
+/// Removes `dir/name` if it is a dead receiver's local control socket: the
+/// name is `kvferry-<pid>-<n>.buf.ctl` of a dead pid other than this
+/// process's, it is a socket (not followed if a symlink) owned by this
+/// effective uid, and nobody accepts on it (the rule every `ipc://` bind
+/// follows). Returns whether it did.
+fn remove_if_stale_socket(dir: &Path, name: &str, own_pid: u32, euid: u32) -> bool {
+    let Some(pid) = control_socket_pid(name) else {
+        return false;
+    };
+    if pid == own_pid || stale::owner(pid) != Owner::Dead {
+        return false;
+    }
+    let path = dir.join(name);
+    let owned_socket = std::fs::symlink_metadata(&path)
+        .is_ok_and(|m| m.file_type().is_socket() && m.uid() == euid);
+    owned_socket && crate::util::socket_file::remove_stale_socket(&path).is_ok() && !path.exists()
+}
+
 /// Removes the buffer files of dead receivers from `dir` (see the module
-/// docs for what counts as dead) and returns how many it removed; each is
+/// docs for what counts as dead), and their local control sockets, and
+/// returns how many buffer files it removed; each removal is
 /// logged. Errors reading the directory end the sweep quietly: it is a
 /// best-effort cleanup, never a reason to fail a start.
 pub fn remove_stale_buffers(dir: &Path) -> usize {
@@ -94,6 +121,9 @@ pub fn remove_stale_buffers(dir: &Path) -> usize {
         if remove_if_stale(dir, name, own_pid, euid) {
             tracing::info!(file = %dir.join(name).display(), "removed a dead receiver's buffer file");
             removed += 1;
+        }
+        if remove_if_stale_socket(dir, name, own_pid, euid) {
+            tracing::info!(file = %dir.join(name).display(), "removed a dead receiver's control socket");
         }
     }
     removed
@@ -189,6 +219,29 @@ mod tests {
             std::os::unix::fs::chown(&foreign, Some(65534), Some(65534)).unwrap();
             assert_eq!(remove_stale_buffers(&dir), 0);
             assert!(foreign.exists(), "another user's file stays");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_dead_receivers_control_socket_goes_and_a_served_one_stays() {
+        use std::os::unix::net::UnixListener;
+        assert_eq!(control_socket_pid("kvferry-123-0.buf.ctl"), Some(123));
+        assert_eq!(control_socket_pid("kvferry-123-0.buf"), None);
+        let dir = scratch();
+        let dead = dead_pid();
+        let stale = dir.join(format!("kvferry-{dead}-0.buf.ctl"));
+        let served = dir.join(format!("kvferry-{dead}-1.buf.ctl"));
+        let file = dir.join(format!("kvferry-{dead}-2.buf.ctl"));
+        let alive = dir.join("kvferry-1-0.buf.ctl"); // init is alive
+        drop(UnixListener::bind(&stale).unwrap()); // its file stays, unserved
+        let _listening = UnixListener::bind(&served).unwrap();
+        drop(UnixListener::bind(&alive).unwrap());
+        std::fs::write(&file, b"x").unwrap();
+        assert_eq!(remove_stale_buffers(&dir), 0, "no buffer file here");
+        assert!(!stale.exists(), "the dead receiver's socket is removed");
+        for kept in [&served, &file, &alive] {
+            assert!(kept.exists(), "{} must stay", kept.display());
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -262,6 +262,9 @@ pub struct ReceiverCore {
     /// How long a delivered request's chunks wait to be consumed before
     /// they are released (`None`: forever).
     unconsumed_lifetime: Option<Duration>,
+    /// The same-host control endpoint a shm `HelloAck` offers
+    /// ([`with_control`](Self::with_control)).
+    control: Option<String>,
     /// Bytes charged to `delivered`: a budget of its own, of
     /// `bounds.max_ended_bytes`, so a slow decoder never crowds out
     /// tombstones or anonymous allocations.
@@ -317,6 +320,7 @@ impl ReceiverCore {
             delivered: ByRequest::default(),
             delivered_due: VecDeque::new(),
             unconsumed_lifetime: None,
+            control: None,
             delivered_bytes: 0,
             peers: HashMap::new(),
             pruned_hello: PrunedPeers::default(),
@@ -354,6 +358,15 @@ impl ReceiverCore {
     /// consumed.
     pub fn with_unconsumed_lifetime(mut self, lifetime: Option<Duration>) -> Self {
         self.unconsumed_lifetime = lifetime;
+        self
+    }
+
+    /// Offers `endpoint` (an absolute `ipc://` one of this receiver's
+    /// socket) in every `HelloAck` that answers with the shm data plane:
+    /// a sender that can open the buffer file is on this host and may move
+    /// its control messages there (`HelloAck::control`). Default: none.
+    pub fn with_control(mut self, endpoint: Option<String>) -> Self {
+        self.control = endpoint;
         self
     }
 

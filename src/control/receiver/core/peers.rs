@@ -97,6 +97,9 @@ impl ReceiverCore {
                 other
             }
         };
+        // Only with the shm data plane: reaching its file proves the
+        // sender is on this host, where the `ipc://` socket is too.
+        let control = self.control.clone().filter(|_| transport == "shm");
         Ok(HelloAck {
             receiver_id: self.cfg.receiver_id.clone(),
             version: PROTOCOL_VERSION,
@@ -104,6 +107,7 @@ impl ReceiverCore {
             descriptor,
             chunk_bytes: self.cfg.chunk_bytes,
             capacity_chunks: self.cfg.capacity_chunks as u64,
+            control,
         })
     }
 

@@ -109,7 +109,8 @@ impl Ctrl {
         let gen = self.peers[i].generation + 1;
         match Peer::socket(
             &self.shared.cfg.sender_id,
-            &self.peers[i].endpoint.clone(),
+            &self.peers[i].endpoint,
+            self.peers[i].route.as_deref(),
             gen,
         ) {
             Ok(sock) => {

@@ -16,7 +16,13 @@ impl Ctrl {
         let limits = self.limits;
         for i in 0..self.peers.len() {
             let fallback = self.static_peers.contains_key(&self.peers[i].endpoint);
-            match self.peers[i].hello_timeout(now, &limits, fallback) {
+            // A Hello on a same-host endpoint times out back to the given
+            // one, never into LMCache mode.
+            let local = self.local_control_unanswered(i, now);
+            match self.peers[i]
+                .hello_timeout(now, &limits, fallback)
+                .filter(|_| !local)
+            {
                 Some(HelloTimeout::Unanswered) => {
                     self.hello_unanswered(i, now, limits.hello_answer);
                 }
