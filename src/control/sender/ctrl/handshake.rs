@@ -370,10 +370,20 @@ impl Ctrl {
         self.peers[i].remote = None;
         // What is queued on the old socket (CancelNotifs) still goes out.
         let _ = self.peers[i].sock.set_linger(OLD_SOCKET_LINGER_MS);
+        self.hello_on_new_socket(i);
+    }
+
+    /// Replaces peer `i`'s socket (to its current route) and says `Hello`
+    /// on the new one; requests for the peer wait for the `HelloAck`. If
+    /// no socket could be made the peer fails (its waiting requests with
+    /// it; a later request retries after the re-Hello backoff) and forgets
+    /// its same-host route.
+    pub(super) fn hello_on_new_socket(&mut self, i: usize) {
         if !self.renew_socket(i) {
             let ep = &self.peers[i].endpoint;
             self.peers[i].mode = Mode::Failed(format!("cannot open a new socket to receiver {ep}"));
             self.peers[i].last_hello = Some(self.now);
+            self.peers[i].route = None;
             self.dirty_peer(i);
             return;
         }

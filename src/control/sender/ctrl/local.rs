@@ -20,7 +20,6 @@ use tracing::debug;
 use crate::protocol::HelloAck;
 
 use super::Ctrl;
-use crate::control::sender::peer::Mode;
 
 /// The data plane whose `HelloAck` may move the control messages: only
 /// reaching its file proves the receiver is on this host.
@@ -83,27 +82,12 @@ impl Ctrl {
         true
     }
 
-    /// Drops what the last `Hello` prepared, replaces the socket (to the
-    /// peer's current route) and says `Hello` on it. If no socket could be
-    /// made the peer fails (its requests with it) and forgets the route.
+    /// Drops what the last `Hello` prepared and says `Hello` again on a new
+    /// socket to the peer's current route (`Ctrl::hello_on_new_socket`).
     fn hello_again(&mut self, i: usize) {
         if let Some(d) = self.peers[i].prepared.take() {
             self.poster.discard_prepared(&d);
         }
-        if !self.renew_socket(i) {
-            let ep = self.peers[i].endpoint.clone();
-            self.peers[i].route = None;
-            self.peers[i].mode = Mode::Failed(format!("cannot open a new socket to receiver {ep}"));
-            self.dirty_peer(i);
-            return;
-        }
-        let mut p = self.peers.swap_remove(i);
-        p.mode = Mode::Handshaking(self.now);
-        self.say_hello(&mut p);
-        self.peers.push(p);
-        let last = self.peers.len() - 1;
-        self.peers.swap(i, last);
-        // Waiting requests fail at once if the Hello could not go out.
-        self.dirty_peer(i);
+        self.hello_on_new_socket(i);
     }
 }
