@@ -1007,6 +1007,56 @@ fn hello_ack_answers_the_offer_the_sender_asked_for() {
     assert_eq!(ack(&mut c, "rdma"), ("shm".to_owned(), Descriptor::None));
 }
 
+/// `with_control`: the same-host endpoint rides on the answers with the shm
+/// data plane only (reaching its file is what puts the sender on this
+/// host); a core without one offers nothing.
+#[test]
+fn hello_ack_offers_the_local_control_endpoint_with_shm_only() {
+    let t0 = Instant::now();
+    let tcp = Descriptor::Tcp {
+        addr: "127.0.0.1:9".into(),
+        secret: None,
+    };
+    let core = |control: Option<&str>| {
+        ReceiverCore::new(
+            CoreConfig {
+                other_transports: vec![("tcp".into(), tcp.clone())],
+                ..cfg(4)
+            },
+            t0,
+        )
+        .with_control(control.map(str::to_owned))
+    };
+    let control_of = |c: &mut ReceiverCore, transport: &str| {
+        let mut out = Vec::new();
+        let hello = Message::Hello(Hello {
+            sender_id: "s1".into(),
+            version: crate::protocol::PROTOCOL_VERSION,
+            transport: transport.into(),
+            descriptor: Descriptor::None,
+        });
+        c.handle(P, hello, t0, &mut out);
+        match out.pop() {
+            Some(Output::Send {
+                message: Message::HelloAck(a),
+                ..
+            }) => (a.transport, a.control),
+            other => panic!("expected a HelloAck, got {other:?}"),
+        }
+    };
+    let ep = "ipc:///run/kvferry/r.ctl";
+    let mut c = core(Some(ep));
+    assert_eq!(control_of(&mut c, "shm"), ("shm".into(), Some(ep.into())));
+    assert_eq!(control_of(&mut c, "tcp"), ("tcp".into(), None));
+    assert_eq!(
+        control_of(&mut c, "rdma"),
+        ("shm".into(), Some(ep.into())),
+        "the default shm offer carries it"
+    );
+    let mut plain = core(None);
+    assert_eq!(control_of(&mut plain, "shm"), ("shm".into(), None));
+}
+
 /// A core offering tcp, and the token of sender `peer` after its Hello.
 fn tcp_core(capacity: usize, t0: Instant, peers: &[&[u8]]) -> (ReceiverCore, Vec<u64>) {
     let mut c = ReceiverCore::new(
