@@ -102,12 +102,11 @@ pub(super) struct Peer {
     /// `endpoint`).
     pub route: Option<String>,
     /// The `receiver_id` whose `HelloAck` offered [`route`](Self::route):
-    /// the `HelloAck` there must name it too.
+    /// the `HelloAck` there must name it too. Set once the move is tried
+    /// and never cleared: it is tried once per peer (a `Hello` unanswered
+    /// there, or answered by another receiver, goes back to `endpoint`
+    /// for good).
     pub local_receiver: Option<String>,
-    /// A move to the receiver's same-host endpoint was tried (it is tried
-    /// once per peer: a `Hello` unanswered there, or answered by another
-    /// receiver, goes back to `endpoint` for good).
-    pub local_tried: bool,
 }
 
 /// The sender's peer-level time limits (from its `SenderConfig`): what the
@@ -190,7 +189,6 @@ impl Peer {
             late: None,
             route: None,
             local_receiver: None,
-            local_tried: false,
         })
     }
 

@@ -35,8 +35,7 @@ impl Ctrl {
         let Some(control) = ack.control.as_deref() else {
             return false;
         };
-        if p.local_tried
-            || p.route.is_some()
+        if p.local_receiver.is_some()
             || ack.transport != LOCAL_TRANSPORT
             || self.shared.cfg.transport != LOCAL_TRANSPORT
             || !control.starts_with("ipc:///")
@@ -45,7 +44,6 @@ impl Ctrl {
             return false;
         }
         debug!(endpoint = %p.endpoint, control, "receiver on this host: control over its Unix socket");
-        self.peers[i].local_tried = true;
         self.peers[i].route = Some(control.to_owned());
         self.peers[i].local_receiver = Some(ack.receiver_id.clone());
         self.hello_again(i);
@@ -62,24 +60,29 @@ impl Ctrl {
             return false;
         }
         debug!(endpoint = %p.endpoint, receiver = %ack.receiver_id, "another receiver on the same-host endpoint: back to the one given");
-        self.peers[i].route = None;
-        self.hello_again(i);
+        self.back_to_given(i);
         true
     }
 
     /// A handshaking peer whose `Hello` on the receiver's same-host
     /// endpoint was not answered in time (`Peer::local_hello_timed_out`):
-    /// back to the endpoint it was given, with a new `Hello`. True if it
-    /// applied.
-    pub(super) fn local_control_unanswered(&mut self, i: usize, now: Instant) -> bool {
+    /// back to the endpoint it was given, with a new `Hello`.
+    pub(super) fn local_control_unanswered(&mut self, i: usize, now: Instant) {
         let p = &self.peers[i];
         if !p.local_hello_timed_out(now, &self.limits) {
-            return false;
+            return;
         }
         debug!(endpoint = %p.endpoint, "no answer on the receiver's same-host endpoint: back to the one given");
+        self.back_to_given(i);
+    }
+
+    /// Forgets peer `i`'s same-host route and says `Hello` again on the
+    /// endpoint it was given (for good: `local_receiver` stays set, so
+    /// [`move_to_local_control`](Self::move_to_local_control) does not
+    /// try again).
+    fn back_to_given(&mut self, i: usize) {
         self.peers[i].route = None;
         self.hello_again(i);
-        true
     }
 
     /// Drops what the last `Hello` prepared and says `Hello` again on a new

@@ -17,12 +17,10 @@ impl Ctrl {
         for i in 0..self.peers.len() {
             let fallback = self.static_peers.contains_key(&self.peers[i].endpoint);
             // A Hello on a same-host endpoint times out back to the given
-            // one, never into LMCache mode.
-            let local = self.local_control_unanswered(i, now);
-            match self.peers[i]
-                .hello_timeout(now, &limits, fallback)
-                .filter(|_| !local)
-            {
+            // one (a fresh Hello there, not yet due), never into LMCache
+            // mode.
+            self.local_control_unanswered(i, now);
+            match self.peers[i].hello_timeout(now, &limits, fallback) {
                 Some(HelloTimeout::Unanswered) => {
                     self.hello_unanswered(i, now, limits.hello_answer);
                 }
